@@ -1,0 +1,48 @@
+# The two commands users need:  make demo  /  make test
+# A lane is a venv plus a pinned requirements file; CI runs two lanes.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+REQ    ?= requirements/tf2.15.txt
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed-$(notdir $(REQ))
+PYTEST_ARGS ?=
+
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: demo test venv ops bench wheel-check clean readme-table
+
+venv: $(STAMP)
+
+$(STAMP): $(REQ) setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade -q "pip>=23.1"
+	$(BIN)/python -m pip install -q -r $(REQ)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+ops: venv
+	$(BIN)/python -m npu_amp_tf._loader
+
+demo: ops
+	$(BIN)/npu-amp demo
+
+test: ops
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+bench: ops
+	for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# A plain (non-editable) wheel must carry the C++ sources and build them.
+wheel-check: venv
+	rm -rf build/wheel-check && mkdir -p build/wheel-check
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w build/wheel-check .
+	$(BIN)/python -m pip install -q --no-deps --target build/wheel-check/site build/wheel-check/*.whl
+	cd build/wheel-check && NPU_AMP_TF_CACHE_DIR=$(CURDIR)/build/wheel-check/cache \
+	  PYTHONPATH=site ../../$(BIN)/python -c "import npu_amp_tf, npu_amp_tf._loader as L; \
+	  assert '/site/' in npu_amp_tf.__file__, npu_amp_tf.__file__; L.load(); print('wheel ok:', L.source_dir())"
+
+readme-table: venv
+	$(BIN)/python -c "import npu_amp_tf.options as o; print(o.markdown_table())"
+
+clean:
+	rm -rf build dist *.egg-info .venv .venv-*

@@ -1,0 +1,222 @@
+"""Default black / white / gray / clear lists (CANN semantics), as data.
+
+One entry per line, each with a one-line reason.  Users edit them with
+``custom_white_list`` / ``custom_black_list`` / ``custom_gray_list`` or a
+CANN ``modify_mixlist`` JSON file; :func:`resolve_lists` applies the edits
+and refuses an op that ends up in two lists.
+
+* white: always low precision (matrix / conv compute, where FP16 pays).
+* black: always FP32 (range- or accuracy-sensitive).
+* gray:  follows its producers: low precision if fed low precision.
+* clear: data movement; passes on whatever precision it is given.
+"""
+from __future__ import annotations
+
+from ..errors import MixlistError
+
+WHITE = {
+    "Conv2D": "cube op: matrix unit, FP16 inputs pay",
+    "Conv2DBackpropInput": "cube op: backprop of Conv2D",
+    "Conv2DBackpropFilter": "cube op: backprop of Conv2D",
+    "Conv3D": "cube op",
+    "Conv3DBackpropInputV2": "cube op: backprop of Conv3D",
+    "Conv3DBackpropFilterV2": "cube op: backprop of Conv3D",
+    "DepthwiseConv2dNative": "cube op",
+    "DepthwiseConv2dNativeBackpropInput": "cube op: backprop of depthwise conv",
+    "DepthwiseConv2dNativeBackpropFilter": "cube op: backprop of depthwise conv",
+    "MatMul": "cube op: matrix multiply",
+    "BatchMatMul": "cube op: batched matrix multiply",
+    "BatchMatMulV2": "cube op: batched matrix multiply",
+    "BatchMatMulV3": "cube op: batched matrix multiply",
+    "Einsum": "cube op: contraction",
+}
+
+BLACK = {
+    "Softmax": "exp/sum over a row overflows FP16",
+    "LogSoftmax": "log of small values loses accuracy in FP16",
+    "Log": "log of small values loses accuracy in FP16",
+    "Log1p": "log of small values loses accuracy in FP16",
+    "Exp": "overflows FP16 above ~11",
+    "Expm1": "overflows FP16 above ~11",
+    "Pow": "result range exceeds FP16",
+    "SoftmaxCrossEntropyWithLogits": "loss: needs FP32 range and accuracy",
+    "SparseSoftmaxCrossEntropyWithLogits": "loss: needs FP32 range and accuracy",
+    "SigmoidCrossEntropyWithLogits": "loss: needs FP32 range and accuracy",
+    "L2Loss": "sum of squares overflows FP16",
+    "Sum": "large reduction: accumulates past FP16 range",
+    "Mean": "large reduction: accumulates past FP16 range",
+    "Prod": "large reduction: product overflows FP16",
+    "EuclideanNorm": "large reduction: sum of squares overflows FP16",
+    "Lgamma": "range exceeds FP16",
+    "Digamma": "accuracy-sensitive special function",
+    "LayerNorm": "fused LayerNorm accumulates in FP32 by itself",
+    "LayerNormGrad": "fused LayerNorm gradient accumulates in FP32",
+}
+
+GRAY = {
+    "Add": "elementwise arithmetic",
+    "AddV2": "elementwise arithmetic",
+    "AddN": "elementwise sum of few tensors",
+    "Sub": "elementwise arithmetic",
+    "Mul": "elementwise arithmetic",
+    "RealDiv": "elementwise arithmetic",
+    "Div": "elementwise arithmetic",
+    "DivNoNan": "elementwise arithmetic",
+    "Neg": "elementwise arithmetic",
+    "Abs": "elementwise arithmetic",
+    "Square": "elementwise arithmetic",
+    "SquaredDifference": "elementwise arithmetic",
+    "Sqrt": "elementwise, bounded range",
+    "Rsqrt": "elementwise, bounded range",
+    "Reciprocal": "elementwise arithmetic",
+    "Maximum": "elementwise comparison",
+    "Minimum": "elementwise comparison",
+    "BiasAdd": "per-channel add",
+    "BiasAddV1": "per-channel add",
+    "BiasAddGrad": "per-channel reduction of the bias gradient",
+    "Tanh": "activation, bounded output",
+    "TanhGrad": "activation gradient",
+    "Sigmoid": "activation, bounded output",
+    "SigmoidGrad": "activation gradient",
+    "Elu": "activation",
+    "EluGrad": "activation gradient",
+    "Selu": "activation",
+    "SeluGrad": "activation gradient",
+    "LeakyRelu": "activation",
+    "LeakyReluGrad": "activation gradient",
+    "Softplus": "activation",
+    "SoftplusGrad": "activation gradient",
+    "Softsign": "activation",
+    "Erf": "activation (GELU)",
+    "Gelu": "activation",
+    "FusedBatchNorm": "statistics kept in FP32 by the op itself (U=float)",
+    "FusedBatchNormV2": "statistics kept in FP32 by the op itself (U=float)",
+    "FusedBatchNormV3": "statistics kept in FP32 by the op itself (U=float)",
+    "FusedBatchNormGrad": "statistics kept in FP32 by the op itself (U=float)",
+    "FusedBatchNormGradV2": "statistics kept in FP32 by the op itself (U=float)",
+    "FusedBatchNormGradV3": "statistics kept in FP32 by the op itself (U=float)",
+    "AvgPool": "window average of few values",
+    "AvgPoolGrad": "gradient of a window average",
+    "AvgPool3D": "window average of few values",
+    "ClipByValue": "elementwise clamp",
+    "Floor": "elementwise rounding",
+    "Ceil": "elementwise rounding",
+    "Round": "elementwise rounding",
+    "Sign": "elementwise",
+    "SquaredDifferenceGrad": "elementwise",
+    "Sin": "elementwise, bounded output",
+    "Cos": "elementwise, bounded output",
+    "TransData": "layout conversion keeps the dtype",
+}
+
+CLEAR = {
+    "Identity": "data movement",
+    "IdentityN": "data movement",
+    "Snapshot": "data movement",
+    "StopGradient": "data movement",
+    "PreventGradient": "data movement",
+    "Reshape": "data movement",
+    "Transpose": "data movement",
+    "ConjugateTranspose": "data movement",
+    "Squeeze": "data movement",
+    "ExpandDims": "data movement",
+    "Concat": "data movement",
+    "ConcatV2": "data movement",
+    "Pack": "data movement",
+    "Unpack": "data movement",
+    "Split": "data movement",
+    "SplitV": "data movement",
+    "Slice": "data movement",
+    "StridedSlice": "data movement",
+    "StridedSliceGrad": "data movement",
+    "Tile": "data movement",
+    "Pad": "data movement",
+    "PadV2": "data movement",
+    "MirrorPad": "data movement",
+    "Gather": "data movement",
+    "GatherV2": "data movement",
+    "GatherNd": "data movement",
+    "ResourceGather": "reads rows of a variable",
+    "BroadcastTo": "data movement",
+    "Reverse": "data movement",
+    "ReverseV2": "data movement",
+    "DepthToSpace": "data movement",
+    "SpaceToDepth": "data movement",
+    "Relu": "max(x, 0) is exact in any precision",
+    "Relu6": "clamp is exact in any precision",
+    "ReluGrad": "masking is exact in any precision",
+    "Relu6Grad": "masking is exact in any precision",
+    "MaxPool": "max is exact in any precision",
+    "MaxPoolV2": "max is exact in any precision",
+    "MaxPool3D": "max is exact in any precision",
+    "MaxPoolGrad": "routes gradients; exact",
+    "MaxPoolGradV2": "routes gradients; exact",
+    "Max": "max reduction is exact",
+    "Min": "min reduction is exact",
+    "Select": "data movement",
+    "SelectV2": "data movement",
+    "ZerosLike": "constant fill",
+    "OnesLike": "constant fill",
+    "Fill": "constant fill",
+    "Enter": "loop plumbing",
+    "Exit": "loop plumbing",
+    "Merge": "control-flow plumbing",
+    "Switch": "control-flow plumbing",
+    "NextIteration": "loop plumbing",
+    "CheckNumerics": "passes its input through",
+    "EnsureShape": "passes its input through",
+    "OptionalFromValue": "data movement",
+}
+
+LIST_NAMES = ("white", "black", "gray", "clear")
+_MIXLIST_TO_LIST = {"white-list": "white", "black-list": "black", "gray-list": "gray"}
+
+
+def default_lists() -> dict[str, dict[str, str]]:
+    """Fresh copies of the four default lists: list name -> {op type: reason}."""
+    return {"white": dict(WHITE), "black": dict(BLACK), "gray": dict(GRAY), "clear": dict(CLEAR)}
+
+
+def resolve_lists(white_add=(), black_add=(), gray_add=(), mixlist=None, mixlist_name=None):
+    """Apply custom lists and a parsed modify_mixlist to the defaults.
+
+    Returns list name -> {op type: reason}.  Custom additions move an op out of
+    its default list.  An op that the *user* puts in two lists (custom lists
+    and mixlist together) raises :class:`MixlistError`.
+    """
+    lists = default_lists()
+    requested: dict[str, str] = {}
+    where_of: dict[str, str] = {}
+
+    def request(op, target, where):
+        if op in requested and requested[op] != target:
+            raise MixlistError(
+                f"op '{op}' is put in two lists: {requested[op]} ({where_of[op]}) "
+                f"and {target} ({where}); an op may be in one list only")
+        requested[op] = target
+        where_of[op] = where
+
+    for op in white_add:
+        request(op, "white", "custom_white_list")
+    for op in black_add:
+        request(op, "black", "custom_black_list")
+    for op in gray_add:
+        request(op, "gray", "custom_gray_list")
+    removals = []
+    if mixlist:
+        src = f"modify_mixlist '{mixlist_name}'" if mixlist_name else "modify_mixlist"
+        for key, body in mixlist.items():
+            target = _MIXLIST_TO_LIST[key]
+            for op in body.get("to-add", ()):
+                request(op, target, f"{src} {key}.to-add")
+            for op in body.get("to-remove", ()):
+                if op in body.get("to-add", ()):
+                    raise MixlistError(f"{src}: op '{op}' is both in {key}.to-add and {key}.to-remove")
+                removals.append((target, op))
+    for target, op in removals:
+        lists[target].pop(op, None)
+    for op, target in requested.items():
+        for name in LIST_NAMES:
+            lists[name].pop(op, None)
+        lists[target][op] = f"user: {where_of[op]}"
+    return lists
