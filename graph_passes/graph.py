@@ -1,0 +1,362 @@
+"""``Graph``: a mutable view over a ``GraphDef`` with the indexes passes need.
+
+* ``graph.nodes``: name -> NodeDef (graph order kept);
+* ``graph.consumers(name)``: who reads a node's outputs (data and control);
+* :func:`parse_tensor` is the one helper that understands ``node``,
+  ``node:1`` and ``^ctrl``;
+* add / remove / replace-all-uses / insert-on-edge keep the indexes true;
+* :meth:`Graph.topo_order` handles v1 loops (``NextIteration`` back edges);
+* :meth:`Graph.validate` reports duplicate names, dangling inputs, cycles
+  outside loops and edge dtype mismatches;
+* :meth:`Graph.to_graph_def` round-trips byte-for-byte when nothing changed.
+
+Function bodies (``graph.library``) are edited through
+:meth:`Graph.function_graph`, which gives a ``Graph`` whose inputs are
+``_Arg`` nodes and outputs ``_Retval`` nodes, and :meth:`Graph.set_function`
+which writes it back.  Mutate inputs only through the methods here, or call
+:meth:`Graph.reindex` afterwards.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+from tensorflow.core.framework import graph_pb2, node_def_pb2
+
+from . import registry
+from .errors import GraphError
+
+LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
+
+
+def parse_tensor(ref: str) -> tuple[str, int, bool]:
+    """``"a"`` -> (a, 0, False); ``"a:2"`` -> (a, 2, False); ``"^a"`` -> (a, -1, True)."""
+    if ref.startswith("^"):
+        return ref[1:], -1, True
+    name, sep, port = ref.rpartition(":")
+    if sep and port.isdigit():
+        return name, int(port), False
+    return ref, 0, False
+
+
+def tensor_name(node: str, port: int = 0) -> str:
+    """Canonical reference: ``node`` for port 0, ``node:k`` otherwise, ``^node`` for -1."""
+    if port < 0:
+        return "^" + node
+    return node if port == 0 else f"{node}:{port}"
+
+
+class Graph:
+    """Mutable graph with a name index and a consumers index."""
+
+    def __init__(self, graph_def: graph_pb2.GraphDef | bytes | None = None, copy: bool = True):
+        if graph_def is None:
+            graph_def = graph_pb2.GraphDef()
+        elif isinstance(graph_def, (bytes, bytearray)):
+            gd = graph_pb2.GraphDef()
+            gd.ParseFromString(bytes(graph_def))
+            graph_def, copy = gd, False
+        elif copy:
+            gd = graph_pb2.GraphDef()
+            gd.CopyFrom(graph_def)
+            graph_def = gd
+        self._gd = graph_def
+        self.nodes: dict[str, node_def_pb2.NodeDef] = {}
+        self.duplicates: list[str] = []
+        for n in graph_def.node:
+            if n.name in self.nodes:
+                self.duplicates.append(n.name)
+            self.nodes[n.name] = n
+        self.library = graph_def.library
+        self.versions = graph_def.versions
+        self._functions = {f.signature.name: f for f in self.library.function}
+        self.reindex()
+        self._dirty = False
+
+    # ------------------------------------------------------------ indexes
+    def reindex(self):
+        """Rebuild the consumers index (after editing ``node.input`` by hand)."""
+        cons: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for n in self.nodes.values():
+            for i, inp in enumerate(n.input):
+                src, port, ctrl = parse_tensor(inp)
+                cons[src].append((n.name, -1 if ctrl else i))
+        self._consumers = cons
+        self._dirty = True
+
+    def consumers(self, name: str, port: int | None = None, control: bool = True):
+        """[(consumer_name, input_index)]; index -1 marks a control edge.
+        With ``port`` set, only data consumers of that output."""
+        out = self._consumers.get(name, ())
+        if port is None:
+            return [c for c in out if control or c[1] >= 0]
+        res = []
+        for cname, idx in out:
+            if idx < 0:
+                continue
+            if parse_tensor(self.nodes[cname].input[idx])[1] == port:
+                res.append((cname, idx))
+        return res
+
+    def data_inputs(self, node) -> list[str]:
+        return [i for i in node.input if not i.startswith("^")]
+
+    def input_node(self, node, index: int):
+        return self.nodes.get(parse_tensor(node.input[index])[0])
+
+    @property
+    def functions(self) -> dict:
+        return self._functions
+
+    # ----------------------------------------------------------- dtypes
+    def output_dtypes(self, node) -> list[int] | None:
+        return registry.output_dtypes(node, self._functions)
+
+    def input_dtypes(self, node) -> list[int] | None:
+        return registry.input_dtypes(node, self._functions)
+
+    def tensor_dtype(self, ref: str) -> int | None:
+        src, port, ctrl = parse_tensor(ref)
+        if ctrl or src not in self.nodes:
+            return None
+        dts = self.output_dtypes(self.nodes[src])
+        if dts is None or port >= len(dts):
+            return None
+        return dts[port]
+
+    # -------------------------------------------------------- mutations
+    def unique_name(self, base: str) -> str:
+        if base not in self.nodes:
+            return base
+        k = 1
+        while f"{base}_{k}" in self.nodes:
+            k += 1
+        return f"{base}_{k}"
+
+    def add_node(self, node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
+        if node.name in self.nodes:
+            raise GraphError(f"cannot add node '{node.name}': a node with that name exists")
+        self.nodes[node.name] = node
+        for i, inp in enumerate(node.input):
+            src, _, ctrl = parse_tensor(inp)
+            self._consumers[src].append((node.name, -1 if ctrl else i))
+        self._dirty = True
+        return node
+
+    def new_node(self, op: str, name: str, inputs=(), attrs: dict | None = None,
+                 device: str = "") -> node_def_pb2.NodeDef:
+        """Create and add a node.  ``attrs`` values may be AttrValue protos,
+        DataType ints (for keys named like type attrs: use ``registry``
+        helpers), or python scalars."""
+        from tensorflow.core.framework import attr_value_pb2
+
+        node = node_def_pb2.NodeDef(op=op, name=name, device=device)
+        node.input.extend(inputs)
+        for k, v in (attrs or {}).items():
+            if isinstance(v, attr_value_pb2.AttrValue):
+                node.attr[k].CopyFrom(v)
+            elif isinstance(v, bool):
+                node.attr[k].b = v
+            elif isinstance(v, int):
+                node.attr[k].i = v
+            elif isinstance(v, float):
+                node.attr[k].f = v
+            elif isinstance(v, (str, bytes)):
+                node.attr[k].s = v.encode() if isinstance(v, str) else v
+            else:
+                raise GraphError(f"attr '{k}' of new node '{name}': unsupported value {v!r}")
+        return self.add_node(node)
+
+    def remove_node(self, name: str, force: bool = False):
+        """Remove a node.  Refuses (GraphError) while it still has consumers,
+        unless ``force``."""
+        node = self.nodes.get(name)
+        if node is None:
+            return
+        if not force and self._consumers.get(name):
+            raise GraphError(
+                f"cannot remove node '{name}': still read by {sorted({c for c, _ in self._consumers[name]})}")
+        for inp in node.input:
+            src, _, _ = parse_tensor(inp)
+            lst = self._consumers.get(src)
+            if lst:
+                self._consumers[src] = [c for c in lst if c[0] != name]
+        del self.nodes[name]
+        self._consumers.pop(name, None)
+        self._dirty = True
+
+    def set_input(self, node_name: str, index: int, new_ref: str):
+        node = self.nodes[node_name]
+        old = node.input[index]
+        if old == new_ref:
+            return
+        osrc, _, octrl = parse_tensor(old)
+        lst = self._consumers.get(osrc)
+        if lst:
+            key = (node_name, -1 if octrl else index)
+            try:
+                lst.remove(key)
+            except ValueError:
+                pass
+        node.input[index] = new_ref
+        nsrc, _, nctrl = parse_tensor(new_ref)
+        self._consumers[nsrc].append((node_name, -1 if nctrl else index))
+        self._dirty = True
+
+    def add_control_input(self, node_name: str, src: str):
+        node = self.nodes[node_name]
+        ref = "^" + src
+        if ref in node.input:
+            return
+        node.input.append(ref)
+        self._consumers[src].append((node_name, -1))
+
+    def replace_all_uses(self, old_ref: str, new_ref: str, exclude=()) -> int:
+        """Point every data consumer of tensor ``old_ref`` at ``new_ref``.
+        Returns the number of edges changed."""
+        src, port, _ = parse_tensor(old_ref)
+        exclude = set(exclude)
+        changed = 0
+        for cname, idx in list(self.consumers(src, port=port)):
+            if cname in exclude:
+                continue
+            self.set_input(cname, idx, new_ref)
+            changed += 1
+        return changed
+
+    def insert_on_edge(self, consumer: str, index: int, op: str, name: str,
+                       attrs: dict | None = None, extra_inputs=()) -> node_def_pb2.NodeDef:
+        """``src -> consumer[index]`` becomes ``src -> new -> consumer[index]``."""
+        src_ref = self.nodes[consumer].input[index]
+        dev = self.nodes[consumer].device
+        new = self.new_node(op, name, [src_ref, *extra_inputs], attrs, device=dev)
+        self.set_input(consumer, index, name)
+        return new
+
+    # -------------------------------------------------------------- order
+    def topo_order(self, strict: bool = False) -> list[str]:
+        """Kahn order.  Edges out of NextIteration are loop back edges and are
+        ignored.  Nodes on a cycle come last (or GraphError when ``strict``)."""
+        indeg = {}
+        for name, n in self.nodes.items():
+            d = 0
+            for inp in n.input:
+                src = parse_tensor(inp)[0]
+                srcn = self.nodes.get(src)
+                if srcn is not None and srcn.op not in LOOP_BACK_OPS:
+                    d += 1
+            indeg[name] = d
+        ready = deque(n for n, d in indeg.items() if d == 0)
+        order = []
+        while ready:
+            name = ready.popleft()
+            order.append(name)
+            if self.nodes[name].op in LOOP_BACK_OPS:
+                continue
+            for cname, _ in self._consumers.get(name, ()):
+                if cname in indeg:
+                    indeg[cname] -= 1
+                    if indeg[cname] == 0:
+                        ready.append(cname)
+        if len(order) < len(self.nodes):
+            seen = set(order)
+            rest = [n for n in self.nodes if n not in seen]
+            if strict:
+                raise GraphError(f"graph has a cycle outside loops through: {rest[:10]}")
+            order.extend(rest)
+        return order
+
+    # ----------------------------------------------------------- validate
+    def validate(self, raise_error: bool = False, check_dtypes: bool = True) -> list[str]:
+        problems = [f"duplicate node name '{d}'" for d in self.duplicates]
+        for n in self.nodes.values():
+            for inp in n.input:
+                src, port, _ = parse_tensor(inp)
+                if src not in self.nodes:
+                    problems.append(f"node '{n.name}' reads '{inp}', which does not exist")
+        order = self.topo_order()
+        seen_ok = self._acyclic_prefix(order)
+        if seen_ok < len(order):
+            problems.append(f"cycle outside loops through: {order[seen_ok:seen_ok + 10]}")
+        if check_dtypes:
+            problems.extend(self._dtype_problems())
+        if problems and raise_error:
+            raise GraphError("invalid graph: " + "; ".join(problems[:20]) +
+                             (f" (+{len(problems) - 20} more)" if len(problems) > 20 else ""))
+        return problems
+
+    def _acyclic_prefix(self, order):
+        # topo_order appends cyclic nodes last; find where the valid prefix ends
+        pos = {n: i for i, n in enumerate(order)}
+        for i, name in enumerate(order):
+            for inp in self.nodes[name].input:
+                src = parse_tensor(inp)[0]
+                if src in pos and pos[src] > i and self.nodes[src].op not in LOOP_BACK_OPS:
+                    return i
+        return len(order)
+
+    def _dtype_problems(self):
+        problems = []
+        out_cache = {}
+        for n in self.nodes.values():
+            want = self.input_dtypes(n)
+            if want is None:
+                continue
+            data = [i for i in n.input if not i.startswith("^")]
+            if len(data) != len(want):
+                problems.append(f"node '{n.name}' ({n.op}) has {len(data)} data inputs, its signature wants {len(want)}")
+                continue
+            for k, inp in enumerate(data):
+                src, port, _ = parse_tensor(inp)
+                srcn = self.nodes.get(src)
+                if srcn is None:
+                    continue
+                dts = out_cache.get(src)
+                if dts is None:
+                    dts = out_cache[src] = self.output_dtypes(srcn) or ()
+                if port >= len(dts):
+                    if dts:
+                        problems.append(f"node '{n.name}' reads output {port} of '{src}', which has {len(dts)}")
+                    continue
+                have = registry.base_dtype(dts[port])
+                w = registry.base_dtype(want[k])
+                if have != w and not (have == registry.DT_RESOURCE or w == registry.DT_RESOURCE):
+                    problems.append(
+                        f"edge '{inp}' -> '{n.name}':{k} carries {registry.dtype_name(have)} "
+                        f"but {n.op} expects {registry.dtype_name(w)}")
+        return problems
+
+    # ---------------------------------------------------------- functions
+    def function_graph(self, fname: str) -> "FunctionGraph":
+        from .functions import FunctionGraph
+        return FunctionGraph(self._functions[fname], self._functions)
+
+    def set_function(self, fgraph: "FunctionGraph"):
+        fdef = fgraph.to_function_def()
+        for i, f in enumerate(self.library.function):
+            if f.signature.name == fdef.signature.name:
+                self.library.function[i].CopyFrom(fdef)
+                self._functions[fdef.signature.name] = self.library.function[i]
+                self._dirty = True
+                return
+        raise GraphError(f"function '{fdef.signature.name}' is not in the library")
+
+    # ------------------------------------------------------------ output
+    def to_graph_def(self) -> graph_pb2.GraphDef:
+        if not self._dirty and not self.duplicates:
+            out = graph_pb2.GraphDef()
+            out.CopyFrom(self._gd)
+            return out
+        out = graph_pb2.GraphDef()
+        out.node.extend(self.nodes.values())
+        out.library.CopyFrom(self.library)
+        out.versions.CopyFrom(self.versions)
+        return out
+
+    def __len__(self):
+        return len(self.nodes)
+
+    def __contains__(self, name):
+        return name in self.nodes
+
+    def __getitem__(self, name):
+        return self.nodes[name]

@@ -1,0 +1,161 @@
+"""Declarative op patterns and a matcher.
+
+A pattern is a tree of :class:`Pat` anchored at its output node::
+
+    Pat("BiasAdd", name="bias", inputs=[
+        Pat(("Conv2D", "DepthwiseConv2dNative"), name="conv"),   # inner node
+        Pat.any("b"),                                            # leaf tensor
+    ])
+
+* ``op``: one type, a tuple of alternatives, or None for a wildcard node;
+* ``Pat.any(name)``: a leaf that matches any tensor and captures it; leaves
+  are *outside* the match;
+* ``commutative=True``: a 2-input op matches its inputs in either order;
+* ``predicate(node, graph)``: extra condition on an inner node;
+* ``Pat.one_of(p1, p2)``: alternatives for a whole subtree.
+
+The matcher refuses a match whose inner tensors (outputs of any matched node
+other than the anchor) are read outside the match, are fetched or preserved,
+or carry control consumers; and it never returns overlapping matches.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .graph import Graph, parse_tensor
+
+
+@dataclasses.dataclass
+class Pat:
+    op: str | tuple | None = None
+    inputs: list | None = None
+    name: str | None = None
+    commutative: bool = False
+    predicate: Callable | None = None
+    #: the producer's output port this pattern position must read (inner nodes)
+    port: int | None = 0
+    #: True for Pat.any leaves
+    leaf: bool = False
+    alternatives: tuple = ()
+
+    @staticmethod
+    def any(name: str | None = None) -> "Pat":
+        return Pat(name=name, leaf=True, port=None)
+
+    @staticmethod
+    def one_of(*alts: "Pat", name: str | None = None) -> "Pat":
+        return Pat(name=name, alternatives=tuple(alts))
+
+    def ops(self):
+        if self.op is None:
+            return None
+        return (self.op,) if isinstance(self.op, str) else tuple(self.op)
+
+
+@dataclasses.dataclass
+class Match:
+    anchor: str
+    nodes: dict          # capture name -> NodeDef (inner nodes)
+    tensors: dict        # capture name -> tensor reference (leaves)
+    matched: list        # all inner node names, anchor first
+
+    def __getitem__(self, key):
+        if key in self.nodes:
+            return self.nodes[key]
+        return self.tensors[key]
+
+
+def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
+    """Try to match ``pat`` at tensor ``ref``; extends ``state`` (nodes, tensors, matched)."""
+    if pat.alternatives:
+        for alt in pat.alternatives:
+            snap = _snapshot(state)
+            if _match(graph, alt, ref, state):
+                if pat.name:
+                    src = parse_tensor(ref)[0]
+                    state[0][pat.name] = graph.nodes[src]
+                return True
+            _restore(state, snap)
+        return False
+    if pat.leaf:
+        if pat.name:
+            if pat.name in state[1] and state[1][pat.name] != ref:
+                return False
+            state[1][pat.name] = ref
+        return True
+    src, port, ctrl = parse_tensor(ref)
+    node = graph.nodes.get(src)
+    if node is None or ctrl:
+        return False
+    if pat.port is not None and port != pat.port:
+        return False
+    ops = pat.ops()
+    if ops is not None and node.op not in ops:
+        return False
+    if src in state[2]:
+        return False
+    if pat.predicate is not None and not pat.predicate(node, graph):
+        return False
+    state[2].append(src)
+    if pat.name:
+        state[0][pat.name] = node
+    if pat.inputs is None:
+        return True
+    data = graph.data_inputs(node)
+    if len(data) != len(pat.inputs):
+        return False
+    orders = [data]
+    if pat.commutative and len(data) == 2:
+        orders.append([data[1], data[0]])
+    for order in orders:
+        snap = _snapshot(state)
+        if all(_match(graph, p, r, state) for p, r in zip(pat.inputs, order)):
+            return True
+        _restore(state, snap)
+    return False
+
+
+def _snapshot(state):
+    return dict(state[0]), dict(state[1]), len(state[2])
+
+
+def _restore(state, snap):
+    state[0].clear(); state[0].update(snap[0])
+    state[1].clear(); state[1].update(snap[1])
+    del state[2][snap[2]:]
+
+
+def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Match | None:
+    """Match ``pat`` with its root at node ``anchor``, or None."""
+    state = ({}, {}, [])
+    if not _match(graph, dataclasses.replace(pat, port=None) if not pat.alternatives else pat,
+                  anchor, state):
+        return None
+    matched = state[2]
+    inner = set(matched)
+    for name in matched[1:]:
+        if name in protected:
+            return None
+        for cname, idx in graph.consumers(name):
+            if cname not in inner:  # inner tensor escapes, or a control edge leaves it
+                return None
+    return Match(anchor=anchor, nodes=state[0], tensors=state[1], matched=list(matched))
+
+
+def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None) -> list[Match]:
+    """All non-overlapping matches, anchors visited in topological order."""
+    used: set[str] = set()
+    out = []
+    first_ops = pat.ops() if not pat.alternatives else None
+    for name in (order if order is not None else graph.topo_order()):
+        if name in used or name not in graph.nodes:
+            continue
+        if first_ops is not None and graph.nodes[name].op not in first_ops:
+            continue
+        m = match_at(graph, pat, name, protected)
+        if m is None or used.intersection(m.matched):
+            continue
+        used.update(m.matched)
+        out.append(m)
+    return out

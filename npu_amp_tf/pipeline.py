@@ -1,0 +1,150 @@
+"""The pass pipeline behind every entry point (grappler bridge, enable(),
+rewrite_graph, the CLI): fusion -> precision -> layout -> cleanup.
+
+``optimize`` is the single function they all call; it knows nothing of
+sessions.  It runs the passes on the main graph and on every function body in
+the library, and returns the new GraphDef and one Report.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+
+from tensorflow.core.framework import graph_pb2
+
+from graph_passes import manager as _manager
+from graph_passes.errors import NpuAmpError, PassError
+from graph_passes.graph import Graph
+from graph_passes.report import Report
+
+from .options import Options
+
+log = logging.getLogger("npu_amp_tf")
+
+# Pass modules register themselves on import; a family that is not built yet
+# is simply absent from the pipeline.
+_PASS_MODULES = ("graph_passes.unfuse", "graph_passes.fusion", "graph_passes.precision",
+                 "graph_passes.layout", "graph_passes.cleanup")
+
+
+def _import_passes():
+    for mod in _PASS_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise
+
+
+def pass_names(options: Options) -> list[str]:
+    """The ordered pass list these options ask for."""
+    _import_passes()
+    reg = _manager.PASS_REGISTRY
+    names = []
+    if "unfuse" in reg:
+        names.append("unfuse")
+    if options.graph_level >= 1 and "fusion" in reg:
+        names.append("fusion")
+    if "precision" in reg:
+        names.append("precision")
+    if options.format_mode == "NC1HWC0":
+        if "layout" not in reg:
+            raise NpuAmpError("format_mode='NC1HWC0' needs the layout pass, which is not available")
+        names.append("layout")
+    names.append("cleanup")
+    return names
+
+
+def summarize(graph: Graph, report: Report):
+    """Totals over the final graph, whatever passes ran."""
+    from graph_passes import registry
+
+    counts = {"nodes": len(graph.nodes), "casts": 0, "transdata": 0}
+    for n in graph.nodes.values():
+        if n.op == "Cast":
+            counts["casts"] += 1
+        elif n.op == "TransData":
+            counts["transdata"] += 1
+    for k, v in counts.items():
+        report.summary.setdefault(k, v)
+    report.summary["nodes"] = counts["nodes"]
+    report.summary["casts"] = counts["casts"]
+    report.summary["transdata"] = counts["transdata"]
+
+
+def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(), devices=(),
+             include_functions: bool = True, graph_name: str | None = None):
+    """Run the pipeline.  Returns ``(GraphDef, Report)``.
+
+    On an internal pass failure the *original* graph is returned with a
+    warning naming the pass and node, unless ``options.fail_on_error``.
+    """
+    options = options if options is not None else Options.from_kwargs()
+    if isinstance(graph_def, (bytes, bytearray)):
+        gd = graph_pb2.GraphDef()
+        gd.ParseFromString(bytes(graph_def))
+        graph_def = gd
+    report = Report()
+    report.graph_name = graph_name
+    report.options = options.rewrite_params()
+    if options.env_overrides:
+        report.summary["env_overrides"] = dict(options.env_overrides)
+    t0 = time.perf_counter()
+    names = pass_names(options)
+    try:
+        graph = Graph(graph_def)
+        ctx = _manager.PassContext(options, fetches, preserve, devices, report)
+        mgr = _manager.PassManager(names, validate=options.validate_graph)
+        mgr.run(graph, ctx)
+        if include_functions and graph.library.function:
+            _optimize_functions(graph, mgr, options, devices, report)
+        summarize(graph, report)
+        out = graph.to_graph_def()
+    except PassError as exc:
+        if options.fail_on_error:
+            raise
+        msg = f"{exc}; the graph is left unchanged"
+        log.warning("npu_amp_tf: %s", msg)
+        report.warn(msg, node=exc.node, pass_name=exc.pass_name)
+        report.summary["failed_pass"] = exc.pass_name
+        out = graph_def
+    report.summary["pipeline"] = names
+    report.summary["time_s"] = round(time.perf_counter() - t0, 6)
+    return out, report
+
+
+def _optimize_functions(graph: Graph, mgr, options, devices, report: Report):
+    from graph_passes.errors import GraphError
+
+    for fname in list(graph.functions):
+        try:
+            fgraph = graph.function_graph(fname)
+        except GraphError as exc:
+            report.warn(f"function body not rewritten: {exc}", node=fname)
+            continue
+        sub = Report()
+        preserve = [n for n, node in fgraph.nodes.items() if node.op in ("_Arg", "_Retval")]
+        ctx = _manager.PassContext(options, (), preserve, devices, sub)
+        mgr.run(fgraph, ctx)
+        graph.set_function(fgraph)
+        for node, dec in sub.decisions.items():
+            report.decisions[f"{fname}/{node}"] = dict(dec, function=fname)
+        for w in sub.warnings:
+            report.warnings.append(dict(w, function=fname))
+        for k, v in sub.summary.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                report.summary.setdefault(f"functions_{k}", 0)
+                report.summary[f"functions_{k}"] += v
+
+
+def rewrite_graph(graph_def, fetches=None, preserve=None, **params):
+    """Rewrite a GraphDef offline.  ``params`` are the options-module keys
+    (``precision_mode=...``, ``modify_mixlist=...``, ``graph_level=...``...).
+
+    Returns ``(new_graph_def, report)``.
+    """
+    options = Options.from_kwargs(_groups=("rewrite",), **params)
+    if isinstance(fetches, str):
+        fetches = [fetches]
+    return optimize(graph_def, options, fetches or (), preserve or ())
