@@ -1,0 +1,35 @@
+"""Shared test helpers.  Tests build real graphs with TensorFlow itself."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+TF_VERSION = tuple(int(x) for x in tf.__version__.split(".")[:2])
+HAS_ESTIMATOR = hasattr(tf, "estimator") and TF_VERSION < (2, 16)
+
+
+def keras2():
+    """Keras 2: tf.keras on TF 2.15, the tf_keras package on newer TF (None if absent)."""
+    if TF_VERSION < (2, 16):
+        return tf.keras
+    try:
+        import tf_keras
+        return tf_keras
+    except ImportError:
+        return None
+
+
+requires_estimator = pytest.mark.skipif(
+    not HAS_ESTIMATOR, reason=f"tf.estimator is gone in TensorFlow {tf.__version__} (last in 2.15)")
+requires_keras2 = pytest.mark.skipif(
+    keras2() is None, reason=f"Keras 2 (tf_keras) is not installed for TensorFlow {tf.__version__}")
+
+
+@pytest.fixture
+def k2():
+    k = keras2()
+    if k is None:
+        pytest.skip("Keras 2 (tf_keras) not installed")
+    return k
