@@ -79,6 +79,7 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
             _restore(state, snap)
         return False
     if pat.leaf:
+        state[3].append(ref)
         if pat.name:
             if pat.name in state[1] and state[1][pat.name] != ref:
                 return False
@@ -117,23 +118,27 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
 
 
 def _snapshot(state):
-    return dict(state[0]), dict(state[1]), len(state[2])
+    return dict(state[0]), dict(state[1]), len(state[2]), len(state[3])
 
 
 def _restore(state, snap):
     state[0].clear(); state[0].update(snap[0])
     state[1].clear(); state[1].update(snap[1])
     del state[2][snap[2]:]
+    del state[3][snap[3]:]
 
 
 def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Match | None:
     """Match ``pat`` with its root at node ``anchor``, or None."""
-    state = ({}, {}, [])
+    state = ({}, {}, [], [])  # captured nodes, captured tensors, inner names, leaf refs
     if not _match(graph, dataclasses.replace(pat, port=None) if not pat.alternatives else pat,
                   anchor, state):
         return None
     matched = state[2]
     inner = set(matched)
+    for ref in state[3]:  # a leaf that reads an inner node would need it kept
+        if parse_tensor(ref)[0] in inner:
+            return None
     for name in matched[1:]:
         if name in protected:
             return None

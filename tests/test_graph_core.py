@@ -1,0 +1,217 @@
+"""graph_passes core: Graph, registry, function bodies, validate, topo order."""
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2, types_pb2
+
+from graph_passes import registry
+from graph_passes.errors import GraphError
+from graph_passes.graph import Graph, parse_tensor, tensor_name
+
+
+# ----------------------------------------------------------------- builders
+def keras_cnn_graph():
+    model = tf.keras.Sequential([
+        tf.keras.layers.Conv2D(4, 3, activation="relu", input_shape=(8, 8, 3)),
+        tf.keras.layers.BatchNormalization(),
+        tf.keras.layers.MaxPool2D(),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(2),
+    ])
+    fn = tf.function(lambda x: model(x, training=False))
+    return fn.get_concrete_function(tf.TensorSpec([1, 8, 8, 3])).graph.as_graph_def()
+
+
+def transformer_block_graph():
+    d = 8
+    inp = tf.keras.Input((4, d))
+    att = tf.keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inp, inp)
+    x = tf.keras.layers.LayerNormalization()(inp + att)
+    x = tf.keras.layers.Dense(d, activation="gelu")(x)
+    model = tf.keras.Model(inp, x)
+    fn = tf.function(lambda t: model(t))
+    return fn.get_concrete_function(tf.TensorSpec([1, 4, d])).graph.as_graph_def()
+
+
+def training_graph():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [4], name="y")
+        w = tf.compat.v1.get_variable("w", [3, 2])
+        logits = tf.matmul(x, w)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g.as_graph_def()
+
+
+def v1_while_graph():
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.disable_control_flow_v2()
+        try:
+            x = tf.compat.v1.placeholder(tf.float32, [2], name="x")
+            tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * 2.0), [0, x], name="loop")
+        finally:
+            tf.compat.v1.enable_control_flow_v2()
+    return g.as_graph_def()
+
+
+def nested_function_graph():
+    @tf.function
+    def inner(x):
+        return tf.nn.relu(x) * 2.0
+
+    @tf.function
+    def outer(x):
+        return inner(x) + 1.0
+
+    return outer.get_concrete_function(tf.TensorSpec([2, 2])).graph.as_graph_def()
+
+
+ALL = [keras_cnn_graph, transformer_block_graph, training_graph, v1_while_graph, nested_function_graph]
+
+
+# ------------------------------------------------------------------- tests
+def test_parse_tensor_forms():
+    assert parse_tensor("a") == ("a", 0, False)
+    assert parse_tensor("scope/a:2") == ("scope/a", 2, False)
+    assert parse_tensor("^ctrl") == ("ctrl", -1, True)
+    assert parse_tensor("weird:name") == ("weird:name", 0, False)
+    assert tensor_name("a", 0) == "a" and tensor_name("a", 3) == "a:3" and tensor_name("a", -1) == "^a"
+
+
+@pytest.mark.parametrize("build", ALL, ids=lambda f: f.__name__)
+def test_round_trip_unchanged_and_valid(build):
+    gd = build()
+    g = Graph(gd)
+    assert g.validate() == []
+    assert g.to_graph_def().SerializeToString(deterministic=True) == gd.SerializeToString(deterministic=True)
+    order = g.topo_order(strict=True)
+    assert sorted(order) == sorted(n.name for n in gd.node)
+    pos = {n: i for i, n in enumerate(order)}
+    for n in gd.node:
+        for inp in n.input:
+            src = parse_tensor(inp)[0]
+            if g.nodes[src].op not in ("NextIteration", "RefNextIteration"):
+                assert pos[src] < pos[n.name], (src, n.name)
+
+
+def test_function_bodies_round_trip():
+    gd = nested_function_graph()
+    g = Graph(gd)
+    assert g.functions, "tf.function nesting must produce a library function"
+    for fname, fdef in g.functions.items():
+        fg = g.function_graph(fname)
+        assert fg.validate() == []
+        assert [n.op for n in fg.nodes.values()].count("_Arg") == len(fdef.signature.input_arg)
+        assert fg.to_function_def() == fdef
+
+
+def test_consumers_index_and_mutations():
+    g = Graph(training_graph())
+    mm = next(n for n in g.nodes.values() if n.op == "MatMul" and n.name == "MatMul")
+    cons = g.consumers("MatMul")
+    assert cons and all(g.nodes[c].input[i].split(":")[0] == "MatMul" for c, i in cons if i >= 0)
+    # insert a node on an edge and check both indexes
+    cast = g.insert_on_edge(mm.name, 0, "Identity", "x/Probe", attrs={"T": _type(types_pb2.DT_FLOAT)})
+    assert mm.input[0] == "x/Probe" and cast.input[0] == "x"
+    assert ("x/Probe", 0) in g.consumers("x") and (mm.name, 0) in g.consumers("x/Probe")
+    assert (mm.name, 0) not in g.consumers("x")
+    assert g.validate() == []
+    # replace all uses back and remove the probe
+    assert g.replace_all_uses("x/Probe", "x") == 1
+    g.remove_node("x/Probe")
+    assert g.validate() == []
+    with pytest.raises(GraphError, match="still read by"):
+        g.remove_node("x")
+
+
+def _type(dt):
+    from tensorflow.core.framework import attr_value_pb2
+    return attr_value_pb2.AttrValue(type=dt)
+
+
+def test_validate_reports_problems():
+    gd = training_graph()
+    bad = graph_pb2.GraphDef()
+    bad.CopyFrom(gd)
+    dup = bad.node.add()
+    dup.CopyFrom(bad.node[0])                     # duplicate name
+    mm = next(n for n in bad.node if n.op == "MatMul")
+    mm.input.append("does_not_exist")             # dangling (and arity)
+    problems = Graph(bad).validate()
+    text = "\n".join(problems)
+    assert "duplicate node name 'x'" in text
+    assert "reads 'does_not_exist', which does not exist" in text
+    with pytest.raises(GraphError, match="invalid graph"):
+        Graph(bad).validate(raise_error=True)
+
+
+def test_validate_dtype_mismatch_and_cycle():
+    gd = training_graph()
+    g = Graph(gd)
+    # feed an int32 tensor into a float MatMul input
+    mm = g.nodes["MatMul"]
+    g.set_input("MatMul", 0, "y")
+    assert any("carries int32 but MatMul expects float32" in p for p in g.validate())
+    g.set_input("MatMul", 0, "x")
+    assert g.validate() == []
+    # a cycle outside loops
+    g2 = Graph(keras_cnn_graph())
+    conv = next(n.name for n in g2.nodes.values() if n.op == "Conv2D")
+    relu = next(n.name for n in g2.nodes.values() if n.op == "Relu")
+    g2.add_control_input(conv, relu)  # relu depends on conv: now a cycle
+    assert any("cycle outside loops" in p for p in g2.validate())
+    with pytest.raises(GraphError, match="cycle"):
+        g2.topo_order(strict=True)
+    del mm
+
+
+def test_v1_loop_topo_order_keeps_back_edges():
+    g = Graph(v1_while_graph())
+    ops = {n.op for n in g.nodes.values()}
+    assert {"Enter", "Merge", "Switch", "NextIteration", "Exit"} <= ops
+    assert len(g.topo_order(strict=True)) == len(g.nodes)
+
+
+def test_registry_dtypes_kernels_shapes():
+    gd = training_graph()
+    g = Graph(gd)
+    bn = [n for n in g.nodes.values() if n.op == "SparseSoftmaxCrossEntropyWithLogits"][0]
+    assert registry.output_dtypes(bn) == [types_pb2.DT_FLOAT, types_pb2.DT_FLOAT]
+    assert registry.has_kernel("MatMul", "CPU", {"T": types_pb2.DT_HALF})
+    assert registry.has_kernel("MatMul", "CPU", {"T": types_pb2.DT_FLOAT})
+    assert not registry.has_kernel("MatMul", "CPU", {"T": types_pb2.DT_STRING})
+    assert not registry.has_kernel("NoSuchOp", "CPU", {})
+    assert registry.device_type_of(bn) == "CPU"
+    bn.device = "/job:worker/replica:0/task:0/device:GPU:0"
+    assert registry.device_type_of(bn) == "GPU"
+    shapes = registry.infer_shapes(gd)
+    assert shapes["MatMul"] == [[4, 2]]
+
+
+def test_static_shapes_from_output_shapes_attr():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        tf.identity(x, name="y")
+    gd = g.as_graph_def(add_shapes=True)
+    node = next(n for n in gd.node if n.name == "y")
+    assert registry.static_shapes(node) == [[2, 3]]
+
+
+def test_new_graph_runs_after_edit():
+    """An edited graph imports and runs in TF with the expected numbers."""
+    gd = keras_cnn_graph()
+    g = Graph(gd)
+    relu = next(n for n in g.nodes.values() if n.op == "Relu")
+    # double the relu output through an inserted Mul with a Const
+    c = g.new_node("Const", relu.name + "/Two", attrs={"dtype": _type(types_pb2.DT_FLOAT)})
+    c.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.float32(2.0)))
+    consumer, idx = g.consumers(relu.name, port=0)[0]
+    g.insert_on_edge(consumer, idx, "Mul", relu.name + "/Scaled",
+                     attrs={"T": _type(types_pb2.DT_FLOAT)}, extra_inputs=[c.name])
+    assert g.validate() == []
+    out = g.to_graph_def()
+    assert len(out.node) == len(gd.node) + 2
