@@ -8,3 +8,11 @@ from .errors import NpuAmpError, OptionError  # noqa: E402
 from .options import Options  # noqa: E402
 
 __all__ = ["__version__", "errors", "options", "NpuAmpError", "OptionError", "Options"]
+
+# The grappler bridge: registers the NpuAmpOptimizer callback (builds the
+# custom ops on first use) and the ConfigProto / TF2 entry points.
+from . import bridge as _bridge  # noqa: E402
+from .config import amp_scope, disable, enable, session_config  # noqa: E402
+
+_bridge.register_on_import()
+__all__ += ["session_config", "enable", "disable", "amp_scope"]

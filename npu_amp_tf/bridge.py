@@ -1,0 +1,421 @@
+"""The Python side of the grappler bridge (``custom_ops/grappler_bridge.cc``).
+
+``import npu_amp_tf`` calls :func:`register`, which builds/loads the custom-op
+library (``_loader.load()``, which also registers the ``NpuAmpOptimizer``
+grappler optimizer) and hands the library a ctypes callback.  From then on,
+whenever grappler optimizes a graph whose ``RewriterConfig`` lists a custom
+optimizer named ``NpuAmpOptimizer`` (a TF1 ``Session`` graph, or a TF2
+``tf.function``/Keras function called under :func:`npu_amp_tf.enable`), the
+C++ optimizer calls :func:`_on_optimize` with the serialized ``GraphDef``, the
+serialized ``parameter_map`` entry, the fetch and preserved node names and the
+device list.  This module validates the parameters with
+:meth:`Options.from_parameter_map`, runs :func:`npu_amp_tf.pipeline.optimize`
+and hands the serialized result back.
+
+Error policy (see ``docs/bridge.md``)
+-------------------------------------
+Grappler swallows every error a custom optimizer returns: the meta-optimizer
+logs it and keeps the graph, and even with
+``rewrite_options.fail_on_optimizer_errors`` the callers (TF1
+``GraphExecutionState::BuildGraph``, TF2 function instantiation) fall back to
+the unoptimized graph.  ``Init()`` errors are swallowed the same way.  So the
+errors a user must see are delivered *through the graph*:
+
+* **invalid parameters** (unknown key, bad value, unreadable mixlist...): the
+  returned graph gets an ``NpuAmpRaiseError`` node that every root node waits
+  on; the first ``Session.run`` / function call raises
+  ``tf.errors.InvalidArgumentError`` whose message is the options module's
+  message (prefixed with ``npu_amp_tf:``).  The error is also logged and kept
+  in :func:`last_reports`.
+* **a pass fails** (``PassError``): the graph is returned unchanged, a
+  warning naming the pass and the node is logged and recorded; with
+  ``fail_on_error=True`` the graph fails at run time the same way as above,
+  carrying the ``PassError`` message.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+
+log = logging.getLogger("npu_amp_tf")
+
+OPTIMIZER_NAME = "NpuAmpOptimizer"
+RAISE_OP = "NpuAmpRaiseError"
+#: name of the node inserted when the parameters are invalid
+INVALID_OPTIONS_NODE = "npu_amp_tf/InvalidOptions"
+#: name of the node inserted when a pass failed and fail_on_error=True
+PASS_FAILED_NODE = "npu_amp_tf/PassFailed"
+_POISON_NODES = (INVALID_OPTIONS_NODE, PASS_FAILED_NODE)
+_ARG_LIKE = ("_Arg", "Placeholder", "PlaceholderWithDefault", "PlaceholderV2")
+
+#: callback return codes (see grappler_bridge.cc)
+RC_OK, RC_UNCHANGED, RC_ERROR = 0, 1, 2
+
+_CALLBACK_TYPE = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,                    # sink
+    ctypes.c_void_p, ctypes.c_size_t,   # graph bytes
+    ctypes.c_void_p, ctypes.c_size_t,   # RewriterConfig.CustomGraphOptimizer bytes
+    ctypes.c_char_p,                    # fetch, '\n'-joined
+    ctypes.c_char_p,                    # nodes to preserve, '\n'-joined
+    ctypes.c_char_p,                    # device names, '\n'-joined
+    ctypes.c_char_p)                    # grappler item id
+
+_lock = threading.Lock()
+_lib = None
+_callback = None            # keep the ctypes thunk alive
+_tls = threading.local()    # re-entrancy guard
+_REPORTS_MAX = 64
+_reports: collections.deque = collections.deque(maxlen=_REPORTS_MAX)
+_MEMO_MAX = 256
+_memo: "collections.OrderedDict[tuple, bool]" = collections.OrderedDict()
+_stats = collections.Counter()
+
+
+# ---------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------
+def library():
+    """The ctypes handle on the custom-op library (built and loaded on demand).
+
+    ``tf.load_op_library`` and ``ctypes.CDLL`` both ``dlopen`` the same path,
+    which returns the same handle: one copy of the library's globals."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            from . import _loader
+
+            _loader.load()  # registers NpuAmpOptimizer and NpuAmpRaiseError with TF
+            lib = ctypes.CDLL(str(_loader.library_path()))
+            lib.NpuAmpSetCallback.argtypes = [_CALLBACK_TYPE]
+            lib.NpuAmpSetCallback.restype = None
+            lib.NpuAmpWriteResult.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+            lib.NpuAmpWriteResult.restype = None
+            lib.NpuAmpWriteError.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+            lib.NpuAmpWriteError.restype = None
+            lib.NpuAmpOptimizeCount.restype = ctypes.c_uint64
+            lib.NpuAmpStateAddress.restype = ctypes.c_void_p
+            lib.NpuAmpHasCallback.restype = ctypes.c_int
+            lib.NpuAmpInFlight.restype = ctypes.c_int
+            lib.NpuAmpBridgeAbiVersion.restype = ctypes.c_int
+            if lib.NpuAmpBridgeAbiVersion() != 1:
+                from .errors import BuildError
+
+                raise BuildError(
+                    f"libnpu_amp_tf.so bridge ABI {lib.NpuAmpBridgeAbiVersion()} != 1; "
+                    "rebuild with `python -m npu_amp_tf._loader --force`")
+            _lib = lib
+        return _lib
+
+
+def register():
+    """Install the Python callback in the C++ optimizer (idempotent)."""
+    global _callback
+    lib = library()
+    with _lock:
+        if _callback is None:
+            _callback = _CALLBACK_TYPE(_on_optimize)
+            lib.NpuAmpSetCallback(_callback)
+            atexit.register(unregister)
+    return lib
+
+
+def unregister():
+    """Remove the callback; NpuAmpOptimizer then fails (and grappler skips it).
+    Called at interpreter exit so TF never calls into a finalizing Python."""
+    global _callback
+    with _lock:
+        if _lib is not None and _callback is not None:
+            _lib.NpuAmpSetCallback(_CALLBACK_TYPE())
+            _callback = None
+
+
+def is_registered() -> bool:
+    return _lib is not None and bool(_lib.NpuAmpHasCallback())
+
+
+def optimize_count() -> int:
+    """How many times grappler called ``NpuAmpOptimizer`` in this process."""
+    return int(library().NpuAmpOptimizeCount())
+
+
+# ---------------------------------------------------------------------------
+# reports
+# ---------------------------------------------------------------------------
+def last_reports(n: int | None = None) -> list[dict]:
+    """The most recent bridge records, oldest first (at most 64 are kept).
+
+    Each record: ``{"graph": item id, "status": "rewritten" | "unchanged" |
+    "cached" | "invalid_options" | "pass_failed" | "error", "time_s": ...,
+    "bridge_s": ..., "nodes": ..., "report": Report.to_json() or None,
+    "error": message or None}``."""
+    with _lock:
+        items = list(_reports)
+    return items if n is None else items[-n:]
+
+
+def clear_reports():
+    with _lock:
+        _reports.clear()
+        _memo.clear()
+        _stats.clear()
+
+
+def stats() -> dict:
+    """Counters: calls, rewritten, unchanged, cached, errors."""
+    with _lock:
+        return dict(_stats)
+
+
+def _record(entry: dict):
+    with _lock:
+        _reports.append(entry)
+        _stats["calls"] += 1
+        _stats[entry["status"]] += 1
+
+
+# ---------------------------------------------------------------------------
+# the callback
+# ---------------------------------------------------------------------------
+def _split(b: bytes | None) -> list[str]:
+    if not b:
+        return []
+    return [s for s in b.decode("utf-8", "replace").split("\n") if s]
+
+
+def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id):
+    """Called by NpuAmpOptimizer::Optimize (ctypes holds the GIL for us).
+    Never lets an exception escape into C."""
+    try:
+        if getattr(_tls, "active", False):
+            return RC_UNCHANGED  # a pass itself ran a TF function: do not recurse
+        _tls.active = True
+        try:
+            graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
+            config_bytes = ctypes.string_at(cptr, clen) if clen else b""
+            code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
+                               _split(devices), (item_id or b"").decode("utf-8", "replace"))
+        finally:
+            _tls.active = False
+        if code == RC_OK:
+            _lib.NpuAmpWriteResult(sink, out, len(out))
+        return code
+    except BaseException as exc:  # noqa: BLE001 - must not cross the C boundary
+        try:
+            msg = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+            _lib.NpuAmpWriteError(sink, msg, len(msg))
+            log.error("npu_amp_tf bridge: unexpected error: %s", exc)
+        except BaseException:  # noqa: BLE001
+            pass
+        return RC_ERROR
+
+
+def parse_options(config_bytes: bytes):
+    """``RewriterConfig.CustomGraphOptimizer`` bytes -> validated Options."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    from .options import Options
+
+    entry = rewriter_config_pb2.RewriterConfig.CustomGraphOptimizer()
+    if config_bytes:
+        entry.ParseFromString(config_bytes)
+    return Options.from_parameter_map(
+        entry.parameter_map, _source=f"ConfigProto custom_optimizers['{OPTIMIZER_NAME}'].parameter_map")
+
+
+def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
+           item_id: str = "graph"):
+    """Everything the C++ optimizer asks for, in pure Python (also used by the
+    benchmark and the tests): returns ``(code, result_bytes)``."""
+    from tensorflow.core.framework import graph_pb2
+
+    from .errors import NpuAmpError, PassError
+
+    t0 = time.perf_counter()
+    entry = {"graph": item_id, "status": None, "report": None, "error": None}
+
+    # 1. parameters
+    try:
+        options = parse_options(config_bytes)
+    except NpuAmpError as exc:
+        msg = f"npu_amp_tf: invalid {OPTIMIZER_NAME} parameters: {exc}"
+        gd = graph_pb2.GraphDef.FromString(graph_bytes)
+        if _has_poison(gd):
+            return _finish(entry, "invalid_options", t0, msg, gd=gd, code=RC_UNCHANGED)
+        log.error("%s", msg)
+        out = poison(gd, msg, fetches, devices, INVALID_OPTIONS_NODE)
+        return _finish(entry, "invalid_options", t0, msg, out=out, gd=gd)
+
+    # 2. already handled?  (grappler calls us once per meta-optimizer iteration)
+    key = (hash(options), hashlib.sha1(graph_bytes).digest(), tuple(fetches))
+    with _lock:
+        hit = key in _memo
+        if hit:
+            _memo.move_to_end(key)
+    if hit:
+        return _finish(entry, "cached", t0, None, code=RC_UNCHANGED)
+
+    t_parse = time.perf_counter()
+    gd = graph_pb2.GraphDef.FromString(graph_bytes)
+    parse_s = time.perf_counter() - t_parse
+    if _has_poison(gd):
+        return _finish(entry, "unchanged", t0, None, gd=gd, code=RC_UNCHANGED)
+
+    # 3. the pipeline
+    from . import pipeline
+
+    try:
+        new_gd, report = pipeline.optimize(gd, options, fetches=fetches, preserve=preserve,
+                                           devices=devices, graph_name=item_id)
+    except PassError as exc:
+        msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
+        log.error("%s", msg)
+        out = poison(gd, msg, fetches, devices, PASS_FAILED_NODE)
+        return _finish(entry, "pass_failed", t0, msg, out=out, gd=gd)
+    except Exception as exc:  # noqa: BLE001 - a bug outside any pass
+        msg = f"npu_amp_tf: the pass pipeline failed on graph '{item_id}': {type(exc).__name__}: {exc}"
+        if options.fail_on_error:
+            log.error("%s", msg)
+            out = poison(gd, msg, fetches, devices, PASS_FAILED_NODE)
+            return _finish(entry, "pass_failed", t0, msg, out=out, gd=gd)
+        log.warning("%s; the graph is left unchanged", msg)
+        return _finish(entry, "error", t0, msg, gd=gd, code=RC_UNCHANGED)
+
+    rep = report.to_json()
+    entry["report"] = rep
+    failed = rep.get("summary", {}).get("failed_pass")
+    t_ser = time.perf_counter()
+    out = new_gd.SerializeToString(deterministic=True)
+    ser_s = time.perf_counter() - t_ser
+    entry["bridge_s"] = parse_s + ser_s
+    _write_report_file(options, item_id, rep)
+    with _lock:
+        _memo[(hash(options), hashlib.sha1(out).digest(), tuple(fetches))] = True
+        while len(_memo) > _MEMO_MAX:
+            _memo.popitem(last=False)
+    if failed:
+        # pipeline already logged "pass '<p>' at node '<n>': ...; the graph is left unchanged"
+        return _finish(entry, "pass_failed_kept", t0, rep["warnings"][-1]["message"] if rep["warnings"] else failed,
+                       gd=gd, code=RC_UNCHANGED)
+    if out == graph_bytes:
+        return _finish(entry, "unchanged", t0, None, gd=new_gd, code=RC_UNCHANGED)
+    return _finish(entry, "rewritten", t0, None, out=out, gd=new_gd)
+
+
+def _finish(entry, status, t0, error, out=None, gd=None, code=RC_OK):
+    entry["status"] = status
+    entry["error"] = error
+    entry["time_s"] = round(time.perf_counter() - t0, 6)
+    entry.setdefault("bridge_s", None)
+    entry["nodes"] = len(gd.node) if gd is not None else None
+    _record(entry)
+    if out is None:
+        return RC_UNCHANGED, b""
+    return code, out
+
+
+def _write_report_file(options, item_id, rep):
+    path = options.report_path
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", item_id or "graph")[:120]
+        with open(os.path.join(path, f"{safe}.json"), "w", encoding="utf-8") as fh:
+            json.dump(rep, fh, indent=1, default=str)
+    except OSError as exc:
+        log.warning("npu_amp_tf: cannot write the report for graph '%s' to report_path=%r: %s",
+                    item_id, path, exc)
+
+
+# ---------------------------------------------------------------------------
+# delivering an error through the graph
+# ---------------------------------------------------------------------------
+def _has_poison(gd) -> bool:
+    return any(n.name in _POISON_NODES and n.op == RAISE_OP for n in gd.node)
+
+
+def _pick_device(gd, devices) -> str:
+    node_devs = [n.device for n in gd.node if n.device]
+    for d in node_devs:
+        if "CPU" in d.upper():
+            return d
+    if node_devs:
+        # every node is placed (a TF2 function graph): a host device must exist
+        for d in devices:
+            if "CPU" in d.upper():
+                return d
+        return node_devs[0]
+    return ""
+
+
+def poison(gd, message: str, fetches=(), devices=(), name: str = INVALID_OPTIONS_NODE) -> bytes:
+    """Return ``gd`` (serialized) with an ``NpuAmpRaiseError`` node that every
+    root of the graph waits on, so that running anything fails with ``message``.
+
+    Roots are nodes without inputs and nodes whose data inputs all come from
+    arguments/placeholders (feeds replace placeholders), plus the fetched
+    nodes.  Every other node depends on one of them, and none of them sits
+    inside a v1 while-loop frame, so the control edges are always legal.
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(gd)
+    by_name = {n.name: n for n in out.node}
+    fetch_names = {f.split(":")[0].lstrip("^") for f in fetches}
+    ctrl = "^" + name
+    for n in out.node:
+        if n.op in _ARG_LIKE:
+            continue
+        data_srcs = [i.split(":")[0] for i in n.input if not i.startswith("^")]
+        root = (not n.input
+                or all(by_name.get(s) is not None and by_name[s].op in _ARG_LIKE for s in data_srcs)
+                or n.name in fetch_names)
+        if root and ctrl not in n.input:
+            n.input.append(ctrl)
+    node = out.node.add()
+    node.name = name
+    node.op = RAISE_OP
+    node.attr["message"].s = message.encode("utf-8")
+    node.device = _pick_device(gd, devices)
+    return out.SerializeToString(deterministic=True)
+
+
+# ---------------------------------------------------------------------------
+# import-time registration
+# ---------------------------------------------------------------------------
+_import_error = None
+
+
+def register_on_import():
+    """Called by ``import npu_amp_tf``.  A failed build (no compiler, say)
+    does not make the package unimportable (offline ``rewrite_graph`` still
+    works); it is reported as a warning here and raised by
+    :func:`ensure_registered` (``session_config``, ``enable``)."""
+    global _import_error
+    from .errors import BuildError
+
+    try:
+        register()
+    except BuildError as exc:
+        import warnings
+
+        _import_error = exc
+        warnings.warn(f"npu_amp_tf: the grappler bridge is not available: {exc}", RuntimeWarning,
+                      stacklevel=3)
+
+
+def ensure_registered():
+    """Register the bridge now, raising the build error if there is one."""
+    if _import_error is not None and _callback is None:
+        raise _import_error
+    return register()
