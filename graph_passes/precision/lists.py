@@ -9,6 +9,16 @@ and refuses an op that ends up in two lists.
 * black: always FP32 (range- or accuracy-sensitive).
 * gray:  follows its producers: low precision if fed low precision.
 * clear: data movement; passes on whatever precision it is given.
+
+Ops that are in no list are decided by the ``unknown_op_policy`` option.  Some
+ops are never re-typed whatever the lists say (see ``precision/amp.py``,
+``fixed_reason``): variables and their reads (the FP32 master weights),
+stateful ops and optimizer updates (``ApplyAdam``, ``ResourceApply*``,
+``AssignSub``...), v1 loop plumbing (``Enter``/``Merge``/``Switch``/
+``NextIteration``/``Exit``: a loop-carried value keeps one dtype on every
+edge), TensorList/variant ops (a TensorList cluster keeps one colour), and
+function calls (``PartitionedCall``/``While``/``If``: signatures never change,
+bodies are rewritten on their own with casts inside).
 """
 from __future__ import annotations
 
@@ -29,6 +39,8 @@ WHITE = {
     "BatchMatMulV2": "cube op: batched matrix multiply",
     "BatchMatMulV3": "cube op: batched matrix multiply",
     "Einsum": "cube op: contraction",
+    "_FusedMatMul": "fused cube op (grappler remapper); low only where a kernel exists (none for FP16 on CPU)",
+    "_FusedConv2D": "fused cube op (grappler remapper); low only where a kernel exists (none for FP16 on CPU)",
 }
 
 BLACK = {
@@ -136,7 +148,6 @@ CLEAR = {
     "Gather": "data movement",
     "GatherV2": "data movement",
     "GatherNd": "data movement",
-    "ResourceGather": "reads rows of a variable",
     "BroadcastTo": "data movement",
     "Reverse": "data movement",
     "ReverseV2": "data movement",
@@ -158,14 +169,8 @@ CLEAR = {
     "ZerosLike": "constant fill",
     "OnesLike": "constant fill",
     "Fill": "constant fill",
-    "Enter": "loop plumbing",
-    "Exit": "loop plumbing",
-    "Merge": "control-flow plumbing",
-    "Switch": "control-flow plumbing",
-    "NextIteration": "loop plumbing",
     "CheckNumerics": "passes its input through",
     "EnsureShape": "passes its input through",
-    "OptionalFromValue": "data movement",
 }
 
 LIST_NAMES = ("white", "black", "gray", "clear")

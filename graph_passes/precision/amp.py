@@ -1,0 +1,683 @@
+"""The ``precision`` pass: list painting and the fewest casts (CANN / grappler AMP).
+
+Preconditions
+-------------
+* A graph (main graph or a function body with ``_Arg``/``_Retval`` nodes)
+  whose edges carry consistent dtypes.
+* ``ctx.options`` exposes ``precision`` (canonical CANN mode), ``low_dtype``
+  and the list / override options of ``npu_amp_tf.options`` (read by
+  attribute; missing attributes take their defaults).
+
+Postconditions
+--------------
+* Every float node runs in FP32 or in the low dtype (FP16/BF16) as decided
+  below, and every edge carries the dtype its consumer expects: a Cast is
+  inserted only where producer and consumer disagree.
+* At most one Cast per (tensor, dtype); an existing Cast that fits is reused;
+  a Cast is never fed by another float Cast (chains are collapsed to their
+  root tensor).
+* No node gets a dtype for which no kernel is registered on its device type
+  (CPU when unset); a fallback is a warning in the report.
+* Fetched/preserved nodes, ``_Arg``/``_Retval``, variables and their reads,
+  stateful ops (optimizer updates), v1 loop plumbing, TensorList/variant ops
+  and function calls keep their dtypes (casts go around them).
+* Running the pass twice gives the graph of running it once.
+* Inserted nodes are named ``<src>/CastToFp16``, ``<src>/CastToBf16``,
+  ``<src>/CastToFp32`` (``_<port>`` appended for output ports > 0).
+
+Painting (``allow_mix_precision`` / ``allow_mix_precision_bf16``), one walk in
+topological order (v1 loop back edges cut):
+
+1. white ops go low precision; black ops and unknown ops (policy ``black``)
+   stay FP32 and are *hard* FP32;
+2. gray and clear ops follow their producers: each float data input votes
+   with the dtype of its root tensor (looking through float Casts); constants,
+   variable reads and nodes that had no vote themselves do not vote.  Low
+   wins a majority, and a tie when no voter is hard FP32; a node that stays
+   FP32 because of a hard voter is hard itself (black propagates downstream
+   through gray/clear);
+3. a low decision is refused (FP32, warning) when a constant input would
+   underflow to 0 or overflow to inf in the low dtype, or when no kernel
+   exists; ``keep_dtype`` (node attr ``_keep_dtype`` or ``keep_dtype_nodes``)
+   keeps a node's dtype; ``low_precision_nodes`` forces low where a kernel
+   exists.
+
+Then FP32 constants whose consumers all want the low dtype are converted in
+place, Casts from int/bool retarget their ``DstT``, and the remaining
+mismatching edges get one Cast each.
+
+Before / after (MLP training step)::
+
+    x ──► MatMul ──► BiasAdd ──► Relu ──► MatMul ──► SoftmaxXent ──► loss
+           ▲ w1 (Read)   ▲ b1 (Read)         ▲ w2
+
+    x ─► x/CastToFp16 ─► MatMul16 ─► BiasAdd16 ─► Relu16 ─► MatMul16 ─► MatMul/CastToFp32 ─► SoftmaxXent ─► loss
+    w1 ─► w1/read/CastToFp16 ─┘  b1 ─► b1/read/CastToFp16 ─┘     w2 ─► w2/read/CastToFp16 ─┘
+    (backward MatMuls likewise in FP16; gradients are cast to FP32 before ApplyGradientDescent)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import registry
+from ..errors import OptionError
+from ..graph import parse_tensor, tensor_name
+from ..manager import Pass, register_pass
+from . import lists as _lists
+from . import stats as _stats
+
+FP32 = registry.DT_FLOAT
+FLOATS = registry.FLOAT_TYPES
+
+MODES = ("allow_mix_precision", "allow_mix_precision_bf16", "force_fp16",
+         "must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp32", "cube_fp16in_fp32out")
+_ALIASES = {"allow_mix_precision_fp16": "allow_mix_precision", "fp16": "force_fp16",
+            "origin": "must_keep_origin_dtype", "mixed_float16": "allow_mix_precision",
+            "mixed_bfloat16": "allow_mix_precision_bf16"}
+
+FIXED_OPS = {
+    "Placeholder": "graph input", "PlaceholderWithDefault": "graph input",
+    "_Arg": "function argument", "_Retval": "function result",
+    "Cast": "casts adapt their source dtype instead",
+    "Enter": "v1 loop plumbing", "RefEnter": "v1 loop plumbing",
+    "Exit": "v1 loop plumbing", "RefExit": "v1 loop plumbing",
+    "Merge": "v1 loop plumbing", "RefMerge": "v1 loop plumbing",
+    "Switch": "v1 loop plumbing", "RefSwitch": "v1 loop plumbing",
+    "NextIteration": "v1 loop plumbing", "RefNextIteration": "v1 loop plumbing",
+    "LoopCond": "v1 loop plumbing",
+    "PartitionedCall": "function call", "StatefulPartitionedCall": "function call",
+    "While": "function call", "StatelessWhile": "function call",
+    "If": "function call", "StatelessIf": "function call",
+    "Case": "function call", "StatelessCase": "function call",
+    "SymbolicGradient": "function call",
+}
+# ops that hold the FP32 master weights: their reads neither vote nor change
+VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp", "ReadVariableOp",
+                          "ResourceGather", "_ReadVariablesOp"})
+# where only the T attr follows the activations (U keeps FP32 statistics)
+T_ONLY_OPS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3",
+                        "FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3",
+                        "_FusedBatchNormEx"})
+# single-input pass-throughs through which a constant reaches its consumer
+_CONST_THROUGH = frozenset({"Identity", "Snapshot", "Reshape", "ExpandDims", "Squeeze",
+                            "StopGradient", "Enter", "RefEnter"})
+
+_CAST_SUFFIX = {registry.DT_HALF: "CastToFp16", registry.DT_BFLOAT16: "CastToBf16",
+                registry.DT_FLOAT: "CastToFp32"}
+MODE_ERROR_KEY = "precision_mode"
+
+
+def canonical_mode(options) -> tuple[str, int]:
+    """(canonical precision mode, low DataType) from an options object."""
+    mode = getattr(options, "precision", None) if options is not None else None
+    if mode is None and options is not None:
+        mode = getattr(options, "precision_mode_v2", None) or getattr(options, "precision_mode", None)
+    mode = mode or "allow_mix_precision"
+    mode = _ALIASES.get(mode, mode)
+    if mode not in MODES:
+        raise OptionError(
+            f"{MODE_ERROR_KEY}={mode!r} is not valid; accepted: "
+            + ", ".join(repr(m) for m in MODES + tuple(_ALIASES)))
+    low = getattr(options, "low_dtype", None) if options is not None else None
+    if low is None:
+        low = "bfloat16" if mode == "allow_mix_precision_bf16" else "float16"
+    low_dt = {"float16": registry.DT_HALF, "bfloat16": registry.DT_BFLOAT16}.get(low)
+    if low_dt is None:
+        raise OptionError(f"low_dtype={low!r} is not valid; accepted: 'float16', 'bfloat16'")
+    return mode, low_dt
+
+
+def _np_dtype(dt):
+    from tensorflow.python.framework import dtypes
+    return dtypes.as_dtype(dt).as_numpy_dtype
+
+
+def _truthy_attr(node, key):
+    a = node.attr.get(key)
+    if a is None:
+        return False
+    kind = a.WhichOneof("value")
+    return bool(getattr(a, kind)) if kind in ("b", "i", "s", "f") else kind is not None
+
+
+class _NodeInfo:
+    __slots__ = ("attrs", "in_attr", "fixed")
+
+    def __init__(self, attrs, in_attr, fixed):
+        self.attrs = attrs      # changeable float type attrs
+        self.in_attr = in_attr  # per data input index: its type attr name or ""
+        self.fixed = fixed      # reason it is never re-typed, or None
+
+
+@register_pass("precision")
+class PrecisionPass(Pass):
+    __doc__ = __doc__
+
+    # ------------------------------------------------------------ set-up
+    def run(self, graph, ctx):
+        self.g = graph
+        self.ctx = ctx
+        self.mode, self.low = canonical_mode(ctx.options)
+        self.low_name = registry.dtype_name(self.low)
+        self.default_dev = ctx.default_device_type()
+        self.lists = _lists.resolve_lists(
+            white_add=ctx.option("custom_white_list", ()) or (),
+            black_add=ctx.option("custom_black_list", ()) or (),
+            gray_add=ctx.option("custom_gray_list", ()) or (),
+            mixlist=ctx.option("mixlist", None),
+            mixlist_name=ctx.option("modify_mixlist", None))
+        self.op_list = {}
+        for lname in _lists.LIST_NAMES:
+            for op, why in self.lists[lname].items():
+                self.op_list[op] = (lname, why)
+        self.unknown_policy = ctx.option("unknown_op_policy", "black") or "black"
+        self.keep_names = tuple(ctx.option("keep_dtype_nodes", ()) or ())
+        self.low_names = tuple(ctx.option("low_precision_nodes", ()) or ())
+        self.protected = ctx.protected
+        self._info = {}
+        self._kernel_cache = {}
+        self._unsafe_cache = {}
+        self.casts_inserted = 0
+        self.state = {}   # node -> "low" | "f32" | "hard" | "neutral" | "fixed"
+        self.decisions = {}
+
+        shapes = _stats.ShapeTable(graph)
+        act_before = _stats.activation_bytes(graph, shapes)
+
+        changed = 0
+        if self.mode != "must_keep_origin_dtype":
+            changed = self._paint()
+            self._adapt_casts()
+            self._convert_consts()
+            self._fix_edges(shapes)
+        else:
+            for name, node in graph.nodes.items():
+                if self.info(node).attrs:
+                    self._record(node, "keep", "precision_mode=must_keep_origin_dtype: no change")
+        return self._finish(shapes, act_before, changed)
+
+    # ------------------------------------------------------- node facts
+    def info(self, node) -> _NodeInfo:
+        inf = self._info.get(node.name)
+        if inf is not None and inf[0] is node.op:
+            return inf[1]
+        res = self._compute_info(node)
+        self._info[node.name] = (node.op, res)
+        return res
+
+    def _compute_info(self, node):
+        od = registry.op_def(node.op)
+        if od is None:
+            return _NodeInfo((), [], "function call" if node.op in self.g.functions else "unknown op")
+        fixed = FIXED_OPS.get(node.op)
+        if fixed is None and node.op in VARIABLE_OPS:
+            fixed = "variable: FP32 master weights"
+        if fixed is None and od.is_stateful:
+            fixed = "stateful op (variable update / optimizer / random)"
+        if fixed is None:
+            for arg in list(od.input_arg) + list(od.output_arg):
+                if arg.is_ref or arg.type in (registry.DT_RESOURCE, registry.DT_VARIANT):
+                    fixed = ("TensorList/variant op" if arg.type == registry.DT_VARIANT
+                             else "reads or writes a variable")
+                    break
+        type_attrs = {a.name for a in od.attr if a.type == "type"}
+        used = []
+        for arg in list(od.input_arg) + list(od.output_arg):
+            if arg.type_attr and arg.type_attr in type_attrs and arg.type_attr not in used:
+                used.append(arg.type_attr)
+        attrs = []
+        defaults = {a.name: a.default_value for a in od.attr if a.HasField("default_value")}
+        for a in used:
+            av = node.attr[a] if a in node.attr else defaults.get(a)
+            if av is not None and av.type in FLOATS:
+                attrs.append(a)
+        if node.op in T_ONLY_OPS:
+            attrs = [a for a in attrs if a == "T"]
+        in_attr = []
+        for arg in od.input_arg:
+            if arg.type_list_attr:
+                n = len(node.attr[arg.type_list_attr].list.type) if arg.type_list_attr in node.attr else 0
+                in_attr.extend([""] * n)
+            else:
+                n = node.attr[arg.number_attr].i if arg.number_attr and arg.number_attr in node.attr else 1
+                in_attr.extend([arg.type_attr if arg.type_attr in attrs else ""] * n)
+        return _NodeInfo(tuple(attrs), in_attr, fixed)
+
+    def current(self, node, info):
+        a = info.attrs[0]
+        if a in node.attr:
+            return node.attr[a].type
+        return registry.op_def(node.op) and next(
+            x.default_value.type for x in registry.op_def(node.op).attr if x.name == a)
+
+    def device_type(self, node):
+        return registry.device_type_of(node, default=self.default_dev)
+
+    def kernel_ok(self, node, info, dt):
+        others = {}
+        od = registry.op_def(node.op)
+        for a in od.attr:
+            if a.type == "type" and a.name not in info.attrs and a.name in node.attr:
+                others[a.name] = node.attr[a.name].type
+        key = (node.op, self.device_type(node), dt, tuple(sorted(others.items())))
+        ok = self._kernel_cache.get(key)
+        if ok is None:
+            want = dict(others)
+            for a in info.attrs:
+                want[a] = dt
+            ok = self._kernel_cache[key] = registry.has_kernel(node.op, key[1], want)
+        return ok
+
+    def is_keep(self, node):
+        if _truthy_attr(node, "_keep_dtype"):
+            return True
+        for k in self.keep_names:
+            if node.name == k or (k.endswith("/") and node.name.startswith(k)):
+                return True
+        return False
+
+    def is_forced_low(self, node):
+        for k in self.low_names:
+            if node.name == k or (k.endswith("/") and node.name.startswith(k)):
+                return True
+        return False
+
+    def classify(self, node):
+        entry = self.op_list.get(node.op)
+        if entry is not None:
+            return entry
+        dts = self.g.output_dtypes(node) or []
+        if not any(registry.base_dtype(d) in FLOATS for d in dts):
+            return "gray", "reads floats, writes none: follows its producers (no cast buys anything)"
+        if self.unknown_policy == "gray":
+            return "gray", "in no list; unknown_op_policy='gray'"
+        return "black", "in no list; unknown_op_policy='black'"
+
+    # ---------------------------------------------------- tensor roots
+    def root(self, ref):
+        """Walk back through float->float Casts to the tensor they copy."""
+        seen = 0
+        while seen < 64:
+            src, port, _ = parse_tensor(ref)
+            node = self.g.nodes.get(src)
+            if node is None or node.op != "Cast" or not node.input:
+                return ref
+            if node.attr["SrcT"].type not in FLOATS or node.attr["DstT"].type not in FLOATS:
+                return ref
+            ref = node.input[0]
+            seen += 1
+        return ref
+
+    def _voter(self, ref):
+        """(dtype, hard, producer) of a voting input, or None when it does not vote."""
+        r = self.root(ref)
+        src, port, _ = parse_tensor(r)
+        node = self.g.nodes.get(src)
+        if node is None:
+            return None
+        if node.op == "Const" or node.op in VARIABLE_OPS or node.op == "Cast":
+            return None  # adapts (Const, int->float Cast) or is a variable read
+        st = self.state.get(src)
+        if st == "neutral":
+            return None
+        dt = self.g.tensor_dtype(r)
+        if dt is None or registry.base_dtype(dt) not in FLOATS:
+            return None
+        dt = registry.base_dtype(dt)
+        return dt, (st == "hard" and dt == FP32), src
+
+    def _const_of(self, ref):
+        """A Const reaching this input through casts / identities, or None."""
+        for _ in range(16):
+            r = self.root(ref)
+            node = self.g.nodes.get(parse_tensor(r)[0])
+            if node is None:
+                return None
+            if node.op == "Const":
+                return node
+            if node.op in _CONST_THROUGH and node.input:
+                ref = node.input[0]
+                continue
+            return None
+        return None
+
+    def unsafe_const(self, node, dt):
+        """Why a float Const cannot hold its values in ``dt`` (or None)."""
+        key = (node.name, dt)
+        if key in self._unsafe_cache:
+            return self._unsafe_cache[key]
+        why = None
+        if node.attr["dtype"].type == FP32 and dt != FP32:
+            from tensorflow.python.framework import tensor_util
+            arr = tensor_util.MakeNdarray(node.attr["value"].tensor)
+            low = arr.astype(_np_dtype(dt))
+            under = (arr != 0) & (low.astype(np.float32) == 0)
+            over = np.isfinite(arr) & ~np.isfinite(low.astype(np.float32))
+            if under.any():
+                v = float(arr[under].flat[0])
+                why = f"underflows to 0 in {registry.dtype_name(dt)} (value {v:g})"
+            elif over.any():
+                v = float(arr[over].flat[0])
+                why = f"overflows to inf in {registry.dtype_name(dt)} (value {v:g})"
+        self._unsafe_cache[key] = why
+        return why
+
+    # --------------------------------------------------------- painting
+    def _record(self, node, state, reason, lst=None, dtype=None, **extra):
+        dt = dtype if dtype is not None else None
+        fields = {"reason": reason, "state": state}
+        if lst is not None:
+            fields["list"] = lst
+        if dt is not None:
+            fields["dtype"] = registry.dtype_name(dt)
+        fields.update(extra)
+        self.decisions[node.name] = fields
+
+    def _paint(self):
+        g = self.g
+        changed = 0
+        for name in g.topo_order():
+            node = g.nodes[name]
+            if node.op == "Const":
+                continue
+            info = self.info(node)
+            if not info.attrs:
+                continue
+            cur = self.current(node, info)
+            if info.fixed:
+                self.state[name] = "fixed"
+                self._record(node, "fixed", f"fixed: {info.fixed}", lst="fixed", dtype=cur)
+                continue
+            target, state, reason, lst = self._decide(node, info, cur)
+            if target != cur:
+                for a in info.attrs:
+                    node.attr[a].type = target
+                changed += 1
+            self.state[name] = state
+            self._record(node, state, reason, lst=lst, dtype=target, was=registry.dtype_name(cur))
+        return changed
+
+    def _refuse_low(self, node, info, cur):
+        """Reason a node may not go low precision (unsafe const, no kernel), or None."""
+        for k, inp in enumerate(node.input):
+            if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
+                continue
+            c = self._const_of(inp)
+            if c is not None and c.attr["dtype"].type in FLOATS:
+                why = self.unsafe_const(c, self.low)
+                if why:
+                    msg = f"const underflow: input '{c.name}' {why}; '{node.name}' stays FP32"
+                    self.ctx.warn(msg, node=node.name)
+                    return msg
+        if not self.kernel_ok(node, info, self.low):
+            msg = (f"no kernel: {node.op} has no {self.low_name} kernel on "
+                   f"{self.device_type(node)}; stays {registry.dtype_name(cur)}")
+            self.ctx.warn(msg, node=node.name)
+            return msg
+        return None
+
+    def _to_fp32(self, node, info, cur, reason, state="hard", lst=None):
+        if cur == FP32:
+            return FP32, state, reason, lst
+        if self.kernel_ok(node, info, FP32):
+            return FP32, state, reason, lst
+        msg = f"no kernel: {node.op} has no float32 kernel on {self.device_type(node)}; keeps {registry.dtype_name(cur)}"
+        self.ctx.warn(msg, node=node.name)
+        return cur, "fixed", msg, lst
+
+    def _want_low(self, node, info, cur, reason, lst, refuse_state="hard"):
+        why = self._refuse_low(node, info, cur) if cur != self.low else None
+        if why:
+            return self._to_fp32(node, info, cur, why, state=refuse_state, lst=lst)
+        return self.low, "low", reason, lst
+
+    def _decide(self, node, info, cur):
+        name = node.name
+        if name in self.protected:
+            return cur, ("low" if cur in registry.LOW_TYPES else "f32"), "fetched/preserved: keeps its dtype", "protected"
+        if self.is_keep(node):
+            return cur, ("low" if cur in registry.LOW_TYPES else "hard"), "keep_dtype: never converted", "keep_dtype"
+        lst, why = self.classify(node)
+        if self.is_forced_low(node):
+            return self._want_low(node, info, cur, "low_precision_nodes: forced low precision", lst)
+        mode = self.mode
+        if mode == "force_fp32":
+            if cur == FP32:
+                return cur, "f32", "force_fp32: already FP32", lst
+            return self._to_fp32(node, info, cur, "force_fp32: raised to FP32", state="f32", lst=lst)
+        if mode == "allow_fp32_to_fp16":
+            if cur == FP32 and self.kernel_ok(node, info, FP32):
+                return cur, "f32", "allow_fp32_to_fp16: FP32 kernel exists", lst
+            if cur != FP32 and self.kernel_ok(node, info, FP32):
+                return FP32, "f32", "allow_fp32_to_fp16: FP32 kernel exists", lst
+            if self.kernel_ok(node, info, self.low):
+                return self.low, "low", "allow_fp32_to_fp16: no FP32 kernel, low precision has one", lst
+            return cur, "f32", "allow_fp32_to_fp16: no other kernel; unchanged", lst
+        if mode == "force_fp16":
+            if cur == self.low:
+                return cur, "low", "force_fp16: already low precision", lst
+            return self._want_low(node, info, cur, "force_fp16: every op with a kernel", lst, "f32")
+        if mode == "cube_fp16in_fp32out":
+            if lst == "white":
+                return self._want_low(node, info, cur, f"cube_fp16in_fp32out: white list ({why})", lst, "f32")
+            return cur, ("low" if cur in registry.LOW_TYPES else "f32"), "cube_fp16in_fp32out: not a cube op; unchanged", lst
+        # allow_mix_precision / allow_mix_precision_bf16: the lists decide
+        if lst == "white":
+            return self._want_low(node, info, cur, f"white list: {why}", lst)
+        if lst == "black":
+            return self._to_fp32(node, info, cur, f"black list: {why}", state="hard", lst=lst)
+        n_low = n_f32 = 0
+        hard = False
+        first_low = first_f32 = None
+        for k, inp in enumerate(node.input):
+            if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
+                continue
+            v = self._voter(inp)
+            if v is None:
+                continue
+            dt, h, src = v
+            if dt in registry.LOW_TYPES:
+                n_low += 1
+                first_low = first_low or src
+            else:
+                n_f32 += 1
+                hard = hard or h
+                first_f32 = first_f32 or src
+        if n_low == 0 and n_f32 == 0:
+            return cur, "neutral", f"{lst}: no voting producer (constants/variables only); keeps its dtype", lst
+        if n_low > n_f32 or (n_low == n_f32 and not hard):
+            return self._want_low(node, info, cur, f"{lst}: followed producer '{first_low}' ({self.low_name})", lst)
+        state = "hard" if hard else "f32"
+        return self._to_fp32(node, info, cur, f"{lst}: followed producer '{first_f32}' (float32)", state=state, lst=lst)
+
+    # ------------------------------------------------- casts and consts
+    def _consumer_wants(self, name):
+        """Set of base dtypes the data consumers of ``name``:0 expect (None if unknown)."""
+        wants = set()
+        for cname, idx in self.g.consumers(name, port=0):
+            want = self.g.input_dtypes(self.g.nodes[cname])
+            if want is None or idx >= len(want):
+                return None
+            wants.add(registry.base_dtype(want[idx]))
+        return wants
+
+    def _adapt_casts(self):
+        """User Casts: a float source follows its producer; an int/bool source's
+        float destination follows its consumers (no Cast->Cast chains)."""
+        g = self.g
+        for name in list(g.nodes):
+            node = g.nodes[name]
+            if node.op != "Cast" or name in self.protected or self.is_keep(node) or not node.input:
+                continue
+            src_t = node.attr["SrcT"].type
+            if src_t in FLOATS:
+                have = g.tensor_dtype(node.input[0])
+                if have is not None and registry.base_dtype(have) in FLOATS and have != src_t:
+                    node.attr["SrcT"].type = registry.base_dtype(have)
+            elif node.attr["DstT"].type in FLOATS:
+                wants = self._consumer_wants(name)
+                if wants and len(wants) == 1:
+                    w = wants.pop()
+                    if w in FLOATS and w != node.attr["DstT"].type:
+                        node.attr["DstT"].type = w
+                        self._record(node, "cast", f"int->float Cast retargeted to {registry.dtype_name(w)} "
+                                                   "(its consumers all want it)", dtype=w)
+
+    def _convert_consts(self):
+        g = self.g
+        for name in list(g.nodes):
+            node = g.nodes[name]
+            if node.op != "Const" or name in self.protected or self.is_keep(node):
+                continue
+            cur = node.attr["dtype"].type
+            if cur not in FLOATS:
+                continue
+            wants = self._consumer_wants(name)
+            if not wants or len(wants) != 1:
+                continue
+            w = wants.pop()
+            if w not in FLOATS or w == cur:
+                continue
+            if w != FP32 and self.unsafe_const(node, w):
+                continue
+            _convert_const(node, w)
+            self._record(node, "const", f"constant converted in place to {registry.dtype_name(w)}",
+                         lst="const", dtype=w, was=registry.dtype_name(cur))
+
+    def _fix_edges(self, shapes):
+        g = self.g
+        self._cast_cache = {}
+        for name in list(g.nodes):
+            node = g.nodes[name]
+            want = g.input_dtypes(node)
+            if want is None:
+                continue
+            for k, inp in enumerate(node.input):
+                if inp.startswith("^") or k >= len(want):
+                    continue
+                w = registry.base_dtype(want[k])
+                if w not in FLOATS:
+                    continue
+                have = g.tensor_dtype(inp)
+                if have is None or registry.base_dtype(have) not in FLOATS or registry.base_dtype(have) == w:
+                    continue
+                new_ref = self.cast_to(inp, w, shapes)
+                g.set_input(name, k, new_ref)
+
+    def cast_to(self, ref, dt, shapes=None):
+        """A tensor holding ``ref`` in ``dt``: the root itself, a cached or
+        existing Cast, or a new ``<src>/CastToXx`` node."""
+        g = self.g
+        root = self.root(ref)
+        rdt = g.tensor_dtype(root)
+        if rdt is not None and registry.base_dtype(rdt) == dt:
+            return root
+        key = (root, dt)
+        hit = self._cast_cache.get(key)
+        if hit is not None:
+            return hit
+        src, port, _ = parse_tensor(root)
+        for cname, idx in sorted(g.consumers(src, port=port)):
+            c = g.nodes[cname]
+            if (c.op == "Cast" and idx == 0 and c.attr["DstT"].type == dt
+                    and c.attr["SrcT"].type == registry.base_dtype(rdt)
+                    and not any(i.startswith("^") for i in c.input)):
+                self._cast_cache[key] = cname
+                return cname
+        base = f"{src}/{_CAST_SUFFIX[dt]}" + (f"_{port}" if port else "")
+        cname = g.unique_name(base)
+        g.new_node("Cast", cname, [root], {
+            "SrcT": _type_attr(registry.base_dtype(rdt)), "DstT": _type_attr(dt),
+            "Truncate": False}, device=g.nodes[src].device)
+        self.casts_inserted += 1
+        if shapes is not None:
+            shapes.alias(cname, root)
+        self._cast_cache[key] = cname
+        return cname
+
+    # ------------------------------------------------------------ report
+    def _finish(self, shapes, act_before, changed):
+        g, rep = self.g, self.ctx.report
+        float_nodes = low_nodes = 0
+        lp_flops = total_flops = 0
+        unknown_flops = 0
+        for name, node in g.nodes.items():
+            if node.op in ("Const", "Cast"):
+                continue
+            info = self.info(node)
+            if not info.attrs or info.fixed:
+                continue
+            float_nodes += 1
+            cur = self.current(node, info)
+            if cur in registry.LOW_TYPES:
+                low_nodes += 1
+            if node.op in _stats.MATRIX_OPS:
+                f = _stats.matmul_flops(node, shapes)
+                if f is None:
+                    unknown_flops += 1
+                    continue
+                total_flops += f
+                if cur in registry.LOW_TYPES:
+                    lp_flops += f
+        act_after = _stats.activation_bytes(g, shapes)
+        for n, fields in self.decisions.items():
+            rep.decide(n, **fields)
+        share = (lp_flops / total_flops) if total_flops else None
+        summary = {
+            "precision_mode": self.mode,
+            "low_dtype": self.low_name,
+            "low_precision_nodes": low_nodes,
+            "float_nodes": float_nodes,
+            "casts_inserted": self.casts_inserted,
+            "lp_flops": lp_flops,
+            "matrix_flops": total_flops,
+            "lp_flop_share": share,
+            "matrix_ops_without_shape": unknown_flops,
+            "activation_bytes_before": act_before,
+            "activation_bytes_after": act_after,
+        }
+        if shapes.error:
+            summary["shape_inference_error"] = shapes.error
+        for k, v in summary.items():
+            rep.summary[k] = v
+        return dict(summary, nodes_changed=changed)
+
+
+def _type_attr(dt):
+    from tensorflow.core.framework import attr_value_pb2
+    return attr_value_pb2.AttrValue(type=dt)
+
+
+def _convert_const(node, dt):
+    """Re-type a float Const in place (splat constants stay splat)."""
+    from tensorflow.core.framework import tensor_pb2
+    from tensorflow.python.framework import tensor_util
+
+    t = node.attr["value"].tensor
+    np_dt = _np_dtype(dt)
+    vals = None
+    if not t.tensor_content:
+        if t.dtype == FP32 and len(t.float_val) == 1:
+            vals = np.array(t.float_val, dtype=np.float32)
+        elif t.dtype in registry.LOW_TYPES and len(t.half_val) == 1:
+            vals = np.array(t.half_val, dtype=np.uint16).view(_np_dtype(t.dtype)).astype(np.float32)
+    if vals is not None:
+        n = 1
+        for d in t.tensor_shape.dim:
+            n *= max(d.size, 0)
+    if vals is not None and n != 1:
+        new = tensor_pb2.TensorProto(dtype=dt)
+        new.tensor_shape.CopyFrom(t.tensor_shape)
+        v = vals.astype(np_dt)
+        if dt == FP32:
+            new.float_val.append(float(v[0]))
+        else:
+            new.half_val.append(int(v.view(np.uint16)[0]))
+    else:
+        arr = tensor_util.MakeNdarray(t)
+        new = tensor_util.make_tensor_proto(arr.astype(np_dt), dtype=dt, shape=arr.shape)
+    node.attr["value"].tensor.CopyFrom(new)
+    node.attr["dtype"].type = dt
+
+
+__all__ = ["PrecisionPass", "canonical_mode", "MODES", "FIXED_OPS"]
