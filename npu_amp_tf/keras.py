@@ -1,0 +1,202 @@
+"""Keras 2 entry point: the loss-scaling optimizer for ``model.fit`` and custom loops.
+
+Keras 2 is ``tf.keras`` on TF 2.15 and the ``tf_keras`` package on newer TF
+(where ``tf.keras`` is Keras 3).  Both Keras 2 optimizer families are
+supported: the default ``optimizers.Adam`` etc. and ``optimizers.legacy.*``.
+Keras 3 optimizers are not (use ``keras.mixed_precision.LossScaleOptimizer``
+there, or ``tf_keras``).
+
+::
+
+    keras = npu_amp_tf.keras.keras_module()          # tf.keras or tf_keras
+    opt = npu_amp_tf.AMP_Optimizer(keras.optimizers.Adam(1e-3))
+    model.compile(optimizer=opt, loss=...)           # model.fit works unchanged
+
+    # custom loop (same API as Keras's LossScaleOptimizer):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(model(x), y)
+        scaled = opt.get_scaled_loss(loss)
+    grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    # or simply: opt.minimize(loss, model.trainable_variables, tape=tape)
+
+The returned optimizer is an instance of a subclass of the wrapped
+optimizer's own class (rebuilt from its config), so slots, ``iterations``
+and the checkpoint layout are exactly those of the plain optimizer plus one
+child ``loss_scale_manager``: checkpoints load in both directions.  It also
+implements Keras's ``BaseLossScaleOptimizer`` interface, so ``compile()``
+under a ``mixed_float16`` policy does not wrap it a second time.
+
+On a skipped (overflow) step ``optimizer.iterations`` does not advance, like
+every other piece of optimizer state; ``model.fit`` counts batches itself,
+so it never stalls.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import tensorflow as tf
+
+from .errors import OptionError
+from .loss_scale import make_manager
+from .optimizer import AmpCore, _options
+
+
+def keras_module():
+    """The Keras 2 module: ``tf.keras`` when it is Keras 2, else ``tf_keras``."""
+    import keras as _k  # noqa: F401  (tf.keras resolves to this on 2.15)
+
+    if int(_k.__version__.split(".")[0]) < 3:
+        return tf.keras
+    try:
+        import tf_keras
+    except ImportError:
+        raise OptionError("Keras 2 is needed for npu_amp_tf.keras on this TensorFlow "
+                          f"({tf.__version__}, Keras {_k.__version__}); install tf_keras") from None
+    return tf_keras
+
+
+def optimizer_family(opt):
+    """'v2' (Keras 2 legacy OptimizerV2), 'new' (Keras 2 Optimizer), 'keras3' or None."""
+    for cls in type(opt).__mro__:
+        mod = cls.__module__
+        if cls.__name__ == "OptimizerV2" and mod.endswith("optimizers.legacy.optimizer_v2"):
+            return "v2"
+        if cls.__name__ == "BaseOptimizer" and mod.endswith("optimizers.base_optimizer"):
+            return "keras3"
+        if cls.__name__ == "_BaseOptimizer" and mod.endswith("optimizers.optimizer"):
+            return "new"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _amp_class(base):
+    root = base.__module__.split(".")[0]
+    lso = importlib.import_module(root + ".src.mixed_precision.loss_scale_optimizer")
+    bases = (_AmpKerasMixin, lso.BaseLossScaleOptimizer, base)
+    meta = type(lso.BaseLossScaleOptimizer)
+    return meta("AMP_" + base.__name__, bases, {"_npu_amp_base": base,
+                                                "__module__": __name__})
+
+
+def LossScaleOptimizer(opt, loss_scale_manager=None, is_distributed=False, **options):  # noqa: N802
+    """Keras 2 loss-scaling optimizer (what :func:`npu_amp_tf.AMP_Optimizer` returns
+    for a Keras optimizer).  Options as for ``AMP_Optimizer``."""
+    family = optimizer_family(opt)
+    if family == "keras3":
+        raise OptionError(
+            f"opt={type(opt).__name__} is a Keras 3 optimizer, which npu_amp_tf.keras does not "
+            "wrap; accepted: a Keras 2 optimizer (tf.keras on TF 2.15, tf_keras on newer TF). "
+            "With Keras 3 use keras.mixed_precision.LossScaleOptimizer")
+    if family is None:
+        raise OptionError(f"opt={opt!r} is not a Keras 2 optimizer")
+    if isinstance(opt, _AmpKerasMixin):
+        raise OptionError(f"opt={type(opt).__name__} is already loss-scaled; wrap it only once")
+    opts = _options(options)
+    manager = make_manager(loss_scale_manager, opts)
+    base = type(opt)
+    try:
+        new = _amp_class(base).from_config(opt.get_config())
+    except Exception as exc:  # noqa: BLE001
+        raise OptionError(f"cannot rebuild {base.__name__} from its config for loss scaling: "
+                          f"{exc}; pass a freshly constructed optimizer") from None
+    new._npu_amp_setup(opt, family, manager, AmpCore(manager, opts, is_distributed))
+    return new
+
+
+class _AmpKerasMixin:
+    """Methods added on top of the wrapped Keras optimizer's class."""
+
+    _npu_amp_base = None
+
+    def _npu_amp_setup(self, inner, family, manager, core):
+        self.__dict__["_npu_amp_inner"] = inner
+        self.__dict__["_npu_amp_family"] = family
+        self.__dict__["_npu_amp_core"] = core
+        self.__dict__["_npu_amp_manager"] = manager
+        self._track_trackable(manager, name="loss_scale_manager", overwrite=True)
+
+    # ---------------------------------------------------- Keras LSO interface
+    @property
+    def loss_scale_manager(self):
+        return self._npu_amp_manager
+
+    @property
+    def dynamic(self):
+        return self._npu_amp_manager.is_dynamic
+
+    @property
+    def loss_scale(self):
+        return tf.convert_to_tensor(self._npu_amp_manager.get_loss_scale())
+
+    @property
+    def dynamic_counter(self):
+        return self._npu_amp_manager.good_steps if self.dynamic else None
+
+    @property
+    def initial_scale(self):
+        return self._npu_amp_manager._init_scale  # pylint: disable=protected-access
+
+    @property
+    def dynamic_growth_steps(self):
+        return getattr(self._npu_amp_manager, "incr_every_n_steps", None)
+
+    @property
+    def inner_optimizer(self):
+        """The optimizer passed in (its configuration source; updates run on this object)."""
+        return self._npu_amp_inner
+
+    def get_scaled_loss(self, loss):
+        return self._npu_amp_core.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads):
+        return self._npu_amp_core.unscale(list(grads))
+
+    def fp16_copy(self, var):
+        return self._npu_amp_core.fp16_copy(var)
+
+    # ------------------------------------------------------------- training
+    def minimize(self, loss, var_list, *args, tape=None, **kwargs):
+        base = self._npu_amp_base
+        tape = tape if tape is not None else tf.GradientTape()
+        if callable(loss):
+            scaled = self._npu_amp_core.scale_loss(loss)
+        else:
+            with tape:
+                scaled = self._npu_amp_core.scale_loss(loss)
+        name = kwargs.pop("name", None)
+        if self._npu_amp_family == "v2":
+            grad_loss = kwargs.pop("grad_loss", args[0] if args else None)
+            if len(args) > 1:
+                name = args[1]
+            gv = base._compute_gradients(self, scaled, var_list=var_list,  # pylint: disable=protected-access
+                                         grad_loss=grad_loss, tape=tape)
+        else:
+            gv = base.compute_gradients(self, scaled, var_list, tape)
+        return self._npu_amp_apply(list(gv), scaled=True, name=name)
+
+    def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+        """Apply UNSCALED gradients (as from ``get_unscaled_gradients``)."""
+        return self._npu_amp_apply(list(grads_and_vars), scaled=False, name=name)
+
+    def _npu_amp_apply(self, gv, scaled, name):
+        base = self._npu_amp_base
+        var_list = [v for g, v in gv if g is not None]
+        if self._npu_amp_family == "v2":
+            flag = {"experimental_aggregate_gradients": False}
+            with tf.init_scope():
+                self._create_all_weights(var_list)
+        else:
+            flag = {"skip_gradients_aggregation": True}
+            with tf.init_scope():
+                self.build(var_list)
+
+        def apply_local(pairs):
+            return base.apply_gradients(self, pairs, name=name, **flag)
+
+        def apply_cross_replica(strategy, grads, var_list):
+            return strategy.extended.call_for_each_replica(
+                lambda g: apply_local(list(zip(g, var_list))), args=(grads,))
+
+        return self._npu_amp_core.step(gv, scaled, apply_local, apply_cross_replica)

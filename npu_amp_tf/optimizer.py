@@ -1,0 +1,535 @@
+"""``AMP_Optimizer``: loss scaling, overflow skip, FP32 master weights.
+
+Usage, as in CANN's TF scripts::
+
+    opt = tf.compat.v1.train.AdamOptimizer()
+    opt = npu_amp_tf.AMP_Optimizer(opt)            # dynamic loss scale (default)
+    train_op = opt.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+
+``AMP_Optimizer`` also accepts a Keras 2 optimizer (``tf.keras`` on TF 2.15,
+``tf_keras`` on newer TF) and then returns the Keras wrapper of
+:mod:`npu_amp_tf.keras`.
+
+One step, as built by this module (pure TF ops, no custom kernels)::
+
+    loss ──×scale──► grads(scaled) ──[tf.distribute: cast allreduce_dtype, all-reduce SUM,
+                                       cast back]──► concat(flatten all grads, IndexedSlices values)
+         ──× 1/scale (FP32)──► is_finite ─► reduce_all ═► finite   (ONE fused check)
+                          └── split ─► unscaled FP32 grads
+    tf.cond(finite, inner.apply_gradients(unscaled) [+ refresh FP16 copies], no-op)
+    manager.update_loss_scale(finite)          # scale, counters, history, summaries
+    global_step += 1                           # always (TF1 wrapper), see below
+
+``global_step`` on a skipped step: the TF1 wrapper increments ``global_step``
+on every call, skipped or not, so loops that run to a step count
+(``StopAtStepHook``, Estimator ``max_steps``) never stall; the number of
+applied updates is ``global_step - skipped_steps``.  Step-dependent optimizer
+state (Adam's ``beta1_power``/``beta2_power``, Keras ``optimizer.iterations``)
+only advances on applied updates.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from .errors import NpuAmpError, OptionError
+from .loss_scale import (ExponentialUpdateLossScaleManager, FixedLossScaleManager,  # noqa: F401
+                         LossScaleManager, make_manager, non_amp_variables)
+from .options import Options
+
+#: TF1 collection of the FP16 working copies (``keep_fp16_copies=True``)
+FP16_COPIES_COLLECTION = "npu_amp_tf_fp16_copies"
+
+
+# ---------------------------------------------------------------------------
+# tf.distribute support
+# ---------------------------------------------------------------------------
+def _current_strategy():
+    if not tf.distribute.has_strategy():
+        return None
+    return tf.distribute.get_strategy()
+
+
+def check_strategy(strategy):
+    """Raise unless ``strategy`` is one this optimizer handles correctly."""
+    if strategy is None:
+        return
+    from tensorflow.python.distribute import mirrored_strategy, one_device_strategy
+
+    if isinstance(strategy.extended, (mirrored_strategy.MirroredExtended,
+                                      one_device_strategy.OneDeviceExtended)):
+        return
+    raise NpuAmpError(
+        f"AMP_Optimizer does not support {type(strategy).__name__}: the overflow verdict and "
+        "the loss scale could differ between replicas or parameter servers. Supported: "
+        "no strategy, OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy")
+
+
+def _comm_options(bucket_size_mb):
+    if bucket_size_mb and bucket_size_mb > 0:
+        return tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=int(bucket_size_mb * 1024 * 1024))
+    return tf.distribute.experimental.CommunicationOptions()
+
+
+class _PreReducedExtended:
+    """``strategy.extended`` whose ``batch_reduce_to`` is the identity: lets a
+    TF1 optimizer's ``_distributed_apply`` update with gradients that this
+    module already all-reduced (in ``allreduce_dtype``, with packing)."""
+
+    def __init__(self, extended):
+        self._extended = extended
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        return [v for v, _ in value_destination_pairs]
+
+    def __getattr__(self, name):
+        return getattr(self._extended, name)
+
+
+class _PreReduced:
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self.extended = _PreReducedExtended(strategy.extended)
+
+    def __getattr__(self, name):
+        return getattr(self._strategy, name)
+
+
+# ---------------------------------------------------------------------------
+# the shared machinery
+# ---------------------------------------------------------------------------
+def _values(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def fused_unscale_and_check(grads, inv_scale=None, check=True):
+    """Unscale (optional) and check a list of gradients with ONE reduction.
+
+    ``grads``: Tensors / IndexedSlices / None.  ``inv_scale``: float32 scalar
+    or None (no unscaling).  Returns ``(grads_out, finite)`` where
+    ``grads_out`` keeps each gradient's dtype and kind (unscaled in FP32) and
+    ``finite`` is a scalar bool (or None when ``check`` is False).
+
+    All gradients are flattened into one FP32 vector; a single
+    ``IsFinite``+``All`` runs over it (TF has no multi-tensor finiteness
+    kernel on CPU; one reduction instead of one per variable).
+    """
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    if not idx or (inv_scale is None and not check):
+        return list(grads), (tf.constant(True) if check else None)
+    vals = [_values(grads[i]) for i in idx]
+    flat_parts = [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in vals]
+    flat = flat_parts[0] if len(flat_parts) == 1 else tf.concat(flat_parts, 0)
+    if inv_scale is not None:
+        flat = flat * inv_scale
+    finite = tf.reduce_all(tf.math.is_finite(flat)) if check else None
+    out = list(grads)
+    if inv_scale is not None:
+        if len(vals) == 1:
+            pieces = [flat]
+        else:
+            sizes = [v.shape.num_elements() for v in vals]
+            if all(s is not None for s in sizes):
+                pieces = tf.split(flat, sizes)
+            else:
+                pieces = tf.split(flat, tf.stack([tf.size(v) for v in vals]), num=len(vals))
+        for i, v, p in zip(idx, vals, pieces):
+            shape = v.shape if v.shape.is_fully_defined() else tf.shape(v)
+            nv = tf.cast(tf.reshape(p, shape), v.dtype)
+            g = grads[i]
+            out[i] = (tf.IndexedSlices(nv, g.indices, g.dense_shape)
+                      if isinstance(g, tf.IndexedSlices) else nv)
+    return out, finite
+
+
+class AmpCore:
+    """Loss-scaling step logic shared by the TF1 and Keras wrappers.
+
+    ``apply_local(grads_and_vars)`` applies unscaled gradients with the wrapped
+    optimizer (no aggregation); ``apply_cross_replica(strategy, grads, vars)``
+    does the same from cross-replica context for tf.distribute.
+    """
+
+    def __init__(self, manager: LossScaleManager, options: Options, is_distributed=False):
+        self.manager = manager
+        self.options = options
+        self.check = manager.enable_overflow_check
+        self.accum_n = options.gradient_accumulation_steps
+        self.allreduce_dtype = tf.as_dtype(options.allreduce_dtype)
+        self.comm_options = _comm_options(options.bucket_size_mb)
+        self.keep_fp16_copies = options.keep_fp16_copies
+        self.is_distributed = bool(is_distributed)
+        self._accum = None      # (graph, {var_ref: acc}, count, ok)
+        self._copies = {}       # var ref -> fp16 copy
+        with tf.init_scope():
+            if tf.executing_eagerly():
+                check_strategy(_current_strategy())
+                manager.build()
+
+    # -------------------------------------------------------------- scaling
+    def loss_scale(self):
+        return self.manager.get_loss_scale()
+
+    def scale_loss(self, loss):
+        if callable(loss):
+            return lambda: self.scale_loss(loss())
+        loss = tf.convert_to_tensor(loss)
+        if loss.dtype != tf.float32:
+            loss = tf.cast(loss, tf.float32)
+        return loss * tf.cast(self.loss_scale(), tf.float32)
+
+    def inv_scale(self):
+        return tf.math.reciprocal(tf.cast(self.loss_scale(), tf.float32))
+
+    def unscale(self, grads):
+        out, _ = fused_unscale_and_check(list(grads), self.inv_scale(), check=False)
+        return out
+
+    # -------------------------------------------------------------- state
+    def _graph_key(self):
+        with tf.init_scope():
+            return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+    def _local_var(self, name, init, dtype, shape=None):
+        """A non-checkpointed helper variable (TF1: LOCAL_VARIABLES)."""
+        with tf.init_scope():
+            if tf.executing_eagerly():
+                kw = {}
+                if _current_strategy() is not None:
+                    kw = dict(synchronization=tf.VariableSynchronization.ON_READ,
+                              aggregation=tf.VariableAggregation.NONE)
+                return tf.Variable(init, trainable=False, name=name, dtype=dtype, **kw)
+            return tf.compat.v1.get_variable(
+                name, shape=shape, dtype=dtype, initializer=init, trainable=False,
+                use_resource=True, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+
+    def fp16_copy(self, var):
+        """The FP16 working copy of ``var`` (``keep_fp16_copies=True``) or None."""
+        return self._copies.get(var.ref())
+
+    def prepare(self, var_list):
+        """Create copies and accumulators before any tf.cond."""
+        self.manager.build()
+        if self.keep_fp16_copies:
+            for v in var_list:
+                if v.dtype.base_dtype != tf.float32 or v.ref() in self._copies:
+                    continue
+                name = v.name.split(":")[0] + "/Fp16Copy"
+                with tf.init_scope():
+                    if tf.executing_eagerly():
+                        c = tf.Variable(tf.cast(v.read_value(), tf.float16), trainable=False,
+                                        name=name.replace("/", "_"))
+                    else:
+                        # local (never checkpointed), initialised from the (restored) master
+                        c = tf.compat.v1.get_variable(
+                            name, dtype=tf.float16, trainable=False,
+                            initializer=tf.cast(v.initialized_value(), tf.float16),
+                            use_resource=True,
+                            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
+                                         FP16_COPIES_COLLECTION])
+                self._copies[v.ref()] = c
+        if self.accum_n > 1:
+            g = self._graph_key()
+            if self._accum is None or self._accum[0] is not g:
+                accs = {}
+                for v in var_list:
+                    name = v.name.split(":")[0].replace("/", "_") + "_npu_amp_accum"
+                    accs[v.ref()] = self._local_var(
+                        name, tf.zeros_initializer()(v.shape, tf.float32)
+                        if g is None else tf.compat.v1.zeros_initializer(),
+                        tf.float32, shape=v.shape)
+                count = self._local_var("npu_amp_accum_count",
+                                        tf.constant(0, tf.int64) if g is None
+                                        else tf.compat.v1.zeros_initializer(), tf.int64, shape=())
+                self._accum = (g, accs, count)
+
+    def refresh_copies(self, var_list):
+        ops = []
+        for v in var_list:
+            c = self._copies.get(v.ref())
+            if c is not None:
+                ops.append(c.assign(tf.cast(v.read_value(), tf.float16), read_value=False))
+        return tf.group(*ops)
+
+    # -------------------------------------------------------------- the step
+    def step(self, grads_and_vars, scaled, apply_local, apply_cross_replica=None,
+             global_step=None):
+        """Build/run one loss-scaled optimizer step.  Returns an op (graph) or None."""
+        gv = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not gv:
+            raise ValueError("No gradients provided for any variable: "
+                             f"{[v.name for _, v in grads_and_vars]}")
+        grads = [g for g, _ in gv]
+        var_list = [v for _, v in gv]
+        strategy = _current_strategy()
+        check_strategy(strategy)
+        if self.is_distributed and strategy is None:
+            raise NpuAmpError(
+                "is_distributed=True needs a tf.distribute MirroredStrategy or "
+                "MultiWorkerMirroredStrategy scope (use strategy.run); Horovod/HCCL are not "
+                "supported")
+        self.prepare(var_list)
+        if strategy is not None and tf.distribute.in_cross_replica_context():
+            raise NpuAmpError("AMP_Optimizer.apply_gradients must be called in replica context "
+                              "(inside strategy.run), not in cross-replica context")
+        if strategy is not None:
+            return self._step_distributed(strategy, grads, var_list, scaled,
+                                          apply_cross_replica, global_step)
+        inv = self.inv_scale() if scaled else None
+        grads, finite = fused_unscale_and_check(grads, inv, self.check)
+        if self.accum_n > 1:
+            op = self._accumulate(grads, var_list, finite, apply_local)
+        elif finite is None:
+            with tf.control_dependencies([_as_dep(apply_local(list(zip(grads, var_list))))]):
+                op = tf.group(self.refresh_copies(var_list),
+                              self.manager.update_loss_scale(tf.constant(True)))
+        else:
+            def do_apply():
+                with tf.control_dependencies([_as_dep(apply_local(list(zip(grads, var_list))))]):
+                    return tf.group(self.refresh_copies(var_list))
+            applied = tf.cond(finite, do_apply, tf.no_op)
+            op = tf.group(applied, self.manager.update_loss_scale(finite))
+        return self._finish(op, global_step)
+
+    def _finish(self, op, global_step):
+        if tf.executing_eagerly():
+            if global_step is not None:
+                global_step.assign_add(1)
+            return None
+        self.manager.summaries()
+        if global_step is not None:
+            with tf.control_dependencies([op]):
+                return tf.compat.v1.assign_add(global_step, 1).op
+        return op
+
+    def _accumulate(self, grads, var_list, finite, apply_local):
+        _, accs, count = self._accum
+        n = self.accum_n
+        acc_list = [accs[v.ref()] for v in var_list]
+        if finite is None:
+            finite = tf.constant(True)
+
+        def add():
+            adds = []
+            for a, g in zip(acc_list, grads):
+                if isinstance(g, tf.IndexedSlices):
+                    g = tf.convert_to_tensor(tf.IndexedSlices(
+                        tf.cast(g.values, tf.float32), g.indices, g.dense_shape))
+                adds.append(a.assign_add(tf.cast(g, tf.float32), read_value=False))
+            with tf.control_dependencies(adds):
+                return count.assign_add(1)
+
+        def reset():
+            return tf.group(*[a.assign(tf.zeros_like(a), read_value=False) for a in acc_list],
+                            count.assign(0, read_value=False))
+
+        def discard():
+            with tf.control_dependencies([reset()]):
+                return tf.constant(0, tf.int64)
+
+        c = tf.cond(finite, add, discard)
+        do = tf.logical_and(finite, c >= n)
+
+        def apply_acc():
+            avg = [tf.cast(a.read_value() / n, v.dtype) for a, v in zip(acc_list, var_list)]
+            with tf.control_dependencies([_as_dep(apply_local(list(zip(avg, var_list))))]):
+                with tf.control_dependencies([self.refresh_copies(var_list)]):
+                    return reset()
+
+        applied = tf.cond(do, apply_acc, tf.no_op)
+        # an overflow in any micro-step discards the accumulated update
+        return tf.group(applied, self.manager.update_loss_scale(finite, skipped=tf.logical_not(finite)))
+
+    def _step_distributed(self, strategy, grads, var_list, scaled, apply_cross_replica,
+                          global_step):
+        if self.accum_n > 1:
+            raise OptionError(
+                f"gradient_accumulation_steps={self.accum_n} is not supported under "
+                f"{type(strategy).__name__} yet; accepted there: 1")
+        ctx = tf.distribute.get_replica_context()
+        rd = self.allreduce_dtype
+        scale = tf.cast(self.loss_scale(), tf.float32)
+        send = []
+        for g in grads:
+            v = _values(g)
+            if rd != tf.float32:
+                v = tf.cast(v, tf.float32)
+                if not scaled:
+                    v = v * scale   # reduce scaled grads so FP16 keeps their range
+                v = tf.cast(v, rd)
+            send.append(tf.IndexedSlices(v, g.indices, g.dense_shape)
+                        if isinstance(g, tf.IndexedSlices) else v)
+        was_scaled = scaled or rd != tf.float32
+        # one collective (packed by bucket_size_mb); an inf/NaN on any replica
+        # makes the sum non-finite on every replica: all replicas agree.
+        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, send, options=self.comm_options)
+        reduced = [(tf.IndexedSlices(tf.cast(r.values, g.values.dtype), r.indices, r.dense_shape)
+                    if isinstance(r, tf.IndexedSlices) else tf.cast(r, g.dtype))
+                   for r, g in zip(reduced, grads)]
+        unscaled, finite = fused_unscale_and_check(
+            reduced, tf.math.reciprocal(scale) if was_scaled else None, self.check)
+        if finite is None:
+            finite = tf.constant(True)
+
+        def merge_fn(strat, unscaled, finite):
+            finite = strat.experimental_local_results(finite)[0]
+
+            def do_apply():
+                with tf.control_dependencies([_as_dep(apply_cross_replica(strat, unscaled, var_list))]):
+                    return tf.group(self.refresh_copies(var_list))
+            if self.check:
+                applied = tf.cond(finite, do_apply, tf.no_op)
+            else:
+                applied = do_apply()
+            ops = [applied, self.manager.update_loss_scale(finite)]
+            if global_step is not None:
+                with tf.control_dependencies(ops):
+                    ops.append(global_step.assign_add(1, read_value=False))
+            if not tf.executing_eagerly():
+                self.manager.summaries()
+            return tf.group(*ops)
+
+        return ctx.merge_call(merge_fn, args=(unscaled, finite))
+
+
+def _as_dep(x):
+    if x is None:
+        return tf.no_op()
+    if isinstance(x, tf.Operation):
+        return x
+    if isinstance(x, (list, tuple)):
+        return tf.group(*[_as_dep(i) for i in x])
+    return tf.group(x) if isinstance(x, tf.Tensor) else tf.no_op()
+
+
+def _options(options, source="AMP_Optimizer") -> Options:
+    return Options.from_kwargs(_source=source, _groups=("loss_scale",), **options)
+
+
+# ---------------------------------------------------------------------------
+# TF1 wrapper
+# ---------------------------------------------------------------------------
+class TF1AmpOptimizer(tf.compat.v1.train.Optimizer):
+    """Loss-scaling wrapper of a ``tf.compat.v1.train.Optimizer``.
+
+    ``compute_gradients`` returns UNSCALED FP32 gradients (clip or inspect
+    them as usual); ``apply_gradients`` checks them (one fused check) and
+    applies them under ``tf.cond``; ``minimize`` does both, skipping one
+    unscale pass.
+    """
+
+    def __init__(self, opt, loss_scale_manager=None, is_distributed=False, **options):
+        if not isinstance(opt, tf.compat.v1.train.Optimizer):
+            raise OptionError(f"opt={opt!r} is not a tf.compat.v1.train.Optimizer")
+        opts = _options(options)
+        super().__init__(use_locking=False, name="AMP_" + opt.get_name())
+        self._opt = opt
+        self._manager = make_manager(loss_scale_manager, opts)
+        self._core = AmpCore(self._manager, opts, is_distributed)
+
+    # observability ----------------------------------------------------------
+    @property
+    def loss_scale_manager(self) -> LossScaleManager:
+        return self._manager
+
+    @property
+    def inner_optimizer(self):
+        return self._opt
+
+    def get_loss_scale(self):
+        return self._manager.get_loss_scale()
+
+    def fp16_copy(self, var):
+        return self._core.fp16_copy(var)
+
+    # gradients --------------------------------------------------------------
+    def _scaled_gradients(self, loss, var_list=None, gate_gradients=1, aggregation_method=None,
+                          colocate_gradients_with_ops=False, grad_loss=None):
+        return self._opt.compute_gradients(
+            self._core.scale_loss(loss), var_list=var_list, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss)
+
+    def compute_gradients(self, loss, var_list=None, gate_gradients=1, aggregation_method=None,
+                          colocate_gradients_with_ops=False, grad_loss=None):
+        gv = self._scaled_gradients(loss, var_list, gate_gradients, aggregation_method,
+                                    colocate_gradients_with_ops, grad_loss)
+        grads = self._core.unscale([g for g, _ in gv])
+        return list(zip(grads, [v for _, v in gv]))
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        return self._apply(list(grads_and_vars), global_step, name, scaled=False)
+
+    def minimize(self, loss, global_step=None, var_list=None, gate_gradients=1,
+                 aggregation_method=None, colocate_gradients_with_ops=False, name=None,
+                 grad_loss=None):
+        gv = self._scaled_gradients(loss, var_list, gate_gradients, aggregation_method,
+                                    colocate_gradients_with_ops, grad_loss)
+        if not [v for g, v in gv if g is not None]:
+            raise ValueError(f"No gradients provided for any variable: {[v.name for _, v in gv]}")
+        return self._apply(gv, global_step, name, scaled=True)
+
+    def _apply(self, gv, global_step, name, scaled):
+        opt = self._opt
+
+        def apply_local(pairs):
+            with tf.init_scope():
+                opt._create_slots([v for _, v in pairs])  # pylint: disable=protected-access
+            return opt.apply_gradients(pairs, name=name)
+
+        def apply_cross_replica(strategy, grads, var_list):
+            return opt._distributed_apply(  # pylint: disable=protected-access
+                _PreReduced(strategy), list(zip(grads, var_list)), None, name)
+
+        with tf.init_scope():
+            opt._create_slots([v for g, v in gv if g is not None])  # pylint: disable=protected-access
+        return self._core.step(gv, scaled, apply_local, apply_cross_replica, global_step)
+
+    # delegation -------------------------------------------------------------
+    def get_slot(self, var, name):
+        return self._opt.get_slot(var, name)
+
+    def get_slot_names(self):
+        return self._opt.get_slot_names()
+
+    def variables(self):
+        return self._opt.variables() + self._manager.state_variables
+
+    def _create_slots(self, var_list):
+        self._opt._create_slots(var_list)  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------------------
+# public entry points
+# ---------------------------------------------------------------------------
+def AMP_Optimizer(opt, loss_scale_manager=None, **options):  # noqa: N802 (CANN name)
+    """Wrap ``opt`` with loss scaling, overflow skip and FP32 master weights.
+
+    ``opt``: a ``tf.compat.v1.train.Optimizer`` (returns a TF1 optimizer) or a
+    Keras 2 optimizer (returns the Keras wrapper, see :mod:`npu_amp_tf.keras`).
+    ``loss_scale_manager``: None or ``"dynamic"`` (dynamic scaling with the
+    options below), a number (fixed scale), or a manager instance.
+    ``options``: the ``loss_scale`` group of :mod:`npu_amp_tf.options`
+    (``init_loss_scale``, ``incr_every_n_steps``, ``decr_every_n_nan_or_inf``,
+    ``incr_ratio``, ``decr_ratio``, ``min_loss_scale``, ``max_loss_scale``,
+    ``enable_overflow_check``, ``keep_fp16_copies``,
+    ``gradient_accumulation_steps``, ``allreduce_dtype``, ``bucket_size_mb``).
+    """
+    is_distributed = options.pop("is_distributed", False)
+    if isinstance(opt, tf.compat.v1.train.Optimizer):
+        return TF1AmpOptimizer(opt, loss_scale_manager, is_distributed=is_distributed, **options)
+    from . import keras as _keras
+
+    family = _keras.optimizer_family(opt)
+    if family is not None:
+        return _keras.LossScaleOptimizer(opt, loss_scale_manager, is_distributed=is_distributed,
+                                         **options)
+    raise OptionError(
+        f"opt={opt!r} ({type(opt).__module__}.{type(opt).__name__}) is not a supported "
+        "optimizer; accepted: a tf.compat.v1.train.Optimizer or a Keras 2 optimizer "
+        "(tf.keras on TF 2.15, tf_keras on newer TF)")
+
+
+def NPULossScaleOptimizer(opt, loss_scale_manager, is_distributed=False):  # noqa: N802
+    """CANN-compatible alias of :func:`AMP_Optimizer`."""
+    return AMP_Optimizer(opt, loss_scale_manager, is_distributed=is_distributed)
