@@ -16,3 +16,8 @@ from .config import amp_scope, disable, enable, session_config  # noqa: E402
 
 _bridge.register_on_import()
 __all__ += ["session_config", "enable", "disable", "amp_scope"]
+
+# Mixed precision: offline rewrite and the keep-dtype scope (CANN npu_scope.keep_dtype_scope).
+from .precision import keep_dtype_scope, rewrite_graph  # noqa: E402
+
+__all__ += ["rewrite_graph", "keep_dtype_scope"]
