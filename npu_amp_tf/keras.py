@@ -75,7 +75,13 @@ def _amp_class(base):
     root = base.__module__.split(".")[0]
     lso = importlib.import_module(root + ".src.mixed_precision.loss_scale_optimizer")
     bases = (_AmpKerasMixin, lso.BaseLossScaleOptimizer, base)
-    meta = type(lso.BaseLossScaleOptimizer)
+    lso_meta = type(lso.BaseLossScaleOptimizer)
+
+    class meta(lso_meta):
+        # Keras's metaclass redirects construction to its own LossScaleOptimizer
+        def __call__(cls, *args, **kwargs):
+            return type.__call__(cls, *args, **kwargs)
+
     return meta("AMP_" + base.__name__, bases, {"_npu_amp_base": base,
                                                 "__module__": __name__})
 
