@@ -42,7 +42,7 @@ wheel-check: venv
 	  assert '/site/' in npu_amp_tf.__file__, npu_amp_tf.__file__; L.load(); print('wheel ok:', L.source_dir())"
 
 readme-table: venv
-	$(BIN)/python -c "import npu_amp_tf.options as o; print(o.markdown_table())"
+	$(BIN)/python -m npu_amp_tf.options README.md
 
 clean:
 	rm -rf build dist *.egg-info .venv .venv-*

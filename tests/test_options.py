@@ -142,3 +142,11 @@ def test_markdown_table_lists_every_option():
     table = O.markdown_table()
     for name in O.OPTIONS:
         assert f"`{name}`" in table
+
+
+def test_readme_parameter_table_is_current():
+    """The README's table is generated from OPTIONS (`make readme-table`)."""
+    import pathlib
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split(O.TABLE_START, 1)[1].split(O.TABLE_END, 1)[0].strip()
+    assert block == O.markdown_table(), "README parameter table is stale: run `make readme-table`"
