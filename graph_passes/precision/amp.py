@@ -507,14 +507,14 @@ class PrecisionPass(Pass):
         g = self.g
         for name in list(g.nodes):
             node = g.nodes[name]
-            if node.op != "Cast" or name in self.protected or self.is_keep(node) or not node.input:
+            if node.op != "Cast" or self.is_keep(node) or not node.input:
                 continue
             src_t = node.attr["SrcT"].type
-            if src_t in FLOATS:
+            if src_t in FLOATS:  # output dtype unchanged: fine for fetched casts too
                 have = g.tensor_dtype(node.input[0])
                 if have is not None and registry.base_dtype(have) in FLOATS and have != src_t:
                     node.attr["SrcT"].type = registry.base_dtype(have)
-            elif node.attr["DstT"].type in FLOATS:
+            elif node.attr["DstT"].type in FLOATS and name not in self.protected:
                 wants = self._consumer_wants(name)
                 if wants and len(wants) == 1:
                     w = wants.pop()
