@@ -75,8 +75,8 @@ _callback = None            # keep the ctypes thunk alive
 _tls = threading.local()    # re-entrancy guard
 _REPORTS_MAX = 64
 _reports: collections.deque = collections.deque(maxlen=_REPORTS_MAX)
-_MEMO_MAX = 256
-_memo: "collections.OrderedDict[tuple, bool]" = collections.OrderedDict()
+_MEMO_MAX = 16
+_memo: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 _stats = collections.Counter()
 
 
@@ -254,14 +254,18 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         out = poison(gd, msg, fetches, devices, INVALID_OPTIONS_NODE)
         return _finish(entry, "invalid_options", t0, msg, out=out, gd=gd)
 
-    # 2. already handled?  (grappler calls us once per meta-optimizer iteration)
-    key = (hash(options), hashlib.sha1(graph_bytes).digest(), tuple(fetches))
+    # 2. seen these exact bytes with these options before?  (a Session built
+    #    twice on one graph, a function re-instantiated...).  The pipeline is
+    #    a pure function of (graph, options, fetch, preserve, devices).
+    key = (hash(options), hashlib.sha1(graph_bytes).digest(), tuple(fetches), tuple(preserve),
+           tuple(devices))
     with _lock:
-        hit = key in _memo
-        if hit:
+        cached = _memo.get(key)
+        if cached is not None:
             _memo.move_to_end(key)
-    if hit:
-        return _finish(entry, "cached", t0, None, code=RC_UNCHANGED)
+    if cached is not None:
+        code, out = cached
+        return _finish(entry, "cached", t0, None, out=out or None, code=code)
 
     t_parse = time.perf_counter()
     gd = graph_pb2.GraphDef.FromString(graph_bytes)
@@ -292,22 +296,29 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     rep = report.to_json()
     entry["report"] = rep
     failed = rep.get("summary", {}).get("failed_pass")
-    t_ser = time.perf_counter()
-    out = new_gd.SerializeToString(deterministic=True)
-    ser_s = time.perf_counter() - t_ser
-    entry["bridge_s"] = parse_s + ser_s
     _write_report_file(options, item_id, rep)
-    with _lock:
-        _memo[(hash(options), hashlib.sha1(out).digest(), tuple(fetches))] = True
-        while len(_memo) > _MEMO_MAX:
-            _memo.popitem(last=False)
     if failed:
         # pipeline already logged "pass '<p>' at node '<n>': ...; the graph is left unchanged"
-        return _finish(entry, "pass_failed_kept", t0, rep["warnings"][-1]["message"] if rep["warnings"] else failed,
-                       gd=gd, code=RC_UNCHANGED)
-    if out == graph_bytes:
+        msg = rep["warnings"][-1]["message"] if rep.get("warnings") else f"pass '{failed}' failed"
+        _remember(key, RC_UNCHANGED, b"")
+        return _finish(entry, "pass_failed_kept", t0, msg, gd=gd, code=RC_UNCHANGED)
+    # byte comparison is useless here: C++ and Python order map keys differently
+    if new_gd == gd:
+        _remember(key, RC_UNCHANGED, b"")
+        entry["bridge_s"] = parse_s
         return _finish(entry, "unchanged", t0, None, gd=new_gd, code=RC_UNCHANGED)
+    t_ser = time.perf_counter()
+    out = new_gd.SerializeToString(deterministic=True)
+    entry["bridge_s"] = parse_s + (time.perf_counter() - t_ser)
+    _remember(key, RC_OK, out)
     return _finish(entry, "rewritten", t0, None, out=out, gd=new_gd)
+
+
+def _remember(key, code, out):
+    with _lock:
+        _memo[key] = (code, out)
+        while len(_memo) > _MEMO_MAX:
+            _memo.popitem(last=False)
 
 
 def _finish(entry, status, t0, error, out=None, gd=None, code=RC_OK):
