@@ -1,0 +1,450 @@
+"""The fusion rule registry and the machinery that applies a rule.
+
+A rule is a :class:`~graph_passes.pattern.Pat` plus a ``build`` function::
+
+    @fusion_rule("my_op+relu", Pat("Relu", inputs=[Pat("MyOp", name="op",
+                                                       inputs=[Pat.any("x")])]))
+    def build(m, b):
+        #  m: the Match (m["op"] is a NodeDef, m["x"] a tensor reference)
+        #  b: the Builder; b.emit(...) declares the replacement nodes
+        b.emit("MyOpRelu", m.anchor, [m["x"]], attrs={"T": b.attr_of("op", "T")})
+        #  return None (or nothing) = the anchor's outputs become the outputs of
+        #  the node emitted with the anchor's name; return False = do not fuse
+
+The framework (:func:`apply_rule`) then
+
+1. checks every emitted node's op against the kernel registry for its device
+   type and type attrs (and, for rules marked ``follows_precision``, for the
+   low dtype the precision pass will give it).  Any miss: the match is
+   skipped, the reason goes to the report, the graph is untouched;
+2. removes the matched nodes, adds the emitted ones (a node emitted under the
+   anchor's name takes over the anchor's consumers), moves control inputs of
+   removed nodes onto the replacement, and deletes producers that became dead
+   (stateless ops only, never fetched/preserved ones).
+
+Leaf captures whose name starts with ``@`` are *references*: ``Pat.any("@mean")``
+must be the output 0 of the inner node captured as ``mean``.  That is how a
+DAG (a tensor read twice inside the pattern) is written with a tree matcher.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from tensorflow.core.framework import attr_value_pb2, node_def_pb2
+
+from .. import registry
+from ..errors import NpuAmpError
+from ..graph import Graph, parse_tensor, tensor_name
+from ..pattern import Match, Pat, find_matches
+
+
+class FusionRuleError(NpuAmpError, ValueError):
+    """A fusion rule was declared wrongly (name, pattern, build or level)."""
+
+
+@dataclasses.dataclass
+class FusionRule:
+    name: str
+    pattern: Pat
+    build: Callable
+    graph_level: int = 2
+    #: the emitted op will be painted by the precision pass like the matrix op
+    #: it replaces (white list): also check a kernel for the low dtype
+    follows_precision: bool = False
+    reason: str = ""
+    builtin: bool = False
+
+
+#: name -> FusionRule, applied in registration order
+RULES: dict[str, FusionRule] = {}
+
+
+def register_fusion_rule(name: str, pattern: Pat, build: Callable, graph_level: int = 2,
+                         follows_precision: bool = False, reason: str = "",
+                         replace: bool = False, _builtin: bool = False) -> FusionRule:
+    """Register a fusion rule (see the module docstring).  ``graph_level`` is the
+    lowest level (1..3) at which it runs.  Re-registering a name raises unless
+    ``replace=True``."""
+    if not isinstance(name, str) or not name:
+        raise FusionRuleError(f"fusion rule name must be a non-empty string, got {name!r}")
+    if not isinstance(pattern, Pat):
+        raise FusionRuleError(f"fusion rule '{name}': pattern must be a graph_passes.pattern.Pat, "
+                              f"got {type(pattern).__name__}")
+    if pattern.leaf:
+        raise FusionRuleError(f"fusion rule '{name}': the pattern root must be an op, not Pat.any()")
+    if not callable(build):
+        raise FusionRuleError(f"fusion rule '{name}': build must be callable, got {build!r}")
+    if isinstance(graph_level, bool) or not isinstance(graph_level, int) or not 1 <= graph_level <= 3:
+        raise FusionRuleError(f"fusion rule '{name}': graph_level={graph_level!r}; accepted: 1, 2 or 3")
+    if name in RULES and not replace:
+        raise FusionRuleError(f"a fusion rule named '{name}' is already registered; "
+                              f"pass replace=True to override it")
+    rule = FusionRule(name, pattern, build, graph_level, follows_precision, reason, _builtin)
+    RULES[name] = rule
+    return rule
+
+
+def fusion_rule(name: str, pattern: Pat, graph_level: int = 2, **kw):
+    """Decorator form of :func:`register_fusion_rule`; decorates ``build``."""
+    def deco(build):
+        register_fusion_rule(name, pattern, build, graph_level, **kw)
+        return build
+    return deco
+
+
+def unregister_fusion_rule(name: str):
+    if name not in RULES:
+        raise FusionRuleError(f"no fusion rule named '{name}'; registered: {sorted(RULES)}")
+    if RULES[name].builtin:
+        raise FusionRuleError(f"fusion rule '{name}' is built in; lower graph_level to disable it")
+    del RULES[name]
+
+
+# ---------------------------------------------------------------- helpers
+def const_value(graph: Graph, ref: str):
+    """numpy value of a Const (seen through Identity), or None."""
+    from tensorflow.python.framework import tensor_util
+
+    node = graph.nodes.get(parse_tensor(ref)[0])
+    seen = 0
+    while node is not None and node.op == "Identity" and seen < 8:
+        node = graph.input_node(node, 0)
+        seen += 1
+    if node is None or node.op != "Const":
+        return None
+    try:
+        return tensor_util.MakeNdarray(node.attr["value"].tensor)
+    except Exception:  # noqa: BLE001 - malformed constant: not a constant for us
+        return None
+
+
+def scalar_value(graph: Graph, ref: str):
+    v = const_value(graph, ref)
+    if v is None or v.size != 1:
+        return None
+    return float(v.reshape(()))
+
+
+_PASS_THROUGH = ("Identity", "ReadVariableOp", "Cast", "StopGradient")
+
+
+class ShapeOracle:
+    """Static shapes: ``_output_shapes``, Const/Placeholder/Variable attrs,
+    then (lazily, once) TensorFlow's own shape inference on the whole graph."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self._inferred = None
+
+    def shape(self, ref: str, depth: int = 0):
+        src, port, ctrl = parse_tensor(ref)
+        node = self.graph.nodes.get(src)
+        if node is None or ctrl or depth > 16:
+            return None
+        sh = registry.static_shapes(node)
+        if sh is not None and port < len(sh) and sh[port] is not None:
+            return list(sh[port])
+        if node.op == "Const":
+            return [d.size for d in node.attr["value"].tensor.tensor_shape.dim]
+        if node.op in ("Placeholder", "VarHandleOp") and "shape" in node.attr:
+            s = node.attr["shape"].shape
+            return None if s.unknown_rank else [d.size for d in s.dim]
+        if node.op in _PASS_THROUGH and node.input:
+            return self.shape(node.input[0], depth + 1)
+        if node.op == "Reshape":
+            v = const_value(self.graph, node.input[1])
+            if v is not None and (v >= 0).all():
+                return [int(d) for d in v.reshape(-1)]
+        return self._infer(src, port)
+
+    def _infer(self, src, port):
+        if self._inferred is None:
+            self._inferred = {}
+            if len(self.graph.nodes) and not any(n.op == "_Arg" for n in self.graph.nodes.values()):
+                try:
+                    self._inferred = registry.infer_shapes(self.graph.to_graph_def())
+                except Exception:  # noqa: BLE001 - shape inference is best effort
+                    self._inferred = {}
+        sh = self._inferred.get(src)
+        if sh is None or port >= len(sh):
+            return None
+        return sh[port]
+
+
+def _type_attrs(node) -> dict:
+    return {k: v.type for k, v in node.attr.items() if v.WhichOneof("value") == "type"}
+
+
+_PRECISION_LOW = {"allow_mix_precision": registry.DT_HALF, "force_fp16": registry.DT_HALF,
+                  "allow_fp32_to_fp16": registry.DT_HALF, "cube_fp16in_fp32out": registry.DT_HALF,
+                  "allow_mix_precision_bf16": registry.DT_BFLOAT16}
+
+
+def planned_dtype(ctx, op_type: str, node_name: str, dtype: int) -> int:
+    """The dtype a white-list matrix op of type ``op_type`` will run in once the
+    precision pass (which runs after fusion) has painted the graph."""
+    from ..manager import PASS_REGISTRY
+
+    if dtype != registry.DT_FLOAT or ctx is None or "precision" not in PASS_REGISTRY:
+        return dtype
+    mode = ctx.option("precision")
+    if mode is None:
+        return dtype
+    low = _PRECISION_LOW.get(mode)
+    if low is None:
+        return dtype
+    if mode != "allow_mix_precision_bf16":
+        low = registry.DTYPE_BY_NAME.get(ctx.option("low_dtype") or "float16", low)
+    if op_type in tuple(ctx.option("custom_black_list", ()) or ()):
+        return dtype
+    for keep in tuple(ctx.option("keep_dtype_nodes", ()) or ()):
+        if node_name == keep or (keep.endswith("/") and node_name.startswith(keep)):
+            return dtype
+    return low
+
+
+class Skip(Exception):
+    """Raised by a build function (or :meth:`Builder.require`) to skip a match with a reason."""
+
+
+class Builder:
+    """What a build function may do: read the match and graph, declare new nodes."""
+
+    def __init__(self, graph: Graph, match: Match, rule: FusionRule, ctx, shapes: ShapeOracle):
+        self.graph = graph
+        self.match = match
+        self.rule = rule
+        self.ctx = ctx
+        self.shapes = shapes
+        self.anchor = graph.nodes[match.anchor]
+        self.device = self.anchor.device
+        self.emitted: list[node_def_pb2.NodeDef] = []
+        #: extra (op, type_attrs, why) kernel requirements
+        self.requirements: list[tuple[str, dict, str]] = []
+        self.fused_ops_note: str | None = None
+
+    # reading --------------------------------------------------------------
+    def node(self, capture: str):
+        return self.match.nodes[capture]
+
+    def tensor(self, capture: str) -> str:
+        return self.match.tensors[capture]
+
+    def attr_of(self, capture: str, attr: str):
+        return self.match.nodes[capture].attr[attr]
+
+    def const(self, ref: str):
+        return const_value(self.graph, ref)
+
+    def scalar(self, ref: str):
+        return scalar_value(self.graph, ref)
+
+    def shape(self, ref: str):
+        return self.shapes.shape(ref)
+
+    def dtype(self, ref: str):
+        return self.graph.tensor_dtype(ref)
+
+    def device_type(self) -> str:
+        return registry.device_type_of(self.anchor, self.ctx.default_device_type() if self.ctx else "CPU")
+
+    def require(self, cond: bool, reason: str):
+        if not cond:
+            raise Skip(reason)
+
+    def require_kernel(self, op: str, type_attrs: dict, why: str = ""):
+        self.requirements.append((op, dict(type_attrs), why))
+
+    # writing --------------------------------------------------------------
+    def emit(self, op: str, name: str, inputs, attrs: dict | None = None) -> str:
+        """Declare a replacement node; returns its name.  ``attrs`` values may be
+        AttrValue protos, bool/int/float/str, lists of str/int/float, or
+        ``("type", DataType)`` / ``("tensor", ndarray)`` pairs."""
+        from tensorflow.python.framework import tensor_util
+
+        node = node_def_pb2.NodeDef(op=op, name=name, device=self.device)
+        node.input.extend(inputs)
+        for k, v in (attrs or {}).items():
+            av = node.attr[k]
+            if isinstance(v, attr_value_pb2.AttrValue):
+                av.CopyFrom(v)
+            elif isinstance(v, tuple) and len(v) == 2 and v[0] == "type":
+                av.type = v[1]
+            elif isinstance(v, tuple) and len(v) == 2 and v[0] == "types":
+                av.list.type.extend(v[1])
+            elif isinstance(v, tuple) and len(v) == 2 and v[0] == "tensor":
+                av.tensor.CopyFrom(tensor_util.make_tensor_proto(v[1]))
+            elif isinstance(v, bool):
+                av.b = v
+            elif isinstance(v, int):
+                av.i = v
+            elif isinstance(v, float):
+                av.f = v
+            elif isinstance(v, str):
+                av.s = v.encode()
+            elif isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
+                av.list.s.extend(x.encode() for x in v)
+            elif isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v):
+                av.list.i.extend(v)
+            else:
+                raise FusionRuleError(f"fusion rule '{self.rule.name}': attr '{k}' of emitted node "
+                                      f"'{name}' has an unsupported value {v!r}")
+        self.emitted.append(node)
+        return name
+
+    def const_node(self, name: str, value, dtype: int) -> str:
+        from tensorflow.python.framework import dtypes
+
+        import numpy as np
+        arr = np.asarray(value, dtype=dtypes.as_dtype(dtype).as_numpy_dtype)
+        return self.emit("Const", name, [], {"dtype": ("type", dtype), "value": ("tensor", arr)})
+
+
+@dataclasses.dataclass
+class Outcome:
+    fused: bool
+    reason: str = ""
+
+
+def _check_refs(m: Match) -> bool:
+    for key, ref in m.tensors.items():
+        if key.startswith("@"):
+            node = m.nodes.get(key[1:])
+            if node is None or ref != node.name:
+                return False
+    return True
+
+
+def _kernel_problems(b: Builder) -> list[str]:
+    dev = b.device_type()
+    out = []
+    checks = [(n.op, _type_attrs(n), f"emitted node '{n.name}'") for n in b.emitted if n.op != "Const"]
+    checks += [(op, ta, why) for op, ta, why in b.requirements]
+    for op, ta, why in checks:
+        if registry.op_def(op) is None:
+            out.append(f"{why}: op {op} is not registered (custom-op library not loaded?)")
+        elif not registry.has_kernel(op, dev, ta):
+            shown = {k: registry.dtype_name(v) for k, v in ta.items()}
+            out.append(f"{why}: no {dev} kernel for {op} with {shown}")
+    return out
+
+
+_KEEP_OPS = frozenset({"Placeholder", "PlaceholderWithDefault", "_Arg", "_Retval", "NoOp",
+                       "VarHandleOp", "VariableV2", "Variable"})
+
+
+def _removable(node) -> bool:
+    if node.op == "ReadVariableOp":  # a read has no side effect
+        return True
+    if node.op in _KEEP_OPS:
+        return False
+    od = registry.op_def(node.op)
+    return od is not None and not od.is_stateful
+
+
+def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: dict) -> int:
+    """Apply one rule everywhere it matches.  Returns the number of fusions."""
+    protected = ctx.protected if ctx is not None else frozenset()
+    done = 0
+    for m in find_matches(graph, rule.pattern, protected):
+        if not _check_refs(m):
+            continue
+        outcome = _apply_one(graph, rule, m, ctx, shapes)
+        key = "fused" if outcome.fused else "skipped"
+        stats.setdefault(key, {}).setdefault(rule.name, 0)
+        stats[key][rule.name] += 1
+        if ctx is not None:
+            if outcome.fused:
+                ctx.report.decide(m.anchor, fusion=rule.name, fused_nodes=list(m.matched))
+            else:
+                ctx.report.decide(m.anchor, fusion_skipped=rule.name, fusion_reason=outcome.reason)
+        done += outcome.fused
+    return done
+
+
+def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle) -> Outcome:
+    if m.anchor in (ctx.protected if ctx is not None else ()):
+        return Outcome(False, "the anchor is fetched or preserved; its outputs must keep their form")
+    b = Builder(graph, m, rule, ctx, shapes)
+    try:
+        result = rule.build(m, b)
+    except Skip as exc:
+        return Outcome(False, str(exc))
+    if result is False:
+        return Outcome(False, "the build function declined this match")
+    if not b.emitted:
+        return Outcome(False, "the build function emitted no node")
+    out_map = result if isinstance(result, dict) else {0: tensor_name(m.anchor, 0)}
+    emitted_names = {n.name for n in b.emitted}
+    matched = set(m.matched)
+    for n in b.emitted:
+        if n.name in graph.nodes and n.name not in matched:
+            return Outcome(False, f"emitted node name '{n.name}' is already taken")
+    # consumers of anchor ports the replacement does not provide
+    anchor_cons = list(graph.consumers(m.anchor))
+    for cname, idx in anchor_cons:
+        if idx < 0:
+            continue
+        port = parse_tensor(graph.nodes[cname].input[idx])[1]
+        if port not in out_map:
+            return Outcome(False, f"output {port} of '{m.anchor}' is read by '{cname}', and the "
+                                  f"fused op does not produce it")
+    problems = _kernel_problems(b)
+    if problems:
+        if ctx is not None:
+            ctx.report.warn(f"fusion rule '{rule.name}' skipped: " + "; ".join(problems), node=m.anchor)
+        return Outcome(False, "; ".join(problems))
+    # ---- mutate: nothing above touched the graph
+    ctrl = []
+    upstream = []
+    for name in m.matched:
+        for inp in graph.nodes[name].input:
+            src, _, is_ctrl = parse_tensor(inp)
+            if is_ctrl:
+                if src not in matched and src not in ctrl:
+                    ctrl.append(src)
+            elif src not in matched:
+                upstream.append(src)
+    keep_name = m.anchor in emitted_names
+    for name in m.matched:
+        graph.remove_node(name, force=True)
+    for n in b.emitted:
+        graph.add_node(n)
+    # the replacement named like the anchor inherits its consumers; others are rewired
+    if keep_name:
+        for cname, idx in anchor_cons:
+            graph._consumers[m.anchor].append((cname, idx))  # noqa: SLF001 - index repair
+    for cname, idx in anchor_cons:
+        if cname not in graph.nodes:
+            continue
+        if idx < 0:
+            if not keep_name:
+                inputs = list(graph.nodes[cname].input)
+                if "^" + m.anchor in inputs:
+                    graph.set_input(cname, inputs.index("^" + m.anchor),
+                                    "^" + parse_tensor(out_map[0])[0])
+            continue
+        port = parse_tensor(graph.nodes[cname].input[idx])[1]
+        new_ref = out_map[port]
+        if graph.nodes[cname].input[idx] != new_ref:
+            graph.set_input(cname, idx, new_ref)
+    target = parse_tensor(out_map[0])[0]
+    for c in ctrl:
+        if c in graph.nodes and c != target:
+            graph.add_control_input(target, c)
+    _remove_dead(graph, upstream, ctx)
+    return Outcome(True)
+
+
+def _remove_dead(graph: Graph, names, ctx):
+    protected = ctx.protected if ctx is not None else frozenset()
+    stack = list(dict.fromkeys(names))
+    while stack:
+        name = stack.pop()
+        node = graph.nodes.get(name)
+        if node is None or name in protected or graph.consumers(name) or not _removable(node):
+            continue
+        inputs = [parse_tensor(i)[0] for i in node.input]
+        graph.remove_node(name)
+        stack.extend(inputs)

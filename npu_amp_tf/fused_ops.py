@@ -1,0 +1,48 @@
+"""Python wrappers and gradients for the fused custom ops (LayerNorm, FusedAttention).
+
+Importing this module builds (once, cached) and loads the custom-op library,
+so the fusion pass finds kernels for ``LayerNorm`` / ``FusedAttention`` and
+graphs that contain them can run.
+
+* :func:`layer_norm` -- ``LayerNorm(x, gamma, beta)`` over the trailing dims of
+  ``x`` that ``gamma`` covers; fp32/fp16/bf16 in, fp32 statistics, output in
+  the input dtype.  Differentiable: the registered gradient runs the C++
+  ``LayerNormGrad`` kernel (dx, dgamma, dbeta).  The auxiliary outputs
+  (mean, inv_std) are not differentiable.
+* :func:`fused_attention` -- ``softmax(q . k^T * scale + mask) . v`` (fp32,
+  inference only: no gradient is registered, asking for one raises).
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as _ops
+
+from . import _loader
+from .errors import NpuAmpError
+
+_lib = _loader.load()
+
+
+def layer_norm(x, gamma, beta, epsilon: float = 1e-3, name=None):
+    """Layer normalisation of ``x`` over its trailing dims covered by ``gamma``."""
+    if epsilon < 0:
+        raise NpuAmpError(f"layer_norm: epsilon={epsilon!r}; accepted: a float >= 0")
+    y, _, _ = _lib.layer_norm(x, gamma, beta, epsilon=float(epsilon), name=name)
+    return y
+
+
+def fused_attention(q, k, v, mask=None, scale: float = 1.0, adj_k: bool = True, name=None):
+    """``softmax(q @ k^T * scale + mask) @ v`` with q [..., S, D], k [..., T, D]
+    (or [..., D, T] with ``adj_k=False``), v [..., T, Dv]."""
+    masks = [] if mask is None else [mask]
+    return _lib.fused_attention(q, k, v, masks, scale=float(scale), adj_k=bool(adj_k), name=name)
+
+
+@_ops.RegisterGradient("LayerNorm")
+def _layer_norm_grad(op, dy, _dmean, _dinv):
+    x, gamma, _ = op.inputs
+    dx, dgamma, dbeta = _lib.layer_norm_grad(dy, x, gamma, op.outputs[1], op.outputs[2])
+    return dx, dgamma, dbeta
+
+
+__all__ = ["layer_norm", "fused_attention"]
