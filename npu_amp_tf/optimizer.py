@@ -223,7 +223,8 @@ class AmpCore:
                         # local (never checkpointed), initialised from the (restored) master
                         c = tf.compat.v1.get_variable(
                             name, dtype=tf.float16, trainable=False,
-                            initializer=tf.cast(v.initialized_value(), tf.float16),
+                            # (LOCAL_VARIABLES run after global init / restore)
+                            initializer=tf.cast(v.read_value(), tf.float16),
                             use_resource=True,
                             collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
                                          FP16_COPIES_COLLECTION])
