@@ -470,19 +470,21 @@ class LayoutPass(Pass):
             reads, assigns, applies, other = [], [], [], []
             for cname, idx in g.consumers(name, control=False):
                 cop = g.nodes[cname].op
+                if cop == "VarIsInitializedOp":
+                    continue
                 (reads if cop == "ReadVariableOp" else assigns if cop == "AssignVariableOp"
                  else applies if cop == "ResourceApplyGradientDescent" and idx == 0 else other).append(cname)
             if other or not reads or not applies:
                 continue
-            read_tds = []
+            read_tds, plain_reads = [], []
             ok = True
             for r in reads:
-                for cname, _ in g.consumers(r, port=0):
+                for cname, cidx in g.consumers(r, port=0):
                     cn = g.nodes[cname]
                     if cn.op == "TransData" and cn.attr["dst_format"].s == b"FRACTAL_Z":
                         read_tds.append(cname)
                     else:
-                        ok = False
+                        plain_reads.append((r, cname, cidx))
             grads = []
             for a in applies:
                 gsrc = g.nodes.get(parse_tensor(g.nodes[a].input[2])[0])
@@ -513,6 +515,14 @@ class LayoutPass(Pass):
                 g.replace_all_uses(gsrc.name, gsrc.input[0])
                 if not g.consumers(gsrc.name):
                     g.remove_node(gsrc.name)
+            back = {}
+            for r, cname, cidx in plain_reads:   # other readers (savers, user fetches) still see HWCN
+                if r not in back:
+                    back[r] = g.new_node(
+                        "TransData", g.unique_name(td_name(r, "FRACTAL_Z", "HWCN")), [r],
+                        self._td_attrs(r, "FRACTAL_Z", "HWCN", shape, var.attr["dtype"].type),
+                        device=g.nodes[r].device).name
+                g.set_input(cname, cidx, back[r])
             for a in assigns:   # initializers: convert the HWCN initial value once
                 vref = g.nodes[a].input[1]
                 tname = g.unique_name(td_name(vref, "HWCN", "FRACTAL_Z"))
