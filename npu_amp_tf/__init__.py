@@ -21,3 +21,8 @@ __all__ += ["session_config", "enable", "disable", "amp_scope"]
 from .precision import keep_dtype_scope, rewrite_graph  # noqa: E402
 
 __all__ += ["rewrite_graph", "keep_dtype_scope"]
+
+# Layout: check_align (NC1HWC0 / FRACTAL_Z padding analysis; format_mode="NC1HWC0" runs the pass).
+from .layout import check_align  # noqa: E402
+
+__all__ += ["check_align"]
