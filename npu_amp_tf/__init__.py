@@ -22,7 +22,7 @@ from .precision import keep_dtype_scope, rewrite_graph  # noqa: E402
 
 __all__ += ["rewrite_graph", "keep_dtype_scope"]
 
-# Layout: check_align (NC1HWC0 / FRACTAL_Z padding analysis; format_mode="NC1HWC0" runs the pass).
-from .layout import check_align  # noqa: E402
+# Operator fusion: the public rule registry (graph_passes.fusion; graph_level option).
+from graph_passes.fusion import fusion_rule, register_fusion_rule  # noqa: E402
 
-__all__ += ["check_align"]
+__all__ += ["register_fusion_rule", "fusion_rule"]

@@ -36,7 +36,7 @@ from tensorflow.core.framework import attr_value_pb2, node_def_pb2
 from .. import registry
 from ..errors import NpuAmpError
 from ..graph import Graph, parse_tensor, tensor_name
-from ..pattern import Match, Pat, find_matches
+from ..pattern import Match, Pat, _match
 
 
 class FusionRuleError(NpuAmpError, ValueError):
@@ -307,6 +307,46 @@ class Outcome:
     reason: str = ""
 
 
+def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Match | None:
+    """:func:`graph_passes.pattern.match_at`, except that ``@name`` leaves may
+    (and must) read the inner node captured as ``name``."""
+    state = ({}, {}, [], [])
+    root = pat if pat.alternatives else dataclasses.replace(pat, port=None)
+    if not _match(graph, root, anchor, state):
+        return None
+    matched = state[2]
+    inner = set(matched)
+    refs = {ref for key, ref in state[1].items() if key.startswith("@")}
+    for ref in state[3]:
+        if parse_tensor(ref)[0] in inner and ref not in refs:
+            return None
+    for name in matched[1:]:
+        if name in protected:
+            return None
+        for cname, _ in graph.consumers(name):
+            if cname not in inner:
+                return None
+    m = Match(anchor=anchor, nodes=state[0], tensors=state[1], matched=list(matched))
+    return m if _check_refs(m) else None
+
+
+def find_matches(graph: Graph, pat: Pat, protected=frozenset()) -> list[Match]:
+    used: set[str] = set()
+    out = []
+    first_ops = pat.ops() if not pat.alternatives else None
+    for name in graph.topo_order():
+        if name in used or name not in graph.nodes:
+            continue
+        if first_ops is not None and graph.nodes[name].op not in first_ops:
+            continue
+        m = match_at(graph, pat, name, protected)
+        if m is None or used.intersection(m.matched):
+            continue
+        used.update(m.matched)
+        out.append(m)
+    return out
+
+
 def _check_refs(m: Match) -> bool:
     for key, ref in m.tensors.items():
         if key.startswith("@"):
@@ -348,10 +388,13 @@ def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: 
     protected = ctx.protected if ctx is not None else frozenset()
     done = 0
     for m in find_matches(graph, rule.pattern, protected):
-        if not _check_refs(m):
-            continue
         outcome = _apply_one(graph, rule, m, ctx, shapes)
         key = "fused" if outcome.fused else "skipped"
+        seen = stats.setdefault("_skips_seen", set())  # a skip repeats every sweep: count it once
+        if not outcome.fused:
+            if (rule.name, m.anchor) in seen:
+                continue
+            seen.add((rule.name, m.anchor))
         stats.setdefault(key, {}).setdefault(rule.name, 0)
         stats[key][rule.name] += 1
         if ctx is not None:

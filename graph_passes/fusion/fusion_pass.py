@@ -31,13 +31,16 @@ class FusionPass(Pass):
         rules = [r for r in RULES.values() if r.graph_level <= level]
         for sweep in range(MAX_SWEEPS):
             changed = 0
-            changed += merge_duplicate_casts(graph, ctx)
-            stats["casts_merged"] += changed
             for rule in rules:
                 changed += apply_rule(graph, rule, ctx, ShapeOracle(graph), stats)
+            # after the chain rules, which need single-consumer casts
+            merged = merge_duplicate_casts(graph, ctx)
+            stats["casts_merged"] += merged
+            changed += merged
             stats["sweeps"] = sweep + 1
             if not changed:
                 break
+        stats.pop("_skips_seen", None)
         if ctx is not None:
             total = sum(stats["fused"].values())
             ctx.report.summary["fusions"] = ctx.report.summary.get("fusions", 0) + total

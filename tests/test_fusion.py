@@ -1,0 +1,353 @@
+"""Fusion pass: registry, graph_level, Conv/MatMul+bias+activation, BN folding,
+attention, precision-aware kernel checks.  Real TF graphs, numerics compared
+against the unfused graph."""
+import numpy as np
+import pytest
+
+from _fusion_util import build, op_counts, rewrite, run_gd, tf, tf1
+from graph_passes.fusion import (FusionRuleError, fusion_rule, register_fusion_rule,
+                                 unregister_fusion_rule)
+from graph_passes.fusion.builtin import onednn_enabled, supported_activations
+from graph_passes.pattern import Pat
+
+RNG = np.random.default_rng(0)
+
+
+def _dense_graph(act, bias=True, extra_consumer=False):
+    def f():
+        x = tf1.placeholder(tf.float32, [3, 8], name="x")
+        w = tf.constant(RNG.standard_normal((8, 6)).astype(np.float32))
+        b = tf.constant(RNG.standard_normal(6).astype(np.float32))
+        h = tf.matmul(x, w, name="mm")
+        if bias:
+            h = tf.nn.bias_add(h, b, name="bias")
+        out = act(h) if act else h
+        if extra_consumer:
+            out = out + tf.reduce_sum(h, name="side")
+        return tf.identity(out, name="out")
+    return build(f)[0]
+
+
+FEED = {"x": RNG.standard_normal((3, 8)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("act,name", [(tf.nn.relu, "Relu"), (tf.nn.relu6, "Relu6"), (tf.nn.elu, "Elu"),
+                                      (lambda h: tf.nn.leaky_relu(h, 0.3), "LeakyRelu")])
+def test_matmul_bias_act_match_and_numerics(act, name):
+    gd = _dense_graph(act)
+    new, rep = rewrite(gd, ["out"])
+    c = op_counts(new)
+    assert c["_FusedMatMul"] == 1 and c["MatMul"] == 0 and c["BiasAdd"] == 0 and c[name] == 0
+    fused = [n for n in new.node if n.op == "_FusedMatMul"][0]
+    assert list(fused.attr["fused_ops"].list.s) == [b"BiasAdd", name.encode()]
+    if name == "LeakyRelu":
+        assert fused.attr["leakyrelu_alpha"].f == pytest.approx(0.3)
+    assert rep.pass_stats("fusion")["fused"] == {"bias_act": 1}
+    a, = run_gd(gd, ["out"], FEED)
+    b, = run_gd(new, ["out"], FEED)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_no_bias_is_no_match():
+    gd = _dense_graph(tf.nn.relu, bias=False)
+    new, rep = rewrite(gd, ["out"])
+    assert op_counts(new)["_FusedMatMul"] == 0
+    assert new == gd or op_counts(new) == op_counts(gd)
+
+
+def test_external_consumer_of_bias_blocks_activation_fusion():
+    gd = _dense_graph(tf.nn.relu, extra_consumer=True)
+    new, rep = rewrite(gd, ["out"])
+    c = op_counts(new)
+    # BiasAdd is read by Relu and by Sum: only MatMul+BiasAdd (the anchor) fuse
+    assert c["Relu"] == 1 and c["_FusedMatMul"] == 1
+    fused = [n for n in new.node if n.op == "_FusedMatMul"][0]
+    assert list(fused.attr["fused_ops"].list.s) == [b"BiasAdd"]
+    np.testing.assert_allclose(run_gd(gd, ["out"], FEED)[0], run_gd(new, ["out"], FEED)[0], rtol=1e-5)
+
+
+def test_fetched_inner_tensor_blocks_fusion():
+    gd = _dense_graph(tf.nn.relu)
+    new, rep = rewrite(gd, ["out", "bias"])
+    assert op_counts(new)["Relu"] == 1
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu(approximate):
+    gd = _dense_graph(lambda h: tf.nn.gelu(h, approximate=approximate))
+    new, rep = rewrite(gd, ["out"])
+    rule = "bias_gelu_tanh" if approximate else "bias_gelu_exact"
+    act = "GeluApproximate" if approximate else "GeluExact"
+    stats = rep.pass_stats("fusion")
+    if act in supported_activations("MatMul"):
+        assert stats["fused"] == {rule: 1}
+        assert op_counts(new)["Erf" if not approximate else "Tanh"] == 0
+    else:  # stock Eigen kernel: skipped with a reason, MatMul+BiasAdd still fused
+        assert stats["skipped"] == {rule: 1} and stats["fused"] == {"bias": 1}
+    np.testing.assert_allclose(run_gd(gd, ["out"], FEED)[0], run_gd(new, ["out"], FEED)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bert_style_tanh_gelu():
+    def gelu(x):
+        cdf = 0.5 * (1.0 + tf.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * tf.pow(x, 3))))
+        return x * cdf
+    gd = _dense_graph(gelu)
+    new, rep = rewrite(gd, ["out"])
+    stats = rep.pass_stats("fusion")
+    assert stats["fused"].get("bias_gelu_tanh", 0) + stats["skipped"].get("bias_gelu_tanh", 0) == 1
+    np.testing.assert_allclose(run_gd(gd, ["out"], FEED)[0], run_gd(new, ["out"], FEED)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def _keras_cnn(training=False):
+    def f():
+        x = tf1.placeholder(tf.float32, [2, 8, 8, 3], name="x")
+        h = tf.keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="c1")(x)
+        h = tf.keras.layers.DepthwiseConv2D(3, padding="same", activation="relu", name="dw")(h)
+        h = tf.keras.layers.Flatten()(h)
+        out = tf.identity(tf.keras.layers.Dense(5, name="d")(h), name="out")
+        if training:
+            loss = tf.reduce_mean(tf.square(out), name="loss")
+            tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        tf1.global_variables_initializer()
+        return None
+    return build(f)[0]
+
+
+def test_conv_depthwise_dense_inference():
+    gd = _keras_cnn()
+    new, rep = rewrite(gd, ["out"])
+    c = op_counts(new)
+    assert c["_FusedConv2D"] == 1 and c["Conv2D"] == 0
+    assert c["_FusedMatMul"] == 1
+    if "Relu" in supported_activations("DepthwiseConv2dNative"):
+        assert c["_FusedDepthwiseConv2dNative"] == 1
+    else:
+        assert c["DepthwiseConv2dNative"] == 1
+        assert rep.pass_stats("fusion")["skipped"]
+    feed = {"x": RNG.standard_normal((2, 8, 8, 3)).astype(np.float32)}
+    a = run_gd(gd, ["out"], feed, init="init")[0]
+    b = run_gd(new, ["out"], feed, init="init")[0]
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_training_graph_one_step_matches():
+    """Backprop reads the fused op's output (ReluGrad reads Relu): still fused,
+    and one SGD step gives the same weights."""
+    gd = _keras_cnn(training=True)
+    new, rep = rewrite(gd, ["train", "loss"])
+    c = op_counts(new)
+    assert c["_FusedConv2D"] == 1 and c["_FusedMatMul"] == 1
+    feed = {"x": RNG.standard_normal((2, 8, 8, 3)).astype(np.float32)}
+    fetch = ["c1/kernel/Read/ReadVariableOp", "d/kernel/Read/ReadVariableOp", "loss"]
+    a = run_gd(gd, fetch, feed, init="init", steps=("train", 1))
+    b = run_gd(new, fetch, feed, init="init", steps=("train", 1))
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_precision_mode_fp16_skips_fused_matrix_ops():
+    import graph_passes.precision  # noqa: F401  (the precision pass will run after fusion)
+    gd = _dense_graph(tf.nn.relu)
+    new, rep = rewrite(gd, ["out"], precision="allow_mix_precision", low_dtype="float16")
+    assert op_counts(new)["_FusedMatMul"] == 0
+    reason = rep.decisions["Relu"]["fusion_reason"]
+    assert "float16" in reason and "_FusedMatMul" in reason
+    new, rep = rewrite(gd, ["out"], precision="allow_mix_precision_bf16", low_dtype="bfloat16")
+    assert op_counts(new)["_FusedMatMul"] == 1  # a bf16 CPU kernel exists
+    new, rep = rewrite(gd, ["out"], precision="must_keep_origin_dtype")
+    assert op_counts(new)["_FusedMatMul"] == 1
+
+
+# ------------------------------------------------------------- BN folding
+def _frozen_conv_bn():
+    model = tf.keras.Sequential([
+        tf.keras.layers.Conv2D(4, 3, padding="same", input_shape=(6, 6, 3), name="c"),
+        tf.keras.layers.BatchNormalization(name="bn"),
+        tf.keras.layers.ReLU(name="r")])
+    bn = model.get_layer("bn")
+    bn.set_weights([RNG.uniform(0.5, 1.5, 4).astype(np.float32), RNG.standard_normal(4).astype(np.float32),
+                    RNG.standard_normal(4).astype(np.float32), RNG.uniform(0.5, 2, 4).astype(np.float32)])
+    return _freeze(model, [1, 6, 6, 3])
+
+
+def _freeze(model, shape):
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+    fn = tf.function(lambda x: model(x, training=False))
+    cf = fn.get_concrete_function(tf.TensorSpec(shape, tf.float32, name="x"))
+    frozen = convert_variables_to_constants_v2(cf)
+    gd = frozen.graph.as_graph_def()
+    out = frozen.outputs[0].name.split(":")[0]
+    inp = frozen.inputs[0].name.split(":")[0]
+    return gd, inp, out
+
+
+def test_bn_fold_level3_only():
+    gd, inp, out = _frozen_conv_bn()
+    assert op_counts(gd)["FusedBatchNormV3"] == 1
+    l2, _ = rewrite(gd, [out], level=2)
+    assert op_counts(l2)["FusedBatchNormV3"] == 1
+    l3, rep = rewrite(gd, [out], level=3)
+    c = op_counts(l3)
+    assert c["FusedBatchNormV3"] == 0 and c["_FusedConv2D"] == 1 and c["Relu"] == 0
+    assert rep.pass_stats("fusion")["fused"]["bn_fold"] == 1
+    feed = {inp: RNG.standard_normal((1, 6, 6, 3)).astype(np.float32)}
+    np.testing.assert_allclose(run_gd(gd, [out], feed)[0], run_gd(l3, [out], feed)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_bn_fold_no_match_on_variables_and_external_consumer():
+    def f():
+        x = tf1.placeholder(tf.float32, [1, 4, 4, 2], name="x")
+        w = tf.constant(RNG.standard_normal((1, 1, 2, 2)).astype(np.float32))
+        c = tf.nn.conv2d(x, w, 1, "SAME", name="conv")
+        v = tf1.placeholder(tf.float32, [2], name="var")  # not constant: cannot fold
+        y, _, _ = tf1.nn.fused_batch_norm(c, tf.ones([2]), tf.zeros([2]), tf.zeros([2]), v, is_training=False)
+        side = tf.identity(c, name="side")
+        return tf.identity(y, name="out"), side
+    gd, _ = build(f)
+    new, rep = rewrite(gd, ["out", "side"], level=3)
+    assert op_counts(new)["FusedBatchNormV3"] == 1  # conv output escapes to 'side'
+
+
+# --------------------------------------------------------------- attention
+def _attention_graph(mask=True, extra=False):
+    def f():
+        q = tf1.placeholder(tf.float32, [2, 2, 5, 4], name="q")
+        k = tf1.placeholder(tf.float32, [2, 2, 7, 4], name="k")
+        v = tf1.placeholder(tf.float32, [2, 2, 7, 3], name="v")
+        s = tf.matmul(q, k, transpose_b=True) * (1.0 / 2.0)
+        if mask:
+            s = s + tf1.placeholder(tf.float32, [2, 1, 1, 7], name="m")
+        p = tf.nn.softmax(s)
+        o = tf.matmul(p, v)
+        if extra:
+            o = o + tf.reduce_mean(p)
+        return tf.identity(o, name="out")
+    return build(f)[0]
+
+
+ATT_FEED = {"q": RNG.standard_normal((2, 2, 5, 4)).astype(np.float32),
+            "k": RNG.standard_normal((2, 2, 7, 4)).astype(np.float32),
+            "v": RNG.standard_normal((2, 2, 7, 3)).astype(np.float32),
+            "m": np.where(RNG.random((2, 1, 1, 7)) > 0.3, 0.0, -10000.0).astype(np.float32)}
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_attention_level3(mask):
+    gd = _attention_graph(mask)
+    feed = {k: v for k, v in ATT_FEED.items() if mask or k != "m"}
+    l2, _ = rewrite(gd, ["out"], level=2)
+    assert op_counts(l2)["FusedAttention"] == 0
+    l3, rep = rewrite(gd, ["out"], level=3)
+    c = op_counts(l3)
+    assert c["FusedAttention"] == 1 and c["Softmax"] == 0 and c["BatchMatMulV2"] == 0
+    np.testing.assert_allclose(run_gd(gd, ["out"], feed)[0], run_gd(l3, ["out"], feed)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_external_consumer_no_fusion():
+    gd = _attention_graph(extra=True)
+    l3, _ = rewrite(gd, ["out"], level=3)
+    assert op_counts(l3)["FusedAttention"] == 0 and op_counts(l3)["Softmax"] == 1
+
+
+# ------------------------------------------------------- graph_level 0/1
+def _cast_graph():
+    def f():
+        x = tf1.placeholder(tf.float16, [2, 3], name="x")
+        a = tf.cast(tf.cast(x, tf.float32), tf.float16, name="back")           # exact round trip
+        r = tf.cast(tf.reshape(tf.cast(x, tf.float32), [3, 2]), tf.float16, name="sunk")
+        n = tf.cast(tf.cast(tf.cast(x, tf.float32), tf.float16), tf.float32, name="narrow_kept")
+        i = tf.identity(tf.identity(x), name="ii")
+        d1 = tf.cast(x, tf.float32, name="d1")
+        d2 = tf.cast(x, tf.float32, name="d2")
+        return tf.identity(a, "o1"), tf.identity(r, "o2"), tf.identity(n, "o3"), tf.identity(i, "o4"), \
+            tf.identity(d1 + d2, "o5")
+    return build(f)[0]
+
+
+def test_graph_levels():
+    gd = _cast_graph()
+    fetch = ["o1", "o2", "o3", "o4", "o5"]
+    l0, rep0 = rewrite(gd, fetch, level=0)
+    assert op_counts(l0) == op_counts(gd) and rep0.pass_stats("fusion")["fused"] == {}
+    l1, rep1 = rewrite(gd, fetch, level=1)
+    c0, c1 = op_counts(gd), op_counts(l1)
+    # a round trip f16->f32->f16 keeps its name as an Identity; casts drop from 9 to 2
+    assert c1["Cast"] == 2 and c0["Cast"] == 9 and sum(c1.values()) < sum(c0.values())
+    stats = rep1.pass_stats("fusion")
+    assert stats["fused"]["cast_chain"] >= 1 and stats["fused"]["cast_sink"] == 1
+    assert stats["fused"]["identity_chain"] == 1 and stats["casts_merged"] >= 1
+    by = {n.name: n for n in l1.node}
+    assert by["sunk"].op == "Reshape" and by["sunk"].attr["T"].type == tf.float16.as_datatype_enum
+    feed = {"x": RNG.standard_normal((2, 3)).astype(np.float16)}
+    for a, b in zip(run_gd(gd, fetch, feed), run_gd(l1, fetch, feed)):
+        np.testing.assert_array_equal(a, b)
+    again, rep = rewrite(l1, fetch, level=1)  # idempotent
+    assert op_counts(again) == c1 and rep.pass_stats("fusion")["fused"] == {}
+
+
+def test_level1_does_not_fuse_matmul_and_level2_does():
+    gd = _dense_graph(tf.nn.relu)
+    assert op_counts(rewrite(gd, ["out"], level=1)[0])["_FusedMatMul"] == 0
+    assert op_counts(rewrite(gd, ["out"], level=2)[0])["_FusedMatMul"] == 1
+
+
+# ------------------------------------------------------------- registry
+def test_user_registered_rule_and_kernel_check():
+    def build_neg(m, b):
+        b.emit("Identity", m.anchor, [m["x"]], {"T": b.anchor.attr["T"]})
+
+    register_fusion_rule("test_double_neg", Pat("Neg", inputs=[Pat("Neg", name="n", inputs=[Pat.any("x")])]),
+                         build_neg)
+
+    @fusion_rule("test_no_kernel", Pat("Square", inputs=[Pat.any("x")]))
+    def build_sq(m, b):
+        b.emit("NoSuchOpAnywhere", m.anchor, [m["x"]])
+
+    try:
+        def f():
+            x = tf1.placeholder(tf.float32, [4], name="x")
+            return tf.identity(tf.negative(tf.negative(x)) + tf.square(x), name="out")
+        gd, _ = build(f)
+        new, rep = rewrite(gd, ["out"])
+        c = op_counts(new)
+        assert c["Neg"] == 0 and c["Square"] == 1  # the rule without a kernel never breaks the graph
+        stats = rep.pass_stats("fusion")
+        assert stats["fused"]["test_double_neg"] == 1 and stats["skipped"]["test_no_kernel"] == 1
+        assert any("NoSuchOpAnywhere" in w["message"] for w in rep.warnings)
+        feed = {"x": np.arange(4, dtype=np.float32)}
+        np.testing.assert_allclose(run_gd(gd, ["out"], feed)[0], run_gd(new, ["out"], feed)[0])
+        with pytest.raises(FusionRuleError, match="already registered"):
+            register_fusion_rule("test_double_neg", Pat("Neg"), build_neg)
+    finally:
+        unregister_fusion_rule("test_double_neg")
+        unregister_fusion_rule("test_no_kernel")
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(name="", pattern=Pat("Neg"), build=lambda m, b: None), "non-empty"),
+    (dict(name="r", pattern="Neg", build=lambda m, b: None), "must be a graph_passes.pattern.Pat"),
+    (dict(name="r", pattern=Pat("Neg"), build=None), "callable"),
+    (dict(name="r", pattern=Pat("Neg"), build=lambda m, b: None, graph_level=4), "graph_level=4"),
+    (dict(name="r", pattern=Pat.any("x"), build=lambda m, b: None), "root must be an op"),
+])
+def test_register_bad_input(kwargs, msg):
+    with pytest.raises(FusionRuleError, match=msg):
+        register_fusion_rule(**kwargs)
+
+
+def test_builtin_rule_cannot_be_unregistered():
+    with pytest.raises(FusionRuleError, match="built in"):
+        unregister_fusion_rule("bias_act")
+
+
+def test_public_api_export():
+    import npu_amp_tf
+    assert npu_amp_tf.register_fusion_rule is register_fusion_rule
+    assert npu_amp_tf.fusion_rule is fusion_rule
+
+
+def test_onednn_table_consistent():
+    assert "Relu" in supported_activations("Conv2D")
+    assert onednn_enabled() in (True, False)
