@@ -58,6 +58,13 @@ ACTIVATIONS = {
     "Sigmoid": ("Sigmoid", ()),
 }
 _NO_LOWERING = ("must_keep_origin_dtype", "force_fp32")
+
+#: (op, device type, dtype) whose kernel TF registers but which fails at run
+#: time; these are split as if no kernel existed.  One line per entry, with why.
+BROKEN_KERNELS = {
+    ("_FusedConv2D", "CPU", types_pb2.DT_HALF):
+        "TF >= 2.16 registers it, but running it fails with 'Op does not support half inputs'",
+}
 _LOW = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
 
 
@@ -105,7 +112,8 @@ class Unfuse(Pass):
             if node is None or node.op not in FUSED_OPS:
                 continue
             dev_type = registry.device_type_of(node, default_dev)
-            if registry.has_kernel(node.op, dev_type, {"T": low}):
+            broken = BROKEN_KERNELS.get((node.op, dev_type, low))
+            if not broken and registry.has_kernel(node.op, dev_type, {"T": low}):
                 ctx.report.decide(name, unfuse="kept",
                                   reason=f"{node.op} has a {registry.dtype_name(low)} kernel on {dev_type}")
                 kept += 1
@@ -120,7 +128,7 @@ class Unfuse(Pass):
                 continue
             self._split(graph, node, plan)
             ctx.report.decide(name, unfuse="split",
-                              reason=f"{node.op} has no {registry.dtype_name(low)} kernel on {dev_type}")
+                              reason=broken or f"{node.op} has no {registry.dtype_name(low)} kernel on {dev_type}")
             unfused += 1
         if unfused:
             graph.reindex()
