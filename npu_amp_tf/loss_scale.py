@@ -251,7 +251,14 @@ class LossScaleManager(tf.Module):
             step = tf.summary.experimental.get_step()
             if step is None:
                 step = self.steps
-        return [tf.summary.scalar(n, tf.cast(v, tf.float32), step=step) for n, v in items]
+        # tf.summary.write (TF core) with the "scalars" plugin metadata: works
+        # without the tensorboard package (tf.summary.scalar needs it on TF >= 2.16)
+        from tensorflow.core.framework import summary_pb2
+
+        meta = summary_pb2.SummaryMetadata(
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+        return [tf.summary.write(n, tf.cast(v, tf.float32), step=step, metadata=meta)
+                for n, v in items]
 
     def state(self, session=None) -> dict:
         """Current state as python numbers (pass a session in TF1 graph mode)."""
