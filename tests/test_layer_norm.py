@@ -1,0 +1,170 @@
+"""LayerNorm custom op (C++ kernel vs NumPy, fp32/fp16/bf16, gradient) and the
+three LayerNorm fusion rules (BERT moments, Keras 2, Keras 3)."""
+import numpy as np
+import pytest
+
+from _fusion_util import build, op_counts, rewrite, run_gd, tf, tf1
+from npu_amp_tf import fused_ops
+from npu_amp_tf.errors import NpuAmpError
+
+RNG = np.random.default_rng(1)
+
+
+def _ref(x, g, b, eps):
+    x = x.astype(np.float64)
+    m = x.mean(-1, keepdims=True)
+    v = x.var(-1, keepdims=True)
+    return (x - m) / np.sqrt(v + eps) * g.astype(np.float64) + b.astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype,tol", [(tf.float32, 1e-5), (tf.float16, 2e-2), (tf.bfloat16, 1e-1)])
+def test_kernel_matches_numpy(dtype, tol):
+    x = (RNG.standard_normal((3, 5, 16)) * 3 + 1).astype(np.float32)
+    g = RNG.uniform(0.5, 1.5, 16).astype(np.float32)
+    b = RNG.standard_normal(16).astype(np.float32)
+    xt, gt, bt = (tf.cast(t, dtype) for t in (x, g, b))
+    y = fused_ops.layer_norm(xt, gt, bt, epsilon=1e-5)
+    assert y.dtype == dtype and y.shape == x.shape
+    want = _ref(tf.cast(xt, tf.float32).numpy(), tf.cast(gt, tf.float32).numpy(),
+                tf.cast(bt, tf.float32).numpy(), 1e-5)
+    np.testing.assert_allclose(tf.cast(y, tf.float32).numpy(), want, atol=tol, rtol=tol)
+
+
+def test_kernel_multi_axis_gamma():
+    x = RNG.standard_normal((2, 3, 4)).astype(np.float32)
+    g = RNG.standard_normal((3, 4)).astype(np.float32)
+    b = RNG.standard_normal((3, 4)).astype(np.float32)
+    y = fused_ops.layer_norm(x, g, b, 1e-3).numpy()
+    xf = x.reshape(2, 12)
+    np.testing.assert_allclose(y.reshape(2, 12), _ref(xf, g.reshape(-1), b.reshape(-1), 1e-3), atol=1e-5)
+
+
+def test_kernel_bad_input_one_clear_error():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="trailing dims"):
+        fused_ops.layer_norm(tf.zeros([2, 5]), tf.ones([4]), tf.zeros([4]))
+    with pytest.raises(NpuAmpError, match="epsilon"):
+        fused_ops.layer_norm(tf.zeros([2, 4]), tf.ones([4]), tf.zeros([4]), epsilon=-1.0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(tf.float32, 2e-3), (tf.float16, 5e-2), (tf.bfloat16, 3e-1)])
+def test_gradient(dtype, tol):
+    x = tf.constant(RNG.standard_normal((2, 3, 6)), dtype)
+    g = tf.constant(RNG.uniform(0.5, 1.5, 6), dtype)
+    b = tf.constant(RNG.standard_normal(6), dtype)
+    if dtype == tf.float32:
+        theo, num = tf.test.compute_gradient(lambda x, g, b: fused_ops.layer_norm(x, g, b, 1e-5), [x, g, b])
+        for t, n in zip(theo, num):
+            np.testing.assert_allclose(t, n, atol=tol, rtol=tol)
+    # against autodiff of the unfused formula, in fp32
+    xf, gf, bf = (tf.cast(t, tf.float32) for t in (x, g, b))
+    dy = tf.constant(RNG.standard_normal((2, 3, 6)), tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch([xf, gf, bf])
+        m, v = tf.nn.moments(xf, [-1], keepdims=True)
+        ref = (xf - m) * tf.math.rsqrt(v + 1e-5) * gf + bf
+    want = tape.gradient(ref, [xf, gf, bf], output_gradients=dy)
+    with tf.GradientTape() as tape:
+        tape.watch([x, g, b])
+        y = fused_ops.layer_norm(x, g, b, 1e-5)
+    got = tape.gradient(y, [x, g, b], output_gradients=tf.cast(dy, dtype))
+    for a, w in zip(got, want):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(tf.cast(a, tf.float32).numpy(), w.numpy(), atol=tol * 4, rtol=tol)
+
+
+# ------------------------------------------------------------------ fusion
+def _bert_ln(axis=-1, extra=False, eps=1e-12):
+    def f():
+        x = tf1.placeholder(tf.float32, [4, 3, 8], name="x")
+        h = x * 2.0
+        mean, var = tf.nn.moments(h, [axis], keepdims=True)
+        gamma = tf.constant(RNG.uniform(0.5, 1.5, 8).astype(np.float32))
+        beta = tf.constant(RNG.standard_normal(8).astype(np.float32))
+        if axis != -1:
+            gamma, beta = tf.ones([1, 1, 1]), tf.zeros([1, 1, 1])
+        y = tf.nn.batch_normalization(h, mean, var, beta, gamma, eps)
+        if extra:
+            y = y + tf.reduce_sum(mean)
+        return tf.identity(y, name="out")
+    return build(f)[0]
+
+
+FEED = {"x": RNG.standard_normal((4, 3, 8)).astype(np.float32)}
+
+
+def test_bert_moments_fused_and_equal():
+    gd = _bert_ln()
+    new, rep = rewrite(gd, ["out"])
+    c = op_counts(new)
+    assert c["LayerNorm"] == 1 and c["Mean"] == 0 and c["Rsqrt"] == 0 and c["SquaredDifference"] == 0
+    assert rep.pass_stats("fusion")["fused"] == {"layer_norm_moments": 1}
+    ln = [n for n in new.node if n.op == "LayerNorm"][0]
+    assert ln.attr["epsilon"].f == pytest.approx(1e-12)
+    np.testing.assert_allclose(run_gd(gd, ["out"], FEED)[0], run_gd(new, ["out"], FEED)[0], atol=1e-5)
+
+
+def test_moments_not_over_last_axis_no_match():
+    gd = _bert_ln(axis=1)
+    new, rep = rewrite(gd, ["out"])
+    assert op_counts(new)["LayerNorm"] == 0
+    assert "not over the last axis" in str(rep.decisions)
+
+
+def test_external_consumer_of_mean_no_fusion():
+    gd = _bert_ln(extra=True)
+    new, _ = rewrite(gd, ["out"])
+    assert op_counts(new)["LayerNorm"] == 0
+
+
+def _keras_ln_graph(training=False):
+    def f():
+        x = tf1.placeholder(tf.float32, [4, 3, 8], name="x")
+        h = tf.keras.layers.Dense(8, name="d")(x)
+        y = tf.keras.layers.LayerNormalization(name="ln")(h)
+        out = tf.identity(y, name="out")
+        if training:
+            loss = tf.reduce_mean(tf.square(out), name="loss")
+            tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        tf1.global_variables_initializer()
+    return build(f)[0]
+
+
+def test_keras_layer_normalization_fused():
+    gd = _keras_ln_graph()
+    new, rep = rewrite(gd, ["out"])
+    fused = rep.pass_stats("fusion")["fused"]
+    assert op_counts(new)["LayerNorm"] == 1
+    assert set(fused) & {"layer_norm_keras2", "layer_norm_keras3", "layer_norm_moments"}
+    assert op_counts(new)["FusedBatchNormV3"] == 0 and op_counts(new)["Fill"] == 0  # dead subgraph gone
+    a = run_gd(gd, ["out"], FEED, init="init")[0]
+    b = run_gd(new, ["out"], FEED, init="init")[0]
+    np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_training_graph_layer_norm_left_alone():
+    """Policy: the backward pass reads the pattern's inner tensors, so the
+    matcher refuses; the training step is unchanged."""
+    gd = _keras_ln_graph(training=True)
+    new, rep = rewrite(gd, ["train", "loss"])
+    assert op_counts(new)["LayerNorm"] == 0
+    fetch = ["d/kernel/Read/ReadVariableOp", "loss"]
+    a = run_gd(gd, fetch, FEED, init="init", steps=("train", 1))
+    b = run_gd(new, fetch, FEED, init="init", steps=("train", 1))
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_tf_function_frozen_keras3_style_graph():
+    """A tf.function graph (frozen), in whichever Keras this TF ships."""
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+    layer = tf.keras.layers.LayerNormalization(epsilon=1e-6)
+    fn = tf.function(lambda x: layer(x) * 1.0)
+    cf = fn.get_concrete_function(tf.TensorSpec([4, 3, 8], tf.float32, name="x"))
+    frozen = convert_variables_to_constants_v2(cf)
+    gd = frozen.graph.as_graph_def()
+    out = frozen.outputs[0].name.split(":")[0]
+    inp = frozen.inputs[0].name.split(":")[0]
+    new, rep = rewrite(gd, [out])
+    assert op_counts(new)["LayerNorm"] == 1, rep.pass_stats("fusion")
+    feed = {inp: FEED["x"]}
+    np.testing.assert_allclose(run_gd(gd, [out], feed)[0], run_gd(new, [out], feed)[0], atol=1e-4)
