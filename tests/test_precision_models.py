@@ -194,7 +194,7 @@ def build_transformer(b=2, t=4, d=8, heads=2):
     rng = np.random.RandomState(2)
 
     def var(name, *shape):
-        return tf.Variable(rng.randn(*shape).astype(np.float32) / np.sqrt(shape[0]), name=name)
+        return tf.Variable((rng.randn(*shape) / np.sqrt(shape[0])).astype(np.float32), name=name)
 
     g = tf.Graph()
     with g.as_default():
