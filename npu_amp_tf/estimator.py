@@ -43,7 +43,7 @@ def RunConfig(**params):  # noqa: N802 (mirrors tf.estimator.RunConfig)
     if misplaced:
         raise OptionError(
             f"{', '.join(misplaced)} (RunConfig) are loss-scale options; pass them to "
-            "npu_amp_tf.AMP_Optimizer(opt, ...) in the model_fn. Accepted here: "
+            "npu_amp_tf.AMP_Optimizer(opt, ...) in the model_fn; accepted here: "
             "tf.estimator.RunConfig arguments and the rewrite options "
             f"({', '.join(REWRITE_KEYS)})")
     plugin = {k: params.pop(k) for k in list(params) if k in REWRITE_KEYS}
