@@ -8,13 +8,17 @@ import tensorflow as tf
 import npu_amp_tf
 from npu_amp_tf import NpuAmpError, OptionError
 
-if not hasattr(tf, "estimator"):
-    def test_runconfig_needs_tf_estimator():
-        with pytest.raises(NpuAmpError, match=r"tf.estimator is not available in TensorFlow 2\.\d+"):
-            npu_amp_tf.estimator.RunConfig(model_dir="/tmp/x")
+HAS_ESTIMATOR = hasattr(tf, "estimator")
+needs_estimator = pytest.mark.skipif(
+    not HAS_ESTIMATOR,
+    reason=f"tf.estimator is not shipped with TensorFlow {tf.__version__} (removed in 2.16)")
 
-    pytest.skip(f"tf.estimator is not shipped with TensorFlow {tf.__version__} (removed in 2.16)",
-                allow_module_level=True)
+
+@pytest.mark.skipif(HAS_ESTIMATOR, reason="tf.estimator exists in this TensorFlow")
+def test_runconfig_without_tf_estimator_is_a_clear_error():
+    with pytest.raises(NpuAmpError, match=r"tf.estimator is not available in TensorFlow 2\.\d+"):
+        npu_amp_tf.estimator.RunConfig(model_dir="/tmp/x")
+
 
 v1 = tf.compat.v1
 BAD_STEPS = (2, 7)  # global steps whose loss is made infinite
@@ -43,6 +47,7 @@ def _model_fn(features, labels, mode):
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@needs_estimator
 def test_runconfig_builds_the_plugin_session_config(tmp_path):
     cfg = npu_amp_tf.estimator.RunConfig(model_dir=str(tmp_path), save_checkpoints_steps=5,
                                          precision_mode="must_keep_origin_dtype")
@@ -55,6 +60,7 @@ def test_runconfig_builds_the_plugin_session_config(tmp_path):
     assert cfg.session_config.intra_op_parallelism_threads == 1
 
 
+@needs_estimator
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(precision_mode="fp8"), "precision_mode='fp8'"),
     (dict(init_loss_scale=8), "loss-scale options"),
@@ -67,6 +73,7 @@ def test_runconfig_bad_params(kwargs, needle):
     assert needle in str(ei.value) and "accepted" in str(ei.value)
 
 
+@needs_estimator
 def test_train_evaluate_export_resume_with_saved_scale(tmp_path):
     model_dir = str(tmp_path / "model")
     cfg = npu_amp_tf.estimator.RunConfig(model_dir=model_dir, save_checkpoints_steps=100,
