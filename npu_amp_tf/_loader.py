@@ -125,11 +125,24 @@ def build(force: bool = False, verbose: bool = False) -> Path:
     return lib
 
 
+def prebuilt() -> Path | None:
+    """``$NPU_AMP_TF_LIBRARY``: a library built elsewhere (Bazel, see
+    custom_ops/BUILD) to load instead of compiling one."""
+    env = os.environ.get("NPU_AMP_TF_LIBRARY")
+    if not env:
+        return None
+    p = Path(env)
+    if not p.is_file():
+        raise BuildError(f"NPU_AMP_TF_LIBRARY={env!r} is not a file; point it at a built "
+                         "libnpu_amp_tf.so or unset it to build from source")
+    return p.resolve()
+
+
 def library_path() -> Path:
     global _path
     with _lock:
         if _path is None:
-            _path = build()
+            _path = prebuilt() or build()
         return _path
 
 
@@ -143,7 +156,7 @@ def load():
 
             global _path
             if _path is None:
-                _path = build()
+                _path = prebuilt() or build()
             _module = tf.load_op_library(str(_path))
         return _module
 
