@@ -169,22 +169,62 @@ def cmd_report(args):
     return 0
 
 
-def cmd_check_align(args):
+def _align_result(graph_def):
+    """The layout issue's public check (``npu_amp_tf.layout.check_align`` or
+    ``npu_amp_tf.check_align``) when present, else the engine's analysis."""
+    import importlib
+
+    import npu_amp_tf
+
+    fn = getattr(npu_amp_tf, "check_align", None)
+    if fn is None:
+        try:
+            fn = getattr(importlib.import_module("npu_amp_tf.layout"), "check_align", None)
+        except ImportError:
+            fn = None
+    if fn is not None:
+        return fn(graph_def)
     try:
-        from . import layout
+        from graph_passes.graph import Graph
+        from graph_passes.layout import align
     except ImportError:
-        raise _CliError("check-align needs npu_amp_tf.layout (the layout pass), which this install does not have") \
-            from None
-    model = _load(args)
-    result = layout.check_align(model.graph_def)
-    if hasattr(result, "format"):
-        text = result.format()
-    elif isinstance(result, str):
-        text = result
+        raise _CliError("check-align needs the layout pass, which this install does not have") from None
+    return align.analyze_graph(Graph(graph_def))
+
+
+def format_align(result: dict) -> str:
+    items = result.get("items", [])
+    lines = []
+    if not items:
+        lines.append("all conv/matmul ops are aligned (channels to C0, matrix dims to 16)")
     else:
-        text = "\n".join(str(r) for r in result) if result else "all conv/matmul shapes are aligned"
-    print(text)
-    bad = getattr(result, "misaligned", None)
+        lines.append(f"{len(items)} op(s) with unaligned dims (padding wastes cube compute):")
+        for it in items:
+            dims = ", ".join(f"{k}={v}" for k, v in it.get("unaligned_dims", {}).items())
+            lines.append(f"  {it.get('name')} ({it.get('op')}, {it.get('dtype')}): unaligned {dims}; "
+                         f"shape {it.get('shape')} -> padded {it.get('padded_shape')}; "
+                         f"waste {it.get('waste_share', 0) * 100:.1f}% of its FLOPs")
+    tp = result.get("total_padded_flops")
+    if tp is not None:
+        lines.append(f"total: {result.get('total_flops', 0)} FLOPs, {tp} after padding, "
+                     f"waste {result.get('waste_share', 0) * 100:.1f}%")
+    return "\n".join(lines)
+
+
+def cmd_check_align(args):
+    model = _load(args)
+    result = _align_result(model.graph_def)
+    if isinstance(result, dict):
+        print(format_align(result))
+        bad = bool(result.get("items"))
+    else:
+        print(result if isinstance(result, str) else getattr(result, "format", lambda: str(result))())
+        bad = bool(getattr(result, "items", None))
+    if args.json:
+        import json
+
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result if isinstance(result, dict) else str(result), fh, indent=1, default=str)
     return 1 if (args.strict and bad) else 0
 
 
@@ -326,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
              "npu-amp check-align model.pb")
     p.add_argument("model")
     p.add_argument("--strict", action="store_true", help="exit 1 when something is misaligned")
+    p.add_argument("--json", help="also write the analysis as JSON")
     _model_args(p)
 
     p = _sub(subs, "dump", cmd_dump, "run one step of the FP32 and the rewritten graph; save every float tensor",
@@ -378,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subs, "demo", cmd_demo,
              "train an embedded model in FP32 and with the plugin; print report, loss-scale history, losses",
              "npu-amp demo\nnpu-amp demo --steps 20 --json demo.json")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=14)
     p.add_argument("--json", help="also write the results as JSON")
     p.add_argument("--no-progress", action="store_true")
     return parser

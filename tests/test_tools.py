@@ -121,3 +121,86 @@ def precision_pass_available():
 
 requires_precision = pytest.mark.skipif(
     not precision_pass_available(), reason="the precision pass (graph_passes.precision) is not built yet")
+
+
+# --------------------------------------------------------------------------
+# tests of the Python API
+# --------------------------------------------------------------------------
+def test_tensor_stats_fp16_range():
+    from npu_amp_tf.tools import tensor_stats
+
+    ref = np.array([1e5, -7e4, 1.0, 1e-9, 0.0], np.float32)
+    got = ref.astype(np.float16)
+    s = tensor_stats(ref, got)
+    assert s["fp16_overflow"] == pytest.approx(2 / 5)
+    assert s["fp16_underflow"] == pytest.approx(1 / 5)
+    assert s["mixed_nonfinite"] == 2 and s["max_abs_err"] == float("inf")
+    s = tensor_stats(np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.5], np.float16))
+    assert s["max_abs_err"] == pytest.approx(0.5) and s["max_rel_err"] == pytest.approx(0.5 / 3)
+    assert 0.99 < s["cosine"] < 1.0
+
+
+def _model(gd, tmp_path, name="m.pb"):
+    from npu_amp_tf.tools import load_model
+    return load_model(write_pb(gd, tmp_path / name))
+
+
+def test_dump_compare_api_and_negative_control(tmp_path):
+    from npu_amp_tf.options import Options
+    from npu_amp_tf.tools import compare, dump, load_inputs, runnable
+
+    np.savez(tmp_path / "in.npz", **overflow_inputs())
+    run = runnable(_model(overflow_graph_def(), tmp_path))
+    feeds = load_inputs(str(tmp_path / "in.npz"), run)
+    dump(run, feeds, str(tmp_path / "mixed"), progress=False)
+    assert compare(str(tmp_path / "mixed")).overflow["node"] == "big/MatMul"
+    # same graph, no precision change: nothing overflows, nothing diverges
+    keep = Options.from_kwargs(_groups=("rewrite",), precision_mode="must_keep_origin_dtype")
+    dump(run, feeds, str(tmp_path / "keep"), keep, progress=False)
+    res = compare(str(tmp_path / "keep"))
+    assert res.overflow is None
+    assert all(r["max_abs_err"] == 0 for r in res.rows)
+
+
+def test_model_io_inputs_and_roundtrip(tmp_path):
+    from npu_amp_tf.tools import ToolError, load_inputs, load_model, runnable, save_model
+
+    m = load_model(write_pb(mlp_graph_def(), tmp_path / "m.pbtxt", text=True))
+    assert m.kind == "graphdef" and not m.binary and m.inputs == {"x": "x:0"} and m.outputs == {"y": "y:0"}
+    save_model(m, m.graph_def, str(tmp_path / "copy.pbtxt"))
+    assert load_model(str(tmp_path / "copy.pbtxt")).graph_def == m.graph_def
+    run = runnable(m)
+    for key in ("x", "x:0"):
+        np.savez(tmp_path / "in.npz", **{key: np.zeros((2, 8), np.float32)})
+        assert list(load_inputs(str(tmp_path / "in.npz"), run)) == ["x:0"]
+    np.savez(tmp_path / "none.npz")
+    with pytest.raises(ToolError, match="no value for placeholder"):
+        load_inputs(str(tmp_path / "none.npz"), run)
+
+
+def test_metagraph_runnable_uses_same_weights(tmp_path):
+    from npu_amp_tf.tools import load_model, run_graph, runnable
+
+    m = load_model(write_metagraph(tmp_path / "m.meta"))
+    assert m.kind == "metagraph" and m.signature == "serving_default"
+    run = runnable(m)
+    assert not any(n.op in ("VariableV2", "VarHandleOp") for n in run.graph_def.node)
+    x = np.ones((2, 8), np.float32)
+    w = np.random.default_rng(3).standard_normal((8, 4)).astype(np.float32)
+    (y,) = run_graph(run.graph_def, {"x:0": x}, [run.outputs["y"]])
+    np.testing.assert_allclose(y, np.maximum(x @ w, 0), rtol=1e-5)
+
+
+def test_profile_shares_against_fp32_control(tmp_path):
+    from npu_amp_tf.options import Options
+    from npu_amp_tf.tools import profile_graph, runnable
+    from npu_amp_tf.tools.model_io import rewrite_runnable
+
+    run = runnable(_model(mlp_graph_def(), tmp_path))
+    feeds = {"x:0": np.ones((2, 8), np.float32)}
+    for mode, low in (("must_keep_origin_dtype", False), ("allow_mix_precision", True)):
+        gd, _ = rewrite_runnable(run, Options.from_kwargs(_groups=("rewrite",), precision_mode=mode))
+        s = profile_graph(gd, feeds, ["y:0"], 2, str(tmp_path / mode), progress=False)
+        assert (s["lp_compute_share"] > 0) is low
+        assert (s["cast_transdata_share"] > 0) is low
+        assert json.load(open(tmp_path / mode / "timeline.json"))["traceEvents"]

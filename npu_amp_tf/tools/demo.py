@@ -27,8 +27,8 @@ import tempfile
 
 import numpy as np
 
-DEFAULTS = dict(steps=12, batch=16, features=32, hidden=64, classes=10, lr=0.1, seed=0,
-                init_loss_scale=2.0 ** 20, incr_every_n_steps=4)
+DEFAULTS = dict(steps=14, batch=16, features=32, hidden=64, classes=10, lr=0.1, seed=0,
+                init_loss_scale=2.0 ** 18, incr_every_n_steps=5)
 
 
 @dataclasses.dataclass
@@ -163,7 +163,7 @@ def format_result(res: DemoResult) -> str:
     lines = ["== rewrite report (written by the grappler pass"
              + (f", {res.report_graph}" if res.report_graph else "") + ")"]
     if res.report is not None:
-        lines.append(format_report(res.report))
+        lines.append(format_report(res.report, only_lists=("white", "black", "gray")))
     else:
         lines.append("(no report was written: the plugin did not run in grappler)")
     lines.append("")

@@ -167,8 +167,12 @@ def _n(v):
     return "n/a" if v is None else str(v)
 
 
-def format_report(report, graph_def=None, limit: int | None = None) -> str:
+def format_report(report, graph_def=None, limit: int | None = None, only_lists=None) -> str:
+    """The table (optionally only rows whose list is in ``only_lists``),
+    the totals and the warnings."""
     rs = rows(report, graph_def)
+    if only_lists:
+        rs = [r for r in rs if r["list"] in only_lists]
     rs.sort(key=lambda r: (r["dtype"] != "float16" and r["dtype"] != "bfloat16", r["node"]))
     head = ("node", "op", "dtype", "list", "flops", "reason")
     body = [[r["node"], r["op"], r["dtype"], r["list"], _fmt_flops(r["flops"]), r["reason"]]
