@@ -156,10 +156,22 @@ def _kernels(op_type: str):
     return tuple(out)
 
 
+#: kernels that TensorFlow registers but that fail when run:
+#: (op, device type, dtype) -> why.  has_kernel() treats them as absent.
+BROKEN_KERNELS = {
+    ("_FusedConv2D", "CPU", DT_HALF):
+        "TF >= 2.16 registers it, but running it fails with 'Op does not support half inputs'",
+}
+
+
 def has_kernel(op_type: str, device_type: str = "CPU", type_attrs: dict | None = None) -> bool:
-    """Is a kernel registered for ``op_type`` on ``device_type`` accepting these
-    type attrs (attr name -> DataType)?  Labelled kernels are ignored."""
+    """Is a *working* kernel registered for ``op_type`` on ``device_type``
+    accepting these type attrs (attr name -> DataType)?  Labelled kernels and
+    the known-broken registrations in :data:`BROKEN_KERNELS` are ignored."""
     type_attrs = type_attrs or {}
+    for dt in type_attrs.values():
+        if (op_type, device_type, dt) in BROKEN_KERNELS:
+            return False
     for dev, label, cons in _kernels(op_type):
         if dev != device_type or label:
             continue

@@ -61,10 +61,7 @@ _NO_LOWERING = ("must_keep_origin_dtype", "force_fp32")
 
 #: (op, device type, dtype) whose kernel TF registers but which fails at run
 #: time; these are split as if no kernel existed.  One line per entry, with why.
-BROKEN_KERNELS = {
-    ("_FusedConv2D", "CPU", types_pb2.DT_HALF):
-        "TF >= 2.16 registers it, but running it fails with 'Op does not support half inputs'",
-}
+BROKEN_KERNELS = registry.BROKEN_KERNELS  # kept here for callers of the old name
 _LOW = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
 
 

@@ -116,15 +116,6 @@ def test_tf1_session_matmul_half_softmax_float():
     assert any(r["status"] == "rewritten" for r in recs)
 
 
-_FUSED_CONV_HALF_REGISTERED = registry.has_kernel("_FusedConv2D", "CPU", {"T": types_pb2.DT_HALF})
-
-
-@pytest.mark.xfail(
-    _FUSED_CONV_HALF_REGISTERED, strict=True,
-    reason="TF >= 2.16 registers an FP16 _FusedConv2D CPU kernel that refuses half at run time; "
-           "graph_passes.registry.has_kernel trusts the registration, so the fusion pass's bias_act "
-           "rule re-fuses what unfuse split (unfuse.BROKEN_KERNELS lists it; the fix belongs in "
-           "registry.has_kernel)")
 def test_tf1_conv2d_half_and_seed_entry_unfuses_remapper_output():
     """The seed-style entry leaves grappler's remapper on, so Conv2D+BiasAdd+Relu
     and MatMul+BiasAdd+Relu arrive as _FusedConv2D/_FusedMatMul; their compute
