@@ -33,7 +33,7 @@ def resnet50_training(hw=32, batch=2, lr=0.01):
 
     cf = step.get_concrete_function(tf.TensorSpec([batch, hw, hw, 3], tf.float32),
                                     tf.TensorSpec([batch], tf.int32))
-    return cf.graph.as_graph_def()
+    return cf.graph.as_graph_def(add_shapes=True)   # resource reads keep their shapes
 
 
 def small_cnn_training(channels=(17, 24), hw=8, batch=2, n_classes=5, seed=0):

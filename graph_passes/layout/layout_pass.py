@@ -315,9 +315,13 @@ class LayoutPass(Pass):
             if name not in self.plan:
                 self.ctx.report.decide(name, format="origin",
                                        layout_reason="format-agnostic but no 5HD neighbour")
-        for name, why in self.origin_reason.items():
-            if self._touches_5hd(name):
-                self.ctx.report.decide(name, format="origin", layout_reason=why)
+        for name, node in self.g.nodes.items():      # boundaries: say why the format stops
+            if name in self.plan or name in cand or not self._touches_5hd(name):
+                continue
+            why = self.origin_reason.get(name) or (
+                "padding hazard: " + op_lists.PADDING_UNSAFE[node.op] if node.op in op_lists.PADDING_UNSAFE
+                else op_lists.LAYOUT_BOUND.get(node.op, "needs its original layout (not format-agnostic)"))
+            self.ctx.report.decide(name, format="origin", layout_reason=why)
 
     def _adopt(self, name, cand, how):
         plan, why = cand
