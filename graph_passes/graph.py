@@ -82,6 +82,7 @@ class Graph:
                 cons[src].append((n.name, -1 if ctrl else i))
         self._consumers = cons
         self._dirty = True
+        self._topo_cache = None
 
     def consumers(self, name: str, port: int | None = None, control: bool = True):
         """[(consumer_name, input_index)]; index -1 marks a control edge.
@@ -140,6 +141,7 @@ class Graph:
             src, _, ctrl = parse_tensor(inp)
             self._consumers[src].append((node.name, -1 if ctrl else i))
         self._dirty = True
+        self._topo_cache = None
         return node
 
     def new_node(self, op: str, name: str, inputs=(), attrs: dict | None = None,
@@ -183,6 +185,7 @@ class Graph:
         del self.nodes[name]
         self._consumers.pop(name, None)
         self._dirty = True
+        self._topo_cache = None
 
     def set_input(self, node_name: str, index: int, new_ref: str):
         node = self.nodes[node_name]
@@ -201,6 +204,7 @@ class Graph:
         nsrc, _, nctrl = parse_tensor(new_ref)
         self._consumers[nsrc].append((node_name, -1 if nctrl else index))
         self._dirty = True
+        self._topo_cache = None
 
     def add_control_input(self, node_name: str, src: str):
         node = self.nodes[node_name]
@@ -209,6 +213,7 @@ class Graph:
             return
         node.input.append(ref)
         self._consumers[src].append((node_name, -1))
+        self._topo_cache = None
 
     def replace_all_uses(self, old_ref: str, new_ref: str, exclude=()) -> int:
         """Point every data consumer of tensor ``old_ref`` at ``new_ref``.
@@ -235,7 +240,17 @@ class Graph:
     # -------------------------------------------------------------- order
     def topo_order(self, strict: bool = False) -> list[str]:
         """Kahn order.  Edges out of NextIteration are loop back edges and are
-        ignored.  Nodes on a cycle come last (or GraphError when ``strict``)."""
+        ignored.  Nodes on a cycle come last (or GraphError when ``strict``).
+        Cached until the next mutation; the caller gets a fresh list."""
+        cached = self._topo_cache
+        if cached is not None and not (strict and cached[1]):
+            return list(cached[0])
+        order = self._compute_topo_order(strict)
+        self._topo_cache = (order, len(order) and self._has_cycle)
+        return list(order)
+
+    def _compute_topo_order(self, strict: bool) -> list[str]:
+        self._has_cycle = False
         indeg = {}
         for name, n in self.nodes.items():
             d = 0
@@ -258,6 +273,7 @@ class Graph:
                     if indeg[cname] == 0:
                         ready.append(cname)
         if len(order) < len(self.nodes):
+            self._has_cycle = True
             seen = set(order)
             rest = [n for n in self.nodes if n not in seen]
             if strict:
