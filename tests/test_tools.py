@@ -113,16 +113,6 @@ def run_gd(gd, feeds, fetches):
         return s.run(fetches, feeds)
 
 
-def precision_pass_available():
-    from npu_amp_tf import pipeline
-    from npu_amp_tf.options import Options
-    return "precision" in pipeline.pass_names(Options.from_kwargs())
-
-
-requires_precision = pytest.mark.skipif(
-    not precision_pass_available(), reason="the precision pass (graph_passes.precision) is not built yet")
-
-
 # --------------------------------------------------------------------------
 # tests of the Python API
 # --------------------------------------------------------------------------
@@ -130,7 +120,8 @@ def test_tensor_stats_fp16_range():
     from npu_amp_tf.tools import tensor_stats
 
     ref = np.array([1e5, -7e4, 1.0, 1e-9, 0.0], np.float32)
-    got = ref.astype(np.float16)
+    with np.errstate(over="ignore"):
+        got = ref.astype(np.float16)
     s = tensor_stats(ref, got)
     assert s["fp16_overflow"] == pytest.approx(2 / 5)
     assert s["fp16_underflow"] == pytest.approx(1 / 5)
