@@ -57,6 +57,8 @@ Before / after (MLP training step)::
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import registry
@@ -178,6 +180,7 @@ class PrecisionPass(Pass):
         self._kernel_cache = {}
         self._unsafe_cache = {}
         self.casts_inserted = 0
+        self.touched = set()  # nodes whose dtypes changed: only their edges can mismatch
         self.state = {}   # node -> "low" | "f32" | "hard" | "neutral" | "fixed"
         self.decisions = {}
 
@@ -199,48 +202,33 @@ class PrecisionPass(Pass):
     # ------------------------------------------------------- node facts
     def info(self, node) -> _NodeInfo:
         inf = self._info.get(node.name)
-        if inf is not None and inf[0] is node.op:
+        if inf is not None and inf[0] == node.op:
             return inf[1]
         res = self._compute_info(node)
         self._info[node.name] = (node.op, res)
         return res
 
     def _compute_info(self, node):
-        od = registry.op_def(node.op)
-        if od is None:
+        meta = _op_meta(node.op)
+        if meta is None:
             return _NodeInfo((), [], "function call" if node.op in self.g.functions else "unknown op")
-        fixed = FIXED_OPS.get(node.op)
-        if fixed is None and node.op in VARIABLE_OPS:
-            fixed = "variable: FP32 master weights"
-        if fixed is None and od.is_stateful:
-            fixed = "stateful op (variable update / optimizer / random)"
-        if fixed is None:
-            for arg in list(od.input_arg) + list(od.output_arg):
-                if arg.is_ref or arg.type in (registry.DT_RESOURCE, registry.DT_VARIANT):
-                    fixed = ("TensorList/variant op" if arg.type == registry.DT_VARIANT
-                             else "reads or writes a variable")
-                    break
-        type_attrs = {a.name for a in od.attr if a.type == "type"}
-        used = []
-        for arg in list(od.input_arg) + list(od.output_arg):
-            if arg.type_attr and arg.type_attr in type_attrs and arg.type_attr not in used:
-                used.append(arg.type_attr)
+        fixed, used, defaults, in_args = meta
         attrs = []
-        defaults = {a.name: a.default_value for a in od.attr if a.HasField("default_value")}
+        nattr = node.attr
         for a in used:
-            av = node.attr[a] if a in node.attr else defaults.get(a)
+            av = nattr[a] if a in nattr else defaults.get(a)
             if av is not None and av.type in FLOATS:
                 attrs.append(a)
         if node.op in T_ONLY_OPS:
             attrs = [a for a in attrs if a == "T"]
         in_attr = []
-        for arg in od.input_arg:
-            if arg.type_list_attr:
-                n = len(node.attr[arg.type_list_attr].list.type) if arg.type_list_attr in node.attr else 0
+        for type_attr, list_attr, number_attr in in_args:
+            if list_attr:
+                n = len(nattr[list_attr].list.type) if list_attr in nattr else 0
                 in_attr.extend([""] * n)
             else:
-                n = node.attr[arg.number_attr].i if arg.number_attr and arg.number_attr in node.attr else 1
-                in_attr.extend([arg.type_attr if arg.type_attr in attrs else ""] * n)
+                n = nattr[number_attr].i if number_attr and number_attr in nattr else 1
+                in_attr.extend([type_attr if type_attr in attrs else ""] * n)
         return _NodeInfo(tuple(attrs), in_attr, fixed)
 
     def current(self, node, info):
@@ -393,6 +381,7 @@ class PrecisionPass(Pass):
                 for a in info.attrs:
                     node.attr[a].type = target
                 changed += 1
+                self.touched.add(name)
             self.state[name] = state
             self._record(node, state, reason, lst=lst, dtype=target, was=registry.dtype_name(cur))
         return changed
@@ -514,12 +503,14 @@ class PrecisionPass(Pass):
                 have = g.tensor_dtype(node.input[0])
                 if have is not None and registry.base_dtype(have) in FLOATS and have != src_t:
                     node.attr["SrcT"].type = registry.base_dtype(have)
+                    self.touched.add(name)
             elif node.attr["DstT"].type in FLOATS and name not in self.protected:
                 wants = self._consumer_wants(name)
                 if wants and len(wants) == 1:
                     w = wants.pop()
                     if w in FLOATS and w != node.attr["DstT"].type:
                         node.attr["DstT"].type = w
+                        self.touched.add(name)
                         self._record(node, "cast", f"int->float Cast retargeted to {registry.dtype_name(w)} "
                                                    "(its consumers all want it)", dtype=w)
 
@@ -541,13 +532,17 @@ class PrecisionPass(Pass):
             if w != FP32 and self.unsafe_const(node, w):
                 continue
             _convert_const(node, w)
+            self.touched.add(name)
             self._record(node, "const", f"constant converted in place to {registry.dtype_name(w)}",
                          lst="const", dtype=w, was=registry.dtype_name(cur))
 
     def _fix_edges(self, shapes):
         g = self.g
         self._cast_cache = {}
-        for name in list(g.nodes):
+        check = set(self.touched)
+        for name in self.touched:
+            check.update(c for c, idx in g.consumers(name) if idx >= 0)
+        for name in [n for n in g.nodes if n in check]:  # graph order: deterministic
             node = g.nodes[name]
             want = g.input_dtypes(node)
             if want is None:
@@ -641,6 +636,34 @@ class PrecisionPass(Pass):
         for k, v in summary.items():
             rep.summary[k] = v
         return dict(summary, nodes_changed=changed)
+
+
+@functools.lru_cache(maxsize=None)
+def _op_meta(op):
+    """Per op type: (fixed reason, type attrs used by args, attr defaults,
+    [(type_attr, type_list_attr, number_attr)] per input arg); None if unregistered."""
+    od = registry.op_def(op)
+    if od is None:
+        return None
+    fixed = FIXED_OPS.get(op)
+    if fixed is None and op in VARIABLE_OPS:
+        fixed = "variable: FP32 master weights"
+    if fixed is None and od.is_stateful:
+        fixed = "stateful op (variable update / optimizer / random)"
+    if fixed is None:
+        for arg in list(od.input_arg) + list(od.output_arg):
+            if arg.is_ref or arg.type in (registry.DT_RESOURCE, registry.DT_VARIANT):
+                fixed = ("TensorList/variant op" if arg.type == registry.DT_VARIANT
+                         else "reads or writes a variable")
+                break
+    type_attrs = {a.name for a in od.attr if a.type == "type"}
+    used = []
+    for arg in list(od.input_arg) + list(od.output_arg):
+        if arg.type_attr and arg.type_attr in type_attrs and arg.type_attr not in used:
+            used.append(arg.type_attr)
+    defaults = {a.name: a.default_value for a in od.attr if a.HasField("default_value")}
+    in_args = tuple((a.type_attr, a.type_list_attr, a.number_attr) for a in od.input_arg)
+    return fixed, tuple(used), defaults, in_args
 
 
 def _type_attr(dt):

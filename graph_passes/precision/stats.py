@@ -28,32 +28,44 @@ _PARAM_OPS = frozenset({"Const", "VariableV2", "Variable", "VarHandleOp", "ReadV
 
 
 class ShapeTable:
-    """name -> [shape per output]; `_output_shapes` first, inference as fallback."""
+    """name -> [shape per output]; `_output_shapes` first, TF shape inference
+    (once, lazily) for a node that lacks them."""
 
     def __init__(self, graph):
+        self._graph = graph
         self._shapes = {}
-        missing = False
-        for name, node in graph.nodes.items():
-            s = registry.static_shapes(node)
-            if s is None:
-                missing = True
-            else:
-                self._shapes[name] = s
-        self.inferred = False
+        self._inferred = None
         self.error = None
-        if missing:
+
+    @property
+    def inferred(self):
+        return self._inferred is not None
+
+    def node_shapes(self, name):
+        s = self._shapes.get(name)
+        if s is not None:
+            return s
+        node = self._graph.nodes.get(name)
+        if node is not None:
+            s = registry.static_shapes(node)
+        if s is None:
+            s = self._infer().get(name)
+        if s is not None:
+            self._shapes[name] = s
+        return s
+
+    def _infer(self):
+        if self._inferred is None:
+            self._inferred = {}
             try:
-                inferred = registry.infer_shapes(graph.to_graph_def())
+                self._inferred = registry.infer_shapes(self._graph.to_graph_def())
             except Exception as exc:  # noqa: BLE001 - function bodies etc. may not import
                 self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            else:
-                self.inferred = True
-                for k, v in inferred.items():
-                    self._shapes.setdefault(k, v)
+        return self._inferred
 
     def get(self, ref):
         src, port, _ = parse_tensor(ref)
-        outs = self._shapes.get(src)
+        outs = self.node_shapes(src)
         if outs is None or port >= len(outs):
             return None
         return outs[port]
@@ -145,11 +157,13 @@ def activation_bytes(graph, shapes: ShapeTable, dtype_of=None):
         dts = dtype_of(node) if dtype_of is not None else graph.output_dtypes(node)
         if not dts:
             continue
-        outs = shapes._shapes.get(name)
+        outs = None
         for port, dt in enumerate(dts):
             b = _BYTES.get(registry.base_dtype(dt))
             if b is None or b == 8:
                 continue
+            if outs is None:
+                outs = shapes.node_shapes(name)
             shape = outs[port] if outs is not None and port < len(outs) else None
             if shape is None:
                 continue
