@@ -10,6 +10,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 import npu_amp_tf
 from graph_passes.errors import MixlistError, OptionError
+from graph_passes import registry
 from graph_passes.graph import Graph
 from graph_passes.manager import run_passes
 from npu_amp_tf.options import Options
@@ -225,9 +226,17 @@ def test_fused_matmul_without_fp16_kernel_falls_back_with_warning():
     f.attr["num_args"].i = 1
     f.attr["fused_ops"].list.s.extend([b"BiasAdd"])
     out, rep = precision(gd, fetches=[])
-    assert dtype_of(out, "fused") == F32
-    assert rep.decisions["fused"]["reason"].startswith("no kernel: _FusedMatMul has no float16 kernel on CPU")
-    assert any(w["node"] == "fused" for w in rep.warnings)
+    if registry.has_kernel("_FusedMatMul", "CPU", {"T": F16}):  # TF >= 2.16 registers one
+        assert dtype_of(out, "fused") == F16
+    else:                                                         # TF 2.15
+        assert dtype_of(out, "fused") == F32
+        assert rep.decisions["fused"]["reason"].startswith("no kernel: _FusedMatMul has no float16 kernel on CPU")
+        assert any(w["node"] == "fused" for w in rep.warnings)
+    # an explicit device type with no kernels at all: never converted, warned
+    out_gpu, rep_gpu = precision(gd, device_type="GPU")
+    if not registry.has_kernel("_FusedMatMul", "GPU", {"T": F16}):
+        assert dtype_of(out_gpu, "fused") == F32
+        assert "no float16 kernel on GPU" in rep_gpu.decisions["fused"]["reason"]
     out16, rep16 = precision(gd, precision_mode="allow_mix_precision_bf16")
     assert dtype_of(out16, "fused") == BF16
     assert casts(out16) == ["x/CastToBf16"]
@@ -252,9 +261,20 @@ def test_keep_dtype_scope_and_name_overrides():
     assert dtype_of(out, "sm") == F16            # black, but forced by name
     assert dtype_of(out, "mm3") == F16
     assert rep.decisions["sm"]["reason"].startswith("low_precision_nodes")
-    # prefix form "scope/"
-    out2, _ = precision(gd, fetches=["y"], keep_dtype_nodes=["mm"])  # not a prefix: exact name only
+    # "mm" is an exact name (matches nothing here); "blk/" is a prefix
+    out2, _ = precision(gd, fetches=["y"], keep_dtype_nodes=["mm"])
     assert dtype_of(out2, "mm3") == F16
+
+    def scoped():
+        x = ph("x")
+        with tf.name_scope("blk"):
+            a = tf.matmul(x, cst("w"), name="a")
+            b = tf.matmul(a, cst("w2"), name="b")
+        tf.identity(tf.matmul(b, cst("w3"), name="c"), name="y")
+
+    out3, rep3 = precision(build(scoped), fetches=["y"], keep_dtype_nodes=["blk/"])
+    assert [dtype_of(out3, n) for n in ("blk/a", "blk/b", "c")] == [F32, F32, F16]
+    assert rep3.decisions["blk/a"]["list"] == "keep_dtype"
 
 
 def test_custom_lists_and_mixlist(tmp_path):
