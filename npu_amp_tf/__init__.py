@@ -17,6 +17,22 @@ from .config import amp_scope, disable, enable, session_config  # noqa: E402
 _bridge.register_on_import()
 __all__ += ["session_config", "enable", "disable", "amp_scope"]
 
+# Loss scaling (AMP_Optimizer, CANN-compatible managers) and framework entry points.
+from . import loss_scale, optimizer  # noqa: E402
+from .loss_scale import ExponentialUpdateLossScaleManager, FixedLossScaleManager  # noqa: E402
+from .optimizer import AMP_Optimizer, NPULossScaleOptimizer  # noqa: E402
+
+__all__ += ["AMP_Optimizer", "NPULossScaleOptimizer", "FixedLossScaleManager",
+            "ExponentialUpdateLossScaleManager", "loss_scale", "optimizer", "keras", "estimator"]
+
+
+def __getattr__(name):  # lazy submodules: keras / estimator import heavy frameworks
+    if name in ("keras", "estimator"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 # Mixed precision: offline rewrite and the keep-dtype scope (CANN npu_scope.keep_dtype_scope).
 from .precision import keep_dtype_scope, rewrite_graph  # noqa: E402
 
