@@ -169,3 +169,23 @@ def test_keras3_optimizer_is_a_clear_error():
         pytest.skip("Keras 3 not installed (TF 2.15 ships Keras 2)")
     with pytest.raises(OptionError, match="Keras 3 optimizer.*keras.mixed_precision.LossScaleOptimizer"):
         npu_amp_tf.AMP_Optimizer(keras3.optimizers.Adam())
+
+
+def test_gradient_accumulation_equivalence_keras():
+    """2 micro-batches of 8 == one batch of 16 (FP32, SGD, mean loss)."""
+    x, y = _data(16)
+    res = []
+    for n, batches in ((2, [(x[:8], y[:8]), (x[8:], y[8:])]), (1, [(x, y)])):
+        model = _model()
+        opt = npu_amp_tf.AMP_Optimizer(K.optimizers.legacy.SGD(0.1),
+                                       gradient_accumulation_steps=n)
+        w0 = model.weights[0].numpy()
+        for i, (xb, yb) in enumerate(batches):
+            opt.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)), model.trainable_variables)
+            if n == 2 and i == 0:
+                np.testing.assert_array_equal(model.weights[0].numpy(), w0)
+                assert int(opt.iterations) == 0
+        assert int(opt.iterations) == 1
+        res.append([w.numpy() for w in model.weights])
+    for a, b in zip(*res):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
