@@ -222,3 +222,38 @@ def _check_identical_and_skipped(w0, w1):
         assert [s["loss_scale"] for s in w["scales"]] == [128.0, 128.0, 64.0, 64.0]
         assert w["scales"][-1]["skipped_steps"] == 1 and w["scales"][-1]["overflow_count"] == 1
     assert w0["scales"] == w1["scales"]
+
+
+PSS_SCRIPT = textwrap.dedent("""
+    import socket
+    import tensorflow as tf
+    import npu_amp_tf
+
+    def port():
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close()
+        return p
+
+    cs = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{port()}"], "ps": [f"127.0.0.1:{port()}"]})
+    for job in ("worker", "ps"):  # in-process servers
+        tf.distribute.Server(cs, job_name=job, task_index=0, protocol="grpc", start=True)
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.SimpleClusterResolver(cs, rpc_layer="grpc"))
+    with strategy.scope():
+        try:
+            npu_amp_tf.AMP_Optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+        except npu_amp_tf.NpuAmpError as exc:
+            print("ERROR:", exc)
+""")
+
+
+def test_parameter_server_strategy_is_a_clear_error(tmp_path):
+    """Run in a subprocess: a PS cluster reconfigures the process's eager context."""
+    script = tmp_path / "pss.py"
+    script.write_text(PSS_SCRIPT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ERROR: AMP_Optimizer does not support ParameterServerStrategy" in out.stdout
+    assert "Supported: no strategy, OneDeviceStrategy, MirroredStrategy" in out.stdout
