@@ -88,6 +88,7 @@ def train(keras, weights, data, epochs, batch, lr, amp_params):
     """amp_params None: FP32.  Else: enable(**amp_params) + Keras AMP optimizer."""
     (x, y), (xt, yt) = data
     keras.backend.clear_session()
+    keras.utils.set_random_seed(0)                     # same shuffling order in every run
     model = build_model(keras)
     model.set_weights(weights)
     opt = keras.optimizers.Adam(lr)
