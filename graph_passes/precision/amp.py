@@ -189,7 +189,10 @@ class PrecisionPass(Pass):
 
         changed = 0
         if self.mode != "must_keep_origin_dtype":
-            changed = self._paint()
+            order = self.g.topo_order()
+            changed = self._paint(order)
+            if self.mode in ("allow_mix_precision", "allow_mix_precision_bf16"):
+                changed += self._demote(order)
             self._adapt_casts()
             self._convert_consts()
             self._fix_edges(shapes)
@@ -361,10 +364,10 @@ class PrecisionPass(Pass):
         fields.update(extra)
         self.decisions[node.name] = fields
 
-    def _paint(self):
+    def _paint(self, order):
         g = self.g
         changed = 0
-        for name in g.topo_order():
+        for name in order:
             node = g.nodes[name]
             if node.op == "Const":
                 continue
@@ -384,6 +387,76 @@ class PrecisionPass(Pass):
                 self.touched.add(name)
             self.state[name] = state
             self._record(node, state, reason, lst=lst, dtype=target, was=registry.dtype_name(cur))
+        return changed
+
+    # ------------------------------------------------------------ demotion
+    def _readers(self, ref, exclude=None):
+        """[(consumer, index)] reading tensor ``ref``, looking through float Casts."""
+        src, port, _ = parse_tensor(ref)
+        out = []
+        for cname, idx in self.g.consumers(src, port=port):
+            if cname == exclude:
+                continue
+            c = self.g.nodes[cname]
+            if c.op == "Cast" and c.attr["SrcT"].type in FLOATS and c.attr["DstT"].type in FLOATS:
+                out.extend(self._readers(cname, exclude))
+            else:
+                out.append((cname, idx))
+        return out
+
+    def _wanted(self, ref, exclude=None):
+        """Base dtypes the readers of ``ref`` (other than ``exclude``) expect."""
+        wants = set()
+        for cname, idx in self._readers(ref, exclude):
+            want = self.g.input_dtypes(self.g.nodes[cname])
+            if want is not None and idx < len(want):
+                wants.add(registry.base_dtype(want[idx]))
+        return wants
+
+    def _demote(self, order):
+        """Gray/clear nodes painted low whose casts would outnumber the ones
+        FP32 needs go back to FP32 (reverse topological order, so consumers
+        are final).  Example: ``MatMul16 -> BiasAdd -> AddV2(FP32)`` costs two
+        casts with a low BiasAdd (bias read, output) and one with an FP32
+        BiasAdd (the MatMul output): "never add a cast that buys nothing"."""
+        g = self.g
+        changed = 0
+        for name in reversed(order):
+            d = self.decisions.get(name)
+            if d is None or d.get("state") != "low" or d.get("list") not in ("gray", "clear"):
+                continue
+            node = g.nodes[name]
+            if self.is_forced_low(node):
+                continue
+            info = self.info(node)
+            cost_low = cost_f32 = 0
+            for k, inp in enumerate(node.input):
+                if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
+                    continue
+                r = self.root(inp)
+                rnode = g.nodes.get(parse_tensor(r)[0])
+                if rnode is None or rnode.op == "Const":
+                    continue
+                rdt = g.tensor_dtype(r)
+                rdt = registry.base_dtype(rdt) if rdt is not None else None
+                if rdt == FP32 and self.low not in self._wanted(r, exclude=name):
+                    cost_low += 1
+                elif rdt == self.low and FP32 not in self._wanted(r, exclude=name):
+                    cost_f32 += 1
+            outs = set()
+            for port in range(len(g.output_dtypes(node) or ())):
+                outs |= self._wanted(tensor_name(name, port))
+            cost_low += FP32 in outs
+            cost_f32 += self.low in outs
+            if cost_f32 < cost_low:
+                for a in info.attrs:
+                    node.attr[a].type = FP32
+                self.touched.add(name)
+                self.state[name] = "f32"
+                if d.get("was") == "float32":
+                    changed -= 1  # painting counted it as changed
+                d.update(state="f32", dtype="float32",
+                         reason=d["reason"] + f"; kept FP32: {cost_f32} cast(s) instead of {cost_low}")
         return changed
 
     def _refuse_low(self, node, info, cur):
