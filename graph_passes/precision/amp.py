@@ -185,7 +185,9 @@ class PrecisionPass(Pass):
         self.decisions = {}
 
         shapes = _stats.ShapeTable(graph)
-        act_before = _stats.activation_bytes(graph, shapes)
+        self._act_nodes = {}
+        act_before = _stats.activation_bytes(graph, shapes, per_node=self._act_nodes)
+        self.new_casts = []
 
         changed = 0
         if self.mode != "must_keep_origin_dtype":
@@ -658,6 +660,7 @@ class PrecisionPass(Pass):
             "SrcT": _type_attr(registry.base_dtype(rdt)), "DstT": _type_attr(dt),
             "Truncate": False}, device=g.nodes[src].device)
         self.casts_inserted += 1
+        self.new_casts.append(cname)
         if shapes is not None:
             shapes.alias(cname, root)
         self._cast_cache[key] = cname
@@ -687,7 +690,9 @@ class PrecisionPass(Pass):
                 total_flops += f
                 if cur in registry.LOW_TYPES:
                     lp_flops += f
-        act_after = _stats.activation_bytes(g, shapes)
+        redo = [n for n in self.touched if n in g.nodes] + list(self.new_casts)
+        act_after = act_before - sum(self._act_nodes.get(n, 0) for n in redo) + \
+            _stats.activation_bytes(g, shapes, names=redo)
         for n, fields in self.decisions.items():
             rep.decide(n, **fields)
         share = (lp_flops / total_flops) if total_flops else None

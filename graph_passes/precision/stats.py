@@ -146,18 +146,22 @@ def _einsum_flops(node, ins, out):
     return 2 * _prod(out) * math.prod(contracted)
 
 
-def activation_bytes(graph, shapes: ShapeTable, dtype_of=None):
+def activation_bytes(graph, shapes: ShapeTable, names=None, per_node=None):
     """Bytes of every float activation (outputs of compute nodes, not of
-    constants, variables or feeds).  ``dtype_of(node) -> [dtypes]`` overrides
-    the node's current output dtypes (used for the 'before' figure)."""
+    constants, variables or feeds), over ``names`` (default: every node).
+    ``per_node`` (a dict) receives each node's share, so a later figure can be
+    updated for the few nodes that changed instead of rescanning the graph."""
     total = 0
-    for name, node in graph.nodes.items():
-        if node.op in _PARAM_OPS:
+    nodes = graph.nodes
+    for name in (nodes if names is None else names):
+        node = nodes.get(name)
+        if node is None or node.op in _PARAM_OPS:
             continue
-        dts = dtype_of(node) if dtype_of is not None else graph.output_dtypes(node)
+        dts = graph.output_dtypes(node)
         if not dts:
             continue
         outs = None
+        mine = 0
         for port, dt in enumerate(dts):
             b = _BYTES.get(registry.base_dtype(dt))
             if b is None or b == 8:
@@ -167,5 +171,8 @@ def activation_bytes(graph, shapes: ShapeTable, dtype_of=None):
             shape = outs[port] if outs is not None and port < len(outs) else None
             if shape is None:
                 continue
-            total += b * _prod(shape)
+            mine += b * _prod(shape)
+        total += mine
+        if per_node is not None and mine:
+            per_node[name] = mine
     return total
