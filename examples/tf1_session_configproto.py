@@ -177,6 +177,9 @@ def main(argv=None):
     print(f"  MatMuls in {s.get('low_dtype')}       : {len(low_mm)} (forward and backward), e.g. {low_mm[:3]}")
     kept = {n: d for n, d in rep["decisions"].items()
             if d.get("list") == "black" and d.get("reason", "").endswith("custom_black_list")}
+    act = rep["decisions"].get("hidden1", {})
+    if "hidden1" not in kept:   # e.g. TF >= 2.16: remapper fused MatMul+BiasAdd+Tanh and it stayed fused
+        print(f"  black list NOT honoured   : 'hidden1' (Tanh) dtype={act.get('dtype')}, reason: {act.get('reason')}")
     for n, d in sorted(kept.items())[:3]:
         print(f"  black-listed  {n:<22}: dtype={d.get('dtype')}  reason: {d.get('reason')}")
     ls = amp["loss_scale"]
@@ -195,7 +198,7 @@ def main(argv=None):
     print(f"  test accuracy        {fp32['test_acc']:8.4f}   {amp['test_acc']:8.4f}")
     print(f"  wall time [s]        {fp32['seconds']:8.1f}   {amp['seconds']:8.1f}   "
           "(FP16 has no native CPU kernels: slower here, not on an NPU)")
-    print(f"RESULT lp_flop_share={share:.4f} low_matmuls={len(low_mm)} casts_inserted={s.get('casts_inserted')} "
+    print(f"RESULT lp_flop_share={share:.4f} low_matmuls={len(low_mm)} tanh_dtype={act.get('dtype')} casts_inserted={s.get('casts_inserted')} "
           f"loss_scale={ls['loss_scale']:g} fp32_acc={fp32['test_acc']:.4f} amp_acc={amp['test_acc']:.4f} "
           f"fp32_loss={fp32['test_loss']:.4f} amp_loss={amp['test_loss']:.4f}")
 
