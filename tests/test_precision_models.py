@@ -327,3 +327,54 @@ def test_tf_function_with_nested_call():
 
     np.testing.assert_allclose(run(out), run(gd), rtol=1e-2, atol=1e-3)
     np.testing.assert_allclose(run(out), outer(x, w).numpy(), rtol=1e-2, atol=1e-3)
+
+
+# ------------------------------------------------------ TensorList cluster
+def test_tensorlist_cluster_keeps_one_dtype():
+    """TensorArray (TensorList ops in functional control flow): every op of the
+    cluster keeps one element dtype; the MatMul feeding it runs low precision."""
+    old = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = True
+    try:
+        g = tf.Graph()
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [2, 2], name="x")
+            w = tf.constant([[0.5, -0.25], [1.0, 0.75]], name="w")
+            ta = tf.TensorArray(tf.float32, size=3, element_shape=[2, 2])
+
+            def body(i, h, ta):
+                h = tf.matmul(h, w, name="mm")
+                return i + 1, h, ta.write(i, h)
+
+            _, _, ta = v1.while_loop(lambda i, h, ta: i < 3, body, [tf.constant(0), x, ta])
+            tf.identity(tf.reduce_sum(ta.stack()), name="y")
+        gd = g.as_graph_def()
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = old
+    out, rep = rewrite(gd, ["y"])
+
+    def tl_nodes(graph_def):
+        res = {}
+        for n in graph_def.node:
+            if n.op.startswith("TensorList"):
+                res[n.name] = n.attr["element_dtype"].type
+        for f in graph_def.library.function:
+            for n in f.node_def:
+                if n.op.startswith("TensorList"):
+                    res[f"{f.signature.name}/{n.name}"] = n.attr["element_dtype"].type
+        return res
+
+    before, after = tl_nodes(gd), tl_nodes(out)
+    assert before and after == before and set(after.values()) == {F32}
+    mm = [n for f in out.library.function for n in f.node_def if n.op == "MatMul"]
+    assert mm and all(n.attr["T"].type == F16 for n in mm)
+    xv = np.array([[0.3, -0.7], [1.1, 0.2]], np.float32)
+
+    def run(graph_def):
+        gg = tf.Graph()
+        with gg.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+        with v1.Session(graph=gg, config=session_config()) as s:
+            return s.run("y:0", {"x:0": xv})
+
+    np.testing.assert_allclose(run(out), run(gd), rtol=1e-2)
