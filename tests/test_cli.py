@@ -113,10 +113,13 @@ def test_rewrite_graphdef(models, tmp_path, kind):
     p = cli("rewrite", models[kind], out)
     assert "low-precision FLOP share: 100.0%" in p.stdout
     gd = load_gd(out)
-    assert {"fc1/MatMul", "fc2/MatMul"} <= half_ops(gd)
+    # both matrix ops run in FP16 (on TF >= 2.16 the fusion pass may fold
+    # fc1's MatMul+BiasAdd+Relu into one _FusedMatMul, which has FP16 kernels there)
+    matmuls = [n.name for n in gd.node if n.op in ("MatMul", "_FusedMatMul")]
+    assert len(matmuls) == 2 and set(matmuls) <= half_ops(gd)
     assert sum(n.op == "Cast" for n in gd.node) >= 2
     report = json.load(open(tmp_path / "amp.report.json"))
-    assert report["decisions"]["fc1/MatMul"]["dtype"] == "float16"
+    assert report["decisions"]["fc2/MatMul"]["dtype"] == "float16"
     # numerically close to the original
     x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
     a = tm.run_gd(load_gd(models[kind]), {"x:0": x}, "y:0")
@@ -164,7 +167,7 @@ def test_rewrite_saved_model(models, tmp_path):
 # --------------------------------------------------------------------------
 def test_report_table_totals(models, tmp_path, capsys):
     p = cli("report", models["mlp_pb"], "--json", tmp_path / "r.json")
-    assert re.search(r"fc1/MatMul\s+MatMul\s+float16\s+white\s+512", p.stdout), p.stdout
+    assert re.search(r"fc2/MatMul\s+MatMul\s+float16\s+white\s+256", p.stdout), p.stdout
     assert "low-precision FLOP share:   100.0%" in p.stdout
     assert "casts inserted:" in p.stdout and "warnings (" in p.stdout
     p2 = inproc(capsys, "report", tmp_path / "r.json")  # a saved report prints the same totals

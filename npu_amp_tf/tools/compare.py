@@ -210,11 +210,16 @@ def write_outputs(result: CompareResult, out_dir: str | None = None) -> list[str
         for r in result.rows:
             w.writerow(r)
     with open(json_path, "w", encoding="utf-8") as fh:
-        json.dump(result.to_json(), fh, indent=1, default=_json_default)
+        json.dump(_strict(result.to_json()), fh, indent=1, allow_nan=False)
     return [csv_path, json_path]
 
 
-def _json_default(o):
-    if isinstance(o, float):
-        return str(o)
-    return str(o)
+def _strict(o):
+    """Strict JSON: inf / NaN become the strings "inf", "-inf", "nan"."""
+    if isinstance(o, float) and not np.isfinite(o):
+        return "nan" if np.isnan(o) else ("inf" if o > 0 else "-inf")
+    if isinstance(o, dict):
+        return {k: _strict(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_strict(v) for v in o]
+    return o

@@ -160,7 +160,10 @@ def _pick_report(report_dir, Report):
 def format_result(res: DemoResult) -> str:
     from .report import format_report
 
-    lines = ["== rewrite report (written by the grappler pass"
+    lines = ["npu-amp demo: an MLP trained on synthetic data, once in FP32 and once with the plugin",
+             "(session_config(precision_mode='allow_mix_precision') + AMP_Optimizer, dynamic loss scale)",
+             "",
+             "== rewrite report (written by the grappler pass"
              + (f", {res.report_graph}" if res.report_graph else "") + ")"]
     if res.report is not None:
         lines.append(format_report(res.report, only_lists=("white", "black", "gray")))

@@ -275,14 +275,9 @@ def _sink_nodes(gd) -> list[str]:
 # --------------------------------------------------------------------------
 # saving
 # --------------------------------------------------------------------------
-def output_path_for(model: Model, out: str) -> str:
-    return out
-
-
 def save_model(model: Model, graph_def, out: str, report=None) -> list[str]:
     """Write ``graph_def`` as the same kind of model as ``model`` at ``out``,
     and the report (if given) as JSON beside it.  Returns the written paths."""
-    from google.protobuf import text_format
     from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
     out = os.fspath(out)
@@ -338,7 +333,6 @@ def save_model(model: Model, graph_def, out: str, report=None) -> list[str]:
         with open(report_path, "w", encoding="utf-8") as fh:
             fh.write(report.dumps(indent=1))
         written.append(report_path)
-    del text_format
     return written
 
 
