@@ -213,13 +213,34 @@ def static_shapes(node) -> list[list[int] | None] | None:
 
 def infer_shapes(graph_def) -> dict[str, list[list[int] | None]]:
     """Output shapes from TensorFlow's own shape inference (imports the graph
-    into a throw-away ``tf.Graph``; no session is created)."""
-    import tensorflow as tf
+    into a throw-away ``tf.Graph``; no session is created).
 
+    Graphs that grappler hands over carry ``_class`` colocation attrs naming
+    nodes it removed, devices it assigned and ops from libraries that may not
+    be loaded here; none of that matters for shapes, so a stripped copy is
+    imported.  If TF still refuses the graph, the shapes recorded in
+    ``_output_shapes`` are returned (possibly none).
+    """
+    import tensorflow as tf
+    from tensorflow.core.framework import graph_pb2
+
+    stripped = graph_pb2.GraphDef()
+    stripped.CopyFrom(graph_def)
+    for node in stripped.node:
+        node.device = ""
+        for key in [k for k in node.attr if k == "_class" or k.startswith("_xla")]:
+            del node.attr[key]
     shapes = {}
     g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(graph_def, name="")
+    try:
+        with g.as_default():
+            tf.graph_util.import_graph_def(stripped, name="")
+    except (ValueError, TypeError, KeyError, tf.errors.OpError):
+        for node in graph_def.node:
+            recorded = static_shapes(node)
+            if recorded is not None:
+                shapes[node.name] = recorded
+        return shapes
     for op in g.get_operations():
         out = []
         for t in op.outputs:

@@ -44,6 +44,7 @@ from __future__ import annotations
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from . import registry
+from .precision.lists import lists_for
 from .manager import Pass, register_pass
 
 FUSED_OPS = ("_FusedConv2D", "_FusedMatMul")
@@ -103,6 +104,7 @@ class Unfuse(Pass):
             return {"unfused": 0, "skipped": "precision mode keeps FP32"}
         low = _LOW.get(ctx.option("low_dtype", "float16"), types_pb2.DT_HALF)
         default_dev = ctx.default_device_type()
+        black = lists_for(ctx.options)["black"]
         unfused = kept = 0
         for name in list(graph.nodes):
             node = graph.nodes.get(name)
@@ -110,22 +112,26 @@ class Unfuse(Pass):
                 continue
             dev_type = registry.device_type_of(node, default_dev)
             broken = BROKEN_KERNELS.get((node.op, dev_type, low))
+            parts = [s.decode() for s in node.attr["fused_ops"].list.s]
+            listed = [p for p in parts if ACTIVATIONS.get(p, (p,))[0] in black]
+            if listed:  # a black-listed activation must not ride along in low precision
+                broken = f"fused {listed} black-listed: split so it stays FP32"
             if not broken and registry.has_kernel(node.op, dev_type, {"T": low}):
                 ctx.report.decide(name, unfuse="kept",
-                                  reason=f"{node.op} has a {registry.dtype_name(low)} kernel on {dev_type}")
+                                  unfuse_reason=f"{node.op} has a {registry.dtype_name(low)} kernel on {dev_type}")
                 kept += 1
                 continue
-            plan = _plan([s.decode() for s in node.attr["fused_ops"].list.s])
+            plan = _plan(parts)
             host_args = node.attr["num_host_args"].i if "num_host_args" in node.attr else 0
             if isinstance(plan, str) or host_args:
                 reason = plan if isinstance(plan, str) else "host args are not supported"
-                ctx.report.decide(name, unfuse="kept", reason=reason)
+                ctx.report.decide(name, unfuse="kept", unfuse_reason=reason)
                 ctx.warn(f"{node.op} left fused ({reason}); it stays in its original dtype", node=name)
                 kept += 1
                 continue
             self._split(graph, node, plan)
             ctx.report.decide(name, unfuse="split",
-                              reason=broken or f"{node.op} has no {registry.dtype_name(low)} kernel on {dev_type}")
+                              unfuse_reason=broken or f"{node.op} has no {registry.dtype_name(low)} kernel on {dev_type}")
             unfused += 1
         if unfused:
             graph.reindex()

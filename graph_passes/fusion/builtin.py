@@ -97,6 +97,11 @@ def _emit_fused(m, b, act: str, extra_attrs=None):
         fmt = mm.attr["data_format"].s.decode() if "data_format" in mm.attr else "NHWC"
         b.require(fmt == "NHWC", f"{mm.op} data_format {fmt}: the fused CPU kernel takes NHWC")
     run_dt = planned_dtype(b.ctx, mm.op, mm.name, dt)
+    if run_dt != dt and act:
+        from .core import _black_ops
+        b.require(act not in _black_ops(b.ctx),
+                  f"activation {act} is black-listed: fusing it into a low-precision "
+                  f"{FUSED_OP[mm.op]} would run it in {registry.dtype_name(run_dt)}")
     if run_dt != dt:
         b.require_kernel(FUSED_OP[mm.op], {"T": run_dt},
                          f"the precision pass will run {mm.op} '{mm.name}' in {registry.dtype_name(run_dt)}")

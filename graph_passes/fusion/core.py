@@ -181,6 +181,13 @@ _PRECISION_LOW = {"allow_mix_precision": registry.DT_HALF, "force_fp16": registr
                   "allow_mix_precision_bf16": registry.DT_BFLOAT16}
 
 
+def _black_ops(ctx) -> dict:
+    """The black list the precision pass will use (defaults + user edits)."""
+    from ..precision.lists import lists_for
+
+    return lists_for(ctx.options)["black"]
+
+
 def planned_dtype(ctx, op_type: str, node_name: str, dtype: int) -> int:
     """The dtype a white-list matrix op of type ``op_type`` will run in once the
     precision pass (which runs after fusion) has painted the graph."""
@@ -196,7 +203,7 @@ def planned_dtype(ctx, op_type: str, node_name: str, dtype: int) -> int:
         return dtype
     if mode != "allow_mix_precision_bf16":
         low = registry.DTYPE_BY_NAME.get(ctx.option("low_dtype") or "float16", low)
-    if op_type in tuple(ctx.option("custom_black_list", ()) or ()):
+    if op_type in _black_ops(ctx):
         return dtype
     for keep in tuple(ctx.option("keep_dtype_nodes", ()) or ()):
         if node_name == keep or (keep.endswith("/") and node_name.startswith(keep)):

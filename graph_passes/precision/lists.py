@@ -225,3 +225,17 @@ def resolve_lists(white_add=(), black_add=(), gray_add=(), mixlist=None, mixlist
             lists[name].pop(op, None)
         lists[target][op] = f"user: {where_of[op]}"
     return lists
+
+
+def lists_for(options) -> dict[str, dict[str, str]]:
+    """:func:`resolve_lists` for an options-like object (attributes
+    ``custom_*_list``, ``mixlist``, ``modify_mixlist``); defaults when None.
+    Passes that run before the precision pass (unfuse, fusion) use it to
+    predict which list an op will be in."""
+    get = (lambda k, d=None: getattr(options, k, d)) if options is not None else (lambda k, d=None: d)
+    return resolve_lists(
+        white_add=get("custom_white_list", ()) or (),
+        black_add=get("custom_black_list", ()) or (),
+        gray_add=get("custom_gray_list", ()) or (),
+        mixlist=get("mixlist"),
+        mixlist_name=get("modify_mixlist"))
