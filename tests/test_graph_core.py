@@ -215,3 +215,16 @@ def test_new_graph_runs_after_edit():
     assert g.validate() == []
     out = g.to_graph_def()
     assert len(out.node) == len(gd.node) + 2
+
+
+def test_infer_shapes_survives_grappler_colocation_and_devices():
+    """Grappler hands over graphs whose _class attrs name nodes it removed."""
+    gd = training_graph()
+    for n in gd.node:
+        if n.op == "MatMul":
+            n.attr["_class"].list.s.append(b"loc:@removed_by_grappler")
+            n.device = "/job:localhost/replica:0/task:0/device:CPU:0"
+    shapes = registry.infer_shapes(gd)
+    assert shapes["MatMul"] == [[4, 2]]
+    # the caller's graph is not modified
+    assert any(n.attr["_class"].list.s for n in gd.node if n.op == "MatMul")
