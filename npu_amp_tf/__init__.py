@@ -1,4 +1,7 @@
 """npu-amp-tf: Ascend-GE-style automatic mixed precision for stock TensorFlow."""
+import os as _os
+
+_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is first imported
 from ._version import __version__, check_tensorflow
 
 check_tensorflow()
@@ -42,3 +45,8 @@ __all__ += ["rewrite_graph", "keep_dtype_scope"]
 from graph_passes.fusion import fusion_rule, register_fusion_rule  # noqa: E402
 
 __all__ += ["register_fusion_rule", "fusion_rule"]
+
+# Layout: check_align (NC1HWC0 / FRACTAL_Z padding analysis; format_mode="NC1HWC0" runs the pass).
+from .layout import check_align  # noqa: E402
+
+__all__ += ["check_align"]
