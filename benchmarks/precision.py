@@ -190,6 +190,28 @@ class _CastAwareShapes:
         return None
 
 
+class _OutShapes(stats.ShapeTable):
+    """Shape table of a rewritten graph: original shapes by name, Casts take
+    the shape of their input."""
+
+    def __init__(self, orig_shapes, out_graph):
+        super().__init__(out_graph)
+        self.orig = orig_shapes
+
+    def node_shapes(self, name):
+        s = self.orig.node_shapes(name) if name in self.orig._graph.nodes else None
+        if s is None:
+            node = self._graph.nodes.get(name)
+            if node is not None and node.op == "Cast":
+                s = [self.get(node.input[0])]
+        return s
+
+
+def activation_mib(out_gd, orig_shapes):
+    g = Graph(out_gd, copy=False)
+    return stats.activation_bytes(g, _OutShapes(orig_shapes, g)) / 2 ** 20
+
+
 def flop_share(out_gd, orig_shapes):
     g = Graph(out_gd, copy=False)
     shapes = _CastAwareShapes(orig_shapes, g)
@@ -224,8 +246,10 @@ def bench(name, graph, fetches, repeat):
     c_ours, c_gr = count(ours, "Cast") - c0, count(gr_out, "Cast") - c0
     s_ours, flops, unk = flop_share(ours, orig_shapes)
     s_gr, _, _ = flop_share(gr_out, orig_shapes)
+    a0, a_ours, a_gr = (activation_mib(x, orig_shapes) for x in (gd, ours, gr_out))
     rows = [
         ("Cast nodes added", f"{c_ours}", f"{c_gr}", _ratio(c_ours, c_gr)),
+        (f"activation MiB (FP32: {a0:.0f})", f"{a_ours:.0f}", f"{a_gr:.0f}", _ratio(a_ours, a_gr)),
         ("low-precision FLOP share", f"{s_ours:.2%}", f"{s_gr:.2%}", _ratio(s_ours, s_gr)),
         ("pass time end-to-end (s)", f"{t_ours:.3f}", f"{t_gr:.3f}", _ratio(t_ours, t_gr)),
     ]

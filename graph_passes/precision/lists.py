@@ -100,6 +100,7 @@ GRAY = {
     "SoftplusGrad": "activation gradient",
     "Softsign": "activation",
     "Erf": "activation (GELU)",
+    "Erfc": "activation (GELU as 0.5*x*erfc(-x/sqrt2), TF >= 2.16)",
     "Gelu": "activation",
     "FusedBatchNorm": "statistics kept in FP32 by the op itself (U=float)",
     "FusedBatchNormV2": "statistics kept in FP32 by the op itself (U=float)",
