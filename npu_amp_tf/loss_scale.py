@@ -139,52 +139,89 @@ class LossScaleManager(tf.Module):
         return self.loss_scale
 
     # --------------------------------------------------------------- updates
-    def _new_scale(self, finite, scale, good, bad):
-        """(new_scale, new_good, new_bad) from the values read before the update."""
-        return scale, tf.where(finite, good + 1, tf.zeros([], tf.int64)), bad
+    def _grows(self, good):
+        """Bool tensor: does a finite step now change the scale?  (None: never)"""
+        return None
 
-    def update_loss_scale(self, finite_grads, skipped=None):
+    def _grown(self, scale):
+        return scale
+
+    def _on_overflow(self, scale, bad):
+        """(new_scale, new_bad) after an overflowing step."""
+        return scale, bad
+
+    def update_loss_scale(self, finite_grads, apply_fn=None):
         """Advance the state machine (CANN interface).
 
-        ``finite_grads``: scalar bool, True when every gradient was finite.
-        ``skipped``: scalar bool, True when the optimizer update was skipped
-        (defaults to ``not finite_grads`` when the overflow check is on).
-        Returns an op.
+        ``finite_grads``: scalar bool, True when every gradient was finite
+        (ignored when the overflow check is off).  An overflowing step counts
+        in ``overflow_count`` and ``skipped_steps``.  Returns an op.
+
+        The state is read once, then ONE ``tf.cond`` runs the branch of this
+        step: finite (counters; growth as branchless scalar selects) or
+        overflow.  Events (growth, overflow) are logged from inside the branch.
+        ``apply_fn`` (used by ``AMP_Optimizer``): a callable building the
+        optimizer update; it runs inside the finite branch, so skipping the
+        update costs no second conditional and the update graph exists once
+        (a lowered conditional pays per node of its untaken branch).
         """
         self.build()
+        good, steps = self.good_steps.read_value(), self.steps.read_value()
+        zero = tf.zeros([], tf.int64)
+        step1 = steps + 1
+
+        def log(new_scale, overflow):
+            return tf.py_function(self._record_event, [step1, new_scale, tf.constant(overflow)],
+                                  tf.bool)
+
+        def growth_step():  # rare
+            scale = self.loss_scale.read_value()
+            new_scale = self._grown(scale)
+            with tf.control_dependencies([scale]):
+                ops = [self.loss_scale.assign(new_scale, read_value=False),
+                       self.good_steps.assign(zero, read_value=False),
+                       self.bad_steps.assign(zero, read_value=False)]
+            if self.log_events:
+                with tf.control_dependencies(ops):
+                    ops.append(log(new_scale, False))
+            return tf.group(*ops)
+
+        def finite_step():  # the hot path: two counter writes
+            deps = [good, steps]
+            if apply_fn is not None:
+                applied = apply_fn()
+                deps.append(applied if applied is not None else tf.no_op())
+            with tf.control_dependencies(deps):
+                ops = [self.steps.assign(step1, read_value=False)]
+                grows = self._grows(good)
+                if grows is None:
+                    ops.append(self.good_steps.assign(good + 1, read_value=False))
+                else:
+                    ops.append(tf.cond(grows, growth_step, lambda: tf.group(
+                        self.good_steps.assign(good + 1, read_value=False))))
+            return tf.group(*ops)
+
+        def overflow_step():
+            scale, bad = self.loss_scale.read_value(), self.bad_steps.read_value()
+            new_scale, new_bad = self._on_overflow(scale, bad)
+            with tf.control_dependencies([scale, bad, good, steps]):
+                ops = [self.loss_scale.assign(new_scale, read_value=False),
+                       self.good_steps.assign(zero, read_value=False),
+                       self.bad_steps.assign(new_bad, read_value=False),
+                       self.steps.assign(step1, read_value=False),
+                       self.overflow_count.assign_add(1, read_value=False),
+                       self.skipped_steps.assign_add(1, read_value=False)]
+            if self.log_events:
+                with tf.control_dependencies(ops):
+                    ops.append(log(new_scale, True))
+            return tf.group(*ops)
+
+        if not self._check:
+            return tf.group(finite_step(), name="update_loss_scale")
         finite = tf.convert_to_tensor(finite_grads)
         if finite.dtype != tf.bool:
             finite = tf.cast(finite, tf.bool)
-        if not self._check:
-            finite = tf.constant(True)
-        if skipped is None:
-            skipped = tf.logical_not(finite)
-        # read every state variable once, then write: consistent in TF1 graphs too
-        scale, good, bad, steps = (v.read_value() for v in
-                                   (self.loss_scale, self.good_steps, self.bad_steps, self.steps))
-        new_scale, new_good, new_bad = self._new_scale(finite, scale, good, bad)
-        overflow = tf.logical_not(finite)
-        one = tf.ones([], tf.int64)
-        zero = tf.zeros([], tf.int64)
-        with tf.control_dependencies([scale, good, bad, steps]):
-            ops = [
-                self.loss_scale.assign(new_scale, read_value=False),
-                self.good_steps.assign(new_good, read_value=False),
-                self.bad_steps.assign(new_bad, read_value=False),
-                self.overflow_count.assign_add(tf.where(overflow, one, zero), read_value=False),
-                self.skipped_steps.assign_add(tf.where(skipped, one, zero), read_value=False),
-                self.steps.assign(steps + 1, read_value=False),
-            ]
-        if self.log_events:
-            event = tf.logical_or(overflow, tf.not_equal(new_scale, scale))
-            with tf.control_dependencies(ops):
-                logged = tf.cond(
-                    event,
-                    lambda: tf.py_function(self._record_event, [steps + 1, new_scale, overflow],
-                                           tf.bool),
-                    lambda: tf.constant(False))
-            ops.append(logged)
-        return tf.group(*ops, name="update_loss_scale")
+        return tf.group(tf.cond(finite, finite_step, overflow_step), name="update_loss_scale")
 
     # ----------------------------------------------------------- observability
     def _record_event(self, step, scale, overflow):
@@ -247,6 +284,10 @@ class LossScaleManager(tf.Module):
                  ("npu_amp/skipped_steps", self.skipped_steps))
         if not tf.compat.v1.executing_eagerly_outside_functions():
             return [tf.compat.v1.summary.scalar(n, tf.cast(v, tf.float32)) for n, v in items]
+        from tensorflow.python.ops import summary_ops_v2
+
+        if not summary_ops_v2.has_default_writer():
+            return []  # like tf.summary.*: nothing to do (and no variable reads per step)
         if step is None:
             step = tf.summary.experimental.get_step()
             if step is None:
@@ -318,16 +359,17 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
     def is_dynamic(self) -> bool:
         return True
 
-    def _new_scale(self, finite, scale, good, bad):
-        zero = tf.zeros([], tf.int64)
-        good1 = tf.where(finite, good + 1, zero)
-        bad1 = tf.where(finite, bad, bad + 1)
-        grow = tf.logical_and(finite, good1 >= self.incr_every_n_steps)
-        shrink = tf.logical_and(tf.logical_not(finite), bad1 >= self.decr_every_n_nan_or_inf)
-        new_scale = tf.where(grow, tf.minimum(scale * self.incr_ratio, self._max),
-                             tf.where(shrink, tf.maximum(scale * self.decr_ratio, self._min), scale))
-        changed = tf.logical_or(grow, shrink)
-        return (new_scale, tf.where(changed, zero, good1), tf.where(changed, zero, bad1))
+    def _grows(self, good):
+        return good + 1 >= self.incr_every_n_steps
+
+    def _grown(self, scale):
+        return tf.minimum(scale * self.incr_ratio, self._max)
+
+    def _on_overflow(self, scale, bad):
+        bad1 = bad + 1
+        shrink = bad1 >= self.decr_every_n_nan_or_inf
+        return (tf.where(shrink, tf.maximum(scale * self.decr_ratio, self._min), scale),
+                tf.where(shrink, tf.zeros_like(bad1), bad1))
 
     def __repr__(self):
         return (f"ExponentialUpdateLossScaleManager(init_loss_scale={self._init_scale:g}, "

@@ -13,11 +13,14 @@ Usage, as in CANN's TF scripts::
 One step, as built by this module (pure TF ops, no custom kernels)::
 
     loss ──×scale──► grads(scaled) ──[tf.distribute: cast allreduce_dtype, all-reduce SUM,
-                                       cast back]──► concat(flatten all grads, IndexedSlices values)
-         ──× 1/scale (FP32)──► is_finite ─► reduce_all ═► finite   (ONE fused check)
-                          └── split ─► unscaled FP32 grads
-    tf.cond(finite, inner.apply_gradients(unscaled) [+ refresh FP16 copies], no-op)
-    manager.update_loss_scale(finite)          # scale, counters, history, summaries
+                                       cast back]──► ONE finiteness check ═► finite
+         (small grads + IndexedSlices values concatenated → IsFinite; big grads IsFinite
+          each; all flags → a single All)
+    grads × 1/scale (FP32) ──► unscaled FP32 grads
+    tf.cond(finite,
+            inner.apply_gradients(unscaled) [+ refresh FP16 copies] + good-step counters
+                (growth: nested rare branch, logged),
+            overflow: scale ×decr (hysteresis), counters, logged event)
     global_step += 1                           # always (TF1 wrapper), see below
 
 ``global_step`` on a skipped step: the TF1 wrapper increments ``global_step``
@@ -102,6 +105,11 @@ def _values(g):
     return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
+#: gradients with at least this many elements get their own IsFinite (their
+#: flags join the single All); smaller ones are concatenated first
+_BIG_TENSOR = 1 << 14
+
+
 def fused_unscale_and_check(grads, inv_scale=None, check=True):
     """Unscale (optional) and check a list of gradients with ONE reduction.
 
@@ -110,33 +118,44 @@ def fused_unscale_and_check(grads, inv_scale=None, check=True):
     ``grads_out`` keeps each gradient's dtype and kind (unscaled in FP32) and
     ``finite`` is a scalar bool (or None when ``check`` is False).
 
-    All gradients are flattened into one FP32 vector; a single
-    ``IsFinite``+``All`` runs over it (TF has no multi-tensor finiteness
-    kernel on CPU; one reduction instead of one per variable).
+    The check is ONE reduction over all gradients (dense values and
+    IndexedSlices values), not one per variable: small gradients are
+    flattened into one vector with a single ``IsFinite``; a big gradient
+    (>= 16384 elements, where a copy costs more than the check) gets its own
+    elementwise ``IsFinite``; all the flags are concatenated into a single
+    ``All``.  (TF has no multi-tensor finiteness kernel on CPU.)  It runs on
+    the scaled values: multiplying by ``1/scale <= 1`` cannot create or
+    remove an inf/NaN.
     """
     idx = [i for i, g in enumerate(grads) if g is not None]
-    if not idx or (inv_scale is None and not check):
-        return list(grads), (tf.constant(True) if check else None)
-    vals = [_values(grads[i]) for i in idx]
-    flat_parts = [tf.reshape(tf.cast(v, tf.float32), [-1]) for v in vals]
-    flat = flat_parts[0] if len(flat_parts) == 1 else tf.concat(flat_parts, 0)
-    if inv_scale is not None:
-        flat = flat * inv_scale
-    finite = tf.reduce_all(tf.math.is_finite(flat)) if check else None
+    finite = None
+    if check:
+        if not idx:
+            finite = tf.constant(True)
+        else:
+            small, flags = [], []
+            for i in idx:
+                v = _values(grads[i])
+                n = v.shape.num_elements()
+                if n is not None and n >= _BIG_TENSOR:
+                    # copying a big gradient costs more than its own IsFinite
+                    flags.append(tf.reshape(tf.math.is_finite(v), [-1]))
+                else:
+                    if v.dtype != tf.float32:
+                        v = tf.cast(v, tf.float32)
+                    small.append(tf.reshape(v, [-1]))
+            if small:
+                flat = small[0] if len(small) == 1 else tf.concat(small, 0)
+                flags.insert(0, tf.math.is_finite(flat))
+            flags = flags[0] if len(flags) == 1 else tf.concat(flags, 0)
+            finite = tf.reduce_all(flags)
     out = list(grads)
     if inv_scale is not None:
-        if len(vals) == 1:
-            pieces = [flat]
-        else:
-            sizes = [v.shape.num_elements() for v in vals]
-            if all(s is not None for s in sizes):
-                pieces = tf.split(flat, sizes)
-            else:
-                pieces = tf.split(flat, tf.stack([tf.size(v) for v in vals]), num=len(vals))
-        for i, v, p in zip(idx, vals, pieces):
-            shape = v.shape if v.shape.is_fully_defined() else tf.shape(v)
-            nv = tf.cast(tf.reshape(p, shape), v.dtype)
+        for i in idx:
             g = grads[i]
+            v = _values(g)
+            nv = v * inv_scale if v.dtype == tf.float32 else tf.cast(
+                tf.cast(v, tf.float32) * inv_scale, v.dtype)
             out[i] = (tf.IndexedSlices(nv, g.indices, g.dense_shape)
                       if isinstance(g, tf.IndexedSlices) else nv)
     return out, finite
@@ -280,16 +299,13 @@ class AmpCore:
         grads, finite = fused_unscale_and_check(grads, inv, self.check)
         if self.accum_n > 1:
             op = self._accumulate(grads, var_list, finite, apply_local)
-        elif finite is None:
-            with tf.control_dependencies([_as_dep(apply_local(list(zip(grads, var_list))))]):
-                op = tf.group(self.refresh_copies(var_list),
-                              self.manager.update_loss_scale(tf.constant(True)))
         else:
             def do_apply():
                 with tf.control_dependencies([_as_dep(apply_local(list(zip(grads, var_list))))]):
                     return tf.group(self.refresh_copies(var_list))
-            applied = tf.cond(finite, do_apply, tf.no_op)
-            op = tf.group(applied, self.manager.update_loss_scale(finite))
+            # one switch_case: apply + counters | apply + growth | overflow (skip)
+            op = self.manager.update_loss_scale(
+                finite if finite is not None else tf.constant(True), apply_fn=do_apply)
         return self._finish(op, global_step)
 
     def _finish(self, op, global_step):
@@ -339,7 +355,7 @@ class AmpCore:
 
         applied = tf.cond(do, apply_acc, tf.no_op)
         # an overflow in any micro-step discards the accumulated update
-        return tf.group(applied, self.manager.update_loss_scale(finite, skipped=tf.logical_not(finite)))
+        return tf.group(applied, self.manager.update_loss_scale(finite))
 
     def _step_distributed(self, strategy, grads, var_list, scaled, apply_cross_replica,
                           global_step):
@@ -378,11 +394,7 @@ class AmpCore:
             def do_apply():
                 with tf.control_dependencies([_as_dep(apply_cross_replica(strat, unscaled, var_list))]):
                     return tf.group(self.refresh_copies(var_list))
-            if self.check:
-                applied = tf.cond(finite, do_apply, tf.no_op)
-            else:
-                applied = do_apply()
-            ops = [applied, self.manager.update_loss_scale(finite)]
+            ops = [self.manager.update_loss_scale(finite, apply_fn=do_apply)]
             if global_step is not None:
                 with tf.control_dependencies(ops):
                     ops.append(global_step.assign_add(1, read_value=False))
