@@ -156,7 +156,9 @@ def test_small_cnn_with_batchnorm_forward_and_training_step(k2):
         h = conv(x)
         h = bn(h, training=True)
         h = tf.nn.relu(h)
-        h = tf.nn.max_pool2d(h, 2, 2, "VALID")
+        # average pooling: a max-pool argmax can flip between FP32 and FP16 and
+        # route a gradient to another pixel (a discontinuity, not an error)
+        h = tf.nn.avg_pool2d(h, 2, 2, "VALID")
         logits = tf.identity(dense(tf.reshape(h, [2, 36])), name="logits")
         loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
         variables = conv.trainable_weights + bn.trainable_weights + dense.trainable_weights
