@@ -178,7 +178,7 @@ class AmpCore:
         self.comm_options = _comm_options(options.bucket_size_mb)
         self.keep_fp16_copies = options.keep_fp16_copies
         self.is_distributed = bool(is_distributed)
-        self._accum = None      # (graph, {var_ref: acc}, count, ok)
+        self._accum = None      # (graph, {var_ref: acc}, count)
         self._copies = {}       # var ref -> fp16 copy
         with tf.init_scope():
             if tf.executing_eagerly():
@@ -303,7 +303,7 @@ class AmpCore:
             def do_apply():
                 with tf.control_dependencies([_as_dep(apply_local(list(zip(grads, var_list))))]):
                     return tf.group(self.refresh_copies(var_list))
-            # one switch_case: apply + counters | apply + growth | overflow (skip)
+            # one tf.cond: apply + counters (+ rare growth) | overflow (skip, shrink)
             op = self.manager.update_loss_scale(
                 finite if finite is not None else tf.constant(True), apply_fn=do_apply)
         return self._finish(op, global_step)
