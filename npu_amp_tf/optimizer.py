@@ -182,8 +182,16 @@ class AmpCore:
         self._copies = {}       # var ref -> fp16 copy
         with tf.init_scope():
             if tf.executing_eagerly():
-                check_strategy(_current_strategy())
+                strategy = _current_strategy()
+                check_strategy(strategy)
+                self._check_accumulation(strategy)
                 manager.build()
+
+    def _check_accumulation(self, strategy):
+        if strategy is not None and self.accum_n > 1:
+            raise OptionError(
+                f"gradient_accumulation_steps={self.accum_n} is not supported under "
+                f"{type(strategy).__name__} yet; accepted there: 1")
 
     # -------------------------------------------------------------- scaling
     def loss_scale(self):
@@ -209,18 +217,15 @@ class AmpCore:
         with tf.init_scope():
             return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
-    def _local_var(self, name, init, dtype, shape=None):
-        """A non-checkpointed helper variable (TF1: LOCAL_VARIABLES)."""
+    def _local_var(self, name, dtype, shape):
+        """A zero-initialised, non-checkpointed helper variable (TF1: LOCAL_VARIABLES)."""
         with tf.init_scope():
             if tf.executing_eagerly():
-                kw = {}
-                if _current_strategy() is not None:
-                    kw = dict(synchronization=tf.VariableSynchronization.ON_READ,
-                              aggregation=tf.VariableAggregation.NONE)
-                return tf.Variable(init, trainable=False, name=name, dtype=dtype, **kw)
+                return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)
             return tf.compat.v1.get_variable(
-                name, shape=shape, dtype=dtype, initializer=init, trainable=False,
-                use_resource=True, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+                name, shape=shape, dtype=dtype, initializer=tf.compat.v1.zeros_initializer(),
+                trainable=False, use_resource=True,
+                collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
 
     def fp16_copy(self, var):
         """The FP16 working copy of ``var`` (``keep_fp16_copies=True``) or None."""
@@ -254,13 +259,8 @@ class AmpCore:
                 accs = {}
                 for v in var_list:
                     name = v.name.split(":")[0].replace("/", "_") + "_npu_amp_accum"
-                    accs[v.ref()] = self._local_var(
-                        name, tf.zeros_initializer()(v.shape, tf.float32)
-                        if g is None else tf.compat.v1.zeros_initializer(),
-                        tf.float32, shape=v.shape)
-                count = self._local_var("npu_amp_accum_count",
-                                        tf.constant(0, tf.int64) if g is None
-                                        else tf.compat.v1.zeros_initializer(), tf.int64, shape=())
+                    accs[v.ref()] = self._local_var(name, tf.float32, v.shape)
+                count = self._local_var("npu_amp_accum_count", tf.int64, ())
                 self._accum = (g, accs, count)
 
     def refresh_copies(self, var_list):
@@ -288,6 +288,7 @@ class AmpCore:
                 "is_distributed=True needs a tf.distribute MirroredStrategy or "
                 "MultiWorkerMirroredStrategy scope (use strategy.run); Horovod/HCCL are not "
                 "supported")
+        self._check_accumulation(strategy)
         self.prepare(var_list)
         if strategy is not None and tf.distribute.in_cross_replica_context():
             raise NpuAmpError("AMP_Optimizer.apply_gradients must be called in replica context "
@@ -359,10 +360,6 @@ class AmpCore:
 
     def _step_distributed(self, strategy, grads, var_list, scaled, apply_cross_replica,
                           global_step):
-        if self.accum_n > 1:
-            raise OptionError(
-                f"gradient_accumulation_steps={self.accum_n} is not supported under "
-                f"{type(strategy).__name__} yet; accepted there: 1")
         ctx = tf.distribute.get_replica_context()
         rd = self.allreduce_dtype
         scale = tf.cast(self.loss_scale(), tf.float32)

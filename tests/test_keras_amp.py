@@ -180,8 +180,15 @@ def test_gradient_accumulation_equivalence_keras():
         opt = npu_amp_tf.AMP_Optimizer(K.optimizers.legacy.SGD(0.1),
                                        gradient_accumulation_steps=n)
         w0 = model.weights[0].numpy()
+
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            opt.minimize(loss, model.trainable_variables, tape=tape)
+
         for i, (xb, yb) in enumerate(batches):
-            opt.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)), model.trainable_variables)
+            step(tf.constant(xb), tf.constant(yb))
             if n == 2 and i == 0:
                 np.testing.assert_array_equal(model.weights[0].numpy(), w0)
                 assert int(opt.iterations) == 0
