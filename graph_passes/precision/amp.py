@@ -180,6 +180,7 @@ class PrecisionPass(Pass):
         self._kernel_cache = {}
         self._unsafe_cache = {}
         self.casts_inserted = 0
+        self._contested = set()  # painted low although an FP32 producer voted against
         self.touched = set()  # nodes whose dtypes changed: only their edges can mismatch
         self.state = {}   # node -> "low" | "f32" | "hard" | "neutral" | "fixed"
         self.decisions = {}
@@ -450,7 +451,12 @@ class PrecisionPass(Pass):
                 outs |= self._wanted(tensor_name(name, port))
             cost_low += FP32 in outs
             cost_f32 += self.low in outs
-            if cost_f32 < cost_low:
+            # a contested node (FP32 and low producers) whose readers all want
+            # FP32 goes FP32 on a tie: the cast then sits on the low producer,
+            # not in front of an FP32 island (residual add -> LayerNorm stats)
+            contested_tie = (cost_f32 == cost_low and name in self._contested
+                             and FP32 in outs and self.low not in outs)
+            if cost_f32 < cost_low or contested_tie:
                 for a in info.attrs:
                     node.attr[a].type = FP32
                 self.touched.add(name)
@@ -550,6 +556,8 @@ class PrecisionPass(Pass):
         if n_low == 0 and n_f32 == 0:
             return cur, "neutral", f"{lst}: no voting producer (constants/variables only); keeps its dtype", lst
         if n_low > n_f32 or (n_low == n_f32 and not hard):
+            if n_f32:
+                self._contested.add(name)
             return self._want_low(node, info, cur, f"{lst}: followed producer '{first_low}' ({self.low_name})", lst)
         state = "hard" if hard else "f32"
         return self._to_fp32(node, info, cur, f"{lst}: followed producer '{first_f32}' (float32)", state=state, lst=lst)
