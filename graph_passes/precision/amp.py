@@ -40,7 +40,10 @@ topological order (v1 loop back edges cut):
    underflow to 0 or overflow to inf in the low dtype, or when no kernel
    exists; ``keep_dtype`` (node attr ``_keep_dtype`` or ``keep_dtype_nodes``)
    keeps a node's dtype; ``low_precision_nodes`` forces low where a kernel
-   exists.
+   exists;
+4. walking back from the outputs, a gray/clear node painted low returns to
+   FP32 when that needs fewer casts (``_demote``): never a cast that buys
+   nothing.
 
 Then FP32 constants whose consumers all want the low dtype are converted in
 place, Casts from int/bool retarget their ``DstT``, and the remaining
