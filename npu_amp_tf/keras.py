@@ -59,15 +59,7 @@ def keras_module():
 
 def optimizer_family(opt):
     """'v2' (Keras 2 legacy OptimizerV2), 'new' (Keras 2 Optimizer), 'keras3' or None."""
-    for cls in type(opt).__mro__:
-        mod = cls.__module__
-        if cls.__name__ == "OptimizerV2" and mod.endswith("optimizers.legacy.optimizer_v2"):
-            return "v2"
-        if cls.__name__ == "BaseOptimizer" and mod.endswith("optimizers.base_optimizer"):
-            return "keras3"
-        if cls.__name__ == "_BaseOptimizer" and mod.endswith("optimizers.optimizer"):
-            return "new"
-    return None
+    return _family_of_class(type(opt))
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,8 +74,43 @@ def _amp_class(base):
         def __call__(cls, *args, **kwargs):
             return type.__call__(cls, *args, **kwargs)
 
-    return meta("AMP_" + base.__name__, bases, {"_npu_amp_base": base,
-                                                "__module__": __name__})
+    family = "legacy_" if _family_of_class(base) == "v2" else ""
+    cls = meta(f"AMP_{family}{base.__name__}", bases, {"_npu_amp_base": base,
+                                                       "__module__": __name__})
+    # model.save/load_model in this process find the class by name
+    importlib.import_module(root).utils.get_custom_objects()[cls.__name__] = cls
+    return cls
+
+
+def _family_of_class(cls):
+    return next((f for c in cls.__mro__ for f in [_class_family(c)] if f), None)
+
+
+def _class_family(c):
+    mod = c.__module__
+    if c.__name__ == "OptimizerV2" and mod.endswith("optimizers.legacy.optimizer_v2"):
+        return "v2"
+    if c.__name__ == "BaseOptimizer" and mod.endswith("optimizers.base_optimizer"):
+        return "keras3"
+    if c.__name__ == "_BaseOptimizer" and mod.endswith("optimizers.optimizer"):
+        return "new"
+    return None
+
+
+def custom_objects() -> dict:
+    """``{name: class}`` of the loss-scaled versions of every Keras 2 optimizer,
+    for ``load_model(path, custom_objects=npu_amp_tf.keras.custom_objects())``
+    in a process that has not built them yet."""
+    k = keras_module()
+    out = {}
+    for mod in (k.optimizers, k.optimizers.legacy):
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if isinstance(obj, type) and _family_of_class(obj) in ("v2", "new") and \
+                    obj.__name__ not in ("Optimizer", "OptimizerV2"):
+                cls = _amp_class(obj)
+                out[cls.__name__] = cls
+    return out
 
 
 def LossScaleOptimizer(opt, loss_scale_manager=None, is_distributed=False, **options):  # noqa: N802
@@ -122,6 +149,36 @@ class _AmpKerasMixin:
         self.__dict__["_npu_amp_core"] = core
         self.__dict__["_npu_amp_manager"] = manager
         self._track_trackable(manager, name="loss_scale_manager", overwrite=True)
+
+    # ------------------------------------------------------- serialization
+    def get_config(self):
+        """The wrapped optimizer's config plus an ``npu_amp`` entry (loss-scale
+        settings), so ``model.save``/``load_model`` rebuild the AMP optimizer.
+        The loss-scale *state* travels in ``tf.train.Checkpoint``s, not here."""
+        cfg = self._npu_amp_base.get_config(self)
+        m, o = self._npu_amp_manager, self._npu_amp_core.options
+        opts = {k: o[k] for k in ("keep_fp16_copies", "gradient_accumulation_steps",
+                                  "allreduce_dtype", "bucket_size_mb")}
+        if m.is_dynamic:
+            lsm = None
+            opts.update(init_loss_scale=m._init_scale, incr_every_n_steps=m.incr_every_n_steps,
+                        decr_every_n_nan_or_inf=m.decr_every_n_nan_or_inf,
+                        incr_ratio=m.incr_ratio, decr_ratio=m.decr_ratio,
+                        min_loss_scale=m._min, max_loss_scale=m._max)
+        else:
+            lsm = m._init_scale
+            opts["enable_overflow_check"] = m.enable_overflow_check
+        cfg["npu_amp"] = {"loss_scale_manager": lsm, "options": opts}
+        return cfg
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        amp = config.pop("npu_amp", None)
+        if amp is None:  # building the instance inside LossScaleOptimizer()
+            return cls._npu_amp_base.from_config.__func__(cls, config, custom_objects)
+        inner = cls._npu_amp_base.from_config(config, custom_objects)
+        return LossScaleOptimizer(inner, amp.get("loss_scale_manager"), **amp.get("options", {}))
 
     # ---------------------------------------------------- Keras LSO interface
     @property

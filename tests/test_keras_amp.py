@@ -196,3 +196,35 @@ def test_gradient_accumulation_equivalence_keras():
         res.append([w.numpy() for w in model.weights])
     for a, b in zip(*res):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("suffix", [".keras", ".h5"])
+def test_model_save_and_load_keep_the_amp_optimizer(tmp_path, suffix):
+    pytest.importorskip("h5py")
+    from npu_amp_tf.keras import _AmpKerasMixin
+
+    x, y = _data(16)
+    model = _model()
+    opt = npu_amp_tf.AMP_Optimizer(K.optimizers.Adam(0.05), incr_every_n_steps=7,
+                                   decr_ratio=0.25, keep_fp16_copies=True)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = str(tmp_path / ("m" + suffix))
+    model.save(path)
+    # a fresh process has not built the AMP classes: take them out of the registry
+    registry = K.utils.get_custom_objects()
+    saved = {k: registry.pop(k) for k in list(registry) if k.startswith("AMP_")}
+    try:
+        with pytest.raises(Exception, match="AMP_Adam"):
+            K.models.load_model(path)
+        loaded = K.models.load_model(path, custom_objects=npu_amp_tf.keras.custom_objects())
+    finally:
+        registry.update(saved)
+    lopt = loaded.optimizer
+    assert isinstance(lopt, _AmpKerasMixin) and type(lopt).__name__ == "AMP_Adam"
+    m = lopt.loss_scale_manager
+    assert (m.incr_every_n_steps, m.decr_ratio) == (7, 0.25)
+    assert lopt._npu_amp_core.keep_fp16_copies
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # training resumes with AMP
+    assert m.state()["steps"] == 2
