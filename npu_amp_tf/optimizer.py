@@ -419,23 +419,36 @@ def _options(options, source="AMP_Optimizer") -> Options:
 # ---------------------------------------------------------------------------
 # TF1 wrapper
 # ---------------------------------------------------------------------------
-class TF1AmpOptimizer(tf.compat.v1.train.Optimizer):
+class TF1AmpOptimizer(tf.__internal__.tracking.DelegatingTrackableMixin,
+                      tf.compat.v1.train.Optimizer):
     """Loss-scaling wrapper of a ``tf.compat.v1.train.Optimizer``.
 
     ``compute_gradients`` returns UNSCALED FP32 gradients (clip or inspect
     them as usual); ``apply_gradients`` checks them (one fused check) and
     applies them under ``tf.cond``; ``minimize`` does both, skipping one
     unscale pass.
+
+    Checkpoints: name-based (``Saver``) names are those of the wrapped
+    optimizer plus ``loss_scale/*``.  For object-based checkpoints the wrapper
+    delegates tracking to the wrapped optimizer (which gets one extra child,
+    ``loss_scale_manager``), so the layout equals the plain optimizer's.
     """
 
     def __init__(self, opt, loss_scale_manager=None, is_distributed=False, **options):
         if not isinstance(opt, tf.compat.v1.train.Optimizer):
             raise OptionError(f"opt={opt!r} is not a tf.compat.v1.train.Optimizer")
         opts = _options(options)
-        super().__init__(use_locking=False, name="AMP_" + opt.get_name())
+        tf.compat.v1.train.Optimizer.__init__(self, use_locking=False,
+                                              name="AMP_" + opt.get_name())
         self._opt = opt
         self._manager = make_manager(loss_scale_manager, opts)
         self._core = AmpCore(self._manager, opts, is_distributed)
+        tf.__internal__.tracking.DelegatingTrackableMixin.__init__(self, opt)
+        opt._track_trackable(self._manager, name="loss_scale_manager", overwrite=True)  # pylint: disable=protected-access
+
+    def _create_or_restore_slot_variable(self, slot_variable_position, slot_name, variable):
+        return self._opt._create_or_restore_slot_variable(  # pylint: disable=protected-access
+            slot_variable_position, slot_name, variable)
 
     # observability ----------------------------------------------------------
     @property

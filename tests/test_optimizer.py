@@ -390,3 +390,36 @@ def test_convergence_on_digits_fp32_fp16_bf16():
     assert abs(acc16 - acc32) <= 1.0, (acc32, acc16)
     assert abs(acc_bf - acc32) <= 1.0, (acc32, acc_bf)
     assert st16["steps"] == 300
+
+
+def test_tf2_object_checkpoint_round_trip_tf1_wrapper(tmp_path):
+    def make(amp, init):
+        w = tf.Variable(init)
+        opt = v1.train.AdamOptimizer(0.1)
+        if amp:
+            opt = AMP_Optimizer(opt, decr_every_n_nan_or_inf=1)
+        return w, opt
+
+    w, opt = make(True, [1.0, 2.0])
+    opt.minimize(lambda: tf.reduce_sum(w * w), var_list=[w])
+    opt.minimize(lambda: tf.reduce_sum(w * w) * np.float32(np.inf), var_list=[w])
+    amp_path = tf.train.Checkpoint(w=w, optimizer=opt).save(str(tmp_path / "amp"))
+    names = {n for n, _ in tf.train.list_variables(amp_path)}
+    assert "optimizer/loss_scale_manager/loss_scale/.ATTRIBUTES/VARIABLE_VALUE" in names
+    # AMP -> plain (slots restored)
+    w2, plain = make(False, [0.0, 0.0])
+    tf.train.Checkpoint(w=w2, optimizer=plain).restore(amp_path).expect_partial()
+    np.testing.assert_array_equal(w2.numpy(), w.numpy())
+    plain.minimize(lambda: tf.reduce_sum(w2 * 0.0), var_list=[w2])  # creates (restored) slots
+    m_amp = opt.get_slot(w, "m").numpy()
+    np.testing.assert_allclose(plain.get_slot(w2, "m").numpy(), 0.9 * m_amp, rtol=1e-6)
+    plain_path = tf.train.Checkpoint(w=w2, optimizer=plain).save(str(tmp_path / "plain"))
+    # plain -> AMP (fresh scale) and AMP -> AMP (saved scale)
+    w3, amp3 = make(True, [5.0, 5.0])
+    tf.train.Checkpoint(w=w3, optimizer=amp3).restore(plain_path)
+    np.testing.assert_array_equal(w3.numpy(), w2.numpy())
+    assert amp3.loss_scale_manager.state()["loss_scale"] == 128.0
+    w4, amp4 = make(True, [5.0, 5.0])
+    tf.train.Checkpoint(w=w4, optimizer=amp4).restore(amp_path)
+    st = amp4.loss_scale_manager.state()
+    assert st["loss_scale"] == 64.0 and st["overflow_count"] == 1
