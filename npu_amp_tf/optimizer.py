@@ -134,16 +134,17 @@ def fused_unscale_and_check(grads, inv_scale=None, check=True):
             finite = tf.constant(True)
         else:
             small, flags = [], []
+            flat_shape = tf.constant([-1])
             for i in idx:
                 v = _values(grads[i])
                 n = v.shape.num_elements()
                 if n is not None and n >= _BIG_TENSOR:
                     # copying a big gradient costs more than its own IsFinite
-                    flags.append(tf.reshape(tf.math.is_finite(v), [-1]))
+                    flags.append(tf.reshape(tf.math.is_finite(v), flat_shape))
                 else:
                     if v.dtype != tf.float32:
                         v = tf.cast(v, tf.float32)
-                    small.append(tf.reshape(v, [-1]))
+                    small.append(tf.reshape(v, flat_shape))
             if small:
                 flat = small[0] if len(small) == 1 else tf.concat(small, 0)
                 flags.insert(0, tf.math.is_finite(flat))
