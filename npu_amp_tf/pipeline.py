@@ -58,19 +58,13 @@ def pass_names(options: Options) -> list[str]:
 
 def summarize(graph: Graph, report: Report):
     """Totals over the final graph, whatever passes ran."""
-    from graph_passes import registry
-
     counts = {"nodes": len(graph.nodes), "casts": 0, "transdata": 0}
     for n in graph.nodes.values():
         if n.op == "Cast":
             counts["casts"] += 1
         elif n.op == "TransData":
             counts["transdata"] += 1
-    for k, v in counts.items():
-        report.summary.setdefault(k, v)
-    report.summary["nodes"] = counts["nodes"]
-    report.summary["casts"] = counts["casts"]
-    report.summary["transdata"] = counts["transdata"]
+    report.summary.update(counts)
 
 
 def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(), devices=(),
@@ -114,6 +108,9 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
     return out, report
 
 
+_RATIO_KEYS = frozenset({"lp_flop_share", "time_s"})
+
+
 def _optimize_functions(graph: Graph, mgr, options, devices, report: Report):
     from graph_passes.errors import GraphError
 
@@ -133,9 +130,17 @@ def _optimize_functions(graph: Graph, mgr, options, devices, report: Report):
         for w in sub.warnings:
             report.warnings.append(dict(w, function=fname))
         for k, v in sub.summary.items():
+            if k in _RATIO_KEYS:
+                continue  # ratios are recomputed from the summed parts below
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 report.summary.setdefault(f"functions_{k}", 0)
                 report.summary[f"functions_{k}"] += v
+    s = report.summary
+    if s.get("functions_matrix_flops"):
+        s["functions_lp_flop_share"] = s.get("functions_lp_flops", 0) / s["functions_matrix_flops"]
+    total = (s.get("matrix_flops") or 0) + (s.get("functions_matrix_flops") or 0)
+    if total:
+        s["total_lp_flop_share"] = ((s.get("lp_flops") or 0) + (s.get("functions_lp_flops") or 0)) / total
 
 
 def rewrite_graph(graph_def, fetches=None, preserve=None, **params):

@@ -119,10 +119,10 @@ GRAY = {
     "SquaredDifferenceGrad": "elementwise",
     "Sin": "elementwise, bounded output",
     "Cos": "elementwise, bounded output",
-    "TransData": "layout conversion keeps the dtype",
 }
 
 CLEAR = {
+    "TransData": "layout conversion moves data, keeps the dtype",
     "Identity": "data movement",
     "IdentityN": "data movement",
     "Snapshot": "data movement",
