@@ -156,7 +156,9 @@ def test_small_cnn_with_batchnorm_forward_and_training_step(k2):
         dense = k2.layers.Dense(3, name="dense")
         h = conv(x)
         h = bn(h, training=True)
-        h = tf.nn.relu(h)
+        # elu, not relu: FP16 threaded reductions round differently from run
+        # to run, and a relu kink at ~0 after batch norm then flips gradients
+        h = tf.nn.elu(h)
         # average pooling: a max-pool argmax can flip between FP32 and FP16 and
         # route a gradient to another pixel (a discontinuity, not an error)
         h = tf.nn.avg_pool2d(h, 2, 2, "VALID")
