@@ -12,7 +12,10 @@ A pattern is a tree of :class:`Pat` anchored at its output node::
   are *outside* the match;
 * ``commutative=True``: a 2-input op matches its inputs in either order;
 * ``predicate(node, graph)``: extra condition on an inner node;
-* ``Pat.one_of(p1, p2)``: alternatives for a whole subtree.
+* ``Pat.one_of(p1, p2)``: alternatives for a whole subtree;
+* ``Pat.any("@name")``: a back-reference, the output of the inner node
+  captured as ``name`` (for patterns that read one tensor twice, such as
+  LayerNorm's ``x - mean(x)``).
 
 The matcher refuses a match whose inner tensors (outputs of any matched node
 other than the anchor) are read outside the match, are fetched or preserved,
@@ -136,9 +139,15 @@ def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Matc
         return None
     matched = state[2]
     inner = set(matched)
+    backrefs = {ref for key, ref in state[1].items() if key.startswith("@")}
     for ref in state[3]:  # a leaf that reads an inner node would need it kept
-        if parse_tensor(ref)[0] in inner:
+        if parse_tensor(ref)[0] in inner and ref not in backrefs:
             return None
+    for key, ref in state[1].items():  # "@name" must read exactly the captured node
+        if key.startswith("@"):
+            node = state[0].get(key[1:])
+            if node is None or ref != node.name:
+                return None
     for name in matched[1:]:
         if name in protected:
             return None

@@ -90,35 +90,29 @@ def _defaults(od, node_attr):
     return attrs
 
 
-def output_arg_ranges(node, library=None):
-    """[(arg_name, start, count, [dtypes])] for the node's outputs, or None if unknown."""
+def _arg_ranges(node, library, which):
     od = signature_of(node.op, library)
     if od is None:
         return None
     attrs = _defaults(od, node.attr)
     out, start = [], 0
-    for arg in od.output_arg:
+    for arg in getattr(od, which):
         dts = _arg_dtypes(arg, attrs)
         if dts is None:
             return None
         out.append((arg.name, start, len(dts), dts))
         start += len(dts)
     return out
+
+
+def output_arg_ranges(node, library=None):
+    """[(arg_name, start, count, [dtypes])] for the node's outputs, or None if unknown."""
+    return _arg_ranges(node, library, "output_arg")
 
 
 def input_arg_ranges(node, library=None):
-    od = signature_of(node.op, library)
-    if od is None:
-        return None
-    attrs = _defaults(od, node.attr)
-    out, start = [], 0
-    for arg in od.input_arg:
-        dts = _arg_dtypes(arg, attrs)
-        if dts is None:
-            return None
-        out.append((arg.name, start, len(dts), dts))
-        start += len(dts)
-    return out
+    """[(arg_name, start, count, [dtypes])] for the node's inputs, or None if unknown."""
+    return _arg_ranges(node, library, "input_arg")
 
 
 def output_dtypes(node, library=None) -> list[int] | None:

@@ -157,3 +157,19 @@ def test_manager_names_failing_pass():
     with pytest.raises(PassError, match="no such pass"):
         PassManager(["nope"])
     assert "test_rename_relu" in PASS_REGISTRY
+
+
+def test_back_reference_reads_an_inner_node_twice():
+    g = tf.Graph()
+    with g.as_default():
+        a = tf.compat.v1.placeholder(tf.float32, [2], name="a")
+        s = tf.square(a, name="sq")
+        tf.multiply(s, s, name="m")
+    G = Graph(g.as_graph_def())
+    plain = Pat("Mul", inputs=[Pat("Square", name="sq", inputs=[Pat.any("x")]), Pat.any()])
+    assert match_at(G, plain, "m") is None          # the leaf would need 'sq' kept
+    backref = Pat("Mul", inputs=[Pat("Square", name="sq", inputs=[Pat.any("x")]), Pat.any("@sq")])
+    m = match_at(G, backref, "m")
+    assert m is not None and m.matched == ["m", "sq"] and m["x"] == "a"
+    wrong = Pat("Mul", inputs=[Pat("Square", name="sq", inputs=[Pat.any("x")]), Pat.any("@x")])
+    assert match_at(G, wrong, "m") is None          # '@x' names no inner node

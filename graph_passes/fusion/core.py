@@ -36,7 +36,7 @@ from tensorflow.core.framework import attr_value_pb2, node_def_pb2
 from .. import registry
 from ..errors import NpuAmpError
 from ..graph import Graph, parse_tensor, tensor_name
-from ..pattern import Match, Pat, _match
+from ..pattern import Match, Pat, find_matches
 
 
 class FusionRuleError(NpuAmpError, ValueError):
@@ -312,55 +312,6 @@ class Builder:
 class Outcome:
     fused: bool
     reason: str = ""
-
-
-def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Match | None:
-    """:func:`graph_passes.pattern.match_at`, except that ``@name`` leaves may
-    (and must) read the inner node captured as ``name``."""
-    state = ({}, {}, [], [])
-    root = pat if pat.alternatives else dataclasses.replace(pat, port=None)
-    if not _match(graph, root, anchor, state):
-        return None
-    matched = state[2]
-    inner = set(matched)
-    refs = {ref for key, ref in state[1].items() if key.startswith("@")}
-    for ref in state[3]:
-        if parse_tensor(ref)[0] in inner and ref not in refs:
-            return None
-    for name in matched[1:]:
-        if name in protected:
-            return None
-        for cname, _ in graph.consumers(name):
-            if cname not in inner:
-                return None
-    m = Match(anchor=anchor, nodes=state[0], tensors=state[1], matched=list(matched))
-    return m if _check_refs(m) else None
-
-
-def find_matches(graph: Graph, pat: Pat, protected=frozenset()) -> list[Match]:
-    used: set[str] = set()
-    out = []
-    first_ops = pat.ops() if not pat.alternatives else None
-    for name in graph.topo_order():
-        if name in used or name not in graph.nodes:
-            continue
-        if first_ops is not None and graph.nodes[name].op not in first_ops:
-            continue
-        m = match_at(graph, pat, name, protected)
-        if m is None or used.intersection(m.matched):
-            continue
-        used.update(m.matched)
-        out.append(m)
-    return out
-
-
-def _check_refs(m: Match) -> bool:
-    for key, ref in m.tensors.items():
-        if key.startswith("@"):
-            node = m.nodes.get(key[1:])
-            if node is None or ref != node.name:
-                return False
-    return True
 
 
 def _kernel_problems(b: Builder) -> list[str]:
