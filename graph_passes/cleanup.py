@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .manager import Pass, register_pass
 
-INSERTED_MARKERS = ("/CastTo", "/TransData_", "/Unfused", "/Fused", "/Folded")
+INSERTED_MARKERS = ("/CastTo", "/TransData_", "/Unfused", "/Fused", "/Folded", "/ReadFp16Copy")
 
 
 def is_inserted(name: str) -> bool:

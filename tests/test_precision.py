@@ -11,7 +11,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 import npu_amp_tf
 from graph_passes.errors import MixlistError, OptionError
 from graph_passes import registry
-from graph_passes.graph import Graph
+from graph_passes.graph import Graph, parse_tensor
 from graph_passes.manager import run_passes
 from npu_amp_tf.options import Options
 
@@ -454,3 +454,52 @@ def test_graph_from_bytes_roundtrip_identity_for_non_float_graph():
     out, rep = precision(gd, fetches=["y"])
     assert out == gd and rep.summary["float_nodes"] == 0 and rep.summary["lp_flop_share"] is None
     assert Graph(out).validate() == []
+
+
+def test_keep_fp16_copies_are_read_instead_of_casting_the_master():
+    """AMP_Optimizer(keep_fp16_copies=True) keeps `<var>/Fp16Copy`; the rewrite
+    reads it instead of casting the FP32 master every step."""
+    import npu_amp_tf
+
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [4], name="y")
+        w = tf.compat.v1.get_variable("w", initializer=np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2),
+                                      use_resource=True)
+        logits = tf.matmul(x, w, name="logits")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        opt = npu_amp_tf.AMP_Optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), keep_fp16_copies=True)
+        train = opt.minimize(loss).name
+        tf.group(tf.compat.v1.global_variables_initializer(), name="init_global")
+        tf.group(tf.compat.v1.local_variables_initializer(), name="init_local")  # copies: after the masters
+    out, rep = npu_amp_tf.rewrite_graph(g.as_graph_def(), fetches=["loss", train, "init_global", "init_local"])
+    G = Graph(out)
+    mm = G.nodes["logits"]
+    assert mm.attr["T"].type == types_pb2.DT_HALF
+    w_in = G.nodes[parse_tensor(mm.input[1])[0]]
+    assert w_in.op == "ReadVariableOp" and w_in.input[0] == "w/Fp16Copy", w_in
+    assert rep.summary["fp16_copy_reads"] == 1
+    # no Cast reads the master weight any more
+    for n in G.nodes.values():
+        if n.op == "Cast":
+            src = G.nodes[parse_tensor(n.input[0])[0]]
+            assert not (src.op == "ReadVariableOp" and src.input[0] == "w"), n.name
+    # it trains, and the copy follows the master after each update
+    feeds = {"x:0": np.random.RandomState(0).randn(4, 3).astype(np.float32), "y:0": np.array([0, 1, 1, 0])}
+    tg = tf.Graph()
+    with tg.as_default():
+        tf.graph_util.import_graph_def(out, name="")
+        with tf.compat.v1.Session(graph=tg) as sess:
+            sess.run("init_global")
+            sess.run("init_local")
+            l0 = sess.run("loss:0", feeds)
+            for _ in range(3):
+                sess.run(train, feeds)
+            l3 = sess.run("loss:0", feeds)
+            master_read = next(n.name for n in G.nodes.values()
+                               if n.op == "ReadVariableOp" and n.input[0] == "w")
+            master, copy = sess.run([master_read + ":0", w_in.name + ":0"])
+    assert l3 < l0
+    np.testing.assert_array_equal(copy, master.astype(np.float16))

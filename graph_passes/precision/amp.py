@@ -183,6 +183,7 @@ class PrecisionPass(Pass):
         self._kernel_cache = {}
         self._unsafe_cache = {}
         self.casts_inserted = 0
+        self.copy_reads = 0
         self._contested = set()  # painted low although an FP32 producer voted against
         self.touched = set()  # nodes whose dtypes changed: only their edges can mismatch
         self.state = {}   # node -> "low" | "f32" | "hard" | "neutral" | "fixed"
@@ -658,6 +659,12 @@ class PrecisionPass(Pass):
         if hit is not None:
             return hit
         src, port, _ = parse_tensor(root)
+        copy_read = self._fp16_copy_read(src, port, dt)
+        if copy_read is not None:
+            self._cast_cache[key] = copy_read
+            if shapes is not None:
+                shapes.alias(copy_read, root)
+            return copy_read
         for cname, idx in sorted(g.consumers(src, port=port)):
             c = g.nodes[cname]
             if (c.op == "Cast" and idx == 0 and c.attr["DstT"].type == dt
@@ -676,6 +683,30 @@ class PrecisionPass(Pass):
             shapes.alias(cname, root)
         self._cast_cache[key] = cname
         return cname
+
+    def _fp16_copy_read(self, src, port, dt):
+        """``keep_fp16_copies``: instead of casting a read of master variable
+        ``v``, read its FP16 working copy ``v/Fp16Copy`` (kept in sync by
+        AMP_Optimizer after each applied update)::
+
+            v ─► v/Read ─► Cast(fp16) ─► MatMul   =>   v/Fp16Copy ─► v/Read/ReadFp16Copy ─► MatMul
+        """
+        g = self.g
+        node = g.nodes[src]
+        if dt != registry.DT_HALF or port != 0 or node.op != "ReadVariableOp" or not node.input:
+            return None
+        handle = parse_tensor(node.input[0])[0]
+        copy = g.nodes.get(handle + "/Fp16Copy")
+        if copy is None or copy.op != "VarHandleOp" or copy.attr["dtype"].type != registry.DT_HALF:
+            return None
+        name = f"{src}/ReadFp16Copy"
+        if name not in g.nodes:
+            g.new_node("ReadVariableOp", name, [copy.name], {"dtype": _type_attr(registry.DT_HALF)},
+                       device=copy.device)
+            self.copy_reads += 1
+            self.ctx.report.decide(name, dtype="float16", state="hard", list="variable",
+                                   reason=f"FP16 working copy of '{handle}' (keep_fp16_copies)")
+        return name
 
     # ------------------------------------------------------------ report
     def _finish(self, shapes, act_before, changed):
@@ -713,6 +744,7 @@ class PrecisionPass(Pass):
             "low_precision_nodes": low_nodes,
             "float_nodes": float_nodes,
             "casts_inserted": self.casts_inserted,
+            "fp16_copy_reads": self.copy_reads,
             "lp_flops": lp_flops,
             "matrix_flops": total_flops,
             "lp_flop_share": share,
