@@ -41,6 +41,9 @@ class FunctionGraph(Graph):
             n = gd.node.add(op="_Arg", name=name)
             n.attr["T"].type = dt
             n.attr["index"].i = i
+            shapes = fdef.arg_attr[i].attr.get("_output_shapes") if i in fdef.arg_attr else None
+            if shapes is not None and shapes.list.shape:
+                n.attr["_output_shapes"].CopyFrom(shapes)
         self._arg_by_node = {v: k for k, v in self._arg_node.items()}
         # output arg ranges of the body nodes, to flatten node:arg:k references
         ranges = {}

@@ -224,6 +224,18 @@ def infer_shapes(graph_def) -> dict[str, list[list[int] | None]]:
         node.device = ""
         for key in [k for k in node.attr if k == "_class" or k.startswith("_xla")]:
             del node.attr[key]
+        if node.op == "_Arg":  # function bodies: an argument is a placeholder of known shape
+            node.op = "Placeholder"
+            node.attr["dtype"].type = node.attr["T"].type
+            recorded = node.attr["_output_shapes"].list.shape if "_output_shapes" in node.attr else ()
+            if recorded:
+                node.attr["shape"].shape.CopyFrom(recorded[0])
+            for key in ("T", "index", "_output_shapes"):
+                if key in node.attr:
+                    del node.attr[key]
+        elif node.op == "_Retval":
+            node.op = "Identity"
+            del node.attr["index"]
     shapes = {}
     g = tf.Graph()
     try:

@@ -95,6 +95,7 @@ FIXED_OPS = {
     "If": "function call", "StatelessIf": "function call",
     "Case": "function call", "StatelessCase": "function call",
     "SymbolicGradient": "function call",
+    "TransData": "layout conversion placed after the precision pass: keeps its dtype",
 }
 # ops that hold the FP32 master weights: their reads neither vote nor change
 VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp", "ReadVariableOp",
