@@ -143,15 +143,16 @@ def run_demo(progress: bool = True, report_dir: str | None = None, **overrides) 
 
 
 def _pick_report(report_dir, Report):
-    """The report of the training graph: the one with the most decisions."""
-    best, best_n, name = None, -1, None
+    """The report of the training graph: the one with the most decisions and,
+    among grappler's repeated calls on it, the call that inserted the casts."""
+    best, best_n, name = None, (-1, -1), None
     for path in sorted(glob.glob(os.path.join(report_dir, "*.json"))):
         try:
             with open(path, encoding="utf-8") as fh:
                 r = Report.from_json(json.load(fh))
         except (OSError, ValueError):
             continue
-        n = len(r.decisions) + (1 if r.summary.get("casts") else 0)
+        n = (len(r.decisions), r.summary.get("casts_inserted") or 0)
         if n > best_n:
             best, best_n, name = r, n, os.path.basename(path)
     return best, name
