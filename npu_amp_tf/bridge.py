@@ -296,8 +296,8 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     rep = report.to_json()
     entry["report"] = rep
     failed = rep.get("summary", {}).get("failed_pass")
-    _write_report_file(options, item_id, rep)
     if failed:
+        _write_report_file(options, item_id, rep)
         # pipeline already logged "pass '<p>' at node '<n>': ...; the graph is left unchanged"
         msg = rep["warnings"][-1]["message"] if rep.get("warnings") else f"pass '{failed}' failed"
         _remember(key, RC_UNCHANGED, b"")
@@ -306,7 +306,9 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     if new_gd == gd:
         _remember(key, RC_UNCHANGED, b"")
         entry["bridge_s"] = parse_s
+        # (grappler's repeated call on our own output: keep the file of the call that rewrote it)
         return _finish(entry, "unchanged", t0, None, gd=new_gd, code=RC_UNCHANGED)
+    _write_report_file(options, item_id, rep)
     t_ser = time.perf_counter()
     out = new_gd.SerializeToString(deterministic=True)
     entry["bridge_s"] = parse_s + (time.perf_counter() - t_ser)
