@@ -10,17 +10,25 @@ from graph_passes.graph import Graph
 
 
 def cnn_training_graph():
+    """Conv (17 channels) + bias + relu + batch norm + dense + tanh, with its
+    gradients and a Momentum update; raw ops, so it builds on every TF."""
     g = tf.Graph()
     with g.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [2, 8, 8, 3], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [2], name="y")
-        h = tf.compat.v1.layers.conv2d(x, 17, 3, padding="same", activation=tf.nn.relu)
-        h = tf.compat.v1.layers.batch_normalization(h, training=True)
+        v1 = tf.compat.v1
+        x = v1.placeholder(tf.float32, [2, 8, 8, 3], name="x")
+        y = v1.placeholder(tf.int32, [2], name="y")
+        k = v1.get_variable("conv/kernel", [3, 3, 3, 17])
+        kb = v1.get_variable("conv/bias", [17], initializer=v1.zeros_initializer())
+        h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, k, 1, "SAME"), kb))
+        gamma = v1.get_variable("bn/gamma", [17], initializer=v1.ones_initializer())
+        beta = v1.get_variable("bn/beta", [17], initializer=v1.zeros_initializer())
+        h, _, _ = v1.nn.fused_batch_norm(h, gamma, beta, is_training=True)
         h = tf.reduce_mean(h, axis=[1, 2])
-        logits = tf.compat.v1.layers.dense(h, 3, activation=tf.nn.tanh)
+        w = v1.get_variable("dense/kernel", [17, 3])
+        logits = tf.nn.tanh(tf.matmul(h, w))
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
                               name="loss")
-        tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train")
+        v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train")
     return g.as_graph_def()
 
 
