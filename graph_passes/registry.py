@@ -90,7 +90,42 @@ def _defaults(od, node_attr):
     return attrs
 
 
+@functools.lru_cache(maxsize=None)
+def _signature_attrs(op_type: str):
+    """Names of the attrs that decide a registered op's arg dtypes and counts."""
+    od = op_def(op_type)
+    if od is None:
+        return None
+    names = set()
+    for arg in list(od.input_arg) + list(od.output_arg):
+        names.update(n for n in (arg.type_attr, arg.type_list_attr, arg.number_attr) if n)
+    return tuple(sorted(names))
+
+
+def _fingerprint(av):
+    if av is None:
+        return None
+    return av.type, tuple(av.list.type), av.i
+
+
+_RANGES_CACHE: dict = {}
+
+
 def _arg_ranges(node, library, which):
+    names = _signature_attrs(node.op)
+    if names is not None:  # registered op: memoised on the attrs that matter
+        get = node.attr.get
+        key = (node.op, which, tuple(_fingerprint(get(n)) for n in names))
+        hit = _RANGES_CACHE.get(key, _RANGES_CACHE)
+        if hit is not _RANGES_CACHE:
+            return None if hit is None else [(a, s, c, list(d)) for a, s, c, d in hit]
+        out = _compute_arg_ranges(node, library, which)
+        _RANGES_CACHE[key] = None if out is None else tuple((a, s, c, tuple(d)) for a, s, c, d in out)
+        return out
+    return _compute_arg_ranges(node, library, which)
+
+
+def _compute_arg_ranges(node, library, which):
     od = signature_of(node.op, library)
     if od is None:
         return None
