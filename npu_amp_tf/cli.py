@@ -170,26 +170,10 @@ def cmd_report(args):
 
 
 def _align_result(graph_def):
-    """The layout issue's public check (``npu_amp_tf.layout.check_align`` or
-    ``npu_amp_tf.check_align``) when present, else the engine's analysis."""
-    import importlib
+    """``npu_amp_tf.check_align`` on a whole graph (a JSON-serialisable dict)."""
+    from .layout import check_align
 
-    import npu_amp_tf
-
-    fn = getattr(npu_amp_tf, "check_align", None)
-    if fn is None:
-        try:
-            fn = getattr(importlib.import_module("npu_amp_tf.layout"), "check_align", None)
-        except ImportError:
-            fn = None
-    if fn is not None:
-        return fn(graph_def)
-    try:
-        from graph_passes.graph import Graph
-        from graph_passes.layout import align
-    except ImportError:
-        raise _CliError("check-align needs the layout pass, which this install does not have") from None
-    return align.analyze_graph(Graph(graph_def))
+    return check_align(graph_def)
 
 
 def format_align(result: dict) -> str:
@@ -214,18 +198,13 @@ def format_align(result: dict) -> str:
 def cmd_check_align(args):
     model = _load(args)
     result = _align_result(model.graph_def)
-    if isinstance(result, dict):
-        print(format_align(result))
-        bad = bool(result.get("items"))
-    else:
-        print(result if isinstance(result, str) else getattr(result, "format", lambda: str(result))())
-        bad = bool(getattr(result, "items", None))
+    print(format_align(result))
     if args.json:
         import json
 
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result if isinstance(result, dict) else str(result), fh, indent=1, default=str)
-    return 1 if (args.strict and bad) else 0
+            json.dump(result, fh, indent=1, default=str)
+    return 1 if (args.strict and result.get("items")) else 0
 
 
 def cmd_dump(args):
