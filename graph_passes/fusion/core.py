@@ -183,9 +183,12 @@ _PRECISION_LOW = {"allow_mix_precision": registry.DT_HALF, "force_fp16": registr
 
 def _black_ops(ctx) -> dict:
     """The black list the precision pass will use (defaults + user edits)."""
-    from ..precision.lists import lists_for
+    cached = getattr(ctx, "_black_ops", None)
+    if cached is None:  # resolved once per pass run, not once per match
+        from ..precision.lists import lists_for
 
-    return lists_for(ctx.options)["black"]
+        cached = ctx._black_ops = lists_for(ctx.options)["black"]
+    return cached
 
 
 def planned_dtype(ctx, op_type: str, node_name: str, dtype: int) -> int:

@@ -166,12 +166,7 @@ class PrecisionPass(Pass):
         self.mode, self.low = canonical_mode(ctx.options)
         self.low_name = registry.dtype_name(self.low)
         self.default_dev = ctx.default_device_type()
-        self.lists = _lists.resolve_lists(
-            white_add=ctx.option("custom_white_list", ()) or (),
-            black_add=ctx.option("custom_black_list", ()) or (),
-            gray_add=ctx.option("custom_gray_list", ()) or (),
-            mixlist=ctx.option("mixlist", None),
-            mixlist_name=ctx.option("modify_mixlist", None))
+        self.lists = _lists.lists_for(ctx.options)
         self.op_list = {}
         for lname in _lists.LIST_NAMES:
             for op, why in self.lists[lname].items():
