@@ -115,13 +115,19 @@ def test_session_config_runs_the_pipeline_in_a_session():
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [2, 3])
-        y = tf.nn.softmax(tf.matmul(x, tf.ones([3, 2])), name="y")
+        w = np.random.RandomState(1).uniform(-1, 1, (3, 2)).astype(np.float32)
+        y = tf.nn.softmax(tf.matmul(x, tf.constant(w)), name="y")
+    xv = np.random.RandomState(2).uniform(-1, 1, (2, 3)).astype(np.float32)
     with tf.compat.v1.Session(graph=g, config=npu_amp_tf.session_config()) as s:
         rm = tf.compat.v1.RunMetadata()
-        out = s.run(y, {x: np.ones([2, 3])}, run_metadata=rm,
+        out = s.run(y, {x: xv}, run_metadata=rm,
                     options=tf.compat.v1.RunOptions(output_partition_graphs=True))
     ops = {(n.op, n.attr["T"].type) for pg in rm.partition_graphs for n in pg.node}
     assert ("MatMul", HALF) in ops and out.dtype == np.float32
+    logits = xv.astype(np.float64) @ w
+    ref = np.exp(logits - logits.max(axis=1, keepdims=True))
+    # 3 FP16 products of |v|<=1: logit error <= 3*2^-11 ~ 1.5e-3
+    np.testing.assert_allclose(out, ref / ref.sum(axis=1, keepdims=True), atol=2e-3)
 
 
 # ------------------------------------------------------------ TF2

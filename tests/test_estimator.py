@@ -53,8 +53,7 @@ def test_runconfig_builds_the_plugin_session_config(tmp_path):
                                          precision_mode="must_keep_origin_dtype")
     assert isinstance(cfg, tf.estimator.RunConfig) and cfg.save_checkpoints_steps == 5
     names = [c.name for c in cfg.session_config.graph_options.rewrite_options.custom_optimizers]
-    if hasattr(npu_amp_tf, "session_config"):
-        assert "NpuAmpOptimizer" in names
+    assert "NpuAmpOptimizer" in names
     base = v1.ConfigProto(intra_op_parallelism_threads=1)
     cfg = npu_amp_tf.estimator.RunConfig(session_config=base, precision_mode="force_fp32")
     assert cfg.session_config.intra_op_parallelism_threads == 1

@@ -203,7 +203,12 @@ def test_static_shapes_from_output_shapes_attr():
 
 def test_new_graph_runs_after_edit():
     """An edited graph imports and runs in TF with the expected numbers."""
-    gd = keras_cnn_graph()
+    with tf.Graph().as_default() as tg:
+        x = tf.compat.v1.placeholder(tf.float32, [2, 6, 6, 3], name="x")
+        k = tf.constant(np.random.RandomState(1).normal(size=(3, 3, 3, 4)).astype(np.float32))
+        h = tf.nn.relu(tf.nn.conv2d(x, k, 1, "SAME"), name="relu")
+        tf.reduce_sum(h, axis=[1, 2], name="pooled")
+    gd = tg.as_graph_def()
     g = Graph(gd)
     relu = next(n for n in g.nodes.values() if n.op == "Relu")
     # double the relu output through an inserted Mul with a Const
@@ -215,6 +220,20 @@ def test_new_graph_runs_after_edit():
     assert g.validate() == []
     out = g.to_graph_def()
     assert len(out.node) == len(gd.node) + 2
+    # run both graphs in TF: every consumer of the relu now sees twice its value
+    feeds = [n for n in gd.node if n.op == "Placeholder"]
+    assert len(feeds) == 1
+    xv = np.random.RandomState(0).uniform(-1, 1, (2, 6, 6, 3)).astype(np.float32)
+
+    def run(graph_def, fetch):
+        with tf.Graph().as_default() as tg:
+            tf.graph_util.import_graph_def(graph_def, name="")
+            with tf.compat.v1.Session(graph=tg) as s:
+                return s.run(fetch + ":0", {feeds[0].name + ":0": xv})
+
+    relu_val = run(gd, relu.name)
+    np.testing.assert_array_equal(run(out, relu.name + "/Scaled"), 2 * relu_val)
+    assert np.abs(relu_val).sum() > 0   # a non-trivial check: the relu is not all zeros
 
 
 def test_infer_shapes_survives_grappler_colocation_and_devices():
