@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test venv ops bench wheel-check clean readme-table
+.PHONY: demo test venv ops bench wheel-check bazel-check clean readme-table
 
 venv: $(STAMP)
 
@@ -41,8 +41,17 @@ wheel-check: venv
 	  PYTHONPATH=site ../../$(BIN)/python -c "import npu_amp_tf, npu_amp_tf._loader as L; \
 	  assert '/site/' in npu_amp_tf.__file__, npu_amp_tf.__file__; L.load(); print('wheel ok:', L.source_dir())"
 
+# The top-level BUILD/WORKSPACE build the same library offline with Debian's
+# bazel-bootstrap (native rules only); the result must load and act.
+bazel-check: venv
+	$(BIN)/python configure.py
+	bazel build //:libnpu_amp_tf.so //:npu_amp_tf
+	NPU_AMP_TF_LIBRARY=$(CURDIR)/bazel-bin/libnpu_amp_tf.so $(BIN)/python .ci/bazel_check.py
+	bazel shutdown
+
 readme-table: venv
 	$(BIN)/python -m npu_amp_tf.options README.md
 
 clean:
-	rm -rf build dist *.egg-info .venv .venv-*
+	rm -rf build dist *.egg-info .venv .venv-* third_party/tensorflow/local_paths.bzl
+	-bazel clean --expunge 2>/dev/null

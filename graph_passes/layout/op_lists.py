@@ -1,5 +1,5 @@
 """What the layout pass knows about op types.  Data, one entry per line, each
-with a short reason (DESIGN.md: lists are data).
+with a short reason (docs/architecture.md: lists are data).
 
 * ``HEAVY``: ops that pick NC1HWC0 (their cube/vector kernels on Ascend
   consume 5HD).  Roles: which inputs are activations (``act``), filters
