@@ -109,6 +109,7 @@ def worker(args):
     if amp:
         m = opt.loss_scale_manager
         out["loss_scale"] = m.state()
+        out["incr"] = (m.incr_every_n_steps, m.incr_ratio)
         out["history"] = [tuple(e) for e in m.history]
         recs = [r for r in bridge.last_reports() if r["status"] == "rewritten" and r.get("report")]
         if recs:
@@ -247,7 +248,9 @@ def main(argv=None):
     print(f"RESULT lp_share={share:.4f} casts_inserted={rep['casts_inserted']} "
           f"loss_scale={amp[0]['loss_scale']['loss_scale']:g} workers_identical={int(same_w and same_ls)} "
           f"fp32_acc={f_acc:.4f} amp_acc={amp[0]['test_acc']:.4f} "
-          f"fp32_loss={f_loss:.4f} amp_loss={a_loss:.4f}")
+          f"fp32_loss={f_loss:.4f} amp_loss={a_loss:.4f} "
+          f"overflows={amp[0]['loss_scale']['overflow_count']} skipped={amp[0]['loss_scale']['skipped_steps']} "
+          f"ls_steps={amp[0]['loss_scale']['steps']} incr_every={amp[0]['incr'][0]} incr_ratio={amp[0]['incr'][1]:g}")
     return 0 if (same_w and same_ls) else 1
 
 

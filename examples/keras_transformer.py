@@ -110,7 +110,8 @@ def train(keras, weights, data, epochs, batch, lr, amp_params):
     ls = None
     if amp_params is not None:
         m = opt.loss_scale_manager
-        ls = dict(m.state(), history=[tuple(e) for e in m.history])
+        ls = dict(m.state(), history=[tuple(e) for e in m.history],
+                  incr_every=m.incr_every_n_steps, incr_ratio=m.incr_ratio)
     return dict(train_loss=float(hist.history["loss"][-1]), loss=float(loss), acc=float(acc),
                 seconds=secs, report=rep, loss_scale=ls)
 
@@ -214,7 +215,9 @@ def main(argv=None):
           f"casts_inserted={amp['report']['summary'].get('casts_inserted')} "
           f"loss_scale={amp['loss_scale']['loss_scale']:g} fp32_acc={fp32['acc']:.4f} "
           f"amp_acc={amp['acc']:.4f} mixlist_acc={mix['acc']:.4f} fp32_loss={fp32['loss']:.4f} "
-          f"amp_loss={amp['loss']:.4f}")
+          f"amp_loss={amp['loss']:.4f} overflows={amp['loss_scale']['overflow_count']} "
+          f"skipped={amp['loss_scale']['skipped_steps']} ls_steps={amp['loss_scale']['steps']} "
+          f"incr_every={amp['loss_scale']['incr_every']} incr_ratio={amp['loss_scale']['incr_ratio']:g}")
     return 0
 
 

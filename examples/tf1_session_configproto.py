@@ -101,6 +101,10 @@ def train(data, weights, steps, batch, lr, amp, seed):
             losses.append(float(l))
         test_loss, test_acc = sess.run([loss, acc], {x: x_te, y: y_te})
         ls = opt.loss_scale_manager.state(sess) if amp else None
+        if amp:
+            m = opt.loss_scale_manager
+            ls.update(init_scale=float(sess.run(m.loss_scale.initial_value)),
+                      incr_every=m.incr_every_n_steps, incr_ratio=m.incr_ratio)
         history = opt.loss_scale_manager.history if amp else None
         gstep = int(sess.run(global_step))
     return dict(losses=losses, test_loss=float(test_loss), test_acc=float(test_acc),
@@ -200,7 +204,10 @@ def main(argv=None):
           "(FP16 has no native CPU kernels: slower here, not on an NPU)")
     print(f"RESULT lp_flop_share={share:.4f} low_matmuls={len(low_mm)} tanh_dtype={act.get('dtype')} casts_inserted={s.get('casts_inserted')} "
           f"loss_scale={ls['loss_scale']:g} fp32_acc={fp32['test_acc']:.4f} amp_acc={amp['test_acc']:.4f} "
-          f"fp32_loss={fp32['test_loss']:.4f} amp_loss={amp['test_loss']:.4f}")
+          f"fp32_loss={fp32['test_loss']:.4f} amp_loss={amp['test_loss']:.4f} "
+          f"overflows={ls['overflow_count']} skipped={ls['skipped_steps']} ls_steps={ls['steps']} "
+          f"global_step={amp['global_step']} init_scale={ls['init_scale']:g} "
+          f"incr_every={ls['incr_every']} incr_ratio={ls['incr_ratio']:g}")
 
 
 if __name__ == "__main__":
