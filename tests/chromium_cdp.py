@@ -41,8 +41,9 @@ class Chromium:
                 "--disable-extensions", "--hide-scrollbars", "--remote-debugging-pipe",
                 f"--user-data-dir={self._profile}", f"--window-size={width},{height}", "about:blank"]
         # the DevTools pipe is fd 3 (commands in) and fd 4 (replies out) of the browser
+        # (bash, not sh: dash redirects single-digit descriptors only)
         self.proc = subprocess.Popen(
-            ["/bin/sh", "-c", f'exec "$0" "$@" 3<&{to_chrome_r} 4>&{from_chrome_w}', self.exe, *args],
+            ["/bin/bash", "-c", f'exec "$0" "$@" 3<&{to_chrome_r} 4>&{from_chrome_w}', self.exe, *args],
             pass_fds=(to_chrome_r, from_chrome_w), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_chrome_r)
         os.close(from_chrome_w)
@@ -170,3 +171,54 @@ class Chromium:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def png_pixels(path):
+    """Decode an 8-bit RGB/RGBA non-interlaced PNG (what Chromium writes):
+    (width, height, bytes per pixel, rows)."""
+    import struct
+    import zlib
+
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, w = 8, b"", None
+    while pos < len(data):
+        length, typ = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if typ == b"IHDR":
+            w, h, depth, ctype = struct.unpack(">IIBB", body[:10])
+            assert depth == 8 and ctype in (2, 6)
+            bpp = 3 if ctype == 2 else 4
+        elif typ == b"IDAT":
+            idat += body
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    stride = w * bpp
+    out, prev = [], bytearray(stride)
+    for r in range(h):
+        f, line = raw[r * (stride + 1)], bytearray(raw[r * (stride + 1) + 1:(r + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b = prev[i]
+            c = prev[i - bpp] if i >= bpp else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        out.append(bytes(line))
+        prev = line
+    return w, h, bpp, out
+
+
+def count_color(pixels, rgb, box=None):
+    """Pixels of exactly ``rgb`` inside ``box`` = (x0, y0, x1, y1) (default: all)."""
+    w, h, bpp, rows = pixels
+    x0, y0, x1, y1 = box or (0, 0, w, h)
+    x0, y0, x1, y1 = max(0, int(x0)), max(0, int(y0)), min(w, int(x1)), min(h, int(y1))
+    want = bytes(rgb)
+    return sum(rows[y][i:i + 3] == want for y in range(y0, y1) for i in range(x0 * bpp, x1 * bpp, bpp))
