@@ -9,7 +9,6 @@ viewport; typing a node name into the search box brings that node into view;
 load-to-interactive time is printed (goals are checked in
 benchmarks/report_html.py, never asserted here).
 """
-import os
 import sys
 
 import pytest
@@ -98,14 +97,28 @@ def drawn_leaves(browser):
 # --------------------------------------------------------------------------
 # two-conv tf.compat.v1.layers training graph
 # --------------------------------------------------------------------------
+def v1_layers():
+    """``tf.compat.v1.layers`` (conv2d, dense): on TF >= 2.16 tf.compat.v1.layers
+    refuses under Keras 3, so take the same legacy modules from tf_keras."""
+    try:
+        return v1.layers.conv2d, v1.layers.dense
+    except AttributeError:
+        from real_models import import_slim
+
+        import_slim()  # aliases tf_keras's legacy_tf_layers
+        return (sys.modules["tf_keras.legacy_tf_layers.convolutional"].conv2d,
+                sys.modules["tf_keras.legacy_tf_layers.core"].dense)
+
+
 def test_two_conv_training_graph(tmp_path, capsys, browser):
+    conv2d, dense = v1_layers()
     g = tf.Graph()
     with g.as_default():
         x = v1.placeholder(tf.float32, [4, 16, 16, 3], name="images")
         y = v1.placeholder(tf.int32, [4], name="labels")
-        h = v1.layers.conv2d(x, 8, 3, activation=tf.nn.relu, name="conv1")
-        h = v1.layers.conv2d(h, 16, 3, activation=tf.nn.relu, name="conv2")
-        logits = v1.layers.dense(tf.reduce_mean(h, [1, 2]), 10, name="logits")
+        h = conv2d(x, 8, 3, activation=tf.nn.relu, name="conv1")
+        h = conv2d(h, 16, 3, activation=tf.nn.relu, name="conv2")
+        logits = dense(tf.reduce_mean(h, [1, 2]), 10, name="logits")
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
                               name="loss")
         train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
@@ -124,8 +137,11 @@ def test_two_conv_training_graph(tmp_path, capsys, browser):
     assert any(op.startswith(("ApplyGradientDescent", "ResourceApplyGradientDescent")) for op in ops), ops
     assert not ops & {"VarIsInitializedOp", "IsVariableInitialized", "SaveV2", "RestoreV2"}, ops
     assert not [n for n in names if n.startswith(("save/", "init")) or "/Initializer/" in n], names
-    px, boxes = fp16_in_box(browser, tmp_path, ["conv1/Conv2D", "conv2/Conv2D", "logits/MatMul",
-                                                "gradients/conv2/Conv2D_grad/Conv2DBackpropFilter"])
+    # the layer ops (the fusion pass may have folded MatMul+BiasAdd into logits/BiasAdd)
+    layer_ops = browser.eval("""DATA.N.filter(function(n){return !n[6]&&/^(conv[12]|logits)\\/[^\\/]+$/.test(n[0])
+        &&['Conv2D','MatMul','_FusedConv2D','_FusedMatMul'].indexOf(n[1])>=0;}).map(function(n){return n[0];})""")
+    assert sorted(n.split("/")[0] for n in layer_ops) == ["conv1", "conv2", "logits"], layer_ops
+    px, boxes = fp16_in_box(browser, tmp_path, layer_ops + ["gradients/conv2/Conv2D_grad/Conv2DBackpropFilter"])
     for name, (n16, box) in boxes.items():
         assert box["name"] == name  # small graph: every layer op is drawn as its own box
         assert n16 > 0.25 * box["w"] * box["h"], (name, n16, box)  # FP16-coloured (labels cover some)
@@ -136,12 +152,13 @@ def test_two_conv_training_graph(tmp_path, capsys, browser):
     hit = search_brings_into_view(browser, "gradients/conv1/Conv2D_grad/Conv2DBackpropFilter")
     assert hit["cls"] == "float16"
     # the toggle brings the plumbing back
+    assert browser.eval("npuAmpBox('save/SaveV2')") is None
+    assert browser.eval("npuAmpBox('init')") is None
     browser.click(*browser.eval("(function(){var r=document.getElementById('plumb').getBoundingClientRect();"
                                 "return [r.left+r.width/2,r.top+r.height/2];})()"))
-    browser.eval("document.getElementById('col').click()")
     assert browser.eval("document.getElementById('plumb').checked") is True
-    assert browser.eval("DATA.N.filter(function(n){return n[6]&&n[1]==='VarIsInitializedOp';}).length") == 0 or \
-        browser.eval("document.getElementById('stat').textContent") != ""
+    assert browser.eval("npuAmpBox('init')")["name"] == "init"
+    assert browser.eval("npuAmpBox('save/SaveV2')")["name"].startswith("save")
     assert browser.errors() == []
 
 
@@ -149,7 +166,6 @@ def test_two_conv_training_graph(tmp_path, capsys, browser):
 # TF-Slim ResNet-50 training MetaGraph (~6k nodes)
 # --------------------------------------------------------------------------
 def test_slim_resnet50_training_metagraph(tmp_path, capsys, browser):
-    sys.path.insert(0, os.path.dirname(__file__))
     from real_models import import_slim
 
     slim = import_slim()
@@ -201,7 +217,14 @@ def test_keras_mobilenet_v2_saved_model(tmp_path, capsys, browser):
     if k is None:
         pytest.skip("Keras 2 (tf_keras) not installed")
     model = k.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10)
-    tf.saved_model.save(model, str(tmp_path / "mnv2"))
+    # the serving function of the Keras model, saved without Keras's per-layer
+    # restore functions (tracing those costs ~30 s; the graph served is the same:
+    # a signature wrapper calling a function whose body holds every layer)
+    serve = tf.function(lambda x: {"probs": model(x, training=False)}).get_concrete_function(
+        tf.TensorSpec([None, 32, 32, 3], tf.float32, name="x"))
+    module = tf.Module()
+    module.variables_ = list(model.variables)
+    tf.saved_model.save(module, str(tmp_path / "mnv2"), signatures=serve)
     text = report_html(capsys, tmp_path / "mnv2", tmp_path / "mnv2.html")
     page = (tmp_path / "mnv2.html").read_text()
     assert "FP16 (0)" not in page, text
