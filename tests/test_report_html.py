@@ -196,6 +196,18 @@ def test_slim_resnet50_training_metagraph(tmp_path, capsys, browser):
     # forward and gradients side by side: the backward box starts beside the forward one
     fwd, bwd = browser.eval("npuAmpBox('resnet_v1_50')"), browser.eval("npuAmpBox('gradients')")
     assert bwd["x"] >= fwd["x"] + fwd["w"] and bwd["y"] < fwd["y"] + fwd["h"] / 2, (fwd, bwd)
+    # a click on a closed scope opens it in place
+    closed = browser.eval("""(function(){var v=document.getElementById('view').getBoundingClientRect(),NG=DATA.G.length;
+        var els=Array.from(document.querySelectorAll('#vp .it')).filter(function(e){var i=+e.getAttribute('data-i');
+          var r=e.getBoundingClientRect();return i<NG&&e.textContent.charAt(0)==='\u25B8'&&r.width>20&&r.height>8&&
+          r.left>v.left&&r.right<v.right&&r.top>v.top&&r.bottom<v.bottom;});
+        if(!els.length)return null;var r=els[0].getBoundingClientRect(),i=+els[0].getAttribute('data-i');
+        return {name:DATA.G[i][0],x:r.left+r.width/2,y:r.top+r.height/2,n:document.querySelectorAll('#vp .it').length};})()""")
+    assert closed is not None
+    browser.click(closed["x"], closed["y"])
+    assert browser.eval("document.querySelectorAll('#vp .it').length") > closed["n"]
+    info = browser.eval("document.getElementById('info').textContent")
+    assert info.startswith(closed["name"]) and "ops by precision" in info, info
     hit = search_brings_into_view(browser, "resnet_v1_50/block3/unit_4/bottleneck_v1/conv2/Conv2D")
     assert hit["cls"] == "float16"
     # the per-layer table links to the graph

@@ -378,15 +378,18 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
             or leaves[n]["node"].op.endswith("Summary")}
     plumbing = set(seed)
     # a node is plumbing when everything that reads it is (initial values, Assigns of initialisers)
-    changed = True
-    while changed:
-        changed = False
-        for n in reversed(names):
-            if n in plumbing or not succs[n]:
+    readers = {n: set(succs[n]) for n in names}
+    left = {n: len(r) for n, r in readers.items()}
+    stack = list(plumbing)
+    while stack:
+        n = stack.pop()
+        for p in set(preds[n]):
+            if p in plumbing:
                 continue
-            if all(c in plumbing for c in succs[n]):
-                plumbing.add(n)
-                changed = True
+            left[p] -= 1
+            if left[p] == 0:
+                plumbing.add(p)
+                stack.append(p)
     roots = set()
     for f in fetches or ():
         roots.update(sources(f, 0, True) if f in inlined else [f] if f in leaves else [])
