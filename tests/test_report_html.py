@@ -22,8 +22,6 @@ FP16 = (0xf2, 0x8e, 0x2b)   # report.COLORS["float16"]
 FP32 = (0x4e, 0x79, 0xa7)
 W, H = 1200, 800
 
-pytestmark = pytest.mark.skipif(find_chromium() is None,
-                                reason="Debian's chromium is not installed (apt-get install -y chromium)")
 
 
 def report_html(capsys, model, out):
@@ -39,6 +37,8 @@ def report_html(capsys, model, out):
 
 @pytest.fixture(scope="module")
 def browser():
+    if find_chromium() is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
     with Chromium(width=W, height=H) as c:
         yield c
 
@@ -253,3 +253,44 @@ def test_keras_mobilenet_v2_saved_model(tmp_path, capsys, browser):
     hit = search_brings_into_view(browser, expand[0])
     assert hit["cls"] == "float16"
     assert browser.errors() == []
+
+
+# --------------------------------------------------------------------------
+# While / If bodies are drawn where they are called (no browser needed)
+# --------------------------------------------------------------------------
+def test_while_and_if_bodies_drawn_where_called():
+    import npu_amp_tf
+    from npu_amp_tf.tools import report as rep
+
+    @tf.function
+    def f(x, p):
+        w = tf.ones([8, 8])
+        _, y = tf.while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, tf.matmul(x, w)), [tf.constant(0), x])
+        z = tf.cond(p, lambda: tf.matmul(y, w), lambda: y * 2.0)
+        return tf.identity(z, name="out")
+
+    gd = f.get_concrete_function(tf.TensorSpec([4, 8], name="x"),
+                                 tf.TensorSpec([], tf.bool, name="p")).graph.as_graph_def()
+    whiles = [n.name for n in gd.node if n.op in ("While", "StatelessWhile")]
+    ifs = [n.name for n in gd.node if n.op in ("If", "StatelessIf")]
+    assert len(whiles) == 1 and len(ifs) == 1
+    out, report = npu_amp_tf.rewrite_graph(gd, fetches=["out"])
+    view = rep.build_view(report, out, fetches=["out"])
+    ng = len(view["G"])
+    leaves = {n[0]: n for n in view["N"]}
+    cls = {name: view["classes"][n[2]] for name, n in leaves.items()}
+    hidden = {name for name, n in leaves.items() if n[6]}
+    body_mm = [n for n in leaves if n.startswith(whiles[0] + "/body/") and leaves[n][1] == "MatMul"]
+    then_mm = [n for n in leaves if n.startswith(ifs[0] + "/then_branch/") and leaves[n][1] == "MatMul"]
+    assert len(body_mm) == 1 and len(then_mm) == 1, sorted(leaves)
+    assert cls[body_mm[0]] == cls[then_mm[0]] == "float16"  # MatMul is white: FP16 inside the bodies
+    # the loop's condition and the other branch run too: drawn, not hidden as plumbing
+    assert [n for n in leaves if n.startswith(whiles[0] + "/cond/") and leaves[n][1] == "Less"][0] not in hidden
+    assert [n for n in leaves if n.startswith(ifs[0] + "/else_branch/") and leaves[n][1] == "Mul"][0] not in hidden
+    assert not body_mm[0] in hidden and whiles[0] not in leaves  # the call is its body, not a box
+    # the While's data input x flows into the body's argument, the If's result out of its branches
+    names = [n[0] for n in view["N"]]
+    edges = {(names[e[7] - ng], names[e[8] - ng]) for e in view["E"]}
+    assert any(s == "x" and d.startswith(whiles[0] + "/body/") for s, d in edges), edges
+    assert any(s.startswith(ifs[0] + "/then_branch/") and not d.startswith(ifs[0] + "/then_branch/")
+               for s, d in edges), edges

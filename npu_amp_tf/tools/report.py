@@ -5,11 +5,13 @@ op type, dtype, list, reason and FLOPs; then the totals (low-precision FLOP
 share, Cast and TransData counts, estimated activation memory) and the
 warnings.
 
-:func:`write_html` writes one self-contained page (inline SVG, CSS and a few
-lines of JS; no network access) that draws the rewritten graph with each
-node coloured by its precision, a legend, the totals and the warnings.
-Hovering a node shows its decision; the search box highlights nodes; the
-mouse wheel zooms.
+:func:`write_html` writes one self-contained page (no network access) that
+draws the model, not the plumbing (:func:`build_view` decides what is drawn):
+the nodes on the paths computing the outputs, function bodies where they are
+called, name scopes as collapsible boxes coloured by the dtype mix of their
+FLOPs, casts as marks on edges, and a per-layer table.  The layout is dagre
+(MIT), shipped in ``npu_amp_tf/_assets`` and inlined into the page together
+with ``_assets/precision_map.html`` (the page's CSS and script).
 """
 from __future__ import annotations
 
@@ -258,8 +260,12 @@ def _func_attrs(node, library):
 class _Ctx:
     """One graph to draw: the main graph or one inlined function body."""
 
-    def __init__(self, graph, prefix, fname, shapes):
+    def __init__(self, graph, prefix, fname, shapes, call=None, act=None):
         self.graph, self.prefix, self.fname, self.shapes = graph, prefix, fname, shapes
+        self.call = call  # full name of the calling node (None: the main graph)
+        self.act = act
+        if act is not None:
+            return
         self.act = {}
         try:
             from graph_passes.precision import stats
@@ -288,16 +294,18 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
     inlined = set()
     ctxs = []
 
-    def fctx(fname, prefix):
+    def fctx(fname, prefix, call):
         if fname not in fshapes:
             try:
                 fg = main.function_graph(fname)
             except Exception:  # noqa: BLE001 - a body we cannot read is drawn as its call
                 fshapes[fname] = None
                 return None
-            fshapes[fname] = (fg, stats.ShapeTable(fg))
+            first = _Ctx(fg, prefix, fname, stats.ShapeTable(fg), call=call)
+            fshapes[fname] = (fg, first.shapes, first.act)
+            return first
         got = fshapes[fname]
-        return None if got is None else _Ctx(got[0], prefix, fname, got[1])
+        return None if got is None else _Ctx(got[0], prefix, fname, got[1], call=call, act=got[2])
 
     def add(ctx, depth, stack):
         ctxs.append(ctx)
@@ -307,7 +315,7 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
             calls = [(a, f) for a, f in calls if f not in stack]
             bodies = []
             for attr, fname in calls:
-                sub = fctx(fname, f"{full}/{attr}/" if len(calls) > 1 else f"{full}/")
+                sub = fctx(fname, f"{full}/{attr}/" if len(calls) > 1 else f"{full}/", full)
                 if sub is not None:
                     bodies.append((attr, fname, sub))
             if bodies:
@@ -412,8 +420,11 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
     for n in names:
         by_ctx.setdefault(id(leaves[n]["ctx"]), []).append(n)
     while True:
+        # ... and a call that runs runs all of its bodies (a While's cond, an If's other branch)
+        running = {leaves[grp[0]]["ctx"].call for grp in by_ctx.values()
+                   if leaves[grp[0]]["ctx"].fname is not None and any(x in live for x in grp)}
         more = [n for grp in by_ctx.values() if leaves[grp[0]]["ctx"].fname is not None
-                and any(x in live for x in grp) for n in grp if not succs[n] and n not in live]
+                and leaves[grp[0]]["ctx"].call in running for n in grp if not succs[n] and n not in live]
         if not more:
             break
         stack = more
