@@ -72,13 +72,19 @@ def bench(name, graph, probe, repeat, png=None):
     from npu_amp_tf import cli
 
     d = tempfile.mkdtemp(prefix="npu_amp_html_")
-    meta = os.path.join(d, "model.meta")
+    slug = name.split(" (")[0].replace(" + ", "_").replace(" ", "_").replace("(", "").replace(")", "")
+    meta = os.path.join(d, f"{slug}.meta")
     with graph.as_default():
         v1.train.export_meta_graph(meta, graph=graph)
     n = len(graph.as_graph_def().node)
     page = os.path.join(d, "map.html")
     t0 = time.perf_counter()
-    rc = cli.main(["report", meta, "--html", page, "--limit", "0"])
+    cwd = os.getcwd()
+    os.chdir(d)  # the page's title names the model file, not the temporary directory
+    try:
+        rc = cli.main(["report", os.path.basename(meta), "--html", page, "--limit", "0"])
+    finally:
+        os.chdir(cwd)
     t_write = time.perf_counter() - t0
     assert rc == 0
     ready, search, drawn = [], [], None

@@ -19,7 +19,6 @@ from conftest import keras2
 
 v1 = tf.compat.v1
 FP16 = (0xf2, 0x8e, 0x2b)   # report.COLORS["float16"]
-FP32 = (0x4e, 0x79, 0xa7)
 W, H = 1200, 800
 
 
