@@ -150,6 +150,10 @@ def test_two_conv_training_graph(tmp_path, capsys, browser):
     assert not [n for n in names if n.endswith(("CastToFp16", "CastToFp32"))]
     hit = search_brings_into_view(browser, "gradients/conv1/Conv2D_grad/Conv2DBackpropFilter")
     assert hit["cls"] == "float16"
+    # an inserted Cast has no box: its name finds the node its edge feeds
+    cast, fed = browser.eval("(function(){var c=DATA.C.filter(function(c){return !DATA.E[c[1]][6];})[0];"
+                             "return [c[0],DATA.E[c[1]][8]];})()")
+    assert browser.eval(f"npuAmpSearch({cast!r}).item") == fed
     # the toggle brings the plumbing back
     assert browser.eval("npuAmpBox('save/SaveV2')") is None
     assert browser.eval("npuAmpBox('init')") is None
