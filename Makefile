@@ -39,7 +39,9 @@ wheel-check: venv
 	$(BIN)/python -m pip install -q --no-deps --target build/wheel-check/site build/wheel-check/*.whl
 	cd build/wheel-check && NPU_AMP_TF_CACHE_DIR=$(CURDIR)/build/wheel-check/cache \
 	  PYTHONPATH=site ../../$(BIN)/python -c "import npu_amp_tf, npu_amp_tf._loader as L; \
-	  assert '/site/' in npu_amp_tf.__file__, npu_amp_tf.__file__; L.load(); print('wheel ok:', L.source_dir())"
+	  assert '/site/' in npu_amp_tf.__file__, npu_amp_tf.__file__; L.load(); print('wheel ok:', L.source_dir()); \
+	  from npu_amp_tf.tools import report as R; [R._asset(a) for a in ('dagre.min.js', 'dagre.LICENSE', 'precision_map.html')]; \
+	  print('HTML page assets ok')"
 
 # The top-level BUILD/WORKSPACE build the same library offline with Debian's
 # bazel-bootstrap (native rules only); the result must load and act.

@@ -164,7 +164,7 @@ def cmd_report(args):
             fh.write(report.dumps(indent=1))
         print(f"report JSON: {args.json}")
     if args.html:
-        rep.write_html(report, graph_def, args.html, title=f"npu-amp precision map: {args.model}")
+        rep.write_html(report, graph_def, args.html, title=f"npu-amp precision map: {args.model}", model=model)
         print(f"HTML: {args.html}")
     return 0
 
