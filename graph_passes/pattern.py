@@ -162,10 +162,21 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None) -> l
     used: set[str] = set()
     out = []
     first_ops = pat.ops() if not pat.alternatives else None
-    for name in (order if order is not None else graph.topo_order()):
-        if name in used or name not in graph.nodes:
+    if order is None and first_ops is not None:
+        # index by the anchor's op type first: most rules find no anchor at all,
+        # and then no topological order is needed
+        anchors = graph.nodes_of_type(frozenset(first_ops))
+        if not anchors:
+            return out
+        pos = graph.topo_positions()
+        anchors.sort(key=pos.__getitem__)
+    else:
+        anchors = order if order is not None else graph.topo_order()
+    nodes = graph.nodes
+    for name in anchors:
+        if name in used or name not in nodes:
             continue
-        if first_ops is not None and graph.nodes[name].op not in first_ops:
+        if first_ops is not None and nodes[name].op not in first_ops:
             continue
         m = match_at(graph, pat, name, protected)
         if m is None or used.intersection(m.matched):
