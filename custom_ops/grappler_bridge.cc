@@ -20,14 +20,19 @@
 // (GraphProperties::InferStatically) of the item it was handed, computed here
 // on demand from the GrapplerItem already in memory; NpuAmpGraphShapes does the
 // same for a serialized GraphDef (offline rewrite_graph).  Format, one line per
-// node: "name\x01shape|shape..." with a shape "?" (unknown rank) or
-// comma-separated dims (-1 unknown, "" for a scalar).
+// node with outputs: "name\x01shape|shape..." with a shape "?" (unknown rank)
+// or comma-separated dims (-1 unknown, "" for a scalar).
 //
 // Work skipped before Python is called (counted, see NpuAmpSkipCount):
+//   * a graph this optimizer already rewrote: its output carries the attr
+//     kDoneAttr (a hash of parameters, fetch, preserve and devices) on the
+//     first node grappler must preserve, which no other optimizer removes.
+//     Grappler's second meta-optimizer iteration gets it back, often changed
+//     by the built-in optimizers in between; like grappler's own
+//     auto_mixed_precision (a "run once" optimizer) it is not rewritten again;
 //   * the graph's bytes equal a graph this optimizer returned, or one it left
-//     unchanged, under the same parameters, fetch, preserve and devices
-//     (grappler's second meta-optimizer iteration, a function instantiated
-//     again): a fingerprint of the deterministic serialization is remembered;
+//     unchanged, under the same parameters, fetch, preserve and devices (a
+//     function instantiated again): a fingerprint is remembered;
 //   * tf.data functions (item id "...Dataset_...") and graphs without any
 //     float tensor type in their nodes or function library.
 //
@@ -119,6 +124,7 @@ bool InferShapesText(const tensorflow::grappler::GrapplerItem& item, std::string
   out->reserve(item.graph.node_size() * 48);
   for (const auto& node : item.graph.node()) {
     if (!props.HasOutputProperties(node.name())) continue;
+    if (props.GetOutputProperties(node.name()).empty()) continue;  // no outputs
     out->append(node.name());
     out->push_back('\x01');
     bool first = true;
@@ -153,6 +159,29 @@ uint64_t Fingerprint(const std::string& graph_bytes, const std::string& context)
   const uint64_t a = std::hash<std::string_view>{}(std::string_view(graph_bytes));
   const uint64_t b = std::hash<std::string_view>{}(std::string_view(context));
   return a ^ (b + 0x9e3779b97f4a7c15ULL + (a << 6) + (a >> 2)) ^ (graph_bytes.size() << 1);
+}
+
+constexpr char kDoneAttr[] = "_npu_amp_tf_rewritten";
+
+// The node that carries kDoneAttr: the first preserved node present.
+tensorflow::NodeDef* MarkerNode(tensorflow::GraphDef* graph, const std::vector<std::string>& preserve) {
+  if (preserve.empty()) return nullptr;
+  size_t tried = 0;
+  for (const auto& want : preserve) {
+    if (++tried > 4) break;  // preserved nodes exist; do not scan for long lists of strays
+    for (auto& node : *graph->mutable_node()) {
+      if (node.name() == want) return &node;
+    }
+  }
+  return nullptr;
+}
+
+bool CarriesMark(const tensorflow::GraphDef& graph, const std::vector<std::string>& preserve,
+                 int64_t mark) {
+  auto* node = MarkerNode(const_cast<tensorflow::GraphDef*>(&graph), preserve);
+  if (node == nullptr) return false;
+  auto it = node->attr().find(kDoneAttr);
+  return it != node->attr().end() && it->second.i() == mark;
 }
 
 bool Seen(uint64_t fp) {
@@ -370,6 +399,13 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       context.push_back('\0');
       context += *part;
     }
+    const int64_t mark = static_cast<int64_t>(
+        std::hash<std::string_view>{}(std::string_view(context)) & 0x7fffffffffffffffULL);
+    if (CarriesMark(item.graph, preserve_list, mark)) {
+      g_skip_seen.fetch_add(1);
+      return errors::Aborted("NpuAmpOptimizer: graph '", item.id,
+                             "' was already rewritten by it; left unchanged");
+    }
     const uint64_t fp_in = Fingerprint(graph_bytes, context);
     if (Seen(fp_in)) {
       g_skip_seen.fetch_add(1);
@@ -401,7 +437,10 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       return errors::Internal("NpuAmpOptimizer: the Python bridge returned bytes that do not "
                               "parse as a GraphDef for graph '", item.id, "'");
     }
-    // mark our output: grappler's next iteration hands it back unchanged
+    // mark our output: grappler's next iteration hands it back
+    if (auto* marker = MarkerNode(optimized_graph, preserve_list)) {
+      (*marker->mutable_attr())[kDoneAttr].set_i(mark);
+    }
     std::string out_bytes;
     if (SerializeToStringDeterministic(*optimized_graph, &out_bytes)) {
       Remember(Fingerprint(out_bytes, context));

@@ -55,6 +55,25 @@ class Pat:
             return None
         return (self.op,) if isinstance(self.op, str) else tuple(self.op)
 
+    def _opset(self):
+        """frozenset of ``ops()`` (cached; None for a wildcard)."""
+        cached = self.__dict__.get("_opset_cache")
+        if cached is None or cached[0] is not self.op:
+            cached = (self.op, None if self.op is None else frozenset(self.ops()))
+            self.__dict__["_opset_cache"] = cached
+        return cached[1]
+
+    def _as_root(self):
+        """This pattern anchored at a node (any output port); cached."""
+        if self.alternatives:
+            return self
+        if self.port is None:
+            return self
+        root = self.__dict__.get("_root_cache")
+        if root is None:  # patterns are not edited once built
+            root = self.__dict__["_root_cache"] = dataclasses.replace(self, port=None)
+        return root
+
 
 @dataclasses.dataclass
 class Match:
@@ -94,7 +113,7 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
         return False
     if pat.port is not None and port != pat.port:
         return False
-    ops = pat.ops()
+    ops = pat._opset()
     if ops is not None and node.op not in ops:
         return False
     if src in state[2]:
@@ -109,10 +128,13 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
     data = graph.data_inputs(node)
     if len(data) != len(pat.inputs):
         return False
-    orders = [data]
-    if pat.commutative and len(data) == 2:
-        orders.append([data[1], data[0]])
-    for order in orders:
+    if not (pat.commutative and len(data) == 2):
+        # one order: on failure the caller that tries alternatives restores
+        for p, r in zip(pat.inputs, data):
+            if not _match(graph, p, r, state):
+                return False
+        return True
+    for order in (data, [data[1], data[0]]):
         snap = _snapshot(state)
         if all(_match(graph, p, r, state) for p, r in zip(pat.inputs, order)):
             return True
@@ -134,8 +156,7 @@ def _restore(state, snap):
 def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Match | None:
     """Match ``pat`` with its root at node ``anchor``, or None."""
     state = ({}, {}, [], [])  # captured nodes, captured tensors, inner names, leaf refs
-    if not _match(graph, dataclasses.replace(pat, port=None) if not pat.alternatives else pat,
-                  anchor, state):
+    if not _match(graph, pat._as_root(), anchor, state):
         return None
     matched = state[2]
     inner = set(matched)

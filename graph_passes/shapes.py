@@ -45,8 +45,8 @@ def static_shapes(node) -> list[list[int] | None] | None:
 
 # ---------------------------------------------------------------- sources
 class LineShapes:
-    """Shapes in the bridge's line format (``name\\x01d,d|?|...``), decoded
-    per node on first lookup."""
+    """Shapes in the bridge's line format (``name\\x01d,d|?|...``, nodes
+    without outputs left out), decoded per node on first lookup."""
 
     def __init__(self, text: str):
         self._raw = {}
@@ -76,7 +76,7 @@ class LineShapes:
         if raw is None:
             return None
         s = [None if part == "?" else ([int(d) for d in part.split(",")] if part else [])
-             for part in raw.split("|")] if raw else []
+             for part in raw.split("|")]
         self._done[name] = s
         return s
 

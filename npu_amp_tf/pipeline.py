@@ -110,7 +110,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 
             shapes = graph_shape_source(graph_def)
         if shapes is not None:
-            _shapes.attach(graph, shapes)
+            _shapes.attach(graph, _timed(shapes, report))
         ctx = _manager.PassContext(options, fetches, preserve, devices, report)
         mgr = _manager.PassManager(names, validate=options.validate_graph)
         mgr.run(graph, ctx)
@@ -129,6 +129,20 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
     report.summary["pipeline"] = names
     report.summary["time_s"] = round(time.perf_counter() - t0, 6)
     return out, report
+
+
+def _timed(source, report):
+    """The shape source, recording in the report how long it took."""
+    if not callable(source):
+        return source
+
+    def run():
+        t0 = time.perf_counter()
+        try:
+            return source()
+        finally:
+            report.summary["shape_inference_s"] = round(time.perf_counter() - t0, 6)
+    return run
 
 
 _RATIO_KEYS = frozenset({"lp_flop_share", "time_s"})
