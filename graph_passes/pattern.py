@@ -178,15 +178,31 @@ def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Matc
     return Match(anchor=anchor, nodes=state[0], tensors=state[1], matched=list(matched))
 
 
+def _anchor_ops(pat: Pat):
+    """The op types a node must have to anchor ``pat`` (the union over
+    ``one_of`` alternatives), or None when any op may."""
+    if pat.leaf:
+        return None
+    if pat.alternatives:
+        ops = set()
+        for alt in pat.alternatives:
+            a = _anchor_ops(alt)
+            if a is None:
+                return None
+            ops.update(a)
+        return frozenset(ops)
+    return pat._opset()
+
+
 def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None) -> list[Match]:
     """All non-overlapping matches, anchors visited in topological order."""
     used: set[str] = set()
     out = []
-    first_ops = pat.ops() if not pat.alternatives else None
+    first_ops = _anchor_ops(pat)
     if order is None and first_ops is not None:
         # index by the anchor's op type first: most rules find no anchor at all,
         # and then no topological order is needed
-        anchors = graph.nodes_of_type(frozenset(first_ops))
+        anchors = graph.nodes_of_type(first_ops)
         if not anchors:
             return out
         pos = graph.topo_positions()
