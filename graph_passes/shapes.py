@@ -229,9 +229,32 @@ class ShapeTable:
             s = static_shapes(node)
         if s is None:
             s = self._infer().get(name)
+            if s is not None and node is not None and node.op == "Transpose" and _partial(s):
+                s = self._transpose(node) or s
         if s is not None:
             self._shapes[name] = s
         return s
+
+    def _transpose(self, node):
+        """A Transpose whose perm grappler could not evaluate (gradients read
+        ``InvertPermutation(const)``): its shape from the input's and the perm."""
+        if len(node.input) < 2:
+            return None
+        perm_node = self._graph.nodes.get(parse_tensor(node.input[1])[0])
+        invert = perm_node is not None and perm_node.op == "InvertPermutation"
+        perm = const_value(self._graph, perm_node.input[0] if invert else node.input[1])
+        x = self.get(node.input[0])
+        if perm is None or x is None or perm.ndim != 1 or len(perm) != len(x):
+            return None
+        perm = [int(p) for p in perm]
+        if sorted(perm) != list(range(len(x))):
+            return None
+        if invert:
+            inv = [0] * len(perm)
+            for i, p in enumerate(perm):
+                inv[p] = i
+            perm = inv
+        return [[x[p] for p in perm]]
 
     def _infer(self):
         if self._inferred is None:
@@ -264,6 +287,10 @@ class ShapeTable:
             if s is not None:
                 out[name] = s
         return out
+
+
+def _partial(shapes_list) -> bool:
+    return any(s is not None and any(d < 0 for d in s) for s in shapes_list)
 
 
 def attach(graph, source):

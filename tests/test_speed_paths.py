@@ -50,6 +50,33 @@ def test_grappler_and_cpp_shapes_equal_tf_importer():
         assert via_cpp.get(node.name) == want, node.name
 
 
+def test_shape_table_resolves_gradient_transposes():
+    """Grappler leaves a Transpose whose perm is InvertPermutation(const) (every
+    transpose gradient) with unknown dims; the table resolves it like TF's importer."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [2, 3, 4], name="x")
+        w = tf1.get_variable("w", [3, 4, 2])
+        y = tf.transpose(x * 2.0, [1, 2, 0], name="t") * w
+        tf.gradients(tf.reduce_sum(y), [x], name="grad")
+    gd = g.as_graph_def()
+    ref = shapes_mod.import_shapes(gd)
+    graph = Graph(gd)
+    shapes_mod.attach(graph, bridge.graph_shape_source(gd))
+    table = shapes_mod.table(graph)
+    grads = [n.name for n in gd.node if n.op == "Transpose" and n.name.startswith("grad")]
+    assert grads and ref[grads[0]] == [[2, 3, 4]]
+    for name in grads:
+        assert table.node_shapes(name) == ref[name], name
+    # elsewhere grappler's dims agree with the importer's or are unknown (-1)
+    for node in gd.node:
+        got, want = table.node_shapes(node.name) or [], ref[node.name]
+        assert len(got) == len(want), node.name
+        for a, b in zip(got, want):
+            assert a == b or (a is not None and b is not None and len(a) == len(b)
+                              and all(x in (y, -1) for x, y in zip(a, b))), node.name
+
+
 def test_function_body_shapes_from_grappler():
     @tf.function
     def f(a):
