@@ -6,7 +6,8 @@ Graphs (built, never run):
   * a BERT-base-like encoder (12 layers, hidden 768, 12 heads) + Adam (raw ops);
   * scaling: the BERT-like graph at ~12.5k and ~50k nodes (4x nodes: goal <= 4.5x time).
 
-Timing (minimum of interleaved repeats, ``tf_optimizer.OptimizeGraph`` on a
+Timing (process CPU time, minimum of interleaved repeats: wall time on a
+shared 2-core machine mostly measures the neighbours; ``tf_optimizer.OptimizeGraph`` on a
 MetaGraph, one meta-optimizer iteration unless said otherwise):
   * grappler's AMP pass alone = (only auto_mixed_precision_cpu on) - (every optimizer off);
   * ours end to end = (only the NpuAmpOptimizer plugin on) - (every optimizer off):
@@ -173,9 +174,9 @@ def time_modes(mg, modes, repeat):
     for _ in range(repeat):
         for m in modes:
             bridge.clear_reports()  # no memo: every run does the full work
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             outs[m] = tf_optimizer.OptimizeGraph(grappler_config(m), mg, graph_id=b"bench")
-            times[m].append(time.perf_counter() - t0)
+            times[m].append(time.process_time() - t0)
             if m == "ours":
                 recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
                 rep = recs[-1] if recs else None
