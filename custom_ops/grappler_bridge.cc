@@ -15,6 +15,27 @@
 //          ▼
 //        parse the bytes back into `out`
 //
+// Shapes (issue 17): while the callback runs, Python may call
+// NpuAmpItemShapes(sink) to get grappler's own static shape inference
+// (GraphProperties::InferStatically) of the item it was handed, computed here
+// on demand from the GrapplerItem already in memory; NpuAmpGraphShapes does the
+// same for a serialized GraphDef (offline rewrite_graph).  Format, one line per
+// node with outputs: "name\x01shape|shape..." with a shape "?" (unknown rank)
+// or comma-separated dims (-1 unknown, "" for a scalar).
+//
+// Work skipped before Python is called (counted, see NpuAmpSkipCount):
+//   * a graph this optimizer already rewrote: its output carries the attr
+//     kDoneAttr (a hash of parameters, fetch, preserve and devices) on the
+//     first node grappler must preserve, which no other optimizer removes.
+//     Grappler's second meta-optimizer iteration gets it back, often changed
+//     by the built-in optimizers in between; like grappler's own
+//     auto_mixed_precision (a "run once" optimizer) it is not rewritten again;
+//   * the graph's bytes equal a graph this optimizer returned, or one it left
+//     unchanged, under the same parameters, fetch, preserve and devices (a
+//     function instantiated again): a fingerprint is remembered;
+//   * tf.data functions (item id "...Dataset_...") and graphs without any
+//     float tensor type in their nodes or function library.
+//
 // No Python headers are used: the library links only against TensorFlow.
 // The library is loaded by tf.load_op_library (which registers the optimizer
 // and the NpuAmpRaiseError op) and by ctypes.CDLL on the *same path*; dlopen
@@ -26,6 +47,8 @@
 //      meta-optimizer treats as "did nothing")
 //   2  error: a message was written with NpuAmpWriteError (Status Internal;
 //      grappler logs it and keeps the input graph)
+//   3  unchanged for now (a re-entrant call, an unexpected error): like 1,
+//      but the graph is not remembered as needing nothing
 //
 // The NpuAmpRaiseError op exists so that errors the user must see (invalid
 // parameters, a pass failure with fail_on_error=True) reach the user even
@@ -37,13 +60,18 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tensorflow/core/framework/graph.pb.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/grappler/clusters/cluster.h"
+#include "tensorflow/core/grappler/costs/graph_properties.h"
 #include "tensorflow/core/grappler/grappler_item.h"
 #include "tensorflow/core/grappler/optimizers/custom_graph_optimizer.h"
 #include "tensorflow/core/grappler/optimizers/custom_graph_optimizer_registry.h"
@@ -73,7 +101,137 @@ struct Sink {
   std::string error;
   bool has_result = false;
   bool has_error = false;
+  // the item being optimized (valid while the callback runs) and its shapes
+  const tensorflow::grappler::GrapplerItem* item = nullptr;
+  std::string shapes;
+  bool has_shapes = false;
 };
+
+// ---- shapes -----------------------------------------------------------------
+// Runs grappler's static shape inference on `item` and writes the line format
+// described in the header comment.  Returns false (message in *out) on error.
+bool InferShapesText(const tensorflow::grappler::GrapplerItem& item, std::string* out) {
+  tensorflow::grappler::GraphProperties props(item);
+  auto st = props.InferStatically(/*assume_valid_feeds=*/true,
+                                  /*aggressive_shape_inference=*/false,
+                                  /*include_input_tensor_values=*/false,
+                                  /*include_output_tensor_values=*/false);
+  if (!st.ok()) {
+    *out = std::string(st.message());
+    return false;
+  }
+  out->clear();
+  out->reserve(item.graph.node_size() * 48);
+  for (const auto& node : item.graph.node()) {
+    if (!props.HasOutputProperties(node.name())) continue;
+    if (props.GetOutputProperties(node.name()).empty()) continue;  // no outputs
+    out->append(node.name());
+    out->push_back('\x01');
+    bool first = true;
+    for (const auto& tp : props.GetOutputProperties(node.name())) {
+      if (!first) out->push_back('|');
+      first = false;
+      const auto& sh = tp.shape();
+      if (sh.unknown_rank()) {
+        out->push_back('?');
+        continue;
+      }
+      for (int i = 0; i < sh.dim_size(); ++i) {
+        if (i) out->push_back(',');
+        const int64_t d = sh.dim(i).size();
+        out->append(std::to_string(d < -1 ? -1 : d));  // symbolic dims are unknown to us
+      }
+    }
+    out->push_back('\n');
+  }
+  return true;
+}
+
+// ---- work skipped before Python is called -------------------------------------
+std::mutex g_seen_mu;
+std::deque<uint64_t> g_seen;  // fingerprints of graphs known to need nothing
+constexpr size_t kSeenMax = 256;
+std::atomic<uint64_t> g_skip_seen{0};
+std::atomic<uint64_t> g_skip_tf_data{0};
+std::atomic<uint64_t> g_skip_no_float{0};
+
+uint64_t Fingerprint(const std::string& graph_bytes, const std::string& context) {
+  const uint64_t a = std::hash<std::string_view>{}(std::string_view(graph_bytes));
+  const uint64_t b = std::hash<std::string_view>{}(std::string_view(context));
+  return a ^ (b + 0x9e3779b97f4a7c15ULL + (a << 6) + (a >> 2)) ^ (graph_bytes.size() << 1);
+}
+
+constexpr char kDoneAttr[] = "_npu_amp_tf_rewritten";
+
+// The node that carries kDoneAttr: the first preserved node present.
+tensorflow::NodeDef* MarkerNode(tensorflow::GraphDef* graph, const std::vector<std::string>& preserve) {
+  if (preserve.empty()) return nullptr;
+  size_t tried = 0;
+  for (const auto& want : preserve) {
+    if (++tried > 4) break;  // preserved nodes exist; do not scan for long lists of strays
+    for (auto& node : *graph->mutable_node()) {
+      if (node.name() == want) return &node;
+    }
+  }
+  return nullptr;
+}
+
+bool CarriesMark(const tensorflow::GraphDef& graph, const std::vector<std::string>& preserve,
+                 int64_t mark) {
+  auto* node = MarkerNode(const_cast<tensorflow::GraphDef*>(&graph), preserve);
+  if (node == nullptr) return false;
+  auto it = node->attr().find(kDoneAttr);
+  return it != node->attr().end() && it->second.i() == mark;
+}
+
+bool Seen(uint64_t fp) {
+  std::lock_guard<std::mutex> lock(g_seen_mu);
+  return std::find(g_seen.begin(), g_seen.end(), fp) != g_seen.end();
+}
+
+void Remember(uint64_t fp) {
+  std::lock_guard<std::mutex> lock(g_seen_mu);
+  if (std::find(g_seen.begin(), g_seen.end(), fp) != g_seen.end()) return;
+  g_seen.push_back(fp);
+  while (g_seen.size() > kSeenMax) g_seen.pop_front();
+}
+
+bool IsFloat(tensorflow::DataType dt) {
+  dt = tensorflow::BaseType(dt);
+  return dt == tensorflow::DT_FLOAT || dt == tensorflow::DT_HALF || dt == tensorflow::DT_BFLOAT16;
+}
+
+bool NodeHasFloat(const tensorflow::NodeDef& node) {
+  for (const auto& kv : node.attr()) {
+    const auto& v = kv.second;
+    if (v.value_case() == tensorflow::AttrValue::kType && IsFloat(v.type())) return true;
+    if (v.value_case() == tensorflow::AttrValue::kList) {
+      for (int t : v.list().type()) {
+        if (IsFloat(static_cast<tensorflow::DataType>(t))) return true;
+      }
+    }
+  }
+  return false;
+}
+
+// True when no node of the graph or of its function library names a float type.
+bool HasNoFloat(const tensorflow::GraphDef& graph) {
+  for (const auto& node : graph.node()) {
+    if (NodeHasFloat(node)) return false;
+  }
+  for (const auto& f : graph.library().function()) {
+    for (const auto& node : f.node_def()) {
+      if (NodeHasFloat(node)) return false;
+    }
+    for (const auto& a : f.signature().input_arg()) {
+      if (IsFloat(a.type())) return false;
+    }
+    for (const auto& a : f.signature().output_arg()) {
+      if (IsFloat(a.type())) return false;
+    }
+  }
+  return true;
+}
 
 std::string JoinLines(const std::vector<std::string>& items) {
   std::string out;
@@ -117,6 +275,64 @@ NPU_AMP_EXPORT const void* NpuAmpStateAddress() { return &g_callback; }
 // Number of Optimize() calls currently inside the Python callback.
 NPU_AMP_EXPORT int NpuAmpInFlight() { return g_in_flight.load(); }
 
+// Shapes of the item being optimized (only valid inside the callback).
+// Returns 0 and the line format in *data/*len, or 1 and a message.  The bytes
+// stay valid until the callback returns.
+NPU_AMP_EXPORT int NpuAmpItemShapes(void* sink, const char** data, size_t* len) {
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || s->item == nullptr) {
+    static const char kMsg[] = "no grappler item: NpuAmpItemShapes called outside Optimize";
+    *data = kMsg;
+    *len = sizeof(kMsg) - 1;
+    return 1;
+  }
+  if (!s->has_shapes) {
+    s->has_shapes = true;
+    if (!InferShapesText(*s->item, &s->shapes)) {
+      s->shapes = "grappler shape inference failed: " + s->shapes;
+      s->item = nullptr;  // remember the failure as the message
+    }
+  }
+  *data = s->shapes.data();
+  *len = s->shapes.size();
+  return s->item == nullptr ? 1 : 0;
+}
+
+// Shapes of a serialized GraphDef (offline use).  The bytes stay valid until
+// the next call on the same thread.
+NPU_AMP_EXPORT int NpuAmpGraphShapes(const char* graph, size_t graph_len, const char** data,
+                                     size_t* len) {
+  thread_local std::string buf;
+  tensorflow::grappler::GrapplerItem item;
+  item.id = "npu_amp_tf_shapes";
+  int rc = 0;
+  if (!item.graph.ParseFromArray(graph, static_cast<int>(graph_len))) {
+    buf = "the bytes do not parse as a GraphDef";
+    rc = 1;
+  } else if (!InferShapesText(item, &buf)) {
+    buf = "grappler shape inference failed: " + buf;
+    rc = 1;
+  }
+  *data = buf.data();
+  *len = buf.size();
+  return rc;
+}
+
+// Optimize() calls answered without calling Python: kind 0 = a graph seen
+// before (our own output, or left unchanged), 1 = tf.data function, 2 = no float.
+NPU_AMP_EXPORT uint64_t NpuAmpSkipCount(int kind) {
+  return kind == 0 ? g_skip_seen.load() : kind == 1 ? g_skip_tf_data.load() : g_skip_no_float.load();
+}
+
+// Forget the fingerprints of graphs seen before (bridge.clear_reports()).
+NPU_AMP_EXPORT void NpuAmpClearSeen() {
+  std::lock_guard<std::mutex> lock(g_seen_mu);
+  g_seen.clear();
+  g_skip_seen.store(0);
+  g_skip_tf_data.store(0);
+  g_skip_no_float.store(0);
+}
+
 namespace tensorflow {
 namespace grappler {
 
@@ -153,6 +369,14 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
           "(import npu_amp_tf before creating the session or calling the function)");
     }
 
+    if (item.id.find("Dataset_") != std::string::npos) {  // a tf.data function
+      g_skip_tf_data.fetch_add(1);
+      return errors::Aborted("NpuAmpOptimizer: tf.data function '", item.id, "' left unchanged");
+    }
+    if (HasNoFloat(item.graph)) {
+      g_skip_no_float.fetch_add(1);
+      return errors::Aborted("NpuAmpOptimizer: graph '", item.id, "' has no float tensors");
+    }
     std::string graph_bytes;
     if (!SerializeToStringDeterministic(item.graph, &graph_bytes)) {
       return errors::Internal("NpuAmpOptimizer: cannot serialize the GraphDef of item '",
@@ -170,17 +394,38 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     }
     std::sort(device_list.begin(), device_list.end());
     const std::string devices = JoinLines(device_list);
+    std::string context = config_bytes_;
+    for (const std::string* part : {&fetch, &preserve, &devices}) {
+      context.push_back('\0');
+      context += *part;
+    }
+    const int64_t mark = static_cast<int64_t>(
+        std::hash<std::string_view>{}(std::string_view(context)) & 0x7fffffffffffffffULL);
+    if (CarriesMark(item.graph, preserve_list, mark)) {
+      g_skip_seen.fetch_add(1);
+      return errors::Aborted("NpuAmpOptimizer: graph '", item.id,
+                             "' was already rewritten by it; left unchanged");
+    }
+    const uint64_t fp_in = Fingerprint(graph_bytes, context);
+    if (Seen(fp_in)) {
+      g_skip_seen.fetch_add(1);
+      return errors::Aborted("NpuAmpOptimizer: graph '", item.id,
+                             "' is one it already optimized; left unchanged");
+    }
 
     Sink sink;
+    sink.item = &item;
     g_in_flight.fetch_add(1);
     const int rc = cb(&sink, graph_bytes.data(), graph_bytes.size(), config_bytes_.data(),
                       config_bytes_.size(), fetch.c_str(), preserve.c_str(), devices.c_str(),
                       item.id.c_str());
     g_in_flight.fetch_sub(1);
+    sink.item = nullptr;
     graph_bytes.clear();
     graph_bytes.shrink_to_fit();
 
-    if (rc == 1) {
+    if (rc == 1 || rc == 3) {
+      if (rc == 1) Remember(fp_in);
       return errors::Aborted("NpuAmpOptimizer left graph '", item.id, "' unchanged");
     }
     if (rc != 0 || sink.has_error || !sink.has_result) {
@@ -191,6 +436,14 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     if (!optimized_graph->ParseFromString(sink.result)) {
       return errors::Internal("NpuAmpOptimizer: the Python bridge returned bytes that do not "
                               "parse as a GraphDef for graph '", item.id, "'");
+    }
+    // mark our output: grappler's next iteration hands it back
+    if (auto* marker = MarkerNode(optimized_graph, preserve_list)) {
+      (*marker->mutable_attr())[kDoneAttr].set_i(mark);
+    }
+    std::string out_bytes;
+    if (SerializeToStringDeterministic(*optimized_graph, &out_bytes)) {
+      Remember(Fingerprint(out_bytes, context));
     }
     return OkStatus();
   }

@@ -131,3 +131,12 @@ class FunctionGraph(Graph):
 
     def is_boundary(self, node: node_def_pb2.NodeDef) -> bool:
         return node.op in ("_Arg", "_Retval")
+
+
+def function_graph(graph: Graph, fname: str) -> FunctionGraph:
+    """The body of library function ``fname`` of ``graph`` as an editable
+    :class:`FunctionGraph` (write it back with ``graph.set_function``)."""
+    fdef = graph.functions.get(fname)
+    if fdef is None:
+        raise GraphError(f"function '{fname}' is not in the library; it has {sorted(graph.functions)[:10]}")
+    return FunctionGraph(fdef, graph.functions)

@@ -11,13 +11,15 @@
 * :meth:`Graph.to_graph_def` round-trips byte-for-byte when nothing changed.
 
 Function bodies (``graph.library``) are edited through
-:meth:`Graph.function_graph`, which gives a ``Graph`` whose inputs are
-``_Arg`` nodes and outputs ``_Retval`` nodes, and :meth:`Graph.set_function`
-which writes it back.  Mutate inputs only through the methods here, or call
+:func:`graph_passes.functions.function_graph`, which gives a ``Graph`` whose
+inputs are ``_Arg`` nodes and outputs ``_Retval`` nodes, and
+:meth:`Graph.set_function` which writes it back.  Mutate inputs only through the methods here, or call
 :meth:`Graph.reindex` afterwards.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from collections import defaultdict, deque
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
@@ -25,11 +27,15 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2
 from . import registry
 from .errors import GraphError
 
+log = logging.getLogger("npu_amp_tf")
+
 LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
 
 
+@functools.lru_cache(maxsize=1 << 17)
 def parse_tensor(ref: str) -> tuple[str, int, bool]:
-    """``"a"`` -> (a, 0, False); ``"a:2"`` -> (a, 2, False); ``"^a"`` -> (a, -1, True)."""
+    """``"a"`` -> (a, 0, False); ``"a:2"`` -> (a, 2, False); ``"^a"`` -> (a, -1, True).
+    (Memoised: every pass parses the same few thousand references many times.)"""
     if ref.startswith("^"):
         return ref[1:], -1, True
     name, sep, port = ref.rpartition(":")
@@ -69,6 +75,8 @@ class Graph:
         self.library = graph_def.library
         self.versions = graph_def.versions
         self._functions = {f.signature.name: f for f in self.library.function}
+        #: how many times an out-of-sync consumers index was found and rebuilt
+        self.index_repairs = 0
         self.reindex()
         self._dirty = False
 
@@ -76,10 +84,13 @@ class Graph:
     def reindex(self):
         """Rebuild the consumers index (after editing ``node.input`` by hand)."""
         cons: dict[str, list[tuple[str, int]]] = defaultdict(list)
-        for n in self.nodes.values():
-            for i, inp in enumerate(n.input):
-                src, port, ctrl = parse_tensor(inp)
-                cons[src].append((n.name, -1 if ctrl else i))
+        pt = parse_tensor
+        for name, n in self.nodes.items():
+            i = 0
+            for inp in n.input:
+                src, _, ctrl = pt(inp)
+                cons[src].append((name, -1 if ctrl else i))
+                i += 1
         self._consumers = cons
         self._dirty = True
         self._topo_cache = None
@@ -194,12 +205,26 @@ class Graph:
             return
         osrc, _, octrl = parse_tensor(old)
         lst = self._consumers.get(osrc)
-        if lst:
-            key = (node_name, -1 if octrl else index)
-            try:
-                lst.remove(key)
-            except ValueError:
-                pass
+        key = (node_name, -1 if octrl else index)
+        try:
+            lst.remove(key)
+        except (ValueError, AttributeError):
+            if osrc not in self.nodes:  # the source was force-removed: nothing indexed
+                node.input[index] = new_ref
+                nsrc, _, nctrl = parse_tensor(new_ref)
+                self._consumers[nsrc].append((node_name, -1 if nctrl else index))
+                self._dirty = True
+                self._topo_cache = None
+                return
+            # someone edited node.input by hand without reindex(): the index
+            # cannot be trusted anywhere, so rebuild it (and say so)
+            node.input[index] = new_ref
+            self.index_repairs += 1
+            log.warning("npu_amp_tf: the consumers index of the graph was out of sync at edge "
+                        "'%s' -> '%s':%d (node inputs edited without Graph.reindex()); rebuilt it",
+                        old, node_name, index)
+            self.reindex()
+            return
         node.input[index] = new_ref
         nsrc, _, nctrl = parse_tensor(new_ref)
         self._consumers[nsrc].append((node_name, -1 if nctrl else index))
@@ -249,28 +274,47 @@ class Graph:
         self._topo_cache = (order, len(order) and self._has_cycle)
         return list(order)
 
+    def topo_positions(self) -> dict:
+        """name -> index in :meth:`topo_order` (cached with it; do not mutate)."""
+        cached = self._topo_cache
+        if cached is None:
+            self.topo_order()
+            cached = self._topo_cache
+        if len(cached) < 3:
+            cached = self._topo_cache = (*cached[:2], {n: i for i, n in enumerate(cached[0])})
+        return cached[2]
+
+    def nodes_of_type(self, ops) -> list[str]:
+        """Names of the nodes whose op is in ``ops``, in graph order."""
+        return [name for name, n in self.nodes.items() if n.op in ops]
+
     def _compute_topo_order(self, strict: bool) -> list[str]:
         self._has_cycle = False
+        nodes = self.nodes
+        pt = parse_tensor
+        back = {name for name, n in nodes.items() if n.op in LOOP_BACK_OPS}
         indeg = {}
-        for name, n in self.nodes.items():
+        for name, n in nodes.items():
             d = 0
             for inp in n.input:
-                src = parse_tensor(inp)[0]
-                srcn = self.nodes.get(src)
-                if srcn is not None and srcn.op not in LOOP_BACK_OPS:
+                src = pt(inp)[0]
+                if src in nodes and src not in back:
                     d += 1
             indeg[name] = d
         ready = deque(n for n, d in indeg.items() if d == 0)
         order = []
+        consumers = self._consumers
         while ready:
             name = ready.popleft()
             order.append(name)
-            if self.nodes[name].op in LOOP_BACK_OPS:
+            if name in back:
                 continue
-            for cname, _ in self._consumers.get(name, ()):
-                if cname in indeg:
-                    indeg[cname] -= 1
-                    if indeg[cname] == 0:
+            for cname, _ in consumers.get(name, ()):
+                d = indeg.get(cname)
+                if d is not None:
+                    d -= 1
+                    indeg[cname] = d
+                    if d == 0:
                         ready.append(cname)
         if len(order) < len(self.nodes):
             self._has_cycle = True
@@ -342,11 +386,8 @@ class Graph:
         return problems
 
     # ---------------------------------------------------------- functions
-    def function_graph(self, fname: str) -> "FunctionGraph":
-        from .functions import FunctionGraph
-        return FunctionGraph(self._functions[fname], self._functions)
-
-    def set_function(self, fgraph: "FunctionGraph"):
+    # (graph_passes.functions.function_graph(graph, name) gives a body as a Graph)
+    def set_function(self, fgraph):
         fdef = fgraph.to_function_def()
         for i, f in enumerate(self.library.function):
             if f.signature.name == fdef.signature.name:

@@ -55,6 +55,25 @@ class Pat:
             return None
         return (self.op,) if isinstance(self.op, str) else tuple(self.op)
 
+    def _opset(self):
+        """frozenset of ``ops()`` (cached; None for a wildcard)."""
+        cached = self.__dict__.get("_opset_cache")
+        if cached is None or cached[0] is not self.op:
+            cached = (self.op, None if self.op is None else frozenset(self.ops()))
+            self.__dict__["_opset_cache"] = cached
+        return cached[1]
+
+    def _as_root(self):
+        """This pattern anchored at a node (any output port); cached."""
+        if self.alternatives:
+            return self
+        if self.port is None:
+            return self
+        root = self.__dict__.get("_root_cache")
+        if root is None:  # patterns are not edited once built
+            root = self.__dict__["_root_cache"] = dataclasses.replace(self, port=None)
+        return root
+
 
 @dataclasses.dataclass
 class Match:
@@ -94,7 +113,7 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
         return False
     if pat.port is not None and port != pat.port:
         return False
-    ops = pat.ops()
+    ops = pat._opset()
     if ops is not None and node.op not in ops:
         return False
     if src in state[2]:
@@ -109,10 +128,13 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
     data = graph.data_inputs(node)
     if len(data) != len(pat.inputs):
         return False
-    orders = [data]
-    if pat.commutative and len(data) == 2:
-        orders.append([data[1], data[0]])
-    for order in orders:
+    if not (pat.commutative and len(data) == 2):
+        # one order: on failure the caller that tries alternatives restores
+        for p, r in zip(pat.inputs, data):
+            if not _match(graph, p, r, state):
+                return False
+        return True
+    for order in (data, [data[1], data[0]]):
         snap = _snapshot(state)
         if all(_match(graph, p, r, state) for p, r in zip(pat.inputs, order)):
             return True
@@ -134,8 +156,7 @@ def _restore(state, snap):
 def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Match | None:
     """Match ``pat`` with its root at node ``anchor``, or None."""
     state = ({}, {}, [], [])  # captured nodes, captured tensors, inner names, leaf refs
-    if not _match(graph, dataclasses.replace(pat, port=None) if not pat.alternatives else pat,
-                  anchor, state):
+    if not _match(graph, pat._as_root(), anchor, state):
         return None
     matched = state[2]
     inner = set(matched)
@@ -157,15 +178,42 @@ def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Matc
     return Match(anchor=anchor, nodes=state[0], tensors=state[1], matched=list(matched))
 
 
+def _anchor_ops(pat: Pat):
+    """The op types a node must have to anchor ``pat`` (the union over
+    ``one_of`` alternatives), or None when any op may."""
+    if pat.leaf:
+        return None
+    if pat.alternatives:
+        ops = set()
+        for alt in pat.alternatives:
+            a = _anchor_ops(alt)
+            if a is None:
+                return None
+            ops.update(a)
+        return frozenset(ops)
+    return pat._opset()
+
+
 def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None) -> list[Match]:
     """All non-overlapping matches, anchors visited in topological order."""
     used: set[str] = set()
     out = []
-    first_ops = pat.ops() if not pat.alternatives else None
-    for name in (order if order is not None else graph.topo_order()):
-        if name in used or name not in graph.nodes:
+    first_ops = _anchor_ops(pat)
+    if order is None and first_ops is not None:
+        # index by the anchor's op type first: most rules find no anchor at all,
+        # and then no topological order is needed
+        anchors = graph.nodes_of_type(first_ops)
+        if not anchors:
+            return out
+        pos = graph.topo_positions()
+        anchors.sort(key=pos.__getitem__)
+    else:
+        anchors = order if order is not None else graph.topo_order()
+    nodes = graph.nodes
+    for name in anchors:
+        if name in used or name not in nodes:
             continue
-        if first_ops is not None and graph.nodes[name].op not in first_ops:
+        if first_ops is not None and nodes[name].op not in first_ops:
             continue
         m = match_at(graph, pat, name, protected)
         if m is None or used.intersection(m.matched):

@@ -92,20 +92,23 @@ def _defaults(od, node_attr):
 
 @functools.lru_cache(maxsize=None)
 def _signature_attrs(op_type: str):
-    """Names of the attrs that decide a registered op's arg dtypes and counts."""
+    """(name, kind) of the attrs that decide a registered op's arg dtypes and
+    counts; kind 0: a type attr, 1: a type list, 2: a number attr."""
     od = op_def(op_type)
     if od is None:
         return None
-    names = set()
+    kinds = {}
     for arg in list(od.input_arg) + list(od.output_arg):
-        names.update(n for n in (arg.type_attr, arg.type_list_attr, arg.number_attr) if n)
-    return tuple(sorted(names))
+        for n, k in ((arg.type_attr, 0), (arg.type_list_attr, 1), (arg.number_attr, 2)):
+            if n:
+                kinds.setdefault(n, k)
+    return tuple(sorted(kinds.items()))
 
 
-def _fingerprint(av):
+def _fingerprint(av, kind):
     if av is None:
         return None
-    return av.type, tuple(av.list.type), av.i
+    return av.type if kind == 0 else (tuple(av.list.type) if kind == 1 else av.i)
 
 
 _RANGES_CACHE: dict = {}
@@ -115,7 +118,7 @@ def _arg_ranges(node, library, which):
     names = _signature_attrs(node.op)
     if names is not None:  # registered op: memoised on the attrs that matter
         get = node.attr.get
-        key = (node.op, which, tuple(_fingerprint(get(n)) for n in names))
+        key = (node.op, which, tuple([_fingerprint(get(n), k) for n, k in names]))
         hit = _RANGES_CACHE.get(key, _RANGES_CACHE)
         if hit is not _RANGES_CACHE:
             return None if hit is None else [(a, s, c, list(d)) for a, s, c, d in hit]
@@ -150,8 +153,30 @@ def input_arg_ranges(node, library=None):
     return _arg_ranges(node, library, "input_arg")
 
 
+_DTYPES_CACHE: dict = {}
+
+
+def _flat_dtypes(node, library, which):
+    """Flat dtype list of a registered op's inputs/outputs, memoised like
+    :func:`_arg_ranges`; ``False`` for ops that are not registered."""
+    names = _signature_attrs(node.op)
+    if names is None:
+        return False
+    get = node.attr.get
+    key = (node.op, which, tuple([_fingerprint(get(n), k) for n, k in names]))
+    hit = _DTYPES_CACHE.get(key, _DTYPES_CACHE)
+    if hit is _DTYPES_CACHE:
+        ranges = _arg_ranges(node, library, which)
+        hit = _DTYPES_CACHE[key] = (None if ranges is None else
+                                    tuple(dt for _, _, _, dts in ranges for dt in dts))
+    return None if hit is None else list(hit)
+
+
 def output_dtypes(node, library=None) -> list[int] | None:
-    ranges = output_arg_ranges(node, library)
+    flat = _flat_dtypes(node, library, "output_arg")
+    if flat is not False:
+        return flat
+    ranges = _arg_ranges(node, library, "output_arg")
     if ranges is None:
         if node.op in ("_Arg", "_Retval") and "T" in node.attr:
             return [node.attr["T"].type] if node.op == "_Arg" else []
@@ -160,7 +185,10 @@ def output_dtypes(node, library=None) -> list[int] | None:
 
 
 def input_dtypes(node, library=None) -> list[int] | None:
-    ranges = input_arg_ranges(node, library)
+    flat = _flat_dtypes(node, library, "input_arg")
+    if flat is not False:
+        return flat
+    ranges = _arg_ranges(node, library, "input_arg")
     if ranges is None:
         if node.op == "_Retval" and "T" in node.attr:
             return [node.attr["T"].type]
@@ -229,63 +257,14 @@ def device_type_of(node, default: str = "CPU") -> str:
 
 
 # ----------------------------------------------------------------- shapes
-def static_shapes(node) -> list[list[int] | None] | None:
-    """Output shapes recorded in ``_output_shapes`` (dims of -1 are unknown)."""
-    a = node.attr.get("_output_shapes")
-    if a is None:
-        return None
-    out = []
-    for sh in a.list.shape:
-        out.append(None if sh.unknown_rank else [d.size for d in sh.dim])
-    return out
+def static_shapes(node):
+    """Output shapes recorded in ``_output_shapes`` (see :mod:`graph_passes.shapes`)."""
+    from .shapes import static_shapes as _static
+    return _static(node)
 
 
-def infer_shapes(graph_def) -> dict[str, list[list[int] | None]]:
-    """Output shapes from TensorFlow's own shape inference (imports the graph
-    into a throw-away ``tf.Graph``; no session is created).
-
-    Graphs that grappler hands over carry ``_class`` colocation attrs naming
-    nodes it removed, devices it assigned and ops from libraries that may not
-    be loaded here; none of that matters for shapes, so a stripped copy is
-    imported.  If TF still refuses the graph, the shapes recorded in
-    ``_output_shapes`` are returned (possibly none).
-    """
-    import tensorflow as tf
-    from tensorflow.core.framework import graph_pb2
-
-    stripped = graph_pb2.GraphDef()
-    stripped.CopyFrom(graph_def)
-    for node in stripped.node:
-        node.device = ""
-        for key in [k for k in node.attr if k == "_class" or k.startswith("_xla")]:
-            del node.attr[key]
-        if node.op == "_Arg":  # function bodies: an argument is a placeholder of known shape
-            node.op = "Placeholder"
-            node.attr["dtype"].type = node.attr["T"].type
-            recorded = node.attr["_output_shapes"].list.shape if "_output_shapes" in node.attr else ()
-            if recorded:
-                node.attr["shape"].shape.CopyFrom(recorded[0])
-            for key in ("T", "index", "_output_shapes"):
-                if key in node.attr:
-                    del node.attr[key]
-        elif node.op == "_Retval":
-            node.op = "Identity"
-            del node.attr["index"]
-    shapes = {}
-    g = tf.Graph()
-    try:
-        with g.as_default():
-            tf.graph_util.import_graph_def(stripped, name="")
-    except (ValueError, TypeError, KeyError, tf.errors.OpError):
-        for node in graph_def.node:
-            recorded = static_shapes(node)
-            if recorded is not None:
-                shapes[node.name] = recorded
-        return shapes
-    for op in g.get_operations():
-        out = []
-        for t in op.outputs:
-            s = t.shape
-            out.append(None if s.rank is None else [(-1 if d is None else d) for d in s.as_list()])
-        shapes[op.name] = out
-    return shapes
+def infer_shapes(graph_def):
+    """Output shapes from grappler's C++ shape inference (see
+    :func:`graph_passes.shapes.infer_shapes`); a mapping with ``.get``."""
+    from .shapes import infer_shapes as _infer
+    return _infer(graph_def)

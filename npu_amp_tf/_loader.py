@@ -155,9 +155,30 @@ def load():
             import tensorflow as tf
 
             global _path
+            pre = prebuilt()
             if _path is None:
-                _path = prebuilt() or build()
-            _module = tf.load_op_library(str(_path))
+                _path = pre or build()
+            try:
+                _module = tf.load_op_library(str(_path))
+            except (tf.errors.OpError, OSError) as exc:
+                if pre is not None:  # the user's own file: theirs to fix
+                    raise BuildError(f"NPU_AMP_TF_LIBRARY={str(pre)!r} does not load: {exc}") from exc
+                # a corrupt or truncated cached build (disk full, a killed copy...):
+                # say so, rebuild it and go on
+                import warnings
+
+                warnings.warn(f"npu_amp_tf: the cached custom-op library {_path} does not load "
+                              f"({str(exc).strip()[:300]}); rebuilding it", RuntimeWarning, stacklevel=2)
+                try:
+                    os.unlink(_path)
+                except OSError:
+                    pass
+                _path = build(force=True)
+                try:
+                    _module = tf.load_op_library(str(_path))
+                except (tf.errors.OpError, OSError) as exc2:
+                    raise BuildError(f"the rebuilt custom-op library {_path} does not load either: "
+                                     f"{exc2}") from exc2
         return _module
 
 

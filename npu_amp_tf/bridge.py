@@ -56,8 +56,9 @@ PASS_FAILED_NODE = "npu_amp_tf/PassFailed"
 _POISON_NODES = (INVALID_OPTIONS_NODE, PASS_FAILED_NODE)
 _ARG_LIKE = ("_Arg", "Placeholder", "PlaceholderWithDefault", "PlaceholderV2")
 
-#: callback return codes (see grappler_bridge.cc)
-RC_OK, RC_UNCHANGED, RC_ERROR = 0, 1, 2
+#: callback return codes (see grappler_bridge.cc); RC_UNCHANGED tells the C++
+#: side to remember the graph as needing nothing, RC_NOT_NOW does not
+RC_OK, RC_UNCHANGED, RC_ERROR, RC_NOT_NOW = 0, 1, 2, 3
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(
     ctypes.c_int,
@@ -106,6 +107,17 @@ def library():
             lib.NpuAmpHasCallback.restype = ctypes.c_int
             lib.NpuAmpInFlight.restype = ctypes.c_int
             lib.NpuAmpBridgeAbiVersion.restype = ctypes.c_int
+            _shape_fns = (
+                ("NpuAmpItemShapes", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                      ctypes.POINTER(ctypes.c_size_t)]),
+                ("NpuAmpGraphShapes", [ctypes.c_char_p, ctypes.c_size_t,
+                                       ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]))
+            for fn, argtypes in _shape_fns:
+                getattr(lib, fn).argtypes = argtypes
+                getattr(lib, fn).restype = ctypes.c_int
+            lib.NpuAmpSkipCount.argtypes = [ctypes.c_int]
+            lib.NpuAmpSkipCount.restype = ctypes.c_uint64
+            lib.NpuAmpClearSeen.restype = None
             if lib.NpuAmpBridgeAbiVersion() != 1:
                 from .errors import BuildError
 
@@ -163,16 +175,67 @@ def last_reports(n: int | None = None) -> list[dict]:
 
 
 def clear_reports():
+    """Forget the records, the memo and the counters (also the C++ side's
+    fingerprints of graphs it answers without calling Python)."""
     with _lock:
         _reports.clear()
         _memo.clear()
         _stats.clear()
+        if _lib is not None:
+            _lib.NpuAmpClearSeen()
+
+
+#: NpuAmpSkipCount kinds: calls answered in C++ without calling Python
+_SKIP_KINDS = ("skipped_seen", "skipped_tf_data", "skipped_no_float")
 
 
 def stats() -> dict:
-    """Counters: calls, rewritten, unchanged, cached, errors."""
+    """Counters: calls, rewritten, unchanged, cached, errors; and the calls the
+    C++ optimizer answered without Python (``skipped_seen``: a graph it
+    returned or left unchanged before, such as grappler's second iteration;
+    ``skipped_tf_data``; ``skipped_no_float``)."""
     with _lock:
-        return dict(_stats)
+        out = dict(_stats)
+        if _lib is not None:
+            for k, kind in enumerate(_SKIP_KINDS):
+                n = int(_lib.NpuAmpSkipCount(k))
+                if n:
+                    out[kind] = n
+        return out
+
+
+# ---------------------------------------------------------------------------
+# shapes: grappler's C++ inference, handed over with the graph
+# ---------------------------------------------------------------------------
+def _shapes_call(fn, *args):
+    data, size = ctypes.c_void_p(), ctypes.c_size_t()
+    rc = fn(*args, ctypes.byref(data), ctypes.byref(size))
+    text = ctypes.string_at(data, size.value).decode("utf-8", "replace") if size.value else ""
+    if rc != 0:
+        raise RuntimeError(text or "shape inference failed")
+    from graph_passes.shapes import LineShapes
+
+    return LineShapes(text)
+
+
+def item_shape_source(sink):
+    """Lazy shape source for the graph grappler is optimizing now: runs
+    ``GraphProperties::InferStatically`` on the item the C++ side holds, when
+    (and if) a pass first needs a shape.  Only valid inside the callback."""
+    return lambda: _shapes_call(_lib.NpuAmpItemShapes, sink)
+
+
+def graph_shape_source(graph_def):
+    """Lazy shape source for an offline GraphDef: the same C++ inference, or
+    None when the custom-op library is not loaded (the engine then uses
+    ``tensorflow.python.grappler.item``)."""
+    if _lib is None:
+        return None
+
+    def source():
+        data = graph_def.SerializeToString()
+        return _shapes_call(_lib.NpuAmpGraphShapes, data, len(data))
+    return source
 
 
 def _record(entry: dict):
@@ -196,13 +259,14 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
     Never lets an exception escape into C."""
     try:
         if getattr(_tls, "active", False):
-            return RC_UNCHANGED  # a pass itself ran a TF function: do not recurse
+            return RC_NOT_NOW  # a pass itself ran a TF function: do not recurse
         _tls.active = True
         try:
             graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
-                               _split(devices), (item_id or b"").decode("utf-8", "replace"))
+                               _split(devices), (item_id or b"").decode("utf-8", "replace"),
+                               shapes=item_shape_source(sink))
         finally:
             _tls.active = False
         if code == RC_OK:
@@ -232,9 +296,11 @@ def parse_options(config_bytes: bytes):
 
 
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
-           item_id: str = "graph"):
+           item_id: str = "graph", shapes=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
-    benchmark and the tests): returns ``(code, result_bytes)``."""
+    benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
+    a lazy shape source for the graph (:func:`item_shape_source`); by default
+    the C++ inference runs on the parsed graph when a pass needs shapes."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -278,7 +344,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
 
     try:
         new_gd, report = pipeline.optimize(gd, options, fetches=fetches, preserve=preserve,
-                                           devices=devices, graph_name=item_id)
+                                           devices=devices, graph_name=item_id, shapes=shapes)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)
@@ -291,7 +357,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
             out = poison(gd, msg, fetches, devices, PASS_FAILED_NODE)
             return _finish(entry, "pass_failed", t0, msg, out=out, gd=gd)
         log.warning("%s; the graph is left unchanged", msg)
-        return _finish(entry, "error", t0, msg, gd=gd, code=RC_UNCHANGED)
+        return _finish(entry, "error", t0, msg, gd=gd, code=RC_NOT_NOW)
 
     rep = report.to_json()
     entry["report"] = rep
@@ -331,7 +397,7 @@ def _finish(entry, status, t0, error, out=None, gd=None, code=RC_OK):
     entry["nodes"] = len(gd.node) if gd is not None else None
     _record(entry)
     if out is None:
-        return RC_UNCHANGED, b""
+        return (RC_UNCHANGED if code == RC_OK else code), b""
     return code, out
 
 

@@ -15,6 +15,7 @@ from tensorflow.core.framework import graph_pb2
 
 from graph_passes import manager as _manager
 from graph_passes.errors import NpuAmpError, PassError
+from graph_passes import shapes as _shapes
 from graph_passes.graph import Graph
 from graph_passes.report import Report
 
@@ -22,19 +23,29 @@ from .options import Options
 
 log = logging.getLogger("npu_amp_tf")
 
-# Pass modules register themselves on import; a family that is not built yet
-# is simply absent from the pipeline.
+# Pass modules register themselves on import.  One that fails to import is
+# left out of the pipeline, and every report says so (import_problems()).
 _PASS_MODULES = ("graph_passes.unfuse", "graph_passes.fusion", "graph_passes.precision",
                  "graph_passes.layout", "graph_passes.cleanup")
+_import_failures: dict[str, str] = {}
 
 
 def _import_passes():
     for mod in _PASS_MODULES:
+        if mod in _import_failures:
+            continue
         try:
             importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:
-                raise
+        except Exception as exc:  # noqa: BLE001 - reported in every report, see import_problems
+            _import_failures[mod] = f"{type(exc).__name__}: {exc}"
+            log.warning("npu_amp_tf: pass module %s failed to import and is left out of the "
+                        "pipeline: %s", mod, _import_failures[mod])
+
+
+def import_problems() -> dict[str, str]:
+    """Pass modules that failed to import: module -> error."""
+    _import_passes()
+    return dict(_import_failures)
 
 
 def pass_names(options: Options) -> list[str]:
@@ -68,8 +79,12 @@ def summarize(graph: Graph, report: Report):
 
 
 def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(), devices=(),
-             include_functions: bool = True, graph_name: str | None = None):
+             include_functions: bool = True, graph_name: str | None = None, shapes=None):
     """Run the pipeline.  Returns ``(GraphDef, Report)``.
+
+    ``shapes``: a lazy shape source for the main graph (see
+    :func:`graph_passes.shapes.attach`); by default grappler's C++ shape
+    inference runs on ``graph_def`` when, and if, a pass first needs a shape.
 
     On an internal pass failure the *original* graph is returned with a
     warning naming the pass and node, unless ``options.fail_on_error``.
@@ -86,8 +101,16 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
         report.summary["env_overrides"] = dict(options.env_overrides)
     t0 = time.perf_counter()
     names = pass_names(options)
+    for mod, err in _import_failures.items():
+        report.warn(f"pass module {mod} failed to import and did not run: {err}")
     try:
         graph = Graph(graph_def)
+        if shapes is None:
+            from .bridge import graph_shape_source
+
+            shapes = graph_shape_source(graph_def)
+        if shapes is not None:
+            _shapes.attach(graph, _timed(shapes, report))
         ctx = _manager.PassContext(options, fetches, preserve, devices, report)
         mgr = _manager.PassManager(names, validate=options.validate_graph)
         mgr.run(graph, ctx)
@@ -108,15 +131,30 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
     return out, report
 
 
+def _timed(source, report):
+    """The shape source, recording in the report how long it took."""
+    if not callable(source):
+        return source
+
+    def run():
+        t0 = time.perf_counter()
+        try:
+            return source()
+        finally:
+            report.summary["shape_inference_s"] = round(time.perf_counter() - t0, 6)
+    return run
+
+
 _RATIO_KEYS = frozenset({"lp_flop_share", "time_s"})
 
 
 def _optimize_functions(graph: Graph, mgr, options, devices, report: Report):
     from graph_passes.errors import GraphError
+    from graph_passes.functions import function_graph
 
     for fname in list(graph.functions):
         try:
-            fgraph = graph.function_graph(fname)
+            fgraph = function_graph(graph, fname)
         except GraphError as exc:
             report.warn(f"function body not rewritten: {exc}", node=fname)
             continue

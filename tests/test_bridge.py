@@ -281,11 +281,13 @@ def test_grappler_iterations_leave_our_result_alone():
         s.run(init)
         s.run(y, {x: np.ones([2, 3], np.float32)})
     statuses = [r["status"] for r in reports_for("tf_graph")]
-    # per graph: the first call rewrites, every later meta-optimizer iteration
-    # finds nothing left to do
+    # per graph: the first call rewrites; the next meta-optimizer iteration is
+    # answered by the C++ side from the mark on our output (no Python call),
+    # or finds nothing left to do
     assert "rewritten" in statuses
     i = statuses.index("rewritten")
-    assert statuses[i + 1] in ("unchanged", "cached"), statuses
+    assert (bridge.stats().get("skipped_seen", 0) >= 1
+            or statuses[i + 1:i + 2] in (["unchanged"], ["cached"])), (statuses, bridge.stats())
 
 
 # ------------------------------------------------------------ threads

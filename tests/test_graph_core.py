@@ -6,6 +6,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from graph_passes import registry
 from graph_passes.errors import GraphError
+from graph_passes.functions import function_graph
 from graph_passes.graph import Graph, parse_tensor, tensor_name
 
 
@@ -102,7 +103,7 @@ def test_function_bodies_round_trip():
     g = Graph(gd)
     assert g.functions, "tf.function nesting must produce a library function"
     for fname, fdef in g.functions.items():
-        fg = g.function_graph(fname)
+        fg = function_graph(g, fname)
         assert fg.validate() == []
         assert [n.op for n in fg.nodes.values()].count("_Arg") == len(fdef.signature.input_arg)
         assert fg.to_function_def() == fdef
@@ -247,3 +248,22 @@ def test_infer_shapes_survives_grappler_colocation_and_devices():
     assert shapes["MatMul"] == [[4, 2]]
     # the caller's graph is not modified
     assert any(n.attr["_class"].list.s for n in gd.node if n.op == "MatMul")
+
+
+def test_out_of_sync_consumers_index_is_repaired_with_a_warning(caplog):
+    """An input edited by hand (no reindex) leaves the consumers index stale;
+    the next set_input on that edge must notice, warn and rebuild it."""
+    g = Graph(training_graph())
+    mm = g.nodes["MatMul"]
+    old_src = parse_tensor(mm.input[0])[0]
+    probe = g.new_node("Identity", "probe", [old_src], attrs={"T": _type(types_pb2.DT_FLOAT)})
+    mm.input[0] = probe.name            # by hand: the index still says MatMul reads old_src
+    assert ("MatMul", 0) in g.consumers(old_src)
+    with caplog.at_level("WARNING", logger="npu_amp_tf"):
+        g.set_input("MatMul", 0, old_src)   # the index has no ("MatMul", 0) under "probe"
+    assert g.index_repairs == 1
+    assert any("out of sync" in r.getMessage() for r in caplog.records)
+    # the rebuilt index is true: exactly one entry for the edge, none for the probe
+    assert g.consumers(old_src).count(("MatMul", 0)) == 1
+    assert ("MatMul", 0) not in g.consumers("probe")
+    assert g.validate() == []

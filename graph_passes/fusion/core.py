@@ -34,6 +34,7 @@ from typing import Callable
 from tensorflow.core.framework import attr_value_pb2, node_def_pb2
 
 from .. import registry
+from .. import shapes as _shapes
 from ..errors import NpuAmpError
 from ..graph import Graph, parse_tensor, tensor_name
 from ..pattern import Match, Pat, find_matches
@@ -104,19 +105,7 @@ def unregister_fusion_rule(name: str):
 # ---------------------------------------------------------------- helpers
 def const_value(graph: Graph, ref: str):
     """numpy value of a Const (seen through Identity), or None."""
-    from tensorflow.python.framework import tensor_util
-
-    node = graph.nodes.get(parse_tensor(ref)[0])
-    seen = 0
-    while node is not None and node.op == "Identity" and seen < 8:
-        node = graph.input_node(node, 0)
-        seen += 1
-    if node is None or node.op != "Const":
-        return None
-    try:
-        return tensor_util.MakeNdarray(node.attr["value"].tensor)
-    except Exception:  # noqa: BLE001 - malformed constant: not a constant for us
-        return None
+    return _shapes.const_value(graph, ref)
 
 
 def scalar_value(graph: Graph, ref: str):
@@ -131,18 +120,17 @@ _PASS_THROUGH = ("Identity", "ReadVariableOp", "Cast", "StopGradient")
 
 class ShapeOracle:
     """Static shapes: ``_output_shapes``, Const/Placeholder/Variable attrs,
-    then (lazily, once) TensorFlow's own shape inference on the whole graph."""
+    then the graph's shared table (:func:`graph_passes.shapes.table`)."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
-        self._inferred = None
 
     def shape(self, ref: str, depth: int = 0):
         src, port, ctrl = parse_tensor(ref)
         node = self.graph.nodes.get(src)
         if node is None or ctrl or depth > 16:
             return None
-        sh = registry.static_shapes(node)
+        sh = _shapes.static_shapes(node)
         if sh is not None and port < len(sh) and sh[port] is not None:
             return list(sh[port])
         if node.op == "Const":
@@ -159,14 +147,8 @@ class ShapeOracle:
         return self._infer(src, port)
 
     def _infer(self, src, port):
-        if self._inferred is None:
-            self._inferred = {}
-            if len(self.graph.nodes) and not any(n.op == "_Arg" for n in self.graph.nodes.values()):
-                try:
-                    self._inferred = registry.infer_shapes(self.graph.to_graph_def())
-                except Exception:  # noqa: BLE001 - shape inference is best effort
-                    self._inferred = {}
-        sh = self._inferred.get(src)
+        # the graph's shared table: grappler's inference, once, lazily
+        sh = _shapes.table(self.graph).node_shapes(src)
         if sh is None or port >= len(sh):
             return None
         return sh[port]

@@ -9,6 +9,7 @@ shape inference; FLOPs count multiply-adds as 2.
 from __future__ import annotations
 
 from .. import registry
+from .. import shapes as _shapes
 from ..graph import Graph, parse_tensor
 from . import formats
 
@@ -65,9 +66,7 @@ def _dt(graph, ref):
 def op_item(graph: Graph, node, shapes) -> dict | None:
     """Cube compute of one conv/matmul op and the share lost to padding."""
     def shape(ref):
-        src, port, _ = parse_tensor(ref)
-        s = shapes.get(src)
-        return s[port] if s and port < len(s) else None
+        return _shapes.tensor_shape(shapes, ref)
 
     data = [i for i in node.input if not i.startswith("^")]
     out = (shapes.get(node.name) or [None])[0]
@@ -144,8 +143,7 @@ def analyze_graph(graph: Graph, shapes=None) -> dict:
     """Every conv/matmul op whose channel or matrix dims are unaligned, with
     totals over the whole graph (aligned ops count in ``total_flops``)."""
     if shapes is None:
-        from .layout_pass import graph_shapes
-        shapes = graph_shapes(graph)
+        shapes = _shapes.graph_shapes(graph)
     items, total, total_padded = [], 0, 0
     for name in graph.topo_order():
         node = graph.nodes[name]

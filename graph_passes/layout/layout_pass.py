@@ -41,6 +41,7 @@ from tensorflow.core.framework import attr_value_pb2, tensor_pb2
 from tensorflow.python.framework import tensor_util
 
 from .. import registry
+from .. import shapes as _shapes
 from ..graph import parse_tensor, tensor_name
 from ..manager import Pass, register_pass
 from . import align, formats, op_lists
@@ -74,24 +75,7 @@ def transdata_counts(graph) -> dict:
     return counts
 
 
-def graph_shapes(graph) -> dict:
-    """name -> [shape per output] from ``_output_shapes``, else TF shape inference."""
-    shapes = {}
-    missing = False
-    for name, n in graph.nodes.items():
-        s = registry.static_shapes(n)
-        if s is None:
-            missing = True
-        else:
-            shapes[name] = s
-    if missing:
-        try:
-            inferred = registry.infer_shapes(graph.to_graph_def())
-        except Exception:  # noqa: BLE001 - function bodies, unknown ops: use what we have
-            inferred = {}
-        for k, v in inferred.items():
-            shapes.setdefault(k, v)
-    return shapes
+graph_shapes = _shapes.graph_shapes  # kept for callers
 
 
 class _Ctx:
@@ -100,11 +84,7 @@ class _Ctx:
         self.shapes = shapes
 
     def shape(self, ref):
-        node, port, ctrl = parse_tensor(ref)
-        s = self.shapes.get(node)
-        if ctrl or s is None or port >= len(s):
-            return None
-        return s[port]
+        return _shapes.tensor_shape(self.shapes, ref)
 
     def dtype_name(self, ref):
         dt = self.g.tensor_dtype(ref)
@@ -131,13 +111,7 @@ def _scalar_like(shape) -> bool:
     return shape is not None and all(d == 1 for d in shape) and len(shape) <= 4
 
 
-def _const_value(graph, ref):
-    node = graph.nodes.get(parse_tensor(ref)[0])
-    while node is not None and node.op == "Identity":
-        node = graph.nodes.get(parse_tensor(node.input[0])[0])
-    if node is None or node.op != "Const":
-        return None
-    return tensor_util.MakeNdarray(node.attr["value"].tensor)
+_const_value = _shapes.const_value
 
 
 @register_pass("layout")

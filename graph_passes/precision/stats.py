@@ -1,8 +1,9 @@
 """FLOPs of matrix/conv ops and activation bytes, from static shapes.
 
-Shapes come from ``_output_shapes`` when a node carries them, otherwise from
-TensorFlow's own shape inference (:func:`graph_passes.registry.infer_shapes`,
-run once on the graph *before* it is rewritten: dtypes never change shapes).
+Shapes come from the graph's shared table (:mod:`graph_passes.shapes`):
+``_output_shapes`` when a node carries them, otherwise grappler's C++ shape
+inference, run once, lazily, and decoded only for the nodes looked up
+(dtypes never change shapes).
 Unknown dimensions (``-1``, usually the batch) count as 1, so shares are
 exact for a fixed batch and the same for every batch size.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 
 from .. import registry
+from .. import shapes as _shapes
 from ..graph import parse_tensor
 
 MATRIX_OPS = frozenset({
@@ -27,52 +29,11 @@ _PARAM_OPS = frozenset({"Const", "VariableV2", "Variable", "VarHandleOp", "ReadV
                         "_Arg", "Placeholder", "PlaceholderWithDefault"})
 
 
-class ShapeTable:
-    """name -> [shape per output]; `_output_shapes` first, TF shape inference
-    (once, lazily) for a node that lacks them."""
-
-    def __init__(self, graph):
-        self._graph = graph
-        self._shapes = {}
-        self._inferred = None
-        self.error = None
-
-    @property
-    def inferred(self):
-        return self._inferred is not None
-
-    def node_shapes(self, name):
-        s = self._shapes.get(name)
-        if s is not None:
-            return s
-        node = self._graph.nodes.get(name)
-        if node is not None:
-            s = registry.static_shapes(node)
-        if s is None:
-            s = self._infer().get(name)
-        if s is not None:
-            self._shapes[name] = s
-        return s
-
-    def _infer(self):
-        if self._inferred is None:
-            self._inferred = {}
-            try:
-                self._inferred = registry.infer_shapes(self._graph.to_graph_def())
-            except Exception as exc:  # noqa: BLE001 - function bodies etc. may not import
-                self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        return self._inferred
-
-    def get(self, ref):
-        src, port, _ = parse_tensor(ref)
-        outs = self.node_shapes(src)
-        if outs is None or port >= len(outs):
-            return None
-        return outs[port]
-
-    def alias(self, new_name, ref):
-        """Record that ``new_name`` (an inserted Cast) has the shape of ``ref``."""
-        self._shapes[new_name] = [self.get(ref)]
+def ShapeTable(graph):  # noqa: N802 - kept under its old name for callers
+    """The shape table every pass shares for ``graph``
+    (:func:`graph_passes.shapes.table`): ``_output_shapes``, then the shape
+    source handed over with the graph, else grappler's inference once, lazily."""
+    return _shapes.table(graph)
 
 
 def _prod(dims):

@@ -1,0 +1,352 @@
+"""Static shapes for every pass: one module, one lookup, one "constant behind
+an Identity" helper.
+
+Where shapes come from, cheapest first:
+
+1. ``_output_shapes`` attrs a node carries (:func:`static_shapes`);
+2. a *shape source* handed to the pipeline with the graph: inside grappler,
+   the bridge asks the C++ side to run ``GraphProperties::InferStatically`` on
+   the ``GrapplerItem`` it already holds (``custom_ops/grappler_bridge.cc``);
+   offline the pipeline asks the same C++ code for a serialized GraphDef;
+3. otherwise grappler's C++ inference through ``tensorflow.python.grappler.item``
+   (:func:`infer_shapes`), and only if that fails TF's Python importer.
+
+Sources are *lazy*: nothing is inferred until a pass asks for a shape, and a
+source's answer is decoded per node on first lookup.  Passes change dtypes and
+replace nodes under their own names, never the shape of a named tensor, so
+shapes inferred once for the graph a pipeline received stay true through every
+pass (nodes a pass adds are aliased to their source, see
+:meth:`ShapeTable.alias`).
+
+Shapes are lists of ints with -1 for an unknown dim, or None for unknown rank.
+"""
+from __future__ import annotations
+
+import logging
+
+from .graph import parse_tensor
+
+log = logging.getLogger("npu_amp_tf")
+
+#: attribute of a ``Graph`` holding its :class:`ShapeTable`
+_TABLE_ATTR = "_shape_table"
+
+
+def static_shapes(node) -> list[list[int] | None] | None:
+    """Output shapes recorded in ``_output_shapes`` (dims of -1 are unknown)."""
+    a = node.attr.get("_output_shapes")
+    if a is None:
+        return None
+    out = []
+    for sh in a.list.shape:
+        out.append(None if sh.unknown_rank else [d.size for d in sh.dim])
+    return out
+
+
+# ---------------------------------------------------------------- sources
+class LineShapes:
+    """Shapes in the bridge's line format (``name\\x01d,d|?|...``, nodes
+    without outputs left out), decoded per node on first lookup."""
+
+    def __init__(self, text: str):
+        self._raw = {}
+        for line in text.split("\n"):
+            name, sep, rest = line.partition("\x01")
+            if sep:
+                self._raw[name] = rest
+        self._done = {}
+
+    def __len__(self):
+        return len(self._raw)
+
+    def __contains__(self, name):
+        return name in self._raw
+
+    def __getitem__(self, name):
+        s = self.get(name)
+        if s is None:
+            raise KeyError(name)
+        return s
+
+    def get(self, name):
+        s = self._done.get(name)
+        if s is not None:
+            return s
+        raw = self._raw.get(name)
+        if raw is None:
+            return None
+        s = [None if part == "?" else ([int(d) for d in part.split(",")] if part else [])
+             for part in raw.split("|")]
+        self._done[name] = s
+        return s
+
+
+class _PropertiesShapes:
+    """``{name: [serialized OpInfo.TensorProperties]}`` from grappler's Item,
+    decoded per node on first lookup."""
+
+    def __init__(self, props: dict):
+        self._raw = props
+        self._done = {}
+
+    def __len__(self):
+        return len(self._raw)
+
+    def __contains__(self, name):
+        return name in self._raw
+
+    def __getitem__(self, name):
+        s = self.get(name)
+        if s is None:
+            raise KeyError(name)
+        return s
+
+    def get(self, name):
+        s = self._done.get(name)
+        if s is not None:
+            return s
+        raw = self._raw.get(name)
+        if raw is None:
+            return None
+        from tensorflow.core.grappler.costs import op_performance_data_pb2
+
+        tp = op_performance_data_pb2.OpInfo.TensorProperties
+        s = []
+        for b in raw:
+            sh = tp.FromString(b).shape
+            s.append(None if sh.unknown_rank else [max(d.size, -1) for d in sh.dim])
+        self._done[name] = s
+        return s
+
+
+def _for_inference(graph_def, feed_op: str = "Placeholder"):
+    """A copy TF accepts for shape inference: no devices or colocation, and a
+    function body's ``_Arg``/``_Retval`` as Placeholder/Identity.  With
+    ``feed_op="FakeParam"`` placeholders become FakeParam (same dtype/shape
+    attrs and shape function): grappler's item builder turns every Placeholder
+    into a feed whose shape it then refuses to trust."""
+    from tensorflow.core.framework import graph_pb2
+
+    stripped = graph_pb2.GraphDef()
+    stripped.CopyFrom(graph_def)
+    for node in stripped.node:
+        node.device = ""
+        for key in [k for k in node.attr if k == "_class" or k.startswith("_xla")]:
+            del node.attr[key]
+        if node.op == "_Arg":  # an argument is a placeholder of its recorded shape
+            node.op = "Placeholder"
+            node.attr["dtype"].type = node.attr["T"].type
+            recorded = node.attr["_output_shapes"].list.shape if "_output_shapes" in node.attr else ()
+            if recorded:
+                node.attr["shape"].shape.CopyFrom(recorded[0])
+            for key in ("T", "index", "_output_shapes"):
+                if key in node.attr:
+                    del node.attr[key]
+        elif node.op == "_Retval":
+            node.op = "Identity"
+            del node.attr["index"]
+        if node.op == "Placeholder" and feed_op != "Placeholder":
+            node.op = feed_op
+            if "shape" not in node.attr:
+                node.attr["shape"].shape.unknown_rank = True
+    return stripped
+
+
+def grappler_shapes(graph_def):
+    """Grappler's C++ static shape inference (``GraphProperties``) through
+    ``tensorflow.python.grappler.item``: a lazy name -> shapes mapping.
+    Raises whatever TF raises on a graph it refuses."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from tensorflow.python.grappler import _pywrap_tf_item as tf_item
+
+    mg = meta_graph_pb2.MetaGraphDef()
+    mg.graph_def.CopyFrom(_for_inference(graph_def, "FakeParam"))
+    if not mg.graph_def.node:
+        return _PropertiesShapes({})
+    # the item builder wants a fetch; pruning is off, so any node will do
+    mg.collection_def["train_op"].node_list.value.append(mg.graph_def.node[-1].name)
+    item = tf_item.TF_NewItem(mg.SerializeToString(), True, True)
+    return _PropertiesShapes(tf_item.TF_GetOpProperties(item))
+
+
+def import_shapes(graph_def) -> dict:
+    """TF's Python importer (``import_graph_def`` into a throw-away ``tf.Graph``):
+    the slow fallback when grappler refuses a graph."""
+    import tensorflow as tf
+
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(_for_inference(graph_def), name="")
+    shapes = {}
+    for op in g.get_operations():
+        out = []
+        for t in op.outputs:
+            s = t.shape
+            out.append(None if s.rank is None else [(-1 if d is None else d) for d in s.as_list()])
+        shapes[op.name] = out
+    return shapes
+
+
+def infer_shapes(graph_def):
+    """name -> [shape per output] for every node TF can infer: grappler's C++
+    inference, else TF's importer, else the recorded ``_output_shapes``.
+    The result supports ``.get(name)`` (it may decode lazily)."""
+    import tensorflow as tf
+
+    try:
+        return grappler_shapes(graph_def)
+    except (ValueError, TypeError, KeyError, RuntimeError, tf.errors.OpError) as exc:
+        log.debug("npu_amp_tf: grappler shape inference refused the graph: %s", exc)
+    try:
+        return import_shapes(graph_def)
+    except (ValueError, TypeError, KeyError, tf.errors.OpError):
+        return {n.name: s for n in graph_def.node if (s := static_shapes(n)) is not None}
+
+
+# ----------------------------------------------------------------- tables
+class ShapeTable:
+    """name -> [shape per output] for one graph: ``_output_shapes`` first, then
+    the graph's shape source (see :func:`attach`), else TF's inference once,
+    lazily, on the graph as it is at the first lookup that needs it."""
+
+    def __init__(self, graph, source=None):
+        self._graph = graph
+        self._shapes = {}
+        self._source = source
+        self._inferred = None
+        self.error = None
+
+    @property
+    def inferred(self):
+        return self._inferred is not None
+
+    def node_shapes(self, name):
+        s = self._shapes.get(name)
+        if s is not None:
+            return s
+        node = self._graph.nodes.get(name)
+        if node is not None:
+            s = static_shapes(node)
+        if s is None:
+            s = self._infer().get(name)
+            if s is not None and node is not None and node.op == "Transpose" and _partial(s):
+                s = self._transpose(node) or s
+        if s is not None:
+            self._shapes[name] = s
+        return s
+
+    def _transpose(self, node):
+        """A Transpose whose perm grappler could not evaluate (gradients read
+        ``InvertPermutation(const)``): its shape from the input's and the perm."""
+        if len(node.input) < 2:
+            return None
+        perm_node = self._graph.nodes.get(parse_tensor(node.input[1])[0])
+        invert = perm_node is not None and perm_node.op == "InvertPermutation"
+        perm = const_value(self._graph, perm_node.input[0] if invert else node.input[1])
+        x = self.get(node.input[0])
+        if perm is None or x is None or perm.ndim != 1 or len(perm) != len(x):
+            return None
+        perm = [int(p) for p in perm]
+        if sorted(perm) != list(range(len(x))):
+            return None
+        if invert:
+            inv = [0] * len(perm)
+            for i, p in enumerate(perm):
+                inv[p] = i
+            perm = inv
+        return [[x[p] for p in perm]]
+
+    def _infer(self):
+        if self._inferred is None:
+            self._inferred = {}
+            try:
+                src = self._source
+                self._inferred = src() if callable(src) else (
+                    src if src is not None else infer_shapes(self._graph.to_graph_def()))
+            except Exception as exc:  # noqa: BLE001 - reported, the figures then lack those nodes
+                self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                self._inferred = {}
+        return self._inferred
+
+    def get(self, ref):
+        src, port, _ = parse_tensor(ref)
+        outs = self.node_shapes(src)
+        if outs is None or port >= len(outs):
+            return None
+        return outs[port]
+
+    def alias(self, new_name, ref):
+        """Record that ``new_name`` (an inserted Cast) has the shape of ``ref``."""
+        self._shapes[new_name] = [self.get(ref)]
+
+    def as_dict(self) -> dict:
+        """Every node's shapes (for passes that walk the whole graph)."""
+        out = {}
+        for name in self._graph.nodes:
+            s = self.node_shapes(name)
+            if s is not None:
+                out[name] = s
+        return out
+
+
+def _partial(shapes_list) -> bool:
+    return any(s is not None and any(d < 0 for d in s) for s in shapes_list)
+
+
+def attach(graph, source):
+    """Give ``graph`` a shape source: a mapping with ``.get(name)``, or a
+    zero-argument callable returning one (called at most once, when a pass
+    first needs a shape that no ``_output_shapes`` attr records)."""
+    setattr(graph, _TABLE_ATTR, ShapeTable(graph, source))
+
+
+def table(graph) -> ShapeTable:
+    """The shape table shared by every pass that runs on ``graph``."""
+    t = getattr(graph, _TABLE_ATTR, None)
+    if t is None:
+        t = ShapeTable(graph)
+        setattr(graph, _TABLE_ATTR, t)
+    return t
+
+
+def graph_shapes(graph) -> dict:
+    """name -> [shape per output] of the graph *as it is now* (a fresh inference
+    when some node lacks ``_output_shapes``)."""
+    return ShapeTable(graph).as_dict()
+
+
+def tensor_shape(shapes, ref):
+    """Shape of tensor ``ref`` in a name -> [shapes] mapping, or None."""
+    node, port, ctrl = parse_tensor(ref)
+    s = shapes.get(node)
+    if ctrl or s is None or port >= len(s):
+        return None
+    return s[port]
+
+
+# --------------------------------------------------------------- constants
+def const_node(graph, ref, through=("Identity",), max_depth: int = 8):
+    """The Const node behind ``ref`` seen through single-input pass-through ops
+    (``through``, at most ``max_depth`` of them), or None."""
+    node = graph.nodes.get(parse_tensor(ref)[0])
+    depth = 0
+    while node is not None and node.op in through and node.input and depth < max_depth:
+        node = graph.nodes.get(parse_tensor(node.input[0])[0])
+        depth += 1
+    if node is None or node.op != "Const":
+        return None
+    return node
+
+
+def const_value(graph, ref, through=("Identity",), max_depth: int = 8):
+    """numpy value of the Const behind ``ref`` (see :func:`const_node`), or None
+    (also for a malformed constant)."""
+    from tensorflow.python.framework import tensor_util
+
+    node = const_node(graph, ref, through, max_depth)
+    if node is None:
+        return None
+    try:
+        return tensor_util.MakeNdarray(node.attr["value"].tensor)
+    except Exception:  # noqa: BLE001 - malformed constant: not a constant for us
+        return None
