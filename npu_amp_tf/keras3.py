@@ -160,6 +160,8 @@ def LossScaleOptimizer(opt, loss_scale_manager=None, is_distributed=False, **opt
             f"gradient_accumulation_steps is set twice: {opt.gradient_accumulation_steps} on "
             f"{type(opt).__name__} and {opts.gradient_accumulation_steps} on AMP_Optimizer; "
             "accepted: one of them")
+    if tf.distribute.has_strategy():
+        _check_distributed_options(opts)
     manager = make_manager(loss_scale_manager, opts)
     base = type(opt)
     try:
@@ -169,6 +171,15 @@ def LossScaleOptimizer(opt, loss_scale_manager=None, is_distributed=False, **opt
                           f"{exc}; pass a freshly constructed optimizer") from None
     new._npu_amp_setup(opt, manager, AmpCore(manager, opts, is_distributed))
     return new
+
+
+def _check_distributed_options(o):
+    if tf.as_dtype(o.allreduce_dtype) != tf.float32 or (o.bucket_size_mb or 0) > 0:
+        raise OptionError(
+            f"allreduce_dtype={o.allreduce_dtype!r}, bucket_size_mb={o.bucket_size_mb!r}: "
+            "a Keras 3 optimizer all-reduces the gradients itself in float32 without "
+            "packing; accepted with Keras 3 under tf.distribute: the defaults "
+            "(allreduce_dtype='float32', bucket_size_mb=0)")
 
 
 def _tf_var(v):
@@ -311,12 +322,7 @@ class _AmpKeras3Mixin:
         core = self._npu_amp_core
         check_strategy(strategy)
         core._check_accumulation(strategy)  # pylint: disable=protected-access
-        o = core.options
-        if tf.as_dtype(o.allreduce_dtype) != tf.float32 or (o.bucket_size_mb or 0) > 0:
-            raise OptionError(
-                f"allreduce_dtype={o.allreduce_dtype!r}, bucket_size_mb={o.bucket_size_mb!r}: "
-                "a Keras 3 optimizer all-reduces the gradients itself in float32 without "
-                "packing; accepted with Keras 3 under tf.distribute: the defaults")
+        _check_distributed_options(core.options)
         if tf.distribute.in_cross_replica_context():
             raise NpuAmpError("AMP_Optimizer.apply must be called in replica context "
                               "(inside strategy.run), not in cross-replica context")
