@@ -74,8 +74,13 @@ def transdata_counts(graph) -> dict:
     return counts
 
 
-def graph_shapes(graph) -> dict:
-    """name -> [shape per output] from ``_output_shapes``, else TF shape inference."""
+def graph_shapes(graph, warn=None) -> dict:
+    """name -> [shape per output] from ``_output_shapes``, else TF shape inference.
+
+    Nodes whose shapes stay unknown (TF refused the graph: unknown ops, broken
+    function bodies) keep their original layout; ``warn(message)`` is told
+    which, and why, so the report says it instead of a silent no-op.
+    """
     shapes = {}
     missing = False
     for name, n in graph.nodes.items():
@@ -85,12 +90,20 @@ def graph_shapes(graph) -> dict:
         else:
             shapes[name] = s
     if missing:
+        error = None
         try:
             inferred = registry.infer_shapes(graph.to_graph_def())
-        except Exception:  # noqa: BLE001 - function bodies, unknown ops: use what we have
-            inferred = {}
+        except Exception as exc:  # noqa: BLE001 - function bodies, unknown ops: use what we have
+            inferred, error = {}, f"{type(exc).__name__}: {exc}"
         for k, v in inferred.items():
             shapes.setdefault(k, v)
+        unknown = sorted(k for k, n in graph.nodes.items()
+                         if k not in shapes and graph.output_dtypes(n) != [])
+        if unknown and warn is not None:
+            warn(f"shape inference left {len(unknown)} node(s) without shapes (e.g. "
+                 f"{', '.join(unknown[:3])})" + (f": {error}" if error else
+                                                 ": TensorFlow could not import the graph") +
+                 "; those nodes and the heavy ops they feed keep their original layout")
     return shapes
 
 
@@ -155,7 +168,7 @@ class LayoutPass(Pass):
             return stats
         self.g = graph
         self.ctx = ctx
-        self.c = _Ctx(graph, graph_shapes(graph))
+        self.c = _Ctx(graph, graph_shapes(graph, warn=ctx.warn))
         self.plan: dict[str, tuple[dict, dict]] = {}   # node -> (input roles, output roles)
         self.origin_reason: dict[str, str] = {}
         waste = align.analyze_graph(graph, self.c.shapes)
