@@ -344,7 +344,9 @@ class PrecisionPass(Pass):
         if node.attr["dtype"].type == FP32 and dt != FP32:
             from tensorflow.python.framework import tensor_util
             arr = tensor_util.MakeNdarray(node.attr["value"].tensor)
-            low = arr.astype(_np_dtype(dt))
+            # the overflow is what we are testing for: not a warning for the user's console
+            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+                low = arr.astype(_np_dtype(dt))
             under = (arr != 0) & (low.astype(np.float32) == 0)
             over = np.isfinite(arr) & ~np.isfinite(low.astype(np.float32))
             if under.any():
