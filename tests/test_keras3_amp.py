@@ -32,9 +32,8 @@ def _state(opt, model):
     return [v.numpy() for v in model.weights] + [v.numpy() for v in opt.variables]
 
 
-def _loop(model, opt, x, y, keras2_style=False):
+def _loop(model, opt, x, y, keras2_style=False, eager=False):
     """One custom-loop step function; ``bad`` multiplies the loss by inf."""
-    @tf.function
     def step(bad):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(x) - y)) * tf.where(bad, np.float32(np.inf), 1.0)
@@ -43,7 +42,7 @@ def _loop(model, opt, x, y, keras2_style=False):
         if keras2_style:
             grads = opt.get_unscaled_gradients(grads)
         opt.apply_gradients(zip(grads, model.trainable_variables))
-    return step
+    return step if eager else tf.function(step)
 
 
 def test_fit_trains_fp32_masters_cann_defaults_and_no_double_wrap():
@@ -74,40 +73,45 @@ def test_fit_trains_fp32_masters_cann_defaults_and_no_double_wrap():
     assert [v.name for v in opt.variables] == [v.name for v in plain.variables]
 
 
-@pytest.mark.parametrize("keras2_style", [False, True], ids=["scale_loss", "get_unscaled_gradients"])
-def test_matches_keras3_loss_scale_optimizer_bit_for_bit(keras2_style):
+def test_matches_keras3_loss_scale_optimizer_bit_for_bit():
     """Keras's own LossScaleOptimizer (initial 128, growth every 3, halve on overflow) is the
     reference: with power-of-two scales, unscaling by x*(1/s) or x/s is exact, so weights,
     slots, iterations and the scale must agree exactly, through an overflow step that both
-    skip (variables, slots and ``iterations`` keep their bits)."""
+    skip (variables, slots and ``iterations`` keep their bits) - in Keras 3's loop
+    (scale_loss + apply_gradients) and in Keras 2's (get_unscaled_gradients first)."""
     x, y = _data(8)
-    m_ref, m_amp = _model(), _model()
     ref = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05), initial_scale=128,
                                               dynamic_growth_steps=3)
-    amp = npu_amp_tf.AMP_Optimizer(keras.optimizers.Adam(0.05), incr_every_n_steps=3,
-                                   decr_every_n_nan_or_inf=1, decr_ratio=0.5)
-    s_ref = _loop(m_ref, ref, x, y)  # Keras's own interface: scale_loss + apply_gradients
-    s_amp = _loop(m_amp, amp, x, y, keras2_style)
+    runs = [(_model(), ref, False)]
+    for keras2_style in (False, True):
+        runs.append((_model(), npu_amp_tf.AMP_Optimizer(
+            keras.optimizers.Adam(0.05), incr_every_n_steps=3, decr_every_n_nan_or_inf=1,
+            decr_ratio=0.5), keras2_style))
+    # eagerly (the tf.function path is in the other tests): the manager's tf.cond runs
+    # one Python branch per step
+    steps = [_loop(m, o, x, y, k2, eager=True) for m, o, k2 in runs]
     bad_at = 2
     for i in range(6):
         bad = tf.constant(i == bad_at)
-        s_ref(bad)
-        before = _state(amp, m_amp) if i == bad_at else None
-        s_amp(bad)
-        if before is not None:
-            for a, b in zip(before, _state(amp, m_amp)):
-                np.testing.assert_array_equal(a, b)
-        for a, b in zip([v.numpy() for v in m_ref.weights], [v.numpy() for v in m_amp.weights]):
-            np.testing.assert_array_equal(a, b)
-        assert float(amp.dynamic_scale) == float(ref.dynamic_scale)
-    for a, b in zip(ref.inner_optimizer.variables, amp.variables):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
-    assert int(amp.iterations) == int(ref.iterations) == 5
-    st = amp.loss_scale_manager.state()
-    assert st["overflow_count"] == 1 and st["skipped_steps"] == 1 and st["steps"] == 6
-    # the history: the overflow at step 3 halves the scale, 3 finite steps double it again
-    assert [(e.step, e.scale, e.overflow) for e in amp.loss_scale_manager.history] == [
-        (3, 64.0, True), (6, 128.0, False)]
+        befores = [_state(o, m) if i == bad_at else None for m, o, _ in runs[1:]]
+        for step in steps:
+            step(bad)
+        for (m, o, _), before in zip(runs[1:], befores):
+            if before is not None:
+                for a, b in zip(before, _state(o, m)):
+                    np.testing.assert_array_equal(a, b)
+            for a, b in zip(runs[0][0].weights, m.weights):
+                np.testing.assert_array_equal(a.numpy(), b.numpy())
+            assert float(o.dynamic_scale) == float(ref.dynamic_scale)
+    for _, amp, _ in runs[1:]:
+        for a, b in zip(ref.inner_optimizer.variables, amp.variables):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        assert int(amp.iterations) == int(ref.iterations) == 5
+        st = amp.loss_scale_manager.state()
+        assert st["overflow_count"] == 1 and st["skipped_steps"] == 1 and st["steps"] == 6
+        # the history: the overflow at step 3 halves the scale, 3 finite steps double it again
+        assert [(e.step, e.scale, e.overflow) for e in amp.loss_scale_manager.history] == [
+            (3, 64.0, True), (6, 128.0, False)]
 
 
 def test_hysteresis_fp16_copies_and_summaries(tmp_path):
@@ -140,8 +144,16 @@ def test_gradient_accumulation_equals_one_big_batch():
         model = _model()
         opt = npu_amp_tf.AMP_Optimizer(keras.optimizers.SGD(0.1), gradient_accumulation_steps=n)
         w0 = model.weights[0].numpy()
+
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = opt.scale_loss(tf.reduce_mean(tf.square(model(xb) - yb)))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+
         for i, (xb, yb) in enumerate(batches):
-            _loop(model, opt, tf.constant(xb), tf.constant(yb))(tf.constant(False))
+            step(tf.constant(xb), tf.constant(yb))
             if n == 2 and i == 0:
                 np.testing.assert_array_equal(model.weights[0].numpy(), w0)
                 assert int(opt.iterations) == 0
@@ -182,14 +194,17 @@ def test_model_save_and_load_with_and_without_amp(tmp_path):
     # the same .keras file loads without AMP (a plain AdamW with the same slots) ...
     plain = _model()
     plain.compile(optimizer=keras.optimizers.AdamW(0.05), loss="mse")
-    plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    with tf.GradientTape() as tape:   # one eager step: non-zero slots
+        loss = tf.reduce_mean(tf.square(plain(x) - y))
+    plain.optimizer.apply_gradients(zip(tape.gradient(loss, plain.trainable_variables),
+                                        plain.trainable_variables))
     plain_path = str(tmp_path / "plain.keras")
     plain.save(plain_path)
     # ... and a plain model's file loads into an AMP-compiled model's optimizer
-    amp_model = _model()
+    amp_model = _model(1)
     amp_model.compile(optimizer=npu_amp_tf.AMP_Optimizer(keras.optimizers.AdamW(0.05)),
                       loss="mse")
-    amp_model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
+    amp_model.optimizer.build(amp_model.trainable_variables)
     amp_model.load_weights(plain_path)
     assert len(plain.optimizer.variables) == len(amp_model.optimizer.variables) == 10
     for a, b in zip(plain.optimizer.variables, amp_model.optimizer.variables):
