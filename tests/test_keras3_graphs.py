@@ -86,6 +86,27 @@ def test_fp16_overflow_constant_check_is_quiet():
     assert "overflows to inf in float16" in str(rep.decisions)
 
 
+def test_keras3_accuracy_metric_bitcast_keeps_float32():
+    """Keras 3's argmax (the accuracy metrics) bitcasts float32 logits to int32 to find -0.0:
+    painting that Bitcast's input FP16 would pack two halves per int32 and change the shape
+    ([32, 2] -> [32]); the rewritten graph must import and give FP32's accuracy."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [32, 4], name="x")
+        y = tf.compat.v1.placeholder(tf.int64, [32], name="y")
+        logits = tf.matmul(x, tf.constant(np.random.RandomState(1).randn(4, 2), tf.float32))
+        tf.identity(keras.metrics.sparse_categorical_accuracy(y, logits), name="acc")
+    gd = g.as_graph_def()
+    assert any(n.op == "Bitcast" for n in gd.node)
+    gd2, rep = npu_amp_tf.rewrite_graph(gd, fetches=["acc"], precision_mode="allow_mix_precision",
+                                        fail_on_error=True)
+    assert [n.attr["T"].type for n in gd2.node if n.op == "MatMul"] == [HALF]
+    assert all(n.attr["T"].type == FLOAT for n in gd2.node if n.op == "Bitcast")
+    feeds = {"x:0": np.random.RandomState(0).randn(32, 4).astype(np.float32),
+             "y:0": np.arange(32) % 2}
+    np.testing.assert_array_equal(run(gd2, "acc:0", feeds), run(gd, "acc:0", feeds))
+
+
 # ------------------------------------------------------------- KerasHub-style
 def _transformer(seed=0, T=8, D=16, heads=2, classes=3):
     keras.utils.set_random_seed(seed)

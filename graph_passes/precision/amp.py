@@ -96,6 +96,8 @@ FIXED_OPS = {
     "Case": "function call", "StatelessCase": "function call",
     "SymbolicGradient": "function call",
     "TransData": "layout conversion placed after the precision pass: keeps its dtype",
+    "Bitcast": "reinterprets its input's bits: another input dtype changes the values and "
+               "the shape (Keras 3 argmax/accuracy bitcast float32 logits)",
 }
 # ops that hold the FP32 master weights: their reads neither vote nor change
 VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp", "ReadVariableOp",
