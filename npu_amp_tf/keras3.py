@@ -114,8 +114,14 @@ def amp_class(base):
         attr = _resolve(base, name)
         if attr is not None:
             ns[name] = attr
-    cls = type(f"AMP_{base.__name__}", (_AmpKeras3Mixin, lso, base), ns)
-    # model.save/load_model in this process find the class by its registered name
+    name = f"AMP_{base.__name__}"
+    if k.saving.get_registered_object(f"{PACKAGE}>{name}") is not None:
+        # another optimizer class of the same name (a user subclass called "Adam")
+        name = f"AMP_{base.__module__.replace('.', '_')}_{base.__name__}"
+    cls = type(name, (_AmpKeras3Mixin, lso, base), ns)
+    # model.save/load_model in this process find the class by its registered name; in a
+    # fresh process custom_objects() rebuilds the built-in ones (user subclasses: call
+    # amp_class(MyOptimizer) or AMP_Optimizer(MyOptimizer()) before loading)
     return k.saving.register_keras_serializable(package=PACKAGE)(cls)
 
 

@@ -255,6 +255,17 @@ def test_tf_train_checkpoint_both_ways(tmp_path):
     assert o4.loss_scale_manager.state() == amp.loss_scale_manager.state()
 
 
+class Adam(keras.optimizers.Adam):
+    """A user subclass that shares its name with Keras's Adam."""
+
+
+def test_user_subclass_with_a_builtin_name_gets_its_own_class():
+    a = npu_amp_tf.AMP_Optimizer(keras.optimizers.Adam())
+    b = npu_amp_tf.AMP_Optimizer(Adam())
+    assert type(a) is not type(b) and isinstance(b, Adam) and not isinstance(a, Adam)
+    assert keras.saving.get_registered_object(keras.saving.get_registered_name(type(b))) is type(b)
+
+
 def test_stateless_apply_behaves_as_keras_tf_backend():
     model = _model()
     opt = npu_amp_tf.AMP_Optimizer(keras.optimizers.Adam())
