@@ -114,6 +114,20 @@ def test_matches_keras3_loss_scale_optimizer_bit_for_bit():
             (3, 64.0, True), (6, 128.0, False)]
 
 
+def test_one_fused_finiteness_check_vs_keras_per_variable_checks():
+    x, y = _data(8)
+    counts = {}
+    for name, opt in (("keras", keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))),
+                      ("amp", npu_amp_tf.AMP_Optimizer(keras.optimizers.SGD(0.1)))):
+        model = _model()
+        opt.build(model.trainable_variables)
+        g = _loop(model, opt, x, y).get_concrete_function(tf.constant(False)).graph
+        counts[name] = {t: sum(op.type == t for op in g.get_operations())
+                        for t in ("IsFinite", "All")}
+    assert counts["amp"] == {"IsFinite": 1, "All": 1}, counts      # 4 small gradients, 1 check
+    assert counts["keras"]["IsFinite"] == 4, counts                # Keras: one per gradient
+
+
 def test_hysteresis_fp16_copies_and_summaries(tmp_path):
     x, y = _data(8)
     model = _model()
