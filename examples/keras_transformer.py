@@ -23,7 +23,7 @@ weights, is trained three times:
 It prints the low-precision FLOP share and casts of each rewritten train
 function, the loss scale, and loss / accuracy against FP32.
 
-Keras 2 is needed: ``tf.keras`` on TF 2.15, the ``tf_keras`` package on newer TF.
+Runs with whichever Keras ``tf.keras`` is: Keras 2 on TF 2.15, Keras 3 on newer TF.
 
     python examples/keras_transformer.py --epochs 3
 """
@@ -94,7 +94,7 @@ def train(keras, weights, data, epochs, batch, lr, amp_params):
     opt = keras.optimizers.Adam(lr)
     if amp_params is not None:
         npu_amp_tf.enable(**amp_params)
-        opt = npu_amp_tf.AMP_Optimizer(opt)            # Keras 2 wrapper: dynamic loss scale
+        opt = npu_amp_tf.AMP_Optimizer(opt)            # Keras wrapper: dynamic loss scale
     bridge.clear_reports()
     try:
         model.compile(optimizer=opt, jit_compile=False, metrics=["accuracy"],
@@ -178,11 +178,7 @@ def main(argv=None):
                     help="where to write the modify_mixlist JSON (default: a temp file)")
     args = ap.parse_args(argv)
 
-    try:
-        keras = npu_amp_tf.keras.keras_module()
-    except npu_amp_tf.NpuAmpError as exc:
-        print(f"SKIP: {exc}")
-        return 0
+    keras = tf.keras        # Keras 2 on TF 2.15, Keras 3 on newer TF: AMP_Optimizer wraps both
     keras.utils.set_random_seed(args.seed)
     data = (make_data(args.samples, args.seed), make_data(1024, args.seed + 1))
     weights = build_model(keras).get_weights()

@@ -1,10 +1,10 @@
-"""Keras 2 entry point: the loss-scaling optimizer for ``model.fit`` and custom loops.
+"""Keras entry point: the loss-scaling optimizer for ``model.fit`` and custom loops.
 
 Keras 2 is ``tf.keras`` on TF 2.15 and the ``tf_keras`` package on newer TF
 (where ``tf.keras`` is Keras 3).  Both Keras 2 optimizer families are
 supported: the default ``optimizers.Adam`` etc. and ``optimizers.legacy.*``.
-Keras 3 optimizers are not (use ``keras.mixed_precision.LossScaleOptimizer``
-there, or ``tf_keras``).
+Keras 3 optimizers (``tf.keras`` on TF >= 2.16) are handed to
+:mod:`npu_amp_tf.keras3`, which has the same behaviour on Keras 3's interface.
 
 ::
 
@@ -62,12 +62,27 @@ def optimizer_family(opt):
     return _family_of_class(type(opt))
 
 
+def _keras2_root(cls):
+    """The public top-level Keras 2 module (``keras`` or ``tf_keras``) that ``cls``
+    or its nearest Keras base class comes from (None: not Keras 2)."""
+    for c in cls.__mro__:
+        name = c.__module__.split(".")[0]
+        if name not in ("keras", "tf_keras"):
+            continue
+        root = importlib.import_module(name)
+        if int(getattr(root, "__version__", "3").split(".")[0]) < 3:
+            return root
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _amp_class(base):
-    root = base.__module__.split(".")[0]
-    lso = importlib.import_module(root + ".src.mixed_precision.loss_scale_optimizer")
-    bases = (_AmpKerasMixin, lso.BaseLossScaleOptimizer, base)
-    lso_meta = type(lso.BaseLossScaleOptimizer)
+    root = _keras2_root(base)
+    # the public LossScaleOptimizer is Keras 2's BaseLossScaleOptimizer (the
+    # interface compile() checks under a mixed_float16 policy)
+    lso = root.mixed_precision.LossScaleOptimizer
+    bases = (_AmpKerasMixin, lso, base)
+    lso_meta = type(lso)
 
     class meta(lso_meta):
         # Keras's metaclass redirects construction to its own LossScaleOptimizer
@@ -78,36 +93,47 @@ def _amp_class(base):
     cls = meta(f"AMP_{family}{base.__name__}", bases, {"_npu_amp_base": base,
                                                        "__module__": __name__})
     # model.save/load_model in this process find the class by name
-    importlib.import_module(root).utils.get_custom_objects()[cls.__name__] = cls
+    root.utils.get_custom_objects()[cls.__name__] = cls
     return cls
 
 
 def _family_of_class(cls):
-    return next((f for c in cls.__mro__ for f in [_class_family(c)] if f), None)
+    """By the public base classes: Keras 2 ``optimizers.legacy.Optimizer`` ('v2'),
+    Keras 2 ``optimizers.Optimizer`` ('new'), Keras 3 ``optimizers.Optimizer``."""
+    from . import keras3 as _keras3
 
-
-def _class_family(c):
-    mod = c.__module__
-    if c.__name__ == "OptimizerV2" and mod.endswith("optimizers.legacy.optimizer_v2"):
-        return "v2"
-    if c.__name__ == "BaseOptimizer" and mod.endswith("optimizers.base_optimizer"):
+    k3 = _keras3.keras3()
+    if k3 is not None and issubclass(cls, k3.optimizers.Optimizer):
         return "keras3"
-    if c.__name__ == "_BaseOptimizer" and mod.endswith("optimizers.optimizer"):
+    root = _keras2_root(cls)
+    if root is None:
+        return None
+    if issubclass(cls, root.optimizers.legacy.Optimizer):
+        return "v2"
+    if issubclass(cls, root.optimizers.Optimizer):
         return "new"
     return None
 
 
 def custom_objects() -> dict:
-    """``{name: class}`` of the loss-scaled versions of every Keras 2 optimizer,
+    """``{name: class}`` of the loss-scaled versions of every Keras optimizer,
     for ``load_model(path, custom_objects=npu_amp_tf.keras.custom_objects())``
-    in a process that has not built them yet."""
-    k = keras_module()
-    out = {}
+    in a process that has not built them yet.  Holds the Keras 2 classes
+    (``tf.keras`` on TF 2.15, ``tf_keras`` when installed) and the Keras 3
+    ones (``keras`` 3, under their registered names ``npu_amp_tf>AMP_<Name>``),
+    so the same call works with either ``load_model``."""
+    from . import keras3 as _keras3
+
+    out = _keras3.custom_objects()
+    try:
+        k = keras_module()
+    except OptionError:  # Keras 3 only (no tf_keras)
+        return out
     for mod in (k.optimizers, k.optimizers.legacy):
         for name in dir(mod):
             obj = getattr(mod, name)
             if isinstance(obj, type) and _family_of_class(obj) in ("v2", "new") and \
-                    obj.__name__ not in ("Optimizer", "OptimizerV2"):
+                    obj not in (k.optimizers.Optimizer, k.optimizers.legacy.Optimizer):
                 cls = _amp_class(obj)
                 out[cls.__name__] = cls
     return out
@@ -118,12 +144,12 @@ def LossScaleOptimizer(opt, loss_scale_manager=None, is_distributed=False, **opt
     for a Keras optimizer).  Options as for ``AMP_Optimizer``."""
     family = optimizer_family(opt)
     if family == "keras3":
-        raise OptionError(
-            f"opt={type(opt).__name__} is a Keras 3 optimizer, which npu_amp_tf.keras does not "
-            "wrap; accepted: a Keras 2 optimizer (tf.keras on TF 2.15, tf_keras on newer TF). "
-            "With Keras 3 use keras.mixed_precision.LossScaleOptimizer")
+        from . import keras3 as _keras3
+
+        return _keras3.LossScaleOptimizer(opt, loss_scale_manager, is_distributed, **options)
     if family is None:
-        raise OptionError(f"opt={opt!r} is not a Keras 2 optimizer")
+        raise OptionError(f"opt={opt!r} is not a Keras optimizer; accepted: a Keras 2 "
+                          "(tf.keras on TF 2.15, tf_keras) or Keras 3 optimizer")
     if isinstance(opt, _AmpKerasMixin):
         raise OptionError(f"opt={type(opt).__name__} is already loss-scaled; wrap it only once")
     opts = _options(options)

@@ -8,7 +8,8 @@ Usage, as in CANN's TF scripts::
 
 ``AMP_Optimizer`` also accepts a Keras 2 optimizer (``tf.keras`` on TF 2.15,
 ``tf_keras`` on newer TF) and then returns the Keras wrapper of
-:mod:`npu_amp_tf.keras`.
+:mod:`npu_amp_tf.keras`, and a Keras 3 optimizer (``tf.keras`` on TF >= 2.16)
+and then returns the wrapper of :mod:`npu_amp_tf.keras3`.
 
 One step, as built by this module (pure TF ops, no custom kernels)::
 
@@ -529,8 +530,9 @@ class TF1AmpOptimizer(tf.__internal__.tracking.DelegatingTrackableMixin,
 def AMP_Optimizer(opt, loss_scale_manager=None, **options):  # noqa: N802 (CANN name)
     """Wrap ``opt`` with loss scaling, overflow skip and FP32 master weights.
 
-    ``opt``: a ``tf.compat.v1.train.Optimizer`` (returns a TF1 optimizer) or a
-    Keras 2 optimizer (returns the Keras wrapper, see :mod:`npu_amp_tf.keras`).
+    ``opt``: a ``tf.compat.v1.train.Optimizer`` (returns a TF1 optimizer), a
+    Keras 2 optimizer (returns the Keras wrapper, see :mod:`npu_amp_tf.keras`)
+    or a Keras 3 optimizer (see :mod:`npu_amp_tf.keras3`).
     ``loss_scale_manager``: None or ``"dynamic"`` (dynamic scaling with the
     options below), a number (fixed scale), or a manager instance.
     ``options``: the ``loss_scale`` group of :mod:`npu_amp_tf.options`
@@ -542,16 +544,19 @@ def AMP_Optimizer(opt, loss_scale_manager=None, **options):  # noqa: N802 (CANN 
     is_distributed = options.pop("is_distributed", False)
     if isinstance(opt, tf.compat.v1.train.Optimizer):
         return TF1AmpOptimizer(opt, loss_scale_manager, is_distributed=is_distributed, **options)
-    from . import keras as _keras
+    from . import keras as _keras, keras3 as _keras3
 
+    if _keras3.is_keras3_optimizer(opt):
+        return _keras3.LossScaleOptimizer(opt, loss_scale_manager, is_distributed=is_distributed,
+                                          **options)
     family = _keras.optimizer_family(opt)
     if family is not None:
         return _keras.LossScaleOptimizer(opt, loss_scale_manager, is_distributed=is_distributed,
                                          **options)
     raise OptionError(
         f"opt={opt!r} ({type(opt).__module__}.{type(opt).__name__}) is not a supported "
-        "optimizer; accepted: a tf.compat.v1.train.Optimizer or a Keras 2 optimizer "
-        "(tf.keras on TF 2.15, tf_keras on newer TF)")
+        "optimizer; accepted: a tf.compat.v1.train.Optimizer, a Keras 2 optimizer "
+        "(tf.keras on TF 2.15, tf_keras on newer TF) or a Keras 3 optimizer (TensorFlow backend)")
 
 
 def NPULossScaleOptimizer(opt, loss_scale_manager, is_distributed=False):  # noqa: N802

@@ -7,6 +7,13 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 TF_VERSION = tuple(int(x) for x in tf.__version__.split(".")[:2])
+
+# Two logical CPU devices for the whole session, so that MirroredStrategy tests
+# really all-reduce between two replicas.  This must run before TensorFlow
+# initialises its runtime, hence here (conftest is imported first).
+TWO_CPUS = ["/cpu:0", "/cpu:1"]
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 HAS_ESTIMATOR = hasattr(tf, "estimator") and TF_VERSION < (2, 16)
 
 

@@ -1,6 +1,7 @@
 """tf.distribute: MirroredStrategy in process, and a real 2-process
 MultiWorkerMirroredStrategy run on 127.0.0.1 with an overflow injected on one
 worker only (both must skip; weights and scales stay identical)."""
+import functools
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import tensorflow as tf
 
 import npu_amp_tf
 from npu_amp_tf import OptionError
+from conftest import TWO_CPUS
 
 v1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,6 +26,23 @@ except OptionError:
     K = None
 
 
+@functools.lru_cache(maxsize=None)
+def _mirrored():
+    """MirroredStrategy over the two logical CPUs of conftest (a real all-reduce).
+
+    One instance for the module: collective instance keys are allocated per
+    strategy object, and a second MirroredStrategy in the same process reuses
+    them, so TF aborts its collectives on a dtype mismatch between tests."""
+    assert len(tf.config.list_logical_devices("CPU")) == 2, "conftest sets 2 logical CPUs"
+    return tf.distribute.MirroredStrategy(TWO_CPUS)
+
+
+def _bad_on_replica_1(bad):
+    """inf on the second replica only: the replicas must agree to skip."""
+    rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return tf.where(tf.logical_and(bad, tf.equal(rid, 1)), np.float32(np.inf), 1.0)
+
+
 def _keras_step_fns(strategy, model, opt, x, y):
     @tf.function
     def step(bad):
@@ -32,7 +51,7 @@ def _keras_step_fns(strategy, model, opt, x, y):
                 per_ex = tf.square(model(x) - y)
                 loss = tf.nn.compute_average_loss(tf.reduce_mean(per_ex, 1),
                                                   global_batch_size=x.shape[0])
-                loss = loss * tf.where(bad, np.float32(np.inf), 1.0)
+                loss = loss * _bad_on_replica_1(bad)
             opt.minimize(loss, model.trainable_variables, tape=tape)
         strategy.run(replica_fn)
     return step
@@ -41,7 +60,7 @@ def _keras_step_fns(strategy, model, opt, x, y):
 @pytest.mark.skipif(K is None, reason="Keras 2 not available")
 @pytest.mark.parametrize("allreduce_dtype", ["float32", "float16"])
 def test_mirrored_strategy_keras_skip_and_options(allreduce_dtype):
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    strategy = _mirrored()
     x = np.random.RandomState(0).randn(8, 4).astype(np.float32)
     y = x.sum(1, keepdims=True)
     with strategy.scope():
@@ -65,7 +84,7 @@ def test_mirrored_strategy_keras_skip_and_options(allreduce_dtype):
 
 
 def test_mirrored_strategy_tf1_optimizer():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    strategy = _mirrored()
     with strategy.scope():
         w = tf.Variable([1.0, -1.0])
         opt = npu_amp_tf.AMP_Optimizer(v1.train.AdamOptimizer(0.1), decr_every_n_nan_or_inf=1)
@@ -75,7 +94,7 @@ def test_mirrored_strategy_tf1_optimizer():
     @tf.function
     def step(bad):
         def fn():
-            loss = tf.reduce_sum(w * w) * tf.where(bad, np.float32(np.inf), 1.0)
+            loss = tf.reduce_sum(w * w) * _bad_on_replica_1(bad)
             return opt.minimize(loss, var_list=[w], global_step=gs)
         strategy.run(fn)
 
@@ -260,7 +279,7 @@ def test_parameter_server_strategy_is_a_clear_error(tmp_path):
 
 
 def test_accumulation_under_a_strategy_is_a_clear_error():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    strategy = _mirrored()
     msg = "gradient_accumulation_steps=2 is not supported under MirroredStrategy yet; accepted there: 1"
     with strategy.scope():
         with pytest.raises(OptionError, match=msg):
@@ -278,3 +297,66 @@ def test_accumulation_under_a_strategy_is_a_clear_error():
 
     with pytest.raises(Exception, match=msg):
         step()
+
+
+def _keras3():
+    try:
+        import keras
+    except ImportError:
+        return None
+    return keras if int(keras.__version__.split(".")[0]) >= 3 else None
+
+
+@pytest.mark.skipif(_keras3() is None,
+                    reason=f"Keras 3 is not installed for TensorFlow {tf.__version__}")
+def test_mirrored_strategy_keras3_replicas_agree_on_overflow():
+    """Two replicas, inf on replica 1 only: both skip (weights, slots, iterations bit-identical
+    on every replica); model.fit under the strategy trains with the scale growing."""
+    keras = _keras3()
+    strategy = _mirrored()
+    x = np.random.RandomState(0).randn(8, 4).astype(np.float32)
+    y = x.sum(1, keepdims=True)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        opt = npu_amp_tf.AMP_Optimizer(keras.optimizers.Adam(0.05), decr_every_n_nan_or_inf=1)
+
+    @tf.function
+    def step(bad):
+        def replica_fn():
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(
+                    tf.reduce_mean(tf.square(model(x) - y), 1), global_batch_size=16)
+                loss = opt.scale_loss(loss * _bad_on_replica_1(bad))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+        strategy.run(replica_fn)
+
+    def per_replica_state():
+        out = []
+        for v in model.weights + opt.variables:
+            vals = [t.numpy() for t in strategy.experimental_local_results(v.value)]
+            assert len(vals) == 2
+            np.testing.assert_array_equal(vals[0], vals[1])  # replicas in sync
+            out.append(vals[0])
+        return out
+
+    step(tf.constant(False))
+    before = per_replica_state()
+    step(tf.constant(True))
+    for a, b in zip(before, per_replica_state()):
+        np.testing.assert_array_equal(a, b)
+    assert opt.loss_scale_manager.state()["loss_scale"] == 64.0 and int(opt.iterations.numpy()) == 1
+    step(tf.constant(False))
+    assert not np.array_equal(per_replica_state()[0], before[0])
+    st = opt.loss_scale_manager.state()
+    assert st["steps"] == 3 and st["skipped_steps"] == 1 and int(opt.iterations.numpy()) == 2
+
+    with strategy.scope():
+        model.compile(optimizer=npu_amp_tf.AMP_Optimizer(keras.optimizers.SGD(0.01),
+                                                         incr_every_n_steps=2), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)  # 2 replicas x 2 examples, 4 steps
+    assert model.optimizer.loss_scale_manager.state()["loss_scale"] == 128 * 4
+    with strategy.scope():
+        with pytest.raises(OptionError, match="allreduce_dtype='float16'.*Keras 3.*accepted"):
+            npu_amp_tf.AMP_Optimizer(keras.optimizers.SGD(0.01), allreduce_dtype="float16")

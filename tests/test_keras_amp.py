@@ -163,12 +163,21 @@ def test_keep_fp16_copies_and_errors():
         npu_amp_tf.AMP_Optimizer(K.optimizers.Adam(), decr_ratio=2)
 
 
-def test_keras3_optimizer_is_a_clear_error():
+def test_keras3_optimizer_goes_to_the_keras3_wrapper():
+    """Keras 2 and Keras 3 side by side (TF >= 2.16 with tf_keras): each optimizer gets the
+    wrapper of its own Keras (tests/test_keras3_amp.py covers the Keras 3 one)."""
     keras3 = pytest.importorskip("keras")
     if int(keras3.__version__.split(".")[0]) < 3:
-        pytest.skip("Keras 3 not installed (TF 2.15 ships Keras 2)")
-    with pytest.raises(OptionError, match="Keras 3 optimizer.*keras.mixed_precision.LossScaleOptimizer"):
-        npu_amp_tf.AMP_Optimizer(keras3.optimizers.Adam())
+        pytest.skip(f"Keras 3 is not installed for TensorFlow {tf.__version__} (it ships Keras 2)")
+    from npu_amp_tf.keras3 import _AmpKeras3Mixin
+    from npu_amp_tf.keras import _AmpKerasMixin
+
+    o3 = npu_amp_tf.keras.LossScaleOptimizer(keras3.optimizers.Adam())
+    o2 = npu_amp_tf.AMP_Optimizer(K.optimizers.Adam())
+    assert isinstance(o3, _AmpKeras3Mixin) and isinstance(o3, keras3.optimizers.Adam)
+    assert isinstance(o2, _AmpKerasMixin) and isinstance(o2, K.optimizers.Adam)
+    objs = npu_amp_tf.keras.custom_objects()   # one dict serves both load_model()s
+    assert objs["AMP_Adam"] is type(o2) and objs["npu_amp_tf>AMP_Adam"] is type(o3)
 
 
 def test_gradient_accumulation_equivalence_keras():

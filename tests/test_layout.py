@@ -1,7 +1,6 @@
 """The layout pass: counts on real graphs, numerical equivalence, padding hazard,
 golden structure, no-change in origin mode, idempotence, check_align."""
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,20 +12,16 @@ from graph_passes.graph import Graph
 from graph_passes.manager import run_passes
 from npu_amp_tf import ops  # noqa: F401  (registers TransData for running rewritten graphs)
 from npu_amp_tf.errors import NpuAmpError
+from npu_amp_tf.options import Options
 from npu_amp_tf.pipeline import rewrite_graph
 
 import layout_graphs as lg
 from conftest import TF_VERSION
 
-# Keras 3 (TF >= 2.16) renames layers (resnet50_1/...) and decomposes batch norm into
-# mul/sub/Rsqrt; the ResNet-50 count targets are stated for the Keras 2 graphs.
-keras2_resnet = pytest.mark.skipif(TF_VERSION >= (2, 16), reason=(
-    f"ResNet-50 targets are defined on Keras 2 graphs; TF {tf.__version__} ships Keras 3 "
-    "(unfused batch norm, other names) - not yet adapted"))
-
 FP32 = dict(format_mode="NC1HWC0", precision_mode="must_keep_origin_dtype", fail_on_error=True,
             validate_graph=True)
-OPTS = SimpleNamespace(format_mode="NC1HWC0", variable_format_optimize=False)
+OPTS = Options.from_kwargs(_source="test", _env=False, format_mode="NC1HWC0",
+                           variable_format_optimize=False)
 
 
 def boundary_names(gd, kind=None):
@@ -49,7 +44,12 @@ def resnet():
     return gd, gd2, rep, out
 
 
-@keras2_resnet
+def pooled(gd):
+    """The global-average-pool node (Keras 2: resnet50/avg_pool/Mean; Keras 3 renames layers)."""
+    (name,) = [n.name for n in gd.node if n.op == "Mean"]
+    return name
+
+
 def test_resnet50_inference_counts(resnet):
     gd, gd2, rep, _ = resnet
     act = boundary_names(gd2, "activation")
@@ -67,41 +67,50 @@ def test_resnet50_inference_counts(resnet):
     fb = rep.summary["formats_by_op"]   # the fusion pass may have fused Conv2D+BiasAdd
     assert sum(fb.get(op, {}).get("NC1HWC0", 0) for op in ("Conv2D", "_FusedConv2D")) == 53
     assert not any("origin" in fb.get(op, {}) for op in ("Conv2D", "_FusedConv2D", "MaxPool"))
-    assert rep.decisions["resnet50/avg_pool/Mean"]["format"] == "origin"
+    assert rep.decisions[pooled(gd)]["format"] == "origin"
+    if TF_VERSION >= (2, 16):
+        # Keras 3 lowers BatchNormalization to x * (gamma*rsqrt(var+eps)) + (beta - mean*...):
+        # per-channel Mul/AddV2 that stay in 5HD, one of each per batch norm
+        assert lg.count_op(gd, "FusedBatchNormV3") == 0
+        assert fb["Mul"] == {"NC1HWC0": 53} and fb["AddV2"]["NC1HWC0"] >= 53
 
 
-@keras2_resnet
 def test_resnet50_inference_numerics(resnet):
     gd, gd2, _, out = resnet
     x = np.random.RandomState(0).rand(1, 64, 64, 3).astype(np.float32)
-    pre = "resnet50/avg_pool/Mean"    # pooled features: before the softmax flattens differences
+    pre = pooled(gd)    # pooled features: before the softmax flattens differences
     a = lg.run_graph(gd, [out + ":0", pre + ":0"], {"x:0": x})
     b = lg.run_graph(gd2, [out + ":0", pre + ":0"], {"x:0": x})
     for u, v in zip(a, b):
         np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-6)
 
 
-@keras2_resnet
 def test_idempotent_and_origin_mode_is_a_no_op(resnet):
     gd, gd2, _, out = resnet
     again, rep = run_passes(gd2, ["layout"], OPTS, fetches=[out])
     assert again == gd2
     assert rep.summary["transdata_activation"] == 2
-    same, rep = run_passes(gd, ["layout"], SimpleNamespace(format_mode="origin"), fetches=[out])
+    same, rep = run_passes(gd, ["layout"], Options.from_kwargs(_source="test", _env=False, format_mode="origin"), fetches=[out])
     assert same == gd and "transdata_activation" not in rep.summary
     gd_o, _ = rewrite_graph(gd, fetches=[out], precision_mode="must_keep_origin_dtype")
     assert lg.count_op(gd_o, "TransData") == 0
 
 
-@keras2_resnet
 def test_resnet50_training_count_bounded():
     gd = lg.resnet50_training()
     gd2, rep = run_passes(gd, ["layout"], OPTS)
     s = rep.summary
     n_conv = lg.count_op(gd, "Conv2D")
-    # input, ->Mean, Mean-grad->5HD, and per conv the BiasAddGrad and ShapeN boundaries
-    # (measured: 106 for 53 convs); bounded at two per conv
-    assert 2 <= s["transdata_activation"] <= 2 * n_conv, s
+    if TF_VERSION < (2, 16):
+        # input, ->Mean, Mean-grad->5HD, and per conv the BiasAddGrad and ShapeN boundaries
+        # (measured: 106 for 53 convs); bounded at two per conv
+        assert 2 <= s["transdata_activation"] <= 2 * n_conv, s
+    else:
+        # Keras 3 trains batch norm through moments (Mean over N,H,W of x and of the squared
+        # difference) and its gradient through Sum/Tile: channel-preserving reductions, which
+        # the pass treats as padding hazards, so the 5HD region stops at each of them
+        # (measured on TF 2.21: 420 for 53 convs, ~8 per conv)
+        assert 2 * n_conv < s["transdata_activation"] <= 8 * n_conv, s
     # one FRACTAL_Z per filter read + one gradient back to HWCN per filter
     assert s["transdata_filter"] <= 2 * n_conv
     assert len([n for n in boundary_names(gd2, "filter") if n.endswith("FRACTAL_Z_to_HWCN")]) == n_conv
@@ -241,3 +250,23 @@ def test_check_align_tensor_shape_and_graph():
         npu_amp_tf.check_align("model.pb")
     with pytest.raises(NpuAmpError, match="float64"):
         npu_amp_tf.check_align(((1, 2, 2, 3), "float64"))
+
+
+def test_shape_inference_failure_is_reported_not_silent():
+    """An op TensorFlow does not know (no _output_shapes): TF refuses the graph, no shapes
+    are known, the conv keeps its layout - and the report says so."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [1, 8, 8, 16], name="x")
+        y = tf.nn.relu(x, name="r")
+        z = tf.nn.conv2d(y, tf.ones([3, 3, 16, 16]), 1, "SAME", name="conv")
+        tf.identity(z, name="out")
+    gd = g.as_graph_def()
+    for n in gd.node:
+        if n.name == "r":
+            n.op = "NpuAmpTestUnregisteredOp"   # not an op TF can import
+    gd2, rep = run_passes(gd, ["layout"], OPTS, fetches=["out"])
+    assert lg.count_op(gd2, "TransData") == 0
+    msgs = [w["message"] for w in rep.warnings if w["pass"] == "layout"]
+    assert len(msgs) == 1 and "without shapes" in msgs[0] and "conv" in msgs[0], rep.warnings
+    assert "NpuAmpTestUnregisteredOp" in msgs[0] or "could not import" in msgs[0]

@@ -75,7 +75,25 @@ def transdata_counts(graph) -> dict:
     return counts
 
 
-graph_shapes = _shapes.graph_shapes  # kept for callers
+def graph_shapes(graph, warn=None) -> dict:
+    """name -> [shape per output] of the graph as it is now (``_output_shapes``,
+    else grappler's inference through :class:`graph_passes.shapes.ShapeTable`).
+
+    Nodes whose shapes stay unknown (TF refused the graph: unknown ops, broken
+    function bodies) keep their original layout; ``warn(message)`` is told
+    which, and why, so the report says it instead of a silent no-op.
+    """
+    table = _shapes.ShapeTable(graph)
+    shapes = table.as_dict()
+    if warn is not None:
+        unknown = sorted(k for k, n in graph.nodes.items()
+                         if k not in shapes and graph.output_dtypes(n) != [])
+        if unknown:
+            warn(f"shape inference left {len(unknown)} node(s) without shapes (e.g. "
+                 f"{', '.join(unknown[:3])})" + (f": {table.error}" if table.error else
+                                                  ": TensorFlow could not infer them") +
+                 "; those nodes and the heavy ops they feed keep their original layout")
+    return shapes
 
 
 class _Ctx:
@@ -129,7 +147,7 @@ class LayoutPass(Pass):
             return stats
         self.g = graph
         self.ctx = ctx
-        self.c = _Ctx(graph, graph_shapes(graph))
+        self.c = _Ctx(graph, graph_shapes(graph, warn=ctx.warn))
         self.plan: dict[str, tuple[dict, dict]] = {}   # node -> (input roles, output roles)
         self.origin_reason: dict[str, str] = {}
         waste = align.analyze_graph(graph, self.c.shapes)

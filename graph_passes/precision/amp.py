@@ -96,6 +96,8 @@ FIXED_OPS = {
     "Case": "function call", "StatelessCase": "function call",
     "SymbolicGradient": "function call",
     "TransData": "layout conversion placed after the precision pass: keeps its dtype",
+    "Bitcast": "reinterprets its input's bits: another input dtype changes the values and "
+               "the shape (Keras 3 argmax/accuracy bitcast float32 logits)",
 }
 # ops that hold the FP32 master weights: their reads neither vote nor change
 VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp", "ReadVariableOp",
@@ -344,7 +346,9 @@ class PrecisionPass(Pass):
         if node.attr["dtype"].type == FP32 and dt != FP32:
             from tensorflow.python.framework import tensor_util
             arr = tensor_util.MakeNdarray(node.attr["value"].tensor)
-            low = arr.astype(_np_dtype(dt))
+            # the overflow is what we are testing for: not a warning for the user's console
+            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+                low = arr.astype(_np_dtype(dt))
             under = (arr != 0) & (low.astype(np.float32) == 0)
             over = np.isfinite(arr) & ~np.isfinite(low.astype(np.float32))
             if under.any():
