@@ -131,6 +131,7 @@ def session_config(base=None, **params):
     for toggle in DISABLED_TOGGLES:
         setattr(rw, toggle, OFF)
     rw.disable_meta_optimizer = False
+    apply_ge_keys(cfg, opts)
 
     if npu_bridge_available():
         old = _pop_entries(rw, NPU_BRIDGE_OPTIMIZER)
@@ -148,6 +149,26 @@ def session_config(base=None, **params):
         if opts.modify_mixlist:
             npu.parameter_map["modify_mixlist"].s = opts.modify_mixlist.encode()
         rw.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    return cfg
+
+
+def apply_ge_keys(cfg, opts: Options):
+    """The GE keys that act on the ConfigProto itself: ``memory_optimize`` /
+    ``buffer_optim`` set ``rewrite_options.memory_optimization``
+    (:func:`npu_amp_tf.options.memory_optimization_of`); ``loss_scale`` (CANN
+    AMP guide) becomes the default manager of later ``AMP_Optimizer`` calls."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    from .options import memory_optimization_of
+
+    mem = memory_optimization_of(opts.ge)
+    if mem is not None:
+        cfg.graph_options.rewrite_options.memory_optimization = getattr(
+            rewriter_config_pb2.RewriterConfig, mem)
+    if "loss_scale" in opts.ge:
+        from . import loss_scale as _ls
+
+        _ls.set_default_loss_scale(opts.ge["loss_scale"])
     return cfg
 
 
