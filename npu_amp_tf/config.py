@@ -44,6 +44,36 @@ def npu_bridge_available() -> bool:
         return False
 
 
+_alias_state = {"done": False, "registered": False}
+
+
+def register_npu_optimizer_alias() -> bool:
+    """Make grappler run the pipeline for ``"NpuOptimizer"`` entries too (a
+    hand-written tf_adapter entry), unless Huawei's ``npu_bridge`` is
+    installed (then its GE optimizer owns the name).  Idempotent; called by
+    ``import npu_amp_tf``.  Returns True when the alias is active."""
+    import ctypes
+
+    if _alias_state["done"]:
+        return _alias_state["registered"]
+    _alias_state["done"] = True
+    if npu_bridge_available():
+        log.info("npu_amp_tf: Huawei npu_bridge is installed; 'NpuOptimizer' entries go to GE")
+        return False
+    from . import bridge
+
+    try:
+        lib = bridge.library()
+    except Exception as exc:  # noqa: BLE001 - no build: the import-time warning already says so
+        log.debug("npu_amp_tf: NpuOptimizer alias not registered: %s", exc)
+        return False
+    fn = lib.NpuAmpRegisterAlias
+    fn.argtypes, fn.restype = [ctypes.c_char_p], ctypes.c_int
+    rc = fn(NPU_BRIDGE_OPTIMIZER.encode())
+    _alias_state["registered"] = rc in (0, 1)
+    return _alias_state["registered"]
+
+
 def _pop_entries(rewrite_options, name):
     """Remove every custom_optimizers entry called ``name``; return copies."""
     popped = []
@@ -293,4 +323,5 @@ def amp_scope(**params):
 
 
 __all__ = ["session_config", "enable", "disable", "amp_scope", "enabled_params", "entry_params",
+           "register_npu_optimizer_alias", "apply_ge_keys",
            "npu_bridge_available", "OPTIMIZER_NAME", "DISABLED_TOGGLES"]
