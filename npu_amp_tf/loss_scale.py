@@ -115,7 +115,10 @@ class LossScaleManager(tf.Module):
             if graph is not None and self._tf_adapter_names:
                 # tf_adapter layout: the scale is `loss_scale:0` at the scope
                 # the manager is built in (scripts fetch it by that name)
-                self.loss_scale = self._var("loss_scale", tf.float32, self._init_scale, kw)
+                # `loss_scale:0` is a read of the (resource) variable, so that
+                # fetching it gives the value, as tf_adapter's ref variable does
+                self.loss_scale = self._var("loss_scale_value", tf.float32, self._init_scale, kw)
+                self.loss_scale_tensor = tf.identity(self.loss_scale, name="loss_scale")
             with (tf.compat.v1.variable_scope(
                     None, default_name=self.name + ("_state" if self._tf_adapter_names else ""))
                   if graph is not None else _null()):
