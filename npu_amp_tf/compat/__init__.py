@@ -139,4 +139,49 @@ def plugin_everywhere(**params):
                 os.environ[k] = v
 
 
-__all__ = ["install", "uninstall", "installed", "real_adapter", "plugin_everywhere", "SHIM_DIR"]
+def run_script(script: str, script_args=(), params=None) -> int:
+    """``npu-amp run``: run ``script`` as ``__main__`` with ``sys.argv =
+    [script, *script_args]`` and its directory first on ``sys.path`` (as
+    ``python script.py`` does), after :func:`install` and, with ``params``,
+    inside :func:`plugin_everywhere`.  Returns the script's exit status (an
+    uncaught exception prints its traceback and gives 1, as Python does)."""
+    import runpy
+    import traceback
+
+    from ..errors import NpuAmpError
+
+    class ScriptError(NpuAmpError):
+        pass
+
+    if not os.path.isfile(script):
+        raise ScriptError(f"script '{script}' does not exist (npu-amp run SCRIPT [script args]; "
+                          "accepted: a path to a .py file)")
+    install(verbose=True)
+    script = os.path.abspath(script)
+    old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
+    sys.argv = [script] + list(script_args)
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        with plugin_everywhere(**(params or {})):
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as exc:
+                code = exc.code
+                if code is None:
+                    return 0
+                if isinstance(code, int):
+                    return code
+                print(code, file=sys.stderr)
+                return 1
+            except BaseException:  # noqa: BLE001 - the script's own error, shown as Python would
+                traceback.print_exc()
+                return 1
+        return 0
+    finally:
+        sys.argv = old_argv
+        if sys.path and sys.path[0] == os.path.dirname(script):
+            del sys.path[0]
+        _ = old_path0
+
+
+__all__ = ["run_script", "install", "uninstall", "installed", "real_adapter", "plugin_everywhere", "SHIM_DIR"]
