@@ -427,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="the training script (.py)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     _rewrite_args(p)
+    from .options import add_cli_arguments
+
+    add_cli_arguments(p.add_argument_group("reports"), ["report_path"])
 
     p = _sub(subs, "demo", cmd_demo,
              "train an embedded model in FP32 and with the plugin; print report, loss-scale history, losses",

@@ -15,6 +15,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--fp32", action="store_true", help="plain FP32 session (reference)")
 parser.add_argument("--exit-code", type=int, default=0)
+parser.add_argument("--bad-key", action="store_true", help="a misspelled GE key in the entry")
 args = parser.parse_args()
 
 tf.disable_eager_execution()  # noqa: F405
@@ -33,8 +34,7 @@ loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, l
 
 opt = tf.train.GradientDescentOptimizer(0.1)  # noqa: F405
 if not args.fp32:
-    manager = ExponentialUpdateLossScaleManager(init_loss_scale=2**32, incr_every_n_steps=1000,  # noqa: F405
-                                                decr_every_n_nan_or_inf=2, decr_ratio=0.5)
+    manager = ExponentialUpdateLossScaleManager(init_loss_scale=2**32, incr_every_n_steps=1000)  # noqa: F405
     opt = NPULossScaleOptimizer(opt, manager, is_distributed=False)  # noqa: F405
 train_op = opt.minimize(loss)
 
@@ -45,6 +45,8 @@ custom_op.parameter_map["use_off_line"].b = True
 custom_op.parameter_map["mix_compile_mode"].b = False
 custom_op.parameter_map["enable_data_pre_proc"].b = True
 custom_op.parameter_map["iterations_per_loop"].i = 1
+if args.bad_key:
+    custom_op.parameter_map["use_of_line"].b = True
 custom_op.parameter_map["precision_mode"].s = tf.compat.as_bytes(  # noqa: F405
     "must_keep_origin_dtype" if args.fp32 else "allow_mix_precision")
 config.graph_options.rewrite_options.remapping = RewriterConfig.OFF  # noqa: F405
@@ -57,8 +59,8 @@ with tf.Session(config=config) as sess:  # noqa: F405
         if args.fp32:
             _, l = sess.run([train_op, loss], {x: x_np, y: y_np})
         else:
-            _, l, s, f = sess.run([train_op, loss, "loss_scale:0", "overflow_status_reduce_all:0"],
-                                  {x: x_np, y: y_np})
+            s = sess.run("loss_scale:0")  # the scale this step is taken with
+            _, l, f = sess.run([train_op, loss, "overflow_status_reduce_all:0"], {x: x_np, y: y_np})
             out["loss_scale"].append(float(s))
             out["finite"].append(bool(f))
         out["losses"].append(float(l))

@@ -112,6 +112,7 @@ class NPURunConfig(tf.estimator.RunConfig if hasattr(tf, "estimator") else objec
                               "no longer ships (removed in 2.16); use TensorFlow <= 2.15")
         given = dict(locals())
         given.pop("self")
+        given.pop("__class__", None)
         defaults = {k: p.default for k, p in inspect.signature(NPURunConfig.__init__).parameters.items()
                     if k != "self"}
         params = {}
