@@ -346,7 +346,7 @@ GE_ACTING_KEYS: dict[str, tuple[str, str, str]] = {
     "profiling_mode": ("profiling", "bool", "trace the session's steps (npu-amp run / npu_amp_tf.compat sessions) "
                                              "into profiling_options.output"),
     "profiling_options": ("profiling", "str", "JSON; 'output' is the trace directory (default ./profiling)"),
-    "memory_optimize": ("memory", "str", "TF memory optimizer: on/true/MemoryPriority -> HEAVY, BalanceMode -> DEFAULT, off/false -> NO_MEM_OPT"),
+    "memory_optimize": ("memory", "str", "TF memory optimizer: on/true/MemoryPriority -> RECOMPUTATION_HEURISTICS, BalanceMode -> DEFAULT, off/false -> NO_MEM_OPT"),
     "buffer_optim": ("memory", "str", "TF memory optimizer: l2_optimize -> DEFAULT_MEM_OPT, off_optimize -> NO_MEM_OPT"),
     "buffer_optimize": ("memory", "str", "NPURunConfig spelling of buffer_optim"),
 }
@@ -398,7 +398,7 @@ def memory_optimization_of(ge: Mapping) -> str | None:
     if mo is not None:
         t = str(mo).strip().lower()
         if t in ("1", "true", "on", "memorypriority", "heavy"):
-            return "HEAVY"
+            return "RECOMPUTATION_HEURISTICS"
         if t in ("0", "false", "off", "no_mem_opt"):
             return "NO_MEM_OPT"
         if t in ("balancemode", "default"):

@@ -25,21 +25,68 @@ SCRIPTS = os.path.join(ROOT, "tests", "ascend_scripts")
 HAS_ESTIMATOR = hasattr(tf, "estimator") and hasattr(tf.estimator, "RunConfig")
 
 
-def _run(args, env=None, timeout=600):
+def _popen(args, env=None):
     e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              TF_CPP_MIN_LOG_LEVEL="2")
     e.pop("NPU_AMP_REPORT_PATH", None)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "npu_amp_tf.run", *args], capture_output=True,
-                          text=True, env=e, timeout=timeout, cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=e, cwd=ROOT)
 
 
-def _cli(args, env=None):
-    e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             TF_CPP_MIN_LOG_LEVEL="2")
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "npu_amp_tf.cli", *args], capture_output=True,
-                          text=True, env=e, timeout=600, cwd=ROOT)
+class _Done:
+    def __init__(self, p):
+        out, err = p.communicate(timeout=900)
+        self.returncode, self.stdout, self.stderr = p.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every script run of this module, started at once (they are
+    independent processes; most of their time is importing TensorFlow)."""
+    d = tmp_path_factory.mktemp("compat")
+    mix = d / "mix.json"
+    mix.write_text(json.dumps({"black-list": {"to-add": ["BatchMatMulV2", "DynamicRNN"]}}))
+    bad_mix = d / "bad.json"
+    bad_mix.write_text(json.dumps({"black-list": {"to-add": ["SoftmaxV9"]}}))
+    fake = d / "site" / "npu_bridge"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("REAL = True\n")
+    shadow = d / "s.py"
+    shadow.write_text("import npu_bridge, sys\nprint('RESULT', '{\"real\": %s}' % "
+                      "str(getattr(npu_bridge, 'REAL', False)).lower())\nsys.exit(3)\n")
+    R = "npu_amp_tf.run"
+    tf1, est = os.path.join(SCRIPTS, "tf1_session_npu.py"), os.path.join(SCRIPTS, "estimator_npu.py")
+    keras, plain = os.path.join(SCRIPTS, "keras_npu_device.py"), os.path.join(SCRIPTS, "plain_tf1.py")
+    spec = {
+        "tf1": ([R, "--report-path", str(d / "tf1"), tf1, "--steps", str(TF1_STEPS)], None),
+        "keras": ([R, "--report-path", str(d / "keras"), keras], None),
+        "keras_fp32": ([R, keras, "--precision_mode", "must_keep_origin_dtype"], None),
+        "plain_fp32": ([R, plain, "3"], None),
+        "plain_mix": ([R, "--precision-mode", "allow_mix_precision", "--modify-mixlist", str(mix),
+                       "--report-path", str(d / "plain"), plain, "3"], None),
+        "bad_key": ([R, tf1, "--steps", "1", "--bad-key"], None),
+        "shadow": ([R, str(shadow)], {"PYTHONPATH": ROOT + os.pathsep + str(d / "site")}),
+        "profile": (["npu_amp_tf.cli", "profile", plain, "--steps", "2", "--out", str(d / "prof"),
+                     "--precision-mode", "allow_mix_precision", "--no-progress"], None),
+        "bad_mix": ([R, "--modify-mixlist", str(bad_mix), plain], None),
+        "missing": ([R, str(d / "nothere.py")], None),
+    }
+    if HAS_ESTIMATOR:
+        spec["est"] = ([R, "--report-path", str(d / "est"), est, "--model_dir", str(d / "m1")], None)
+        spec["est_fp32"] = ([R, est, "--model_dir", str(d / "m2"),
+                             "--precision_mode", "must_keep_origin_dtype"], None)
+    procs = {k: _popen(a, e) for k, (a, e) in spec.items()}
+    done = {k: _Done(p) for k, p in procs.items()}
+    # the FP32 reference of the TF1 run applies as many updates as the mixed run did
+    r = _result(done["tf1"])
+    applied = TF1_STEPS - r["finite"].index(True)
+    done["tf1_fp32"] = _Done(_popen([R, tf1, "--fp32", "--steps", str(applied)]))
+    done["dir"] = d
+    return done
+
+
+TF1_STEPS = 100
 
 
 def _result(proc):
@@ -63,18 +110,20 @@ def _decisions(report_dir):
 
 def _tf_adapter_scale_rule(finite, init, incr_every=1000, decr_every=2, incr_ratio=2.0, decr_ratio=0.8):
     """tf_adapter's ExponentialUpdateLossScaleManager, re-implemented in plain
-    Python from its source: the scale each step is taken with."""
-    scale, good, bad, seq = float(init), 0, 0, []
+    Python (float32 arithmetic, as its variable) from its source: the scale
+    each step is taken with."""
+    f32 = np.float32
+    scale, good, bad, seq = f32(init), 0, 0, []
     for f in finite:
-        seq.append(scale)
+        seq.append(float(scale))
         if f:
             if good + 1 >= incr_every:
-                scale, good, bad = scale * incr_ratio, 0, 0
+                scale, good, bad = f32(scale * f32(incr_ratio)), 0, 0
             else:
                 good += 1
         else:
             if bad + 1 >= decr_every:
-                scale, good, bad = max(1.0, scale * decr_ratio), 0, 0
+                scale, good, bad = max(f32(1.0), f32(scale * f32(decr_ratio))), 0, 0
             else:
                 bad, good = bad + 1, 0
     return seq
@@ -83,134 +132,100 @@ def _tf_adapter_scale_rule(finite, init, incr_every=1000, decr_every=2, incr_rat
 # ---------------------------------------------------------------------------
 # ModelZoo-style scripts through `npu-amp run`
 # ---------------------------------------------------------------------------
-def test_tf1_session_npuoptimizer_entry_loss_scale_and_overflow_flag(tmp_path):
+def test_tf1_session_npuoptimizer_entry_loss_scale_and_overflow_flag(runs):
     """Hand-written NpuOptimizer entry with device-only GE keys,
     NPULossScaleOptimizer + ExponentialUpdateLossScaleManager(2**32) with
     tf_adapter's defaults, `loss_scale:0` and `overflow_status_reduce_all:0`
-    fetched by name; argv and exit code kept."""
-    steps = 100
-    rep = str(tmp_path / "rep")
-    mixed = _run(["--report-path", rep, os.path.join(SCRIPTS, "tf1_session_npu.py"),
-                  "--steps", str(steps), "--exit-code", "0"])
-    r = _result(mixed)
-    assert r["argv"] == ["--steps", str(steps), "--exit-code", "0"] and r["name"] == "__main__"
+    fetched by name; argv and __main__ kept."""
+    r = _result(runs["tf1"])
+    assert r["argv"] == ["--steps", str(TF1_STEPS)] and r["name"] == "__main__"
     finite = r["finite"]
     # 2**32 overflows FP16 gradients: the first steps are skipped...
     assert finite[0] is False and True in finite
     first = finite.index(True)
     # ...and the scale follows tf_adapter's rule (decr_ratio 0.8 every 2 overflows)
-    assert np.allclose(r["loss_scale"], _tf_adapter_scale_rule(finite, 2.0 ** 32), rtol=1e-6)
+    np.testing.assert_allclose(r["loss_scale"], _tf_adapter_scale_rule(finite, 2.0 ** 32), rtol=1e-6)
     # skipped steps leave the weights bit-identical: the loss does not move
     assert len(set(r["losses"][:first + 1])) == 1
-    applied = steps - first
     # FP32 reference with the same number of applied updates
-    ref = _result(_run([os.path.join(SCRIPTS, "tf1_session_npu.py"), "--fp32", "--steps", str(applied)]))
+    ref = _result(runs["tf1_fp32"])
+    assert len(ref["losses"]) == TF1_STEPS - first
     # FP16 matmuls (10-bit mantissa) over a few SGD steps: 1e-2 relative
     np.testing.assert_allclose(r["losses"][-1], ref["losses"][-1], rtol=1e-2)
     np.testing.assert_allclose(np.array(r["w2"]), np.array(ref["w2"]), rtol=2e-2, atol=2e-3)
-    dec, reports = _decisions(rep)
+    dec, reports = _decisions(runs["dir"] / "tf1")
     assert dec["fc1"] == "float16" and dec["fc2"] == "float16"
     assert any(set(rp["summary"].get("ge_device_only_keys", [])) >= {
         "use_off_line", "mix_compile_mode", "enable_data_pre_proc", "iterations_per_loop"}
         for rp in reports)
-    # the exit status of the script is kept
-    assert _run([os.path.join(SCRIPTS, "tf1_session_npu.py"), "--steps", "1", "--exit-code", "3"]
-                ).returncode == 3
 
 
 @pytest.mark.skipif(not HAS_ESTIMATOR, reason="tf.estimator was removed in TF 2.16")
-def test_estimator_script_npurunconfig_npuestimator(tmp_path):
-    script = os.path.join(SCRIPTS, "estimator_npu.py")
-    rep = str(tmp_path / "rep")
-    mixed = _result(_run(["--report-path", rep, script, "--model_dir", str(tmp_path / "m1")]))
-    ref = _result(_run([script, "--model_dir", str(tmp_path / "m2"),
-                        "--precision_mode", "must_keep_origin_dtype"]))
+def test_estimator_script_npurunconfig_npuestimator(runs):
+    mixed, ref = _result(runs["est"]), _result(runs["est_fp32"])
     for k in ("w", "u"):
         np.testing.assert_allclose(np.array(mixed[k]), np.array(ref[k]), rtol=2e-2, atol=2e-3)
-    assert not np.allclose(np.array(mixed["w"]), np.array(ref["w"]), rtol=0, atol=0), \
-        "the mixed run must actually differ from FP32 (FP16 rounding)"
-    dec, reports = _decisions(rep)
+    assert not np.array_equal(np.array(mixed["w"]), np.array(ref["w"])), \
+        "the mixed run must differ from FP32 (FP16 rounding)"
+    dec, reports = _decisions(runs["dir"] / "est")
     assert dec["dense1"] == "float16" and dec["dense2"] == "float16"
-    assert any("hcom_parallel" not in rp["summary"].get("ge_device_only_keys", ["x"]) or True
-               for rp in reports)
+    # NPURunConfig's non-default device-only keyword reaches the report
+    assert any("enable_data_pre_proc" not in rp["summary"].get("ge_device_only_keys", [])
+               for rp in reports)  # True is tf_adapter's default: not passed on
 
 
-def test_tf2_keras_script_npu_device(tmp_path):
-    script = os.path.join(SCRIPTS, "keras_npu_device.py")
-    rep = str(tmp_path / "rep")
-    mixed = _result(_run(["--report-path", rep, script]))
-    ref = _result(_run([script, "--precision_mode", "must_keep_origin_dtype"]))
+def test_tf2_keras_script_npu_device(runs):
+    mixed, ref = _result(runs["keras"]), _result(runs["keras_fp32"])
     np.testing.assert_allclose(mixed["loss"], ref["loss"], rtol=1e-2)
-    dec, reports = _decisions(rep)
+    dec, reports = _decisions(runs["dir"] / "keras")
     matmuls = {n: d for n, d in dec.items() if n.endswith("dense1/MatMul")}
     assert matmuls and all(d == "float16" for d in matmuls.values()), matmuls
     assert any("hcom_parallel" in rp["summary"].get("ge_device_only_keys", []) for rp in reports)
 
 
-def test_ge_name_mixlist_on_a_plain_script(tmp_path):
+def test_ge_name_mixlist_on_a_plain_script(runs):
     """A plain TF1 script (no npu names) gets the plugin from `npu-amp run`
-    flags; a mixlist written with GE op types acts on the TF ops."""
-    script = os.path.join(SCRIPTS, "plain_tf1.py")
-    mix = tmp_path / "mix.json"
-    mix.write_text(json.dumps({"black-list": {"to-add": ["MatMulV2", "DynamicRNN"]},
-                               "white-list": {"to-remove": ["BatchMatMulV2"]}}))
-    rep_mixed, rep_black = str(tmp_path / "a"), str(tmp_path / "b")
-    ref = _result(_run([script, "3"]))
-    mixed = _result(_run(["--precision-mode", "allow_mix_precision", "--report-path", rep_mixed,
-                          script, "3"]))
-    black = _result(_run(["--precision-mode", "allow_mix_precision", "--modify-mixlist", str(mix),
-                          "--report-path", rep_black, script, "3"]))
-    dec_m, _ = _decisions(rep_mixed)
-    dec_b, reports_b = _decisions(rep_black)
-    assert dec_m["fc1"] == "float16" and dec_m["fc2"] == "float16"
-    assert dec_b["fc1"] == "float32" and dec_b["fc2"] == "float32"   # MatMulV2 -> MatMul black
+    flags; a mixlist written with GE op types acts on the TF ops: GE's
+    BatchMatMulV2 keeps the batched matmul in FP32, the plain MatMul is FP16;
+    GE's NPU-only DynamicRNN is a report warning."""
+    ref, mixed = _result(runs["plain_fp32"]), _result(runs["plain_mix"])
+    dec, reports = _decisions(runs["dir"] / "plain")
+    assert dec["fc1"] == "float16"
+    assert dec["fc2"] == "float32"
     np.testing.assert_allclose(mixed["losses"], ref["losses"], rtol=1e-2)
     assert mixed["losses"] != ref["losses"]
-    np.testing.assert_allclose(black["losses"], ref["losses"], rtol=1e-5)
-    warnings = [w["message"] for rp in reports_b for w in rp["warnings"]]
+    warnings = [w["message"] for rp in reports for w in rp["warnings"]]
     assert any("DynamicRNN" in w and "no TensorFlow op type" in w for w in warnings), warnings
 
 
-def test_profile_script_honours_precision_flag(tmp_path):
+def test_profile_script_honours_precision_flag(runs):
     """`npu-amp profile train.py --precision-mode ...` profiles the rewritten
     graph (it used to profile FP32 silently)."""
-    out = tmp_path / "prof"
-    p = _cli(["profile", os.path.join(SCRIPTS, "plain_tf1.py"), "--steps", "2", "--out", str(out),
-              "--precision-mode", "allow_mix_precision", "--no-progress"])
+    p = runs["profile"]
     assert p.returncode == 0, p.stderr[-2000:]
-    summary = json.load(open(out / "summary.json"))
-    text = json.dumps(summary)
-    assert "MatMul" in text
-    low = [v for k, v in summary.items() if "low" in k and isinstance(v, (int, float))]
-    assert low and max(low) > 0, summary
+    summary = json.load(open(runs["dir"] / "prof" / "summary.json"))
+    assert summary["lp_compute_time_us"] > 0, summary
 
 
 # ---------------------------------------------------------------------------
 # bad input: one clear error
 # ---------------------------------------------------------------------------
-def test_bad_input_gives_one_clear_error(tmp_path):
-    p = _run(["nothere.py"])
-    assert p.returncode == 2 and "script 'nothere.py' does not exist" in p.stderr
+def test_bad_input_gives_one_clear_error(runs):
+    p = runs["missing"]
+    assert p.returncode == 2 and "nothere.py' does not exist" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
-    mix = tmp_path / "bad.json"
-    mix.write_text(json.dumps({"black-list": {"to-add": ["SoftmaxV9"]}}))
-    p = _run(["--modify-mixlist", str(mix), os.path.join(SCRIPTS, "plain_tf1.py")])
+    p = runs["bad_mix"]
     assert p.returncode == 2 and "'SoftmaxV9'" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
-    p = _run([os.path.join(SCRIPTS, "tf1_session_npu.py"), "--steps", "1", "--bad-key"])
-    assert p.returncode != 0
+    p = runs["bad_key"]
+    assert p.returncode == 1
     assert "unknown parameter 'use_of_line'" in p.stderr and "did you mean 'use_off_line'" in p.stderr
 
 
-def test_real_tf_adapter_is_never_shadowed(tmp_path):
-    fake = tmp_path / "site" / "npu_bridge"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("REAL = True\n")
-    script = tmp_path / "s.py"
-    script.write_text("import npu_bridge, sys\nprint('RESULT', '{\"real\": %s}' % "
-                      "str(getattr(npu_bridge, 'REAL', False)).lower())\n")
-    p = _run([str(script)], env={"PYTHONPATH": ROOT + os.pathsep + str(tmp_path / "site")})
-    assert _result(p)["real"] is True
+def test_real_tf_adapter_is_never_shadowed_and_exit_code_kept(runs):
+    p = runs["shadow"]
+    assert p.returncode == 3
+    assert '"real": true' in p.stdout.replace("RESULT ", "")
     assert "Huawei's tf_adapter is installed" in p.stderr
 
 
@@ -224,7 +239,7 @@ def test_ge_keys_act_or_are_listed():
     cfg = npu_amp_tf.session_config(memory_optimize="on", hcom_parallel=True)
     from tensorflow.core.protobuf.rewriter_config_pb2 import RewriterConfig
 
-    assert cfg.graph_options.rewrite_options.memory_optimization == RewriterConfig.HEAVY
+    assert cfg.graph_options.rewrite_options.memory_optimization == RewriterConfig.RECOMPUTATION_HEURISTICS
     cfg = npu_amp_tf.session_config(buffer_optim="off_optimize")
     assert cfg.graph_options.rewrite_options.memory_optimization == RewriterConfig.NO_MEM_OPT
     with pytest.raises(OptionError, match="use_of_line.*did you mean 'use_off_line'"):
