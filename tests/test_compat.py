@@ -178,7 +178,9 @@ def test_tf2_keras_script_npu_device(runs):
     mixed, ref = _result(runs["keras"]), _result(runs["keras_fp32"])
     np.testing.assert_allclose(mixed["loss"], ref["loss"], rtol=1e-2)
     dec, reports = _decisions(runs["dir"] / "keras")
-    matmuls = {n: d for n, d in dec.items() if n.endswith("dense1/MatMul")}
+    # Keras 2 names the op .../dense1/MatMul, Keras 3 .../dense1_1/MatMul
+    matmuls = {n: d for n, d in dec.items()
+               if "dense1" in n and n.rsplit("/", 1)[-1].startswith("MatMul")}
     assert matmuls and all(d == "float16" for d in matmuls.values()), matmuls
     assert any("hcom_parallel" in rp["summary"].get("ge_device_only_keys", []) for rp in reports)
 
@@ -211,12 +213,13 @@ def test_profile_script_honours_precision_flag(runs):
 # bad input: one clear error
 # ---------------------------------------------------------------------------
 def test_bad_input_gives_one_clear_error(runs):
+    # (TF >= 2.16 prints a few C++ log lines while it is imported: look at ours)
     p = runs["missing"]
-    assert p.returncode == 2 and "nothere.py' does not exist" in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+    ours = [ln for ln in p.stderr.splitlines() if ln.startswith("npu-amp")]
+    assert p.returncode == 2 and len(ours) == 1 and "nothere.py' does not exist" in ours[0]
     p = runs["bad_mix"]
-    assert p.returncode == 2 and "'SoftmaxV9'" in p.stderr, p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+    ours = [ln for ln in p.stderr.splitlines() if ln.startswith("npu-amp")]
+    assert p.returncode == 2 and len(ours) == 1 and "'SoftmaxV9'" in ours[0], p.stderr
     p = runs["bad_key"]
     assert p.returncode == 1
     assert "unknown parameter 'use_of_line'" in p.stderr and "did you mean 'use_off_line'" in p.stderr
