@@ -396,3 +396,60 @@ def test_run_errors_are_npu_amp_errors():
 
     with pytest.raises(NpuAmpError, match="does not exist"):
         run_script("/nonexistent/train.py")
+
+
+def _tiny_graph():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 4], name="x")
+        w = tf.constant(np.ones((4, 4), np.float32), name="w")
+        tf.nn.relu(tf.matmul(x, w, name="mm"), name="y")
+    return g
+
+
+def test_ge_dump_keys_write_the_graphs(tmp_path):
+    """enable_dump + dump_path: the graph before / after the rewrite and the
+    report land in dump_path/<graph>/."""
+    from npu_amp_tf import pipeline
+
+    opts = Options.from_kwargs(_groups=("rewrite",), enable_dump=True, dump_path=str(tmp_path),
+                               dump_step="0|5", dump_mode="all")
+    out, rep = pipeline.optimize(_tiny_graph().as_graph_def(), opts, fetches=["y"], graph_name="g1")
+    d = tmp_path / "g1"
+    assert rep.summary["ge_dump"] == str(d)
+    from tensorflow.core.framework import graph_pb2
+
+    after = graph_pb2.GraphDef.FromString((d / "after.pb").read_bytes())
+    before = graph_pb2.GraphDef.FromString((d / "before.pb").read_bytes())
+    assert any(n.op == "Cast" for n in after.node) and not any(n.op == "Cast" for n in before.node)
+    assert json.load(open(d / "meta.json"))["dump_step"] == "0|5"
+    assert json.load(open(d / "report.json"))["decisions"]["mm"]["dtype"] == "float16"
+
+
+def test_profiling_mode_entry_traces_the_session(tmp_path):
+    """profiling_mode in an NpuOptimizer entry (compat session hook) writes the
+    profile tool's files to profiling_options.output."""
+    from npu_amp_tf.compat import _sessions
+
+    g = _tiny_graph()
+    cfg = tf.compat.v1.ConfigProto()
+    e = cfg.graph_options.rewrite_options.custom_optimizers.add()
+    e.name = "NpuOptimizer"
+    e.parameter_map["profiling_mode"].b = True
+    e.parameter_map["profiling_options"].s = json.dumps({"output": str(tmp_path / "p")}).encode()
+    e.parameter_map["buffer_optim"].s = b"off_optimize"
+    _sessions.patch()
+    try:
+        with tf.compat.v1.Session(graph=g, config=cfg) as sess:
+            from tensorflow.core.protobuf.rewriter_config_pb2 import RewriterConfig
+
+            for _ in range(3):
+                sess.run("y:0", {"x:0": np.ones((2, 4), np.float32)})
+            used = sess._config.graph_options.rewrite_options  # pylint: disable=protected-access
+            assert used.memory_optimization == RewriterConfig.NO_MEM_OPT
+            assert used.remapping == RewriterConfig.OFF
+    finally:
+        _sessions.unpatch()
+    summary = json.load(open(tmp_path / "p" / "summary.json"))
+    assert summary["steps"] == 2 and summary["lp_compute_time_us"] > 0
+    assert (tmp_path / "p" / "timeline.json").exists()
