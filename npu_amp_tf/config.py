@@ -115,6 +115,13 @@ def session_config(base=None, **params):
       nodes back.
     * ``rewrite_options.disable_meta_optimizer`` is set to ``False`` if it was
       ``True`` (with the meta-optimizer off no custom optimizer runs).
+    * Without Huawei's ``npu_bridge``: an ``NpuOptimizer`` entry in ``base``
+      (tf_adapter's, run by this plugin under that name too) is removed and
+      its parameters (GE keys included) are folded into ours, the explicit
+      ``params`` winning, so the pipeline runs once.
+    * GE's ``memory_optimize`` / ``buffer_optim`` set
+      ``rewrite_options.memory_optimization``; ``loss_scale`` sets the default
+      manager of later ``AMP_Optimizer`` calls (:func:`apply_ge_keys`).
     * Only when Huawei's ``npu_bridge`` is importable: an ``NpuOptimizer``
       entry is placed *after* ``NpuAmpOptimizer`` (an existing one is moved
       there and keeps its other parameters) with the same ``precision_mode``
@@ -128,7 +135,7 @@ def session_config(base=None, **params):
     """
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
-    opts = _validated(params, "session_config")
+    _validated(params, "session_config")
     from . import bridge
 
     bridge.ensure_registered()
@@ -145,6 +152,17 @@ def session_config(base=None, **params):
                               "tf.compat.v1.ConfigProto (or its serialized bytes) or None")
     rw = cfg.graph_options.rewrite_options
     OFF = rewriter_config_pb2.RewriterConfig.OFF
+    if not npu_bridge_available():
+        # tf_adapter's entry in `base` would run the pipeline a second time
+        # through the NpuOptimizer alias: fold its parameters into ours
+        # (the explicit params win)
+        from .options import attr_value_to_python
+
+        folded = {}
+        for old in _pop_entries(rw, NPU_BRIDGE_OPTIMIZER):
+            folded.update({k: attr_value_to_python(v) for k, v in old.parameter_map.items()})
+        params = {**folded, **params}
+    opts = _validated(params, "session_config")
 
     # our entry, in place of any earlier one
     existing = [i for i, c in enumerate(rw.custom_optimizers) if c.name == OPTIMIZER_NAME]
