@@ -65,6 +65,8 @@ def runs(tmp_path_factory):
         "plain_fp32": ([R, plain, "3"], None),
         "plain_mix": ([R, "--precision-mode", "allow_mix_precision", "--modify-mixlist", str(mix),
                        "--report-path", str(d / "plain"), plain, "3"], None),
+        "plain_tf2": ([R, "--precision-mode", "allow_mix_precision", "--report-path",
+                       str(d / "tf2"), os.path.join(SCRIPTS, "plain_tf2.py")], None),
         "bad_key": ([R, tf1, "--steps", "1", "--bad-key"], None),
         "shadow": ([R, str(shadow)], {"PYTHONPATH": ROOT + os.pathsep + str(d / "site")}),
         "profile": (["npu_amp_tf.cli", "profile", plain, "--steps", "2", "--out", str(d / "prof"),
@@ -198,6 +200,16 @@ def test_ge_name_mixlist_on_a_plain_script(runs):
     assert mixed["losses"] != ref["losses"]
     warnings = [w["message"] for rp in reports for w in rp["warnings"]]
     assert any("DynamicRNN" in w and "no TensorFlow op type" in w for w in warnings), warnings
+
+
+def test_run_flags_reach_the_functions_of_a_plain_tf2_script(runs):
+    r = _result(runs["plain_tf2"])
+    # sum(relu(ones(4,8) @ w)) with w = range(64)/64: 4 * sum(range(64)) / 64
+    np.testing.assert_allclose(r["sum"], 4 * sum(range(64)) / 64.0, rtol=1e-3)
+    dec, reports = _decisions(runs["dir"] / "tf2")
+    assert dec["mm"] == "float16"
+    assert any(rp["summary"].get("env_overrides", {}).get("precision_mode") == "allow_mix_precision"
+               for rp in reports)
 
 
 def test_profile_script_honours_precision_flag(runs):
