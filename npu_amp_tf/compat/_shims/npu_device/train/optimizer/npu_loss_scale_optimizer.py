@@ -9,8 +9,6 @@ check, skipped overflow steps) with those settings; on Keras 3 it is Keras's
 own ``LossScaleOptimizer``.  ``isinstance(opt, NpuLossScaleOptimizer)`` holds
 for what it returns.
 """
-import tensorflow as tf
-
 from npu_amp_tf.errors import OptionError
 
 KERAS_INITIAL_SCALE = 2.0 ** 15
@@ -56,4 +54,3 @@ class NpuLossScaleOptimizer(metaclass=_Meta):
 
 
 __all__ = ["NpuLossScaleOptimizer"]
-_ = tf
