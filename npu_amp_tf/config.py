@@ -220,6 +220,31 @@ def apply_ge_keys(cfg, opts: Options):
     return cfg
 
 
+def split_rewrite_params(params: dict) -> dict:
+    """Pop the rewrite options and GE keys out of ``params`` (in place) and
+    return them; the loss-scale keys stay."""
+    from .options import GE_KEYS, REWRITE_KEYS
+
+    return {k: params.pop(k) for k in list(params) if k in REWRITE_KEYS or k in GE_KEYS}
+
+
+def rewrite_everywhere(params: dict, source="AMP_Optimizer"):
+    """Rewrite options given where no ConfigProto is at hand (``AMP_Optimizer``
+    with the CANN AMP guide's dict): validated now, then the pipeline runs
+    with them in every later TF1 Session that has no plugin entry (the
+    ``npu_amp_tf.compat`` session hook) and in every TF2 function
+    (:func:`enable`).  A no-op for empty ``params``."""
+    if not params:
+        return
+    _validated(params, source)
+    from .compat import _sessions
+
+    _sessions.patch(default_params=params)
+    enable(**params)
+    log.info("npu_amp_tf: %s rewrite options %s apply to later sessions and functions",
+             source, sorted(params))
+
+
 def entry_params(config) -> dict | None:
     """The parameter_map of the ``NpuAmpOptimizer`` entry of a ConfigProto, as
     python values (None when the entry is absent)."""

@@ -465,3 +465,35 @@ def test_profiling_mode_entry_traces_the_session(tmp_path):
     summary = json.load(open(tmp_path / "p" / "summary.json"))
     assert summary["steps"] == 2 and summary["lp_compute_time_us"] > 0
     assert (tmp_path / "p" / "timeline.json").exists()
+
+
+def test_cann_amp_guide_dict_given_to_amp_optimizer_reaches_the_session():
+    """AMP_Optimizer(opt, **guide): loss_scale picks the manager, the rewrite
+    keys (GE names in the lists) reach a plain Session made afterwards."""
+    from npu_amp_tf import bridge
+    from npu_amp_tf import loss_scale as ls
+    from npu_amp_tf.compat import _sessions
+
+    guide = {"precision_mode": "allow_mix_precision", "loss_scale": 256,
+             "custom_black_list": ["MatMulV2"], "buffer_optim": "l2_optimize"}
+    try:
+        g = tf.Graph()
+        with g.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [4, 8], name="x")
+            w = tf.compat.v1.get_variable("w", initializer=tf.ones([8, 8]) * 0.1)
+            h = tf.nn.relu(tf.matmul(x, w, name="mm"), name="h")
+            loss = tf.reduce_mean(tf.square(h))
+            opt = npu_amp_tf.AMP_Optimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), **guide)
+            assert isinstance(opt.loss_scale_manager, ls.FixedLossScaleManager)
+            train = opt.minimize(loss)
+            bridge.clear_reports()
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                sess.run(train, {x: np.ones((4, 8), np.float32)})
+        reps = [r["report"] for r in bridge.last_reports() if r.get("report")]
+        decided = {n: d["dtype"] for r in reps for n, d in r["decisions"].items()}
+        assert decided.get("mm") == "float32"          # MatMulV2 (GE) -> MatMul black
+        assert any(list(r["options"].get("custom_black_list", ())) == ["MatMul"] for r in reps)
+    finally:
+        npu_amp_tf.disable()
+        _sessions.unpatch()
