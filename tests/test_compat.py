@@ -67,6 +67,7 @@ def runs(tmp_path_factory):
                        "--report-path", str(d / "plain"), plain, "3"], None),
         "plain_tf2": ([R, "--precision-mode", "allow_mix_precision", "--report-path",
                        str(d / "tf2"), os.path.join(SCRIPTS, "plain_tf2.py")], None),
+        "hccl": ([R, os.path.join(SCRIPTS, "hccl_two_replicas.py")], None),
         "bad_key": ([R, tf1, "--steps", "1", "--bad-key"], None),
         "shadow": ([R, str(shadow)], {"PYTHONPATH": ROOT + os.pathsep + str(d / "site")}),
         "profile": (["npu_amp_tf.cli", "profile", plain, "--steps", "2", "--out", str(d / "prof"),
@@ -210,6 +211,15 @@ def test_run_flags_reach_the_functions_of_a_plain_tf2_script(runs):
     assert dec["mm"] == "float16"
     assert any(rp["summary"].get("env_overrides", {}).get("precision_mode") == "allow_mix_precision"
                for rp in reports)
+
+
+def test_hccl_ops_on_two_mirrored_replicas(runs):
+    """allreduce / broadcast / allgather on tf.distribute collectives; the
+    rank size comes from the strategy."""
+    reps = _result(runs["hccl"])["replicas"]
+    for red, bcast, gathered, size in reps:           # replica 0 holds 1s, replica 1 holds 2s
+        assert red == [3.0, 3.0] and bcast == [2.0, 2.0] and size == 2
+        assert gathered == [1.0, 1.0, 2.0, 2.0]
 
 
 def test_profile_script_honours_precision_flag(runs):
