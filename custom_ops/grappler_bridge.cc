@@ -56,6 +56,7 @@
 // returns a graph in which every root node waits on an NpuAmpRaiseError
 // node, so the first Session.run / function call fails with the message.
 
+#include <mutex>
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
@@ -339,9 +340,10 @@ namespace grappler {
 class NpuAmpOptimizer : public CustomGraphOptimizer {
  public:
   NpuAmpOptimizer() = default;
+  explicit NpuAmpOptimizer(std::string name) : name_(std::move(name)) {}
   ~NpuAmpOptimizer() override = default;
 
-  std::string name() const override { return "NpuAmpOptimizer"; }
+  std::string name() const override { return name_; }
 
   // The precision pass rewrites function bodies together with their callers.
   bool UsesFunctionLibrary() const override { return true; }
@@ -449,10 +451,36 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
   }
 
  private:
+  std::string name_ = "NpuAmpOptimizer";
   std::string config_bytes_;
 };
 
 REGISTER_GRAPH_OPTIMIZER_AS(NpuAmpOptimizer, "NpuAmpOptimizer");
+
+}  // namespace grappler
+}  // namespace tensorflow
+
+// Register the same optimizer under a second name (tf_adapter's
+// "NpuOptimizer"), at run time and only when no optimizer of that name is
+// registered yet: Python calls it when Huawei's tf_adapter is absent, so a
+// hand-written `custom_op.name = "NpuOptimizer"` entry runs the pipeline
+// instead of being silently ignored.  Returns 0 when registered now, 1 when
+// the name was already taken (by us earlier or by the real tf_adapter).
+NPU_AMP_EXPORT int NpuAmpRegisterAlias(const char* name) {
+  using tensorflow::grappler::CustomGraphOptimizerRegistry;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  const std::string alias(name);
+  for (const auto& n : CustomGraphOptimizerRegistry::GetRegisteredOptimizers()) {
+    if (n == alias) return 1;
+  }
+  CustomGraphOptimizerRegistry::RegisterOptimizerOrDie(
+      [alias]() { return new tensorflow::grappler::NpuAmpOptimizer(alias); }, alias);
+  return 0;
+}
+
+namespace tensorflow {
+namespace grappler {
 
 }  // namespace grappler
 

@@ -18,6 +18,9 @@ from . import bridge as _bridge  # noqa: E402
 from .config import amp_scope, disable, enable, session_config  # noqa: E402
 
 _bridge.register_on_import()
+from .config import register_npu_optimizer_alias as _register_alias  # noqa: E402
+
+_register_alias()  # "NpuOptimizer" entries run the pipeline when tf_adapter is absent
 __all__ += ["session_config", "enable", "disable", "amp_scope"]
 
 # Loss scaling (AMP_Optimizer, CANN-compatible managers) and framework entry points.

@@ -1,7 +1,7 @@
 """``npu-amp``: the command line of npu-amp-tf.
 
 Subcommands: rewrite, report, check-align, dump, compare, tune-mixlist,
-profile, demo.  Run ``npu-amp <command> --help`` for each one's flags and an
+profile, run, demo.  Run ``npu-amp <command> --help`` for each one's flags and an
 example.  Rewrite flags (``--precision-mode``, ``--modify-mixlist``,
 ``--graph-level``, ``--format-mode``...) come from :mod:`npu_amp_tf.options`,
 the same keys and validation as every other entry point.
@@ -266,7 +266,13 @@ def cmd_profile(args):
         raise _CliError(f"--steps={args.steps} is not valid; accepted: an integer >= 1")
     target = args.target
     if target.endswith(".py"):
-        summary = prof.profile_script(target, args.steps, args.out, args.script_args, progress=_progress(args))
+        from . import compat
+
+        compat.install()
+        # the rewrite flags act on the script's sessions / functions too
+        with compat.plugin_everywhere(**_explicit_params(args)):
+            summary = prof.profile_script(target, args.steps, args.out, args.script_args,
+                                          progress=_progress(args))
     else:
         options = _options(args)
         model = _load(args, "target")
@@ -279,6 +285,17 @@ def cmd_profile(args):
     print("written: " + ", ".join(summary["files"]) + "  (open timeline.json in chrome://tracing or "
                                                        "https://ui.perfetto.dev)")
     return 0
+
+
+def _explicit_params(args) -> dict:
+    """The rewrite flags given on the command line (validated)."""
+    return dict(_options(args).rewrite_params())
+
+
+def cmd_run(args):
+    from .compat import run_script
+
+    return run_script(args.script, args.script_args, _explicit_params(args))
 
 
 def cmd_demo(args):
@@ -394,6 +411,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     _model_args(p)
     _rewrite_args(p)
+
+    p = _sub(subs, "run", cmd_run,
+             "run a training script unchanged: npu_bridge / npu_device from the plugin; flags put "
+             "the plugin into every session and function",
+             "npu-amp run train.py --epochs 1\n"
+             "npu-amp run --precision-mode allow_mix_precision --report-path rep/ train.py --lr 0.1\n"
+             "python -m npu_amp_tf.run train.py --epochs 1",
+             "Run SCRIPT as __main__ with its own arguments (everything after SCRIPT), keeping its "
+             "sys.argv and exit status. `import npu_bridge` / `npu_device` resolve to npu-amp-tf's "
+             "compatibility layer unless Huawei's tf_adapter is installed (then it is used, and "
+             "this says so). Rewrite flags given BEFORE the script put the plugin into every "
+             "Session and TF2 function of the script (also one that never names the plugin) and "
+             "override the script's own entries (NPU_AMP_<KEY> environment overrides).")
+    p.add_argument("script", help="the training script (.py)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    _rewrite_args(p)
+    from .options import add_cli_arguments
+
+    add_cli_arguments(p.add_argument_group("reports"), ["report_path"])
 
     p = _sub(subs, "demo", cmd_demo,
              "train an embedded model in FP32 and with the plugin; print report, loss-scale history, losses",

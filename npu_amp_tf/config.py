@@ -44,6 +44,36 @@ def npu_bridge_available() -> bool:
         return False
 
 
+_alias_state = {"done": False, "registered": False}
+
+
+def register_npu_optimizer_alias() -> bool:
+    """Make grappler run the pipeline for ``"NpuOptimizer"`` entries too (a
+    hand-written tf_adapter entry), unless Huawei's ``npu_bridge`` is
+    installed (then its GE optimizer owns the name).  Idempotent; called by
+    ``import npu_amp_tf``.  Returns True when the alias is active."""
+    import ctypes
+
+    if _alias_state["done"]:
+        return _alias_state["registered"]
+    _alias_state["done"] = True
+    if npu_bridge_available():
+        log.info("npu_amp_tf: Huawei npu_bridge is installed; 'NpuOptimizer' entries go to GE")
+        return False
+    from . import bridge
+
+    try:
+        lib = bridge.library()
+    except Exception as exc:  # noqa: BLE001 - no build: the import-time warning already says so
+        log.debug("npu_amp_tf: NpuOptimizer alias not registered: %s", exc)
+        return False
+    fn = lib.NpuAmpRegisterAlias
+    fn.argtypes, fn.restype = [ctypes.c_char_p], ctypes.c_int
+    rc = fn(NPU_BRIDGE_OPTIMIZER.encode())
+    _alias_state["registered"] = rc in (0, 1)
+    return _alias_state["registered"]
+
+
 def _pop_entries(rewrite_options, name):
     """Remove every custom_optimizers entry called ``name``; return copies."""
     popped = []
@@ -85,6 +115,13 @@ def session_config(base=None, **params):
       nodes back.
     * ``rewrite_options.disable_meta_optimizer`` is set to ``False`` if it was
       ``True`` (with the meta-optimizer off no custom optimizer runs).
+    * Without Huawei's ``npu_bridge``: an ``NpuOptimizer`` entry in ``base``
+      (tf_adapter's, run by this plugin under that name too) is removed and
+      its parameters (GE keys included) are folded into ours, the explicit
+      ``params`` winning, so the pipeline runs once.
+    * GE's ``memory_optimize`` / ``buffer_optim`` set
+      ``rewrite_options.memory_optimization``; ``loss_scale`` sets the default
+      manager of later ``AMP_Optimizer`` calls (:func:`apply_ge_keys`).
     * Only when Huawei's ``npu_bridge`` is importable: an ``NpuOptimizer``
       entry is placed *after* ``NpuAmpOptimizer`` (an existing one is moved
       there and keeps its other parameters) with the same ``precision_mode``
@@ -98,7 +135,7 @@ def session_config(base=None, **params):
     """
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
-    opts = _validated(params, "session_config")
+    _validated(params, "session_config")
     from . import bridge
 
     bridge.ensure_registered()
@@ -115,6 +152,17 @@ def session_config(base=None, **params):
                               "tf.compat.v1.ConfigProto (or its serialized bytes) or None")
     rw = cfg.graph_options.rewrite_options
     OFF = rewriter_config_pb2.RewriterConfig.OFF
+    if not npu_bridge_available():
+        # tf_adapter's entry in `base` would run the pipeline a second time
+        # through the NpuOptimizer alias: fold its parameters into ours
+        # (the explicit params win)
+        from .options import attr_value_to_python
+
+        folded = {}
+        for old in _pop_entries(rw, NPU_BRIDGE_OPTIMIZER):
+            folded.update({k: attr_value_to_python(v) for k, v in old.parameter_map.items()})
+        params = {**folded, **params}
+    opts = _validated(params, "session_config")
 
     # our entry, in place of any earlier one
     existing = [i for i, c in enumerate(rw.custom_optimizers) if c.name == OPTIMIZER_NAME]
@@ -131,6 +179,7 @@ def session_config(base=None, **params):
     for toggle in DISABLED_TOGGLES:
         setattr(rw, toggle, OFF)
     rw.disable_meta_optimizer = False
+    apply_ge_keys(cfg, opts)
 
     if npu_bridge_available():
         old = _pop_entries(rw, NPU_BRIDGE_OPTIMIZER)
@@ -149,6 +198,51 @@ def session_config(base=None, **params):
             npu.parameter_map["modify_mixlist"].s = opts.modify_mixlist.encode()
         rw.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
     return cfg
+
+
+def apply_ge_keys(cfg, opts: Options):
+    """The GE keys that act on the ConfigProto itself: ``memory_optimize`` /
+    ``buffer_optim`` set ``rewrite_options.memory_optimization``
+    (:func:`npu_amp_tf.options.memory_optimization_of`); ``loss_scale`` (CANN
+    AMP guide) becomes the default manager of later ``AMP_Optimizer`` calls."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    from .options import memory_optimization_of
+
+    mem = memory_optimization_of(opts.ge)
+    if mem is not None:
+        cfg.graph_options.rewrite_options.memory_optimization = getattr(
+            rewriter_config_pb2.RewriterConfig, mem)
+    if "loss_scale" in opts.ge:
+        from . import loss_scale as _ls
+
+        _ls.set_default_loss_scale(opts.ge["loss_scale"])
+    return cfg
+
+
+def split_rewrite_params(params: dict) -> dict:
+    """Pop the rewrite options and GE keys out of ``params`` (in place) and
+    return them; the loss-scale keys stay."""
+    from .options import GE_KEYS, REWRITE_KEYS
+
+    return {k: params.pop(k) for k in list(params) if k in REWRITE_KEYS or k in GE_KEYS}
+
+
+def rewrite_everywhere(params: dict, source="AMP_Optimizer"):
+    """Rewrite options given where no ConfigProto is at hand (``AMP_Optimizer``
+    with the CANN AMP guide's dict): validated now, then the pipeline runs
+    with them in every later TF1 Session that has no plugin entry (the
+    ``npu_amp_tf.compat`` session hook) and in every TF2 function
+    (:func:`enable`).  A no-op for empty ``params``."""
+    if not params:
+        return
+    _validated(params, source)
+    from .compat import _sessions
+
+    _sessions.patch(default_params=params)
+    enable(**params)
+    log.info("npu_amp_tf: %s rewrite options %s apply to later sessions and functions",
+             source, sorted(params))
 
 
 def entry_params(config) -> dict | None:
@@ -272,4 +366,5 @@ def amp_scope(**params):
 
 
 __all__ = ["session_config", "enable", "disable", "amp_scope", "enabled_params", "entry_params",
+           "register_npu_optimizer_alias", "apply_ge_keys",
            "npu_bridge_available", "OPTIMIZER_NAME", "DISABLED_TOGGLES"]

@@ -7,7 +7,8 @@
     est = tf.estimator.Estimator(model_fn, config=config)
 
 ``params`` mixes the plugin's rewrite options (the ``rewrite`` group of
-:mod:`npu_amp_tf.options`: ``precision_mode``, ``modify_mixlist``...) with
+:mod:`npu_amp_tf.options`: ``precision_mode``, ``modify_mixlist``..., and
+GE's keys, ``GE_KEYS``) with
 ordinary ``tf.estimator.RunConfig`` arguments.  The rewrite options go into
 the ``session_config`` (``npu_amp_tf.config.session_config``), on top of a
 ``session_config`` you pass.  Loss-scale options belong to
@@ -22,7 +23,7 @@ import inspect
 import tensorflow as tf
 
 from .errors import NpuAmpError, OptionError
-from .options import LOSS_SCALE_KEYS, REWRITE_KEYS, Options
+from .options import GE_KEYS, LOSS_SCALE_KEYS, REWRITE_KEYS, Options
 
 
 def estimator_module():
@@ -46,7 +47,8 @@ def RunConfig(**params):  # noqa: N802 (mirrors tf.estimator.RunConfig)
             "npu_amp_tf.AMP_Optimizer(opt, ...) in the model_fn; accepted here: "
             "tf.estimator.RunConfig arguments and the rewrite options "
             f"({', '.join(REWRITE_KEYS)})")
-    plugin = {k: params.pop(k) for k in list(params) if k in REWRITE_KEYS}
+    # the plugin's rewrite options and GE's keys (npu_amp_tf.options.GE_KEYS)
+    plugin = {k: params.pop(k) for k in list(params) if k in REWRITE_KEYS or k in GE_KEYS}
     accepted = [p for p in inspect.signature(est.RunConfig.__init__).parameters if p != "self"]
     unknown = sorted(k for k in params if k not in accepted)
     if unknown:

@@ -5,7 +5,7 @@ Two managers, drop-in for Ascend scripts::
     FixedLossScaleManager(loss_scale, enable_overflow_check=True)
     ExponentialUpdateLossScaleManager(init_loss_scale, incr_every_n_steps,
                                       decr_every_n_nan_or_inf=2,
-                                      incr_ratio=2, decr_ratio=0.5)
+                                      incr_ratio=2, decr_ratio=0.8)
 
 Both expose ``get_loss_scale()`` (the scale as a float32 tensor/variable) and
 ``update_loss_scale(finite_grads)`` (an op that advances the state machine).
@@ -71,6 +71,10 @@ def _validated(**kwargs) -> Options:
 class LossScaleManager(tf.Module):
     """Base class: state variables, history, summaries.  Use a subclass."""
 
+    #: TF1 graphs: name the scale variable `loss_scale` at the current scope
+    #: (tf_adapter's layout, used by npu_amp_tf.compat); else `<name>/loss_scale`
+    _tf_adapter_names = False
+
     def __init__(self, *, init_scale: float, enable_overflow_check: bool,
                  min_loss_scale: float, max_loss_scale: float, name: str):
         super().__init__(name=name)
@@ -108,9 +112,18 @@ class LossScaleManager(tf.Module):
             if strategy is not None:
                 # written only from cross-replica context with identical values
                 kw = dict(aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-            with (tf.compat.v1.variable_scope(None, default_name=self.name)
+            if graph is not None and self._tf_adapter_names:
+                # tf_adapter layout: the scale is `loss_scale:0` at the scope
+                # the manager is built in (scripts fetch it by that name)
+                # `loss_scale:0` is a read of the (resource) variable, so that
+                # fetching it gives the value, as tf_adapter's ref variable does
+                self.loss_scale = self._var("loss_scale_value", tf.float32, self._init_scale, kw)
+                self.loss_scale_tensor = tf.identity(self.loss_scale, name="loss_scale")
+            with (tf.compat.v1.variable_scope(
+                    None, default_name=self.name + ("_state" if self._tf_adapter_names else ""))
                   if graph is not None else _null()):
-                self.loss_scale = self._var("loss_scale", tf.float32, self._init_scale, kw)
+                if graph is None or not self._tf_adapter_names:
+                    self.loss_scale = self._var("loss_scale", tf.float32, self._init_scale, kw)
                 self.good_steps = self._var("good_steps", tf.int64, 0, kw)
                 self.bad_steps = self._var("bad_steps", tf.int64, 0, kw)
                 self.overflow_count = self._var("overflow_count", tf.int64, 0, kw)
@@ -339,8 +352,8 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
       change of the scale resets both counters.
     """
 
-    def __init__(self, init_loss_scale=None, incr_every_n_steps=None, decr_every_n_nan_or_inf=None,
-                 incr_ratio=None, decr_ratio=None, *, min_loss_scale=None, max_loss_scale=None,
+    def __init__(self, init_loss_scale=None, incr_every_n_steps=None, decr_every_n_nan_or_inf=2,
+                 incr_ratio=2, decr_ratio=0.8, *, min_loss_scale=None, max_loss_scale=None,
                  name="loss_scale"):
         given = dict(init_loss_scale=init_loss_scale, incr_every_n_steps=incr_every_n_steps,
                      decr_every_n_nan_or_inf=decr_every_n_nan_or_inf, incr_ratio=incr_ratio,
@@ -378,10 +391,31 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
                 f"incr_ratio={self.incr_ratio:g}, decr_ratio={self.decr_ratio:g})")
 
 
+#: the CANN AMP guide's ``loss_scale`` key given to session_config / enable:
+#: the default of later AMP_Optimizer calls that name no manager
+_config_loss_scale = None
+
+
+def set_default_loss_scale(value):
+    """Record ``loss_scale`` ('dynamic' or a number >= 1, validated by
+    :mod:`npu_amp_tf.options`) given to ``session_config`` / ``enable``; None clears."""
+    global _config_loss_scale
+    _config_loss_scale = None if value is None else OPTIONS["loss_scale"].convert(value, "loss_scale")
+    if value is not None:
+        logger.info("loss_scale=%r (session_config/enable): default manager of AMP_Optimizer", value)
+
+
 def make_manager(loss_scale_manager, options: Options) -> LossScaleManager:
-    """Resolve ``AMP_Optimizer``'s ``loss_scale_manager`` argument."""
+    """Resolve ``AMP_Optimizer``'s ``loss_scale_manager`` argument.  With no
+    manager, the ``loss_scale`` option ('dynamic' or a number) decides; when
+    it was not given, a ``loss_scale`` set through session_config / enable."""
     if isinstance(loss_scale_manager, LossScaleManager):
         return loss_scale_manager
+    if loss_scale_manager is None:
+        ls = options.loss_scale if "loss_scale" in options.explicit else (
+            _config_loss_scale if _config_loss_scale is not None else "dynamic")
+        if ls != "dynamic":
+            return FixedLossScaleManager(ls, options.enable_overflow_check)
     if loss_scale_manager is None or (isinstance(loss_scale_manager, str)
                                       and loss_scale_manager.strip().lower() == "dynamic"):
         m = ExponentialUpdateLossScaleManager(

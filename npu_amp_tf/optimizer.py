@@ -539,9 +539,14 @@ def AMP_Optimizer(opt, loss_scale_manager=None, **options):  # noqa: N802 (CANN 
     (``init_loss_scale``, ``incr_every_n_steps``, ``decr_every_n_nan_or_inf``,
     ``incr_ratio``, ``decr_ratio``, ``min_loss_scale``, ``max_loss_scale``,
     ``enable_overflow_check``, ``keep_fp16_copies``,
-    ``gradient_accumulation_steps``, ``allreduce_dtype``, ``bucket_size_mb``).
+    ``gradient_accumulation_steps``, ``allreduce_dtype``, ``bucket_size_mb``,
+    ``loss_scale``).  Rewrite options and GE keys in the same call (the CANN
+    AMP guide passes one dict) go to :func:`npu_amp_tf.config.rewrite_everywhere`.
     """
     is_distributed = options.pop("is_distributed", False)
+    from .config import rewrite_everywhere, split_rewrite_params
+
+    rewrite_everywhere(split_rewrite_params(options), source="AMP_Optimizer")
     if isinstance(opt, tf.compat.v1.train.Optimizer):
         return TF1AmpOptimizer(opt, loss_scale_manager, is_distributed=is_distributed, **options)
     from . import keras as _keras, keras3 as _keras3

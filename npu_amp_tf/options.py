@@ -144,6 +144,18 @@ def _to_dtype_name(v):
     return name
 
 
+def _to_loss_scale(v):
+    """'dynamic' or a finite number >= 1 (returned as float)."""
+    if isinstance(v, (str, bytes)):
+        t = (v.decode() if isinstance(v, bytes) else v).strip().lower()
+        if t == "dynamic":
+            return "dynamic"
+    f = _to_float(v)
+    if not math.isfinite(f) or f < 1.0:
+        raise ValueError("expected 'dynamic' or a number >= 1")
+    return f
+
+
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "bool": _to_bool,
     "int": _to_int,
@@ -152,6 +164,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "path": _to_str,
     "list[str]": _to_str_list,
     "dtype": _to_dtype_name,
+    "loss_scale": _to_loss_scale,
+    "any": lambda v: v.decode() if isinstance(v, bytes) else v,
 }
 
 
@@ -265,8 +279,14 @@ _OPTION_LIST = [
     _opt("report_path", "path", None,
          "Write the JSON report of every optimized graph here (a directory; one file per graph)."),
     # ------------------------------------------------------------- loss scale
-    _opt("init_loss_scale", "float", 128.0, "Initial dynamic loss scale.", group="loss_scale",
-         check=_range(1.0, 2.0 ** 24), accepts=_rng_text(1, 2 ** 24)),
+    _opt("loss_scale", "loss_scale", "dynamic",
+         "CANN AMP guide key: 'dynamic' (ExponentialUpdateLossScaleManager from the keys below) or a "
+         "number >= 1 (FixedLossScaleManager); accepted by AMP_Optimizer, session_config and enable "
+         "(there it sets the default of later AMP_Optimizer calls).", group="loss_scale",
+         accepts="'dynamic' or a number >= 1"),
+    _opt("init_loss_scale", "float", 128.0,
+         "Initial dynamic loss scale (tf_adapter accepts any value >= 1, e.g. 2**32).",
+         group="loss_scale", check=_range(1.0, 2.0 ** 64), accepts=_rng_text(1, 2 ** 64)),
     _opt("incr_every_n_steps", "int", 1000,
          "Multiply the scale by incr_ratio after this many consecutive finite steps.",
          group="loss_scale", check=_range(1), accepts="an integer >= 1"),
@@ -275,13 +295,18 @@ _OPTION_LIST = [
          group="loss_scale", check=_range(1), accepts="an integer >= 1"),
     _opt("incr_ratio", "float", 2.0, "Growth factor of the scale (> 1).", group="loss_scale",
          check=_range(1.0, lo_open=True), accepts=_rng_text(1, None, lo_open=True)),
-    _opt("decr_ratio", "float", 0.5, "Shrink factor of the scale (0 < r < 1).", group="loss_scale",
+    _opt("decr_ratio", "float", 0.5,
+         "Shrink factor of the scale (0 < r < 1) of AMP_Optimizer's dynamic manager; the "
+         "ExponentialUpdateLossScaleManager class defaults to tf_adapter's 0.8.",
+         group="loss_scale",
          check=_range(0.0, 1.0, lo_open=True, hi_open=True),
          accepts=_rng_text(0, 1, True, True)),
     _opt("min_loss_scale", "float", 1.0, "Lower bound of the dynamic scale.", group="loss_scale",
-         check=_range(1.0, 2.0 ** 24), accepts=_rng_text(1, 2 ** 24)),
-    _opt("max_loss_scale", "float", 2.0 ** 24, "Upper bound of the dynamic scale.", group="loss_scale",
          check=_range(1.0, 2.0 ** 64), accepts=_rng_text(1, 2 ** 64)),
+    _opt("max_loss_scale", "float", 2.0 ** 24,
+         "Upper bound of the dynamic scale (raised to init_loss_scale when that is larger and "
+         "max_loss_scale is not set).", group="loss_scale",
+         check=_range(1.0, 2.0 ** 128), accepts=_rng_text(1, 2 ** 128)),
     _opt("enable_overflow_check", "bool", True,
          "Check gradients for inf/NaN and skip the step on overflow.", group="loss_scale"),
     _opt("keep_fp16_copies", "bool", False,
@@ -304,9 +329,120 @@ REWRITE_KEYS = tuple(k for k, o in OPTIONS.items() if o.group == "rewrite")
 LOSS_SCALE_KEYS = tuple(k for k, o in OPTIONS.items() if o.group == "loss_scale")
 
 
+# --------------------------------------------------------------------------
+# GE / tf_adapter keys (an "NpuOptimizer" entry, NPURunConfig, npu_device
+# global_options, CANN's AMP guide).  Accepted wherever rewrite options are.
+# --------------------------------------------------------------------------
+#: keys that act through a tool here: key -> (kind, value type, what it does)
+GE_ACTING_KEYS: dict[str, tuple[str, str, str]] = {
+    "enable_dump": ("dump", "bool", "write the graph before/after the rewrite and the report to dump_path"),
+    "enable_dump_debug": ("dump", "bool", "as enable_dump (GE's overflow dump: compare them with `npu-amp dump/compare`)"),
+    "dump_path": ("dump", "path", "directory of the graph dump (one sub-directory per graph)"),
+    "dump_step": ("dump", "str", "recorded in the dump's meta.json (graphs are dumped once per rewrite)"),
+    "dump_mode": ("dump", "str", "recorded in the dump's meta.json"),
+    "dump_debug_mode": ("dump", "str", "recorded in the dump's meta.json"),
+    "dump_data": ("dump", "str", "recorded in the dump's meta.json"),
+    "dump_layer": ("dump", "str", "recorded in the dump's meta.json"),
+    "profiling_mode": ("profiling", "bool", "trace the session's steps (npu-amp run / npu_amp_tf.compat sessions) "
+                                             "into profiling_options.output"),
+    "profiling_options": ("profiling", "str", "JSON; 'output' is the trace directory (default ./profiling)"),
+    "memory_optimize": ("memory", "str", "TF memory optimizer: on/true/MemoryPriority -> RECOMPUTATION_HEURISTICS, BalanceMode -> DEFAULT, off/false -> NO_MEM_OPT"),
+    "buffer_optim": ("memory", "str", "TF memory optimizer: l2_optimize -> DEFAULT_MEM_OPT, off_optimize -> NO_MEM_OPT"),
+    "buffer_optimize": ("memory", "str", "NPURunConfig spelling of buffer_optim"),
+}
+
+#: keys that only steer the NPU runtime/compiler: accepted, listed in the
+#: report and logged once as "no effect off the NPU"
+GE_DEVICE_ONLY_KEYS: tuple[str, ...] = (
+    "use_off_line", "enable_data_pre_proc", "mix_compile_mode", "iterations_per_loop",
+    "graph_run_mode", "dynamic_input", "dynamic_graph_execute_mode", "dynamic_inputs_shape_range",
+    "hcom_parallel", "hcom_multi_mode", "enable_reduce_precision", "graph_memory_max_size",
+    "variable_memory_max_size", "stream_max_parallel_num", "is_tailing_optimization", "horovod_mode",
+    "op_debug_level", "enable_scope_fusion_passes", "enable_exception_dump", "op_select_implmode",
+    "optypelist_for_implmode", "aoe_mode", "work_path", "enable_small_channel", "fusion_switch_file",
+    "enable_compress_weight", "compress_weight_conf", "op_compiler_cache_mode", "op_compiler_cache_dir",
+    "debug_dir", "local_rank_id", "local_device_list", "session_device_id", "distribute_config",
+    "op_precision_mode", "soc_config", "hccl_timeout", "op_wait_timeout", "op_execute_timeout",
+    "HCCL_algorithm", "customize_dtypes", "op_debug_config", "topo_sorting_mode", "aoe_config_file",
+    "insert_op_file", "stream_sync_timeout", "event_sync_timeout", "external_weight",
+    "es_cluster_config", "deterministic", "frozen_variable", "variable_placement", "jit_compile",
+    "ac_parallel_enable", "graph_exec_timeout", "input_shape", "dynamic_dims", "dynamic_node_type",
+    "atomic_clean_policy", "static_memory_policy", "memory_optimization_policy", "graph_slice",
+    "graph_parallel_option_path", "enable_graph_parallel", "execute_times", "job", "task_index",
+    "local_device_id", "enable_hccl_trace", "export_compile_stat", "oo_constant_folding",
+    "oo_level", "resource_config_path", "precision_mode_for_compile", "graph_compiler_cache_dir",
+    "enable_data_pre_proc_cache", "experimental_accelerate_train_mode", "hccl_timeout",
+)
+
+GE_KEYS = tuple(GE_ACTING_KEYS) + tuple(k for k in GE_DEVICE_ONLY_KEYS if k not in GE_ACTING_KEYS)
+
+_DEVICE_ONLY_LOGGED: set = set()
+
+
+def _log_device_only(keys):
+    """Log each device-only key once per process."""
+    import logging
+
+    new = [k for k in keys if k not in _DEVICE_ONLY_LOGGED]
+    if new:
+        _DEVICE_ONLY_LOGGED.update(new)
+        logging.getLogger("npu_amp_tf").warning(
+            "GE option(s) %s: no effect off the NPU (accepted for Ascend scripts; listed in the report)",
+            ", ".join(sorted(new)))
+
+
+def memory_optimization_of(ge: Mapping) -> str | None:
+    """The ``RewriterConfig.memory_optimization`` value name the GE memory keys
+    map to (None when none is set).  ``memory_optimize`` wins over ``buffer_optim``."""
+    mo = ge.get("memory_optimize")
+    if mo is not None:
+        t = str(mo).strip().lower()
+        if t in ("1", "true", "on", "memorypriority", "heavy"):
+            return "RECOMPUTATION_HEURISTICS"
+        if t in ("0", "false", "off", "no_mem_opt"):
+            return "NO_MEM_OPT"
+        if t in ("balancemode", "default"):
+            return "DEFAULT_MEM_OPT"
+    bo = ge.get("buffer_optim", ge.get("buffer_optimize"))
+    if bo is not None:
+        return "NO_MEM_OPT" if str(bo).strip().lower() == "off_optimize" else "DEFAULT_MEM_OPT"
+    return None
+
+
+def _convert_ge(key, raw, source):
+    if key in GE_ACTING_KEYS:
+        _, type_, _ = GE_ACTING_KEYS[key]
+        val = Option(name=key, type=type_, default=None, doc="").convert(raw, source)
+        if key == "memory_optimize" or key in ("buffer_optim", "buffer_optimize"):
+            val = str(val)
+            ok = memory_optimization_of({key: val}) is not None and (
+                key != "memory_optimize" or val.strip().lower() in (
+                    "1", "true", "on", "memorypriority", "heavy", "0", "false", "off", "no_mem_opt",
+                    "balancemode", "default"))
+            if key != "memory_optimize" and val.strip().lower() not in ("l2_optimize", "off_optimize"):
+                ok = False
+            if not ok:
+                accepted = ("l2_optimize, off_optimize" if key != "memory_optimize"
+                            else "on/true/MemoryPriority, BalanceMode, off/false")
+                raise OptionError(f"{key}={raw!r} ({source}) is not valid; accepted: {accepted}")
+        if key == "profiling_options" and val:
+            try:
+                json.loads(val)
+            except json.JSONDecodeError as exc:
+                raise OptionError(f"profiling_options={raw!r} ({source}) is not valid JSON: {exc}; "
+                                  "accepted: a JSON object such as '{\"output\": \"/tmp/prof\"}'") from None
+        return val
+    return _CONVERTERS["any"](raw)
+
+
 def _unknown_key_error(key, source, allowed: Iterable[str]):
+    import difflib
+
+    close = difflib.get_close_matches(key, list(allowed) + list(GE_KEYS), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
     return OptionError(
-        f"unknown parameter '{key}' ({source}); accepted keys: {', '.join(sorted(allowed))}")
+        f"unknown parameter '{key}' ({source}){hint}; accepted keys: {', '.join(sorted(allowed))}, "
+        "and the GE keys in npu_amp_tf.options.GE_KEYS")
 
 
 # --------------------------------------------------------------------------
@@ -363,13 +499,18 @@ class Options(Mapping):
     ``"bfloat16"``; ``opts.mixlist`` is the parsed modify_mixlist (or None).
     """
 
-    __slots__ = ("_values", "_explicit", "env_overrides", "mixlist")
+    __slots__ = ("_values", "_explicit", "env_overrides", "mixlist", "ge", "notes")
 
-    def __init__(self, values: dict, explicit: frozenset, env_overrides: dict, mixlist):
+    def __init__(self, values: dict, explicit: frozenset, env_overrides: dict, mixlist, ge=None,
+                 notes=()):
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_explicit", explicit)
         object.__setattr__(self, "env_overrides", env_overrides)
         object.__setattr__(self, "mixlist", mixlist)
+        #: GE / tf_adapter keys given (key -> value); see GE_KEYS
+        object.__setattr__(self, "ge", dict(ge or {}))
+        #: warnings for the report (GE list names with no TF op type...)
+        object.__setattr__(self, "notes", tuple(notes))
 
     # Mapping interface -----------------------------------------------------
     def __getitem__(self, key):
@@ -395,10 +536,11 @@ class Options(Mapping):
         return f"Options({shown})"
 
     def __eq__(self, other):
-        return isinstance(other, Options) and self._values == other._values
+        return isinstance(other, Options) and self._values == other._values and self.ge == other.ge
 
     def __hash__(self):
-        return hash(tuple(sorted((k, repr(v)) for k, v in self._values.items())))
+        return hash(tuple(sorted((k, repr(v)) for k, v in list(self._values.items())
+                                 + [("ge:" + k, v) for k, v in self.ge.items()])))
 
     # derived values --------------------------------------------------------
     @property
@@ -418,8 +560,16 @@ class Options(Mapping):
         return self._explicit
 
     def rewrite_params(self) -> dict:
-        """The explicitly set rewrite-group params (what a ConfigProto entry needs)."""
-        return {k: self._values[k] for k in REWRITE_KEYS if k in self._explicit}
+        """The explicitly set rewrite-group params (what a ConfigProto entry needs),
+        plus the GE keys that were given."""
+        out = {k: self._values[k] for k in REWRITE_KEYS if k in self._explicit}
+        out.update(self.ge)
+        return out
+
+    @property
+    def device_only_keys(self) -> tuple:
+        """GE keys given that have no effect off the NPU."""
+        return tuple(k for k in self.ge if k not in GE_ACTING_KEYS and k != "loss_scale")
 
     def loss_scale_params(self) -> dict:
         return {k: self._values[k] for k in LOSS_SCALE_KEYS}
@@ -432,9 +582,15 @@ class Options(Mapping):
     def from_kwargs(cls, _source="argument", _groups=("rewrite", "loss_scale"), _env=True, **kwargs):
         """Validate keyword parameters (python values or strings)."""
         allowed = [k for k, o in OPTIONS.items() if o.group in _groups]
-        values, explicit = {}, set()
+        values, explicit, ge = {}, set(), {}
         for key, raw in kwargs.items():
             if key not in allowed:
+                if "rewrite" in _groups and key in GE_KEYS:
+                    ge[key] = _convert_ge(key, raw, _source)
+                    continue
+                if "rewrite" in _groups and key == "loss_scale":  # CANN AMP guide key
+                    ge[key] = OPTIONS[key].convert(raw, _source)
+                    continue
                 raise _unknown_key_error(key, _source, allowed)
             values[key] = OPTIONS[key].convert(raw, _source)
             explicit.add(key)
@@ -457,13 +613,21 @@ class Options(Mapping):
             raise OptionError(
                 f"min_loss_scale={values['min_loss_scale']} > max_loss_scale={values['max_loss_scale']}; "
                 "accepted: min_loss_scale <= max_loss_scale")
+        if values["init_loss_scale"] > values["max_loss_scale"] and "max_loss_scale" not in explicit:
+            values["max_loss_scale"] = values["init_loss_scale"]  # tf_adapter: any start >= 1
         if not values["min_loss_scale"] <= values["init_loss_scale"] <= values["max_loss_scale"]:
             raise OptionError(
                 f"init_loss_scale={values['init_loss_scale']} lies outside "
                 f"[min_loss_scale={values['min_loss_scale']}, max_loss_scale={values['max_loss_scale']}]")
+        if (ge.get("enable_dump") or ge.get("enable_dump_debug")) and not ge.get("dump_path"):
+            raise OptionError(f"enable_dump/enable_dump_debug=true ({_source}) needs dump_path; "
+                              "accepted: dump_path set to a directory")
         mixlist = load_mixlist(values["modify_mixlist"]) if values["modify_mixlist"] else None
-        opts = cls(values, frozenset(explicit), env_overrides, mixlist)
+        values, mixlist, notes = _map_list_names(values, mixlist)
+        opts = cls(values, frozenset(explicit), env_overrides, mixlist, ge, notes)
         _check_lists(opts)
+        if opts.device_only_keys:
+            _log_device_only(opts.device_only_keys)
         return opts
 
     @classmethod
@@ -487,7 +651,53 @@ class Options(Mapping):
     def fill_parameter_map(self, parameter_map, keys: Iterable[str] | None = None):
         """Write the explicitly set rewrite params into a protobuf parameter_map."""
         for key in (keys if keys is not None else self.rewrite_params()):
+            if key in self.ge:
+                val = self.ge[key]
+                type_ = GE_ACTING_KEYS[key][1] if key in GE_ACTING_KEYS else (
+                    "bool" if isinstance(val, bool) else "int" if isinstance(val, int)
+                    else "float" if isinstance(val, float) else "str")
+                python_to_attr_value(val, parameter_map[key], type_)
+                continue
             python_to_attr_value(self._values[key], parameter_map[key], OPTIONS[key].type)
+
+
+_LIST_KEYS = ("custom_white_list", "custom_black_list", "custom_gray_list")
+
+
+def _map_list_names(values, mixlist):
+    """GE op type names in the custom lists / modify_mixlist -> TF op types
+    (:mod:`graph_passes.precision.ge_names`).  A name that is neither a GE
+    type in the table nor a TF op type raises :class:`MixlistError`; a GE
+    type with no TF counterpart becomes a note (a report warning)."""
+    from graph_passes.precision import ge_names
+    from graph_passes.precision import lists as _lists
+
+    known = set()
+    for table in _lists.default_lists().values():
+        known.update(table)
+    notes = []
+
+    def do(names, where):
+        out, unmapped, unknown = ge_names.map_names(names, extra=known)
+        if unknown:
+            raise MixlistError(
+                f"{where}: op type(s) {', '.join(repr(u) for u in unknown)} are neither TensorFlow op "
+                "types nor GE op types this plugin maps (graph_passes/precision/ge_names.py); "
+                "accepted: a TF op type (e.g. 'MatMul') or a GE type (e.g. 'MatMulV2')")
+        for u in unmapped:
+            notes.append(f"{where}: GE op type '{u}' has no TensorFlow op type (an NPU-only fused "
+                         "kernel); the entry has no effect here")
+        return out
+
+    values = dict(values)
+    for key in _LIST_KEYS:
+        if values[key]:
+            values[key] = do(values[key], key)
+    if mixlist:
+        name = values.get("modify_mixlist")
+        mixlist = {k: {a: do(ops, f"modify_mixlist '{name}' {k}.{a}") for a, ops in body.items()}
+                   for k, body in mixlist.items()}
+    return values, mixlist, notes
 
 
 def _check_lists(opts: Options):

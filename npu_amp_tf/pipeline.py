@@ -99,6 +99,12 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
     report.options = options.rewrite_params()
     if options.env_overrides:
         report.summary["env_overrides"] = dict(options.env_overrides)
+    for note in options.notes:
+        report.warn(note)
+    if options.device_only_keys:
+        report.summary["ge_device_only_keys"] = sorted(options.device_only_keys)
+        report.warn("GE option(s) " + ", ".join(sorted(options.device_only_keys))
+                    + ": no effect off the NPU")
     t0 = time.perf_counter()
     names = pass_names(options)
     for mod, err in _import_failures.items():
@@ -126,6 +132,8 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
         report.warn(msg, node=exc.node, pass_name=exc.pass_name)
         report.summary["failed_pass"] = exc.pass_name
         out = graph_def
+    if options.ge.get("enable_dump") or options.ge.get("enable_dump_debug"):
+        report.summary["ge_dump"] = _ge_dump(graph_def, out, report, options, graph_name)
     report.summary["pipeline"] = names
     report.summary["time_s"] = round(time.perf_counter() - t0, 6)
     return out, report
@@ -191,3 +199,34 @@ def rewrite_graph(graph_def, fetches=None, preserve=None, **params):
     if isinstance(fetches, str):
         fetches = [fetches]
     return optimize(graph_def, options, fetches or (), preserve or ())
+
+
+def _ge_dump(before, after, report: Report, options: Options, graph_name) -> str:
+    """GE's ``enable_dump`` / ``enable_dump_debug`` here: write the graph as
+    given and as rewritten, plus the report, under ``dump_path/<graph>/``
+    (``before.pb``, ``after.pb``, ``report.json``, ``meta.json``).  Tensor
+    values come from ``npu-amp dump after.pb --inputs ...`` / ``npu-amp compare``.
+    Returns the directory (or the error text: a failed dump never fails the
+    rewrite)."""
+    import json
+    import os
+    import re
+
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", graph_name or "graph")[:100] or "graph"
+    d = os.path.join(options.ge["dump_path"], name)
+    try:
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "before.pb"), "wb") as fh:
+            fh.write(before.SerializeToString())
+        with open(os.path.join(d, "after.pb"), "wb") as fh:
+            fh.write(after.SerializeToString())
+        with open(os.path.join(d, "report.json"), "w", encoding="utf-8") as fh:
+            json.dump(report.to_json(), fh, indent=1, default=str)
+        meta = {k: v for k, v in options.ge.items() if k.startswith(("dump", "enable_dump"))}
+        with open(os.path.join(d, "meta.json"), "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=1, default=str)
+    except OSError as exc:
+        msg = f"GE dump to '{d}' failed: {exc}"
+        report.warn(msg)
+        return msg
+    return d

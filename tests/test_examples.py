@@ -124,3 +124,13 @@ def test_ascend_layout_preview():
     assert r["lp_flop_share"] >= 0.9
     assert r["rel_err"] < 1e-2
     assert finite(r["fp32_loss"], r["amp_loss"])
+
+
+def test_ascend_script_unchanged():
+    """The tf_adapter-style script runs unchanged under `npu-amp run`: FP16
+    MatMuls, overflow steps skipped from the 2**32 start, the FP32 override
+    never overflows."""
+    res, _ = run_example("ascend_script_unchanged.py", "--steps", "60", timeout=400)
+    assert res["fp16_matmuls"] == 3
+    assert res["skipped"] > 0 and res["fp32_skipped"] == 0
+    assert finite(res["loss_amp"], res["loss_fp32"]) and res["acc_amp"] > 0.5

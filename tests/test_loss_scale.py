@@ -31,7 +31,7 @@ def test_defaults_match_the_documented_ones():
 
 
 def test_growth_after_n_good_steps_and_hysteresis():
-    m = ExponentialUpdateLossScaleManager(128, 3)
+    m = ExponentialUpdateLossScaleManager(128, 3, decr_ratio=0.5)
     st = _run(m, [True, True])
     assert st["loss_scale"] == 128 and st["good_steps"] == 2
     st = _run(m, [True])
@@ -47,7 +47,7 @@ def test_growth_after_n_good_steps_and_hysteresis():
 def test_scale_stays_within_bounds():
     m = ExponentialUpdateLossScaleManager(2.0 ** 23, 1, 1, max_loss_scale=2.0 ** 24)
     assert _run(m, [True] * 5)["loss_scale"] == 2.0 ** 24
-    m = ExponentialUpdateLossScaleManager(4, 1000, 1)
+    m = ExponentialUpdateLossScaleManager(4, 1000, 1, decr_ratio=0.5)
     assert _run(m, [False] * 6)["loss_scale"] == 1.0
     m = ExponentialUpdateLossScaleManager(16, 1000, 1, 2, 0.5, min_loss_scale=8)
     assert _run(m, [False] * 4)["loss_scale"] == 8.0
@@ -64,7 +64,7 @@ def test_fixed_manager_counts_overflows_but_keeps_scale():
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(init_loss_scale=0.5, incr_every_n_steps=10), "init_loss_scale=0.5"),
-    (dict(init_loss_scale=2.0 ** 25, incr_every_n_steps=10), "[1, 16777216]"),
+    (dict(init_loss_scale=0.5, incr_every_n_steps=10), "[1, 18446744073709551616]"),
     (dict(init_loss_scale=8, incr_every_n_steps=0), "incr_every_n_steps=0"),
     (dict(init_loss_scale=8, incr_every_n_steps=10, decr_every_n_nan_or_inf=0), "decr_every_n_nan_or_inf"),
     (dict(init_loss_scale=8, incr_every_n_steps=10, incr_ratio=1.0), "incr_ratio=1.0"),
@@ -95,7 +95,7 @@ def test_bad_manager_argument():
 
 
 def test_history_and_warnings(caplog):
-    m = ExponentialUpdateLossScaleManager(16, 2, 1)
+    m = ExponentialUpdateLossScaleManager(16, 2, 1, decr_ratio=0.5)
     with caplog.at_level(logging.INFO, logger="npu_amp_tf.loss_scale"):
         _run(m, [True, True, False, True, False, False, False, False])
     h = m.history
@@ -111,7 +111,7 @@ def test_history_and_warnings(caplog):
 
 
 def test_no_warning_in_a_healthy_run(caplog):
-    m = ExponentialUpdateLossScaleManager(128, 2, 2)
+    m = ExponentialUpdateLossScaleManager(128, 2, 2, decr_ratio=0.5)
     with caplog.at_level(logging.WARNING, logger="npu_amp_tf.loss_scale"):
         _run(m, [True, True, False, True, True, False, False, True, True])
     assert not caplog.records
@@ -121,7 +121,7 @@ def test_no_warning_in_a_healthy_run(caplog):
 def test_tf1_graph_variables_are_checkpointed_and_collected(tmp_path):
     g = tf.Graph()
     with g.as_default():
-        m = ExponentialUpdateLossScaleManager(64, 2, 1)
+        m = ExponentialUpdateLossScaleManager(64, 2, 1, decr_ratio=0.5)
         flag = tf.compat.v1.placeholder(tf.bool, [])
         up = m.update_loss_scale(flag)
         summaries = m.summaries()
@@ -144,7 +144,7 @@ def test_tf1_graph_variables_are_checkpointed_and_collected(tmp_path):
 
 
 def test_tf2_summaries_written(tmp_path):
-    m = ExponentialUpdateLossScaleManager(128, 1)
+    m = ExponentialUpdateLossScaleManager(128, 1, decr_ratio=0.5)
     writer = tf.summary.create_file_writer(str(tmp_path))
     with writer.as_default():
         m.update_loss_scale(tf.constant(True))
@@ -162,7 +162,7 @@ def test_tf2_summaries_written(tmp_path):
 
 
 def test_update_inside_tf_function_matches_eager():
-    m = ExponentialUpdateLossScaleManager(128, 2, 1)
+    m = ExponentialUpdateLossScaleManager(128, 2, 1, decr_ratio=0.5)
     m.build()
 
     @tf.function

@@ -220,7 +220,10 @@ def resolve_lists(white_add=(), black_add=(), gray_add=(), mixlist=None, mixlist
                     raise MixlistError(f"{src}: op '{op}' is both in {key}.to-add and {key}.to-remove")
                 removals.append((target, op))
     for target, op in removals:
-        lists[target].pop(op, None)
+        # CANN: an op removed from the white or black list becomes gray
+        # (GE: no precision_reduce flag); removed from gray it is unlisted
+        if lists[target].pop(op, None) is not None and target != "gray" and op not in requested:
+            lists["gray"][op] = f"user: modify_mixlist {target}-list.to-remove (CANN: removed ops are gray)"
     for op, target in requested.items():
         for name in LIST_NAMES:
             lists[name].pop(op, None)

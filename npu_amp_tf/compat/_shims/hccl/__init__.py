@@ -1,0 +1,1 @@
+"""tf_adapter's ``hccl`` rank API (npu-amp-tf compatibility layer)."""

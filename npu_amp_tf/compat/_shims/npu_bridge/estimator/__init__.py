@@ -1,0 +1,1 @@
+"""tf_adapter ``npu_bridge.estimator`` (npu-amp-tf compatibility layer)."""
