@@ -199,8 +199,17 @@ def infer_shapes(graph_def):
         log.debug("npu_amp_tf: grappler shape inference refused the graph: %s", exc)
     try:
         return import_shapes(graph_def)
-    except (ValueError, TypeError, KeyError, tf.errors.OpError):
-        return {n.name: s for n in graph_def.node if (s := static_shapes(n)) is not None}
+    except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
+        recorded = _Recorded({n.name: s for n in graph_def.node
+                              if (s := static_shapes(n)) is not None})
+        recorded.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return recorded
+
+
+class _Recorded(dict):
+    """Only the recorded ``_output_shapes``: TF refused the graph.  ``error``
+    says why, for the pass that reports the nodes left without shapes."""
+    error = None
 
 
 # ----------------------------------------------------------------- tables
@@ -263,6 +272,7 @@ class ShapeTable:
                 src = self._source
                 self._inferred = src() if callable(src) else (
                     src if src is not None else infer_shapes(self._graph.to_graph_def()))
+                self.error = getattr(self._inferred, "error", None)
             except Exception as exc:  # noqa: BLE001 - reported, the figures then lack those nodes
                 self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 self._inferred = {}
