@@ -20,7 +20,9 @@ Postconditions
   (CPU when unset); a fallback is a warning in the report.
 * Fetched/preserved nodes, ``_Arg``/``_Retval``, variables and their reads,
   stateful ops (optimizer updates), v1 loop plumbing, TensorList/variant ops
-  and function calls keep their dtypes (casts go around them).
+  and function calls keep their dtypes (casts go around them).  ``Switch`` /
+  ``Merge`` of a lowered conditional (not fed by ``LoopCond``, ``Enter`` or
+  ``NextIteration``) are clear ops: both branches of a Merge carry one dtype.
 * Running the pass twice gives the graph of running it once.
 * Inserted nodes are named ``<src>/CastToFp16``, ``<src>/CastToBf16``,
   ``<src>/CastToFp32`` (``_<port>`` appended for output ports > 0).
@@ -87,7 +89,7 @@ FIXED_OPS = {
     "Enter": "v1 loop plumbing", "RefEnter": "v1 loop plumbing",
     "Exit": "v1 loop plumbing", "RefExit": "v1 loop plumbing",
     "Merge": "v1 loop plumbing", "RefMerge": "v1 loop plumbing",
-    "Switch": "v1 loop plumbing", "RefSwitch": "v1 loop plumbing",
+    "Switch": "v1 loop plumbing", "RefSwitch": "v1 loop plumbing",  # (cond ones: see COND_OPS)
     "NextIteration": "v1 loop plumbing", "RefNextIteration": "v1 loop plumbing",
     "LoopCond": "v1 loop plumbing",
     "PartitionedCall": "function call", "StatefulPartitionedCall": "function call",
@@ -97,6 +99,12 @@ FIXED_OPS = {
     "SymbolicGradient": "function call",
     "TransData": "layout conversion placed after the precision pass: keeps its dtype",
 }
+# Switch/Merge of a lowered conditional (tf.cond, smart_cond, a lowered If):
+# not loop plumbing, they move data like clear ops (lists.CLEAR); a Merge's
+# inputs (both branches) share one attr T, so the branches vote and the edge
+# fix casts the branch that disagrees.  Loop Switch/Merge stay fixed.
+COND_OPS = frozenset({"Switch", "Merge"})
+_LOOP_MARKERS = frozenset({"LoopCond", "NextIteration", "RefNextIteration", "Enter", "RefEnter"})
 # ops that hold the FP32 master weights: their reads neither vote nor change
 VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp", "ReadVariableOp",
                           "ResourceGather", "_ReadVariablesOp"})
@@ -196,6 +204,7 @@ class PrecisionPass(Pass):
             changed = self._paint(order)
             if self.mode in ("allow_mix_precision", "allow_mix_precision_bf16"):
                 changed += self._demote(order)
+                changed += self._follow_readers(order)
             self._adapt_casts()
             self._convert_consts()
             self._fix_edges(shapes)
@@ -214,11 +223,26 @@ class PrecisionPass(Pass):
         self._info[node.name] = (node.op, res)
         return res
 
+    def in_loop_plumbing(self, node):
+        """A Switch fed a ``LoopCond`` predicate (or a loop-carried value
+        straight from an ``Enter``), or a Merge fed by ``NextIteration`` or
+        ``Enter``: part of a v1 while loop, where one loop-carried value keeps
+        one dtype on every edge.  Switch/Merge of a conditional are not."""
+        for inp in node.input:
+            if inp.startswith("^"):
+                continue
+            src = self.g.nodes.get(parse_tensor(inp)[0])
+            if src is not None and src.op in _LOOP_MARKERS:
+                return True
+        return False
+
     def _compute_info(self, node):
         meta = _op_meta(node.op)
         if meta is None:
             return _NodeInfo((), [], "function call" if node.op in self.g.functions else "unknown op")
         fixed, used, defaults, in_args = meta
+        if node.op in COND_OPS and not self.in_loop_plumbing(node):
+            fixed = None
         attrs = []
         nattr = node.attr
         for a in used:
@@ -416,6 +440,23 @@ class PrecisionPass(Pass):
                 wants.add(registry.base_dtype(want[idx]))
         return wants
 
+    def _movable_producers(self, node, info):
+        """True when every low producer of ``node`` is a gray/clear node (its
+        own demotion may absorb a cast moved onto its output)."""
+        seen = False
+        for k, inp in enumerate(node.input):
+            if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
+                continue
+            r = self.root(inp)
+            rdt = self.g.tensor_dtype(r)
+            if rdt is None or registry.base_dtype(rdt) != self.low:
+                continue
+            d = self.decisions.get(parse_tensor(r)[0])
+            if d is None or d.get("list") not in ("gray", "clear"):
+                return False
+            seen = True
+        return seen
+
     def _demote(self, order):
         """Gray/clear nodes painted low whose casts would outnumber the ones
         FP32 needs go back to FP32 (reverse topological order, so consumers
@@ -451,12 +492,19 @@ class PrecisionPass(Pass):
                 outs |= self._wanted(tensor_name(name, port))
             cost_low += FP32 in outs
             cost_f32 += self.low in outs
-            # a contested node (FP32 and low producers) whose readers all want
-            # FP32 goes FP32 on a tie: the cast then sits on the low producer,
-            # not in front of an FP32 island (residual add -> LayerNorm stats)
-            contested_tie = (cost_f32 == cost_low and name in self._contested
-                             and FP32 in outs and self.low not in outs)
-            if cost_f32 < cost_low or contested_tie:
+            # a node whose readers all want FP32 goes FP32 on a tie: the cast
+            # then sits on the low producer, not in front of an FP32 island
+            # (residual add -> LayerNorm stats).
+            # Likewise a clear op (data movement: no arithmetic is lost) on a
+            # tie whose readers all want FP32, e.g. conv16 -> BiasAdd ->
+            # Reshape -> loss: the cast moves up to the producer, whose own
+            # decision (reverse order: next) can then absorb it.
+            # (only when a gray/clear producer could take the cast: after a
+            # white op the cast costs the same on either side and stays low).
+            edge_tie = (cost_f32 == cost_low and outs == {FP32}
+                        and (name in self._contested
+                             or (d.get("list") == "clear" and self._movable_producers(node, info))))
+            if cost_f32 < cost_low or edge_tie:
                 for a in info.attrs:
                     node.attr[a].type = FP32
                 self.touched.add(name)
@@ -465,6 +513,42 @@ class PrecisionPass(Pass):
                     changed -= 1  # painting counted it as changed
                 d.update(state="f32", dtype="float32",
                          reason=d["reason"] + f"; kept FP32: {cost_f32} cast(s) instead of {cost_low}")
+        return changed
+
+    def _follow_readers(self, order):
+        """A clear node that got no vote and is fed by constants only (e.g. the ``Switch`` that routes a conv filter into a ``cond``
+        branch) goes low when all its readers want the low dtype: the cast
+        then sits on the constant (converted in place or shared with the
+        other readers) instead of on each branch.  Reverse topological order,
+        so a chain of such nodes resolves from its readers back."""
+        g = self.g
+        changed = 0
+        for name in reversed(order):
+            d = self.decisions.get(name)
+            if d is None or d.get("state") != "neutral" or d.get("list") != "clear":
+                continue
+            node = g.nodes[name]
+            info = self.info(node)
+            wants = set()
+            for port in range(len(g.output_dtypes(node) or ())):
+                wants |= self._wanted(tensor_name(name, port))
+            cur = self.current(node, info)
+            if wants != {self.low} or cur == self.low or self.is_keep(node) or name in self.protected:
+                continue
+            # constants only: a variable read stays FP32 (the master weight;
+            # keep_fp16_copies must not read the copy to initialise the copy)
+            if not all(self._const_of(inp) is not None for k, inp in enumerate(node.input)
+                       if not inp.startswith("^") and k < len(info.in_attr) and info.in_attr[k]):
+                continue
+            if self._refuse_low(node, info, cur):
+                continue
+            for a in info.attrs:
+                node.attr[a].type = self.low
+            self.touched.add(name)
+            self.state[name] = "low"
+            changed += 1
+            d.update(state="low", dtype=self.low_name,
+                     reason=d["reason"] + f"; follows its readers (all {self.low_name})")
         return changed
 
     def _refuse_low(self, node, info, cur):
