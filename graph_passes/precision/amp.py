@@ -515,32 +515,70 @@ class PrecisionPass(Pass):
                          reason=d["reason"] + f"; kept FP32: {cost_f32} cast(s) instead of {cost_low}")
         return changed
 
+    def _direct_wants(self, ref):
+        """Base dtypes the direct readers of tensor ``ref`` expect (a Cast
+        reader expects its SrcT: it adapts, no cast is inserted for it)."""
+        src, port, _ = parse_tensor(ref)
+        wants = set()
+        for cname, idx in self.g.consumers(src, port=port):
+            want = self.g.input_dtypes(self.g.nodes[cname])
+            if want is not None and idx < len(want):
+                wants.add(registry.base_dtype(want[idx]))
+        return wants
+
     def _follow_readers(self, order):
-        """A clear node that got no vote and is fed by constants only (e.g. the ``Switch`` that routes a conv filter into a ``cond``
-        branch) goes low when all its readers want the low dtype: the cast
-        then sits on the constant (converted in place or shared with the
-        other readers) instead of on each branch.  Reverse topological order,
-        so a chain of such nodes resolves from its readers back."""
+        """Cast once before a fan-out: a clear node left FP32 (no low
+        producer: a graph input, a constant, an FP32 op) whose readers want
+        the low dtype goes low when that needs fewer casts::
+
+            x ─► Split ─► 3 x Conv2D16   (3 casts: one per Split output)
+            x ─► x/CastToFp16 ─► Split16 ─► 3 x Conv2D16   (1 cast)
+
+        Cost of staying: one cast per output tensor a direct reader wants
+        low.  Cost of going low: one cast per float input whose root no
+        other reader wants low already (constants: converted in place), one
+        per output tensor a reader wants in FP32.  Reverse topological
+        order, so a chain of clear nodes resolves from its readers back.
+        Clear ops only move data, so going low is exact where the readers
+        would have cast anyway.  Nodes fed by a variable read are left alone
+        (the FP32 master; ``keep_fp16_copies`` must not read the copy to
+        initialise the copy)."""
         g = self.g
         changed = 0
         for name in reversed(order):
             d = self.decisions.get(name)
-            if d is None or d.get("state") != "neutral" or d.get("list") != "clear":
+            if d is None or d.get("list") != "clear" or d.get("state") not in ("neutral", "f32", "hard"):
                 continue
             node = g.nodes[name]
+            if self.is_keep(node) or name in self.protected:
+                continue
             info = self.info(node)
-            wants = set()
-            for port in range(len(g.output_dtypes(node) or ())):
-                wants |= self._wanted(tensor_name(name, port))
             cur = self.current(node, info)
-            if wants != {self.low} or cur == self.low or self.is_keep(node) or name in self.protected:
+            if cur != FP32:
                 continue
-            # constants only: a variable read stays FP32 (the master weight;
-            # keep_fp16_copies must not read the copy to initialise the copy)
-            if not all(self._const_of(inp) is not None for k, inp in enumerate(node.input)
-                       if not inp.startswith("^") and k < len(info.in_attr) and info.in_attr[k]):
+            stay = go = 0
+            for port in range(len(g.output_dtypes(node) or ())):
+                w = self._direct_wants(tensor_name(name, port))
+                stay += self.low in w
+                go += FP32 in w
+            if not stay:
                 continue
-            if self._refuse_low(node, info, cur):
+            blocked = False
+            for k, inp in enumerate(node.input):
+                if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
+                    continue
+                r = self.root(inp)
+                rnode = g.nodes.get(parse_tensor(r)[0])
+                if rnode is None or rnode.op in VARIABLE_OPS:
+                    blocked = True
+                    break
+                if self._const_of(inp) is not None:
+                    continue
+                rdt = g.tensor_dtype(r)
+                if rdt is not None and registry.base_dtype(rdt) == FP32 \
+                        and self.low not in self._wanted(r, exclude=name):
+                    go += 1
+            if blocked or go >= stay or self._refuse_low(node, info, cur, warn=False):
                 continue
             for a in info.attrs:
                 node.attr[a].type = self.low
@@ -548,10 +586,10 @@ class PrecisionPass(Pass):
             self.state[name] = "low"
             changed += 1
             d.update(state="low", dtype=self.low_name,
-                     reason=d["reason"] + f"; follows its readers (all {self.low_name})")
+                     reason=d["reason"] + f"; low before its fan-out: {go} cast(s) instead of {stay}")
         return changed
 
-    def _refuse_low(self, node, info, cur):
+    def _refuse_low(self, node, info, cur, warn=True):
         """Reason a node may not go low precision (unsafe const, no kernel), or None."""
         for k, inp in enumerate(node.input):
             if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
@@ -561,12 +599,14 @@ class PrecisionPass(Pass):
                 why = self.unsafe_const(c, self.low)
                 if why:
                     msg = f"const underflow: input '{c.name}' {why}; '{node.name}' stays FP32"
-                    self.ctx.warn(msg, node=node.name)
+                    if warn:
+                        self.ctx.warn(msg, node=node.name)
                     return msg
         if not self.kernel_ok(node, info, self.low):
             msg = (f"no kernel: {node.op} has no {self.low_name} kernel on "
                    f"{self.device_type(node)}; stays {registry.dtype_name(cur)}")
-            self.ctx.warn(msg, node=node.name)
+            if warn:
+                self.ctx.warn(msg, node=node.name)
             return msg
         return None
 
