@@ -70,17 +70,11 @@ from .. import registry
 from ..errors import OptionError
 from ..graph import parse_tensor, tensor_name
 from ..manager import Pass, register_pass
-from . import lists as _lists
 from . import stats as _stats
+from .planner import MODES, canonical_mode, plan_for  # noqa: F401  (re-exported)
 
 FP32 = registry.DT_FLOAT
 FLOATS = registry.FLOAT_TYPES
-
-MODES = ("allow_mix_precision", "allow_mix_precision_bf16", "force_fp16",
-         "must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp32", "cube_fp16in_fp32out")
-_ALIASES = {"allow_mix_precision_fp16": "allow_mix_precision", "fp16": "force_fp16",
-            "origin": "must_keep_origin_dtype", "mixed_float16": "allow_mix_precision",
-            "mixed_bfloat16": "allow_mix_precision_bf16"}
 
 FIXED_OPS = {
     "Placeholder": "graph input", "PlaceholderWithDefault": "graph input",
@@ -118,40 +112,11 @@ _CONST_THROUGH = frozenset({"Identity", "Snapshot", "Reshape", "ExpandDims", "Sq
 
 _CAST_SUFFIX = {registry.DT_HALF: "CastToFp16", registry.DT_BFLOAT16: "CastToBf16",
                 registry.DT_FLOAT: "CastToFp32"}
-MODE_ERROR_KEY = "precision_mode"
-
-
-def canonical_mode(options) -> tuple[str, int]:
-    """(canonical precision mode, low DataType) from an options object."""
-    mode = getattr(options, "precision", None) if options is not None else None
-    if mode is None and options is not None:
-        mode = getattr(options, "precision_mode_v2", None) or getattr(options, "precision_mode", None)
-    mode = mode or "allow_mix_precision"
-    mode = _ALIASES.get(mode, mode)
-    if mode not in MODES:
-        raise OptionError(
-            f"{MODE_ERROR_KEY}={mode!r} is not valid; accepted: "
-            + ", ".join(repr(m) for m in MODES + tuple(_ALIASES)))
-    low = getattr(options, "low_dtype", None) if options is not None else None
-    if low is None:
-        low = "bfloat16" if mode == "allow_mix_precision_bf16" else "float16"
-    low_dt = {"float16": registry.DT_HALF, "bfloat16": registry.DT_BFLOAT16}.get(low)
-    if low_dt is None:
-        raise OptionError(f"low_dtype={low!r} is not valid; accepted: 'float16', 'bfloat16'")
-    return mode, low_dt
 
 
 def _np_dtype(dt):
     from tensorflow.python.framework import dtypes
     return dtypes.as_dtype(dt).as_numpy_dtype
-
-
-def _truthy_attr(node, key):
-    a = node.attr.get(key)
-    if a is None:
-        return False
-    kind = a.WhichOneof("value")
-    return bool(getattr(a, kind)) if kind in ("b", "i", "s", "f") else kind is not None
 
 
 class _NodeInfo:
@@ -171,17 +136,11 @@ class PrecisionPass(Pass):
     def run(self, graph, ctx):
         self.g = graph
         self.ctx = ctx
-        self.mode, self.low = canonical_mode(ctx.options)
-        self.low_name = registry.dtype_name(self.low)
+        self.plan = plan = plan_for(ctx)
+        self.mode, self.low, self.low_name = plan.mode, plan.low, plan.low_name
         self.default_dev = ctx.default_device_type()
-        self.lists = _lists.lists_for(ctx.options)
-        self.op_list = {}
-        for lname in _lists.LIST_NAMES:
-            for op, why in self.lists[lname].items():
-                self.op_list[op] = (lname, why)
-        self.unknown_policy = ctx.option("unknown_op_policy", "black") or "black"
-        self.keep_names = tuple(ctx.option("keep_dtype_nodes", ()) or ())
-        self.low_names = tuple(ctx.option("low_precision_nodes", ()) or ())
+        self.lists, self.op_list = plan.lists, plan.op_list
+        self.unknown_policy = plan.unknown_policy
         self.protected = ctx.protected
         self._info = {}
         self._kernel_cache = {}
@@ -287,18 +246,10 @@ class PrecisionPass(Pass):
         return ok
 
     def is_keep(self, node):
-        if _truthy_attr(node, "_keep_dtype"):
-            return True
-        for k in self.keep_names:
-            if node.name == k or (k.endswith("/") and node.name.startswith(k)):
-                return True
-        return False
+        return self.plan.is_keep(node)
 
     def is_forced_low(self, node):
-        for k in self.low_names:
-            if node.name == k or (k.endswith("/") and node.name.startswith(k)):
-                return True
-        return False
+        return self.plan.is_forced_low(node.name)
 
     def classify(self, node):
         entry = self.op_list.get(node.op)
