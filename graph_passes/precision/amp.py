@@ -487,7 +487,10 @@ class PrecisionPass(Pass):
 
         Cost of staying: one cast per output tensor a direct reader wants
         low.  Cost of going low: one cast per float input whose root no
-        other reader wants low already (constants: converted in place), one
+        other reader wants low already and that is not already read through
+        a Cast to low (grappler's arithmetic optimizer moves a Cast in front
+        of a Reshape in its second iteration: Cast16 -> Reshape -> MatMul16
+        must stay as it is), constants aside (converted in place), and one
         per output tensor a reader wants in FP32.  Reverse topological
         order, so a chain of clear nodes resolves from its readers back.
         Clear ops only move data, so going low is exact where the readers
@@ -525,6 +528,10 @@ class PrecisionPass(Pass):
                     break
                 if self._const_of(inp) is not None:
                     continue
+                prod = g.nodes.get(parse_tensor(inp)[0])
+                if (prod is not None and prod.op == "Cast" and prod.attr["DstT"].type == self.low
+                        and prod.attr["SrcT"].type in FLOATS):
+                    continue  # the low copy exists already (a Cast grappler moved in front)
                 rdt = g.tensor_dtype(r)
                 if rdt is not None and registry.base_dtype(rdt) == FP32 \
                         and self.low not in self._wanted(r, exclude=name):
