@@ -45,7 +45,13 @@ topological order (v1 loop back edges cut):
    exists;
 4. walking back from the outputs, a gray/clear node painted low returns to
    FP32 when that needs fewer casts (``_demote``): never a cast that buys
-   nothing.
+   nothing;
+5. walking back again, a clear node left FP32 whose readers want the low
+   dtype goes low when that needs fewer casts (``_follow_readers``): one cast
+   before a fan-out, not one per reader.
+
+The mode, low dtype, lists and name overrides come from the precision
+planner (``planner.py``), which the passes before this one also ask.
 
 Then FP32 constants whose consumers all want the low dtype are converted in
 place, Casts from int/bool retarget their ``DstT``, and the remaining
