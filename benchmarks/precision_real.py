@@ -65,17 +65,17 @@ def slim_resnet():
     g = tf.Graph()
     g.seed = 0
     with g.as_default():
-        x = v1.placeholder(tf.float32, [2, 32, 32, 3], name="images")
-        y = v1.placeholder(tf.int32, [2], name="labels")
+        x = v1.placeholder(tf.float32, [4, 64, 64, 3], name="images")
+        y = v1.placeholder(tf.int32, [4], name="labels")
         with slim.arg_scope(resnet_v1.resnet_arg_scope()):
             logits, _ = resnet_v1.resnet_v1_50(x, num_classes=10, is_training=True, global_pool=True)
-        logits = tf.reshape(logits, [2, 10])
+        logits = tf.reshape(logits, [4, 10])
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
                               name="loss")
         with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
             train = v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, name="train")
         init = v1.global_variables_initializer()
-        feeds = {x: np.random.RandomState(0).rand(2, 32, 32, 3).astype(np.float32), y: np.array([1, 3])}
+        feeds = {x: np.random.RandomState(0).rand(4, 64, 64, 3).astype(np.float32), y: np.array([1, 3, 5, 7])}
     return g, loss, train, init, feeds
 
 
@@ -97,7 +97,7 @@ def fanout():
 MODELS = {
     "resnet50": ("Keras ResNet50, TF1 + learning phase, Momentum", lambda: _keras("ResNet50")),
     "mobilenet": ("Keras MobileNet a=0.25, TF1 + learning phase", lambda: _keras("MobileNet", alpha=0.25)),
-    "slim_resnet": ("TF-Slim resnet_v1_50, is_training", slim_resnet),
+    "slim_resnet": ("TF-Slim resnet_v1_50, is_training, 4x64x64", slim_resnet),
     "fanout": ("split -> 3 convs -> concat (TF's AMP test shape)", fanout),
 }
 
@@ -128,14 +128,17 @@ def main():
         l32 = step_loss(g, loss, train, init, feeds, P._base_config())
         l16 = step_loss(g, loss, train, init, feeds,
                         P._base_config(npu_amp_tf.session_config(fail_on_error=True)))
-        rows.append((title, P.count(ours), P.count(peer), share, l32[1], l16[1]))
+        cg = P._base_config()
+        cg.graph_options.rewrite_options.auto_mixed_precision_cpu = P.RC.ON
+        lg = step_loss(g, loss, train, init, feeds, cg)
+        rows.append((title, P.count(ours), P.count(peer), share, l32[1], l16[1], lg[1]))
         print(f"{title}: casts {P.count(ours)} / grappler {P.count(peer)}; lp FLOP share "
-              f"{share:.1%}; loss before {l32[0]:.4f} / {l16[0]:.4f}, after one step "
-              f"{l32[1]:.4f} (FP32) / {l16[1]:.4f} (ours)", flush=True)
-    print("\n| model | casts ours / grappler | low-precision FLOP share | loss after one step FP32 / ours |")
+              f"{share:.1%}; loss before {l32[0]:.4f} / {l16[0]:.4f} / {lg[0]:.4f}, after one step "
+              f"{l32[1]:.4f} (FP32) / {l16[1]:.4f} (ours) / {lg[1]:.4f} (grappler)", flush=True)
+    print("\n| model | casts ours / grappler | low-precision FLOP share | loss after one step FP32 / ours / grappler AMP |")
     print("|---|---|---|---|")
-    for t, a, b, sh, x, y in rows:
-        print(f"| {t} | {a} / {b} | {sh:.1%} | {x:.4f} / {y:.4f} |")
+    for t, a, b, sh, x, y, z in rows:
+        print(f"| {t} | {a} / {b} | {sh:.1%} | {x:.4f} / {y:.4f} / {z:.4f} |")
 
 
 if __name__ == "__main__":
