@@ -1,21 +1,20 @@
 """Cleanup: remove dead nodes that passes inserted.
 
-Preconditions: none.  Postconditions: no node named with a pass suffix
-(``/CastTo*``, ``/TransData_*``, ``/Unfused*``, ``/Fused*``) is left without
-consumers unless it is fetched or preserved.  Nodes the user built are never
-removed, even when nothing reads them (they may be run by name).
+Preconditions: the graph object is the one the passes of this pipeline run
+edited (``Graph.created`` names the nodes they added).
 
-    x -> a/CastToFp16 (no consumers)      =>      x
+Postconditions: no node added by this run's passes (``Graph.created``) is
+left without consumers unless it is fetched, preserved or stateful.  Nodes
+that were in the graph before the run are never removed, even when nothing
+reads them and whatever their name (a user's ``.../Fused...`` or
+``.../CastTo...`` node may be run by name).
+
+    x -> a/CastToFp16 (added by the precision pass, no consumers)      =>      x
 """
 from __future__ import annotations
 
+from . import registry
 from .manager import Pass, register_pass
-
-INSERTED_MARKERS = ("/CastTo", "/TransData_", "/Unfused", "/Fused", "/Folded", "/ReadFp16Copy")
-
-
-def is_inserted(name: str) -> bool:
-    return any(m in name for m in INSERTED_MARKERS)
 
 
 @register_pass("cleanup")
@@ -23,13 +22,16 @@ class Cleanup(Pass):
     def run(self, graph, ctx):
         removed = 0
         changed = True
+        created = getattr(graph, "created", ())
         while changed:
             changed = False
-            for name in list(graph.nodes):
-                if name in ctx.protected or not is_inserted(name):
+            for name in [n for n in graph.nodes if n in created]:
+                if name in ctx.protected or graph.consumers(name):
                     continue
-                if not graph.consumers(name):
-                    graph.remove_node(name)
-                    removed += 1
-                    changed = True
+                od = registry.op_def(graph.nodes[name].op)
+                if od is not None and od.is_stateful:
+                    continue
+                graph.remove_node(name)
+                removed += 1
+                changed = True
         return {"removed": removed}

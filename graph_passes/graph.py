@@ -77,6 +77,9 @@ class Graph:
         self._functions = {f.signature.name: f for f in self.library.function}
         #: how many times an out-of-sync consumers index was found and rebuilt
         self.index_repairs = 0
+        #: names of the nodes added through this object (by passes): only
+        #: these may be removed by ``cleanup`` when dead
+        self.created: set[str] = set()
         self.reindex()
         self._dirty = False
 
@@ -148,6 +151,7 @@ class Graph:
         if node.name in self.nodes:
             raise GraphError(f"cannot add node '{node.name}': a node with that name exists")
         self.nodes[node.name] = node
+        self.created.add(node.name)
         for i, inp in enumerate(node.input):
             src, _, ctrl = parse_tensor(inp)
             self._consumers[src].append((node.name, -1 if ctrl else i))
@@ -194,6 +198,7 @@ class Graph:
             if lst:
                 self._consumers[src] = [c for c in lst if c[0] != name]
         del self.nodes[name]
+        self.created.discard(name)
         self._consumers.pop(name, None)
         self._dirty = True
         self._topo_cache = None

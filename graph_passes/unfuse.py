@@ -10,8 +10,9 @@ pass runs first and restores the plain ops.
 Preconditions
     Any graph.  Only fused nodes whose *low-precision* dtype
     (``options.low_dtype``) has no kernel on the node's device type are split,
-    and only when the precision mode can lower matrix ops (not
-    ``must_keep_origin_dtype`` / ``force_fp32``).  A fused node that already
+    and only when the precision mode lowers matrix ops (asked of the
+    precision planner: not ``must_keep_origin_dtype`` / ``force_fp32`` /
+    ``allow_fp32_to_fp16``, which keeps ops with an FP32 kernel FP32).  A fused node that already
     has a low-precision kernel there (for example bfloat16 on CPU, or the GPU)
     is left for the precision pass to convert as it is.
 Postconditions
@@ -44,7 +45,7 @@ from __future__ import annotations
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from . import registry
-from .precision.lists import lists_for
+from .precision.planner import plan_for
 from .manager import Pass, register_pass
 
 FUSED_OPS = ("_FusedConv2D", "_FusedMatMul")
@@ -58,12 +59,10 @@ ACTIVATIONS = {
     "Tanh": ("Tanh", ()),
     "Sigmoid": ("Sigmoid", ()),
 }
-_NO_LOWERING = ("must_keep_origin_dtype", "force_fp32")
 
 #: (op, device type, dtype) whose kernel TF registers but which fails at run
 #: time; these are split as if no kernel existed.  One line per entry, with why.
 BROKEN_KERNELS = registry.BROKEN_KERNELS  # kept here for callers of the old name
-_LOW = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
 
 
 def _type_attr(dt):
@@ -99,12 +98,12 @@ class Unfuse(Pass):
     """Split ``_FusedConv2D``/``_FusedMatMul`` that would block low precision."""
 
     def run(self, graph, ctx):
-        precision = ctx.option("precision", None) or ctx.option("precision_mode", "allow_mix_precision")
-        if precision in _NO_LOWERING:
-            return {"unfused": 0, "skipped": "precision mode keeps FP32"}
-        low = _LOW.get(ctx.option("low_dtype", "float16"), types_pb2.DT_HALF)
+        plan = plan_for(ctx)
+        if not plan.lowers_matrix_ops:
+            return {"unfused": 0, "skipped": f"precision_mode={plan.mode} keeps matrix ops FP32"}
+        low = plan.low
         default_dev = ctx.default_device_type()
-        black = lists_for(ctx.options)["black"]
+        black = plan.lists["black"]
         unfused = kept = 0
         for name in list(graph.nodes):
             node = graph.nodes.get(name)

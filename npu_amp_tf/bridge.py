@@ -323,7 +323,10 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     # 2. seen these exact bytes with these options before?  (a Session built
     #    twice on one graph, a function re-instantiated...).  The pipeline is
     #    a pure function of (graph, options, fetch, preserve, devices).
-    key = (hash(options), hashlib.sha1(graph_bytes).digest(), tuple(fetches), tuple(preserve),
+    #    The mixlist file is keyed by its parsed CONTENT (read again by
+    #    parse_options on every call), not its path: an edited file is seen.
+    mix = json.dumps(options.mixlist, sort_keys=True, default=list) if options.mixlist else None
+    key = (hash(options), mix, hashlib.sha1(graph_bytes).digest(), tuple(fetches), tuple(preserve),
            tuple(devices))
     with _lock:
         cached = _memo.get(key)

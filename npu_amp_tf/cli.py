@@ -153,9 +153,15 @@ def cmd_report(args):
         if args.html:
             raise _CliError("--html needs the model to draw the graph; pass the model instead of a report JSON")
     else:
+        from .tools import model_io
+
         options = _options(args)
         model = _load(args)
-        graph_def, report = optimize(model.graph_def, options, fetches=model.fetch_nodes,
+        # report what a Session sees: function calls inlined first (one
+        # function per Keras layer in a SavedModel would otherwise put casts
+        # at every layer boundary and hide the converted ops from the map)
+        gd_in = model_io.inline_functions(model.graph_def, model.fetch_nodes, model.preserve_nodes())
+        graph_def, report = optimize(gd_in, options, fetches=model.fetch_nodes,
                                      preserve=model.preserve_nodes(),
                                      graph_name=os.path.basename(args.model.rstrip("/")))
     print(rep.format_report(report, graph_def, limit=None if args.all else args.limit))

@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from .errors import OptionError
 from .loss_scale import make_manager
-from .optimizer import AmpCore, _options
+from .amp_core import AmpCore, _options
 
 
 def keras_module():

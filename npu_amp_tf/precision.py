@@ -21,7 +21,14 @@ KEEP_DTYPE_ATTR = "_keep_dtype"
 
 @contextlib.contextmanager
 def keep_dtype_scope():
-    """Mark every op created inside the block with ``_keep_dtype`` (never converted)."""
+    """Mark every op created inside the block with ``_keep_dtype`` (never converted).
+
+    TensorFlow has no public API that adds a node attr to every op built in a
+    block; this uses the private ``Graph._attr_scope`` (present and working,
+    for ``tf.Graph`` and ``tf.function`` FuncGraphs alike, in TF 2.15 and
+    2.21; tested by tests/test_precision.py and tests/test_loss_scale_fp32.py).
+    It is the only private TF use of this module.
+    """
     from tensorflow.core.framework import attr_value_pb2
     from tensorflow.python.framework import ops
 

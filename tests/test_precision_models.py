@@ -73,16 +73,32 @@ def run_train_step(gd, feeds, fetch_before, var_names, train_op, init_op="init")
     return before, vars0, vars1, g
 
 
-def assert_step_close(orig, new, rtol=3e-2):
+def assert_step_close(orig, new, fwd_rtol=1e-2, upd_l1=0.01, min_cos=0.999):
+    """Forward values and ONE training step, original vs rewritten graph.
+
+    Forward: within ``fwd_rtol`` of the largest value.  FP16 keeps 11
+    significant bits (eps 2^-11 = 4.9e-4 per rounding); a dot product of K
+    terms accumulates ~sqrt(K) roundings (K <= 64 here: ~4e-3), and the
+    models below chain 2-4 such layers: 1e-2.
+    Update: the weights start identical; the whole update (all variables)
+    within ``upd_l1`` relative L1 error and cosine similarity above
+    ``min_cos`` (the backward pass chains twice as many FP16 products as the
+    forward one; measured on TF 2.15 and 2.21: L1 5e-4 to 1.1e-3, cosine
+    > 0.99999, so 0.01 leaves a 10x margin).  A variable updated
+    from a wrongly typed or dropped gradient breaks both by O(1).
+    """
     (b0, v00, v01, _), (b1, v10, v11, _) = orig, new
     for a, b in zip(b0, b1):
-        np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol * (np.abs(a).max() + 1e-6))
-    scale = max(np.abs(a1 - a0).max() for a0, a1 in zip(v00, v01))
-    assert scale > 0, "the step did not move any weight"
-    for a0, a1, n0, n1 in zip(v00, v01, v10, v11):
+        np.testing.assert_allclose(b, a, rtol=0, atol=fwd_rtol * (np.abs(a).max() + 1e-6))
+    for a0, n0 in zip(v00, v10):
         np.testing.assert_array_equal(n0, a0)          # same initial weights
-        # update of each weight within 10% (relative to the largest update)
-        np.testing.assert_allclose(n1 - n0, a1 - a0, rtol=0.1, atol=0.05 * scale)
+    ref = np.concatenate([(a1 - a0).ravel() for a0, a1 in zip(v00, v01)])
+    got = np.concatenate([(n1 - n0).ravel() for n0, n1 in zip(v10, v11)])
+    assert np.abs(ref).max() > 0, "the step did not move any weight"
+    l1 = np.abs(got - ref).sum() / np.abs(ref).sum()
+    cos = float(np.dot(got, ref) / (np.linalg.norm(got) * np.linalg.norm(ref)))
+    assert l1 < upd_l1, l1
+    assert cos > min_cos, cos
 
 
 def var_reads(g):
@@ -156,12 +172,14 @@ def test_small_cnn_with_batchnorm_forward_and_training_step(k2):
         dense = k2.layers.Dense(3, name="dense")
         h = conv(x)
         h = bn(h, training=True)
-        # elu, not relu: FP16 threaded reductions round differently from run
-        # to run, and a relu kink at ~0 after batch norm then flips gradients
-        h = tf.nn.elu(h)
-        # average pooling: a max-pool argmax can flip between FP32 and FP16 and
-        # route a gradient to another pixel (a discontinuity, not an error)
-        h = tf.nn.avg_pool2d(h, 2, 2, "VALID")
+        # the common relu + max-pool CNN.  FP16 rounding can move a
+        # post-BN value across relu's kink at 0 or flip a near-tied max-pool
+        # argmax: that element's gradient is routed elsewhere (a
+        # discontinuity of the model, not an error of the rewrite), which
+        # is why assert_step_close bounds the whole update (L1, cosine)
+        # rather than each element
+        h = tf.nn.relu(h)
+        h = tf.nn.max_pool2d(h, 2, 2, "VALID")
         logits = tf.identity(dense(tf.reshape(h, [2, 36])), name="logits")
         loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
         variables = conv.trainable_weights + bn.trainable_weights + dense.trainable_weights

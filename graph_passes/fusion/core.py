@@ -158,42 +158,27 @@ def _type_attrs(node) -> dict:
     return {k: v.type for k, v in node.attr.items() if v.WhichOneof("value") == "type"}
 
 
-_PRECISION_LOW = {"allow_mix_precision": registry.DT_HALF, "force_fp16": registry.DT_HALF,
-                  "allow_fp32_to_fp16": registry.DT_HALF, "cube_fp16in_fp32out": registry.DT_HALF,
-                  "allow_mix_precision_bf16": registry.DT_BFLOAT16}
-
-
 def _black_ops(ctx) -> dict:
-    """The black list the precision pass will use (defaults + user edits)."""
-    cached = getattr(ctx, "_black_ops", None)
-    if cached is None:  # resolved once per pass run, not once per match
-        from ..precision.lists import lists_for
+    """The black list the precision pass will use (defaults + user edits),
+    from the precision planner (resolved once per pipeline run)."""
+    from ..precision.planner import plan_for
 
-        cached = ctx._black_ops = lists_for(ctx.options)["black"]
-    return cached
+    return plan_for(ctx).lists["black"]
 
 
 def planned_dtype(ctx, op_type: str, node_name: str, dtype: int) -> int:
     """The dtype a white-list matrix op of type ``op_type`` will run in once the
-    precision pass (which runs after fusion) has painted the graph."""
+    precision pass (which runs after fusion) has painted the graph: asked of
+    the precision planner (``precision/planner.py``), the one place that rule lives."""
     from ..manager import PASS_REGISTRY
 
     if dtype != registry.DT_FLOAT or ctx is None or "precision" not in PASS_REGISTRY:
         return dtype
-    mode = ctx.option("precision")
-    if mode is None:
+    if ctx.option("precision") is None and ctx.option("precision_mode") is None:
         return dtype
-    low = _PRECISION_LOW.get(mode)
-    if low is None:
-        return dtype
-    if mode != "allow_mix_precision_bf16":
-        low = registry.DTYPE_BY_NAME.get(ctx.option("low_dtype") or "float16", low)
-    if op_type in _black_ops(ctx):
-        return dtype
-    for keep in tuple(ctx.option("keep_dtype_nodes", ()) or ()):
-        if node_name == keep or (keep.endswith("/") and node_name.startswith(keep)):
-            return dtype
-    return low
+    from ..precision.planner import plan_for
+
+    return plan_for(ctx).matrix_dtype(op_type, node_name, dtype)[0]
 
 
 class Skip(Exception):

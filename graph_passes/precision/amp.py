@@ -20,7 +20,9 @@ Postconditions
   (CPU when unset); a fallback is a warning in the report.
 * Fetched/preserved nodes, ``_Arg``/``_Retval``, variables and their reads,
   stateful ops (optimizer updates), v1 loop plumbing, TensorList/variant ops
-  and function calls keep their dtypes (casts go around them).
+  and function calls keep their dtypes (casts go around them).  ``Switch`` /
+  ``Merge`` of a lowered conditional (not fed by ``LoopCond``, ``Enter`` or
+  ``NextIteration``) are clear ops: both branches of a Merge carry one dtype.
 * Running the pass twice gives the graph of running it once.
 * Inserted nodes are named ``<src>/CastToFp16``, ``<src>/CastToBf16``,
   ``<src>/CastToFp32`` (``_<port>`` appended for output ports > 0).
@@ -43,7 +45,13 @@ topological order (v1 loop back edges cut):
    exists;
 4. walking back from the outputs, a gray/clear node painted low returns to
    FP32 when that needs fewer casts (``_demote``): never a cast that buys
-   nothing.
+   nothing;
+5. walking back again, a clear node left FP32 whose readers want the low
+   dtype goes low when that needs fewer casts (``_follow_readers``): one cast
+   before a fan-out, not one per reader.
+
+The mode, low dtype, lists and name overrides come from the precision
+planner (``planner.py``), which the passes before this one also ask.
 
 Then FP32 constants whose consumers all want the low dtype are converted in
 place, Casts from int/bool retarget their ``DstT``, and the remaining
@@ -68,17 +76,11 @@ from .. import registry
 from ..errors import OptionError
 from ..graph import parse_tensor, tensor_name
 from ..manager import Pass, register_pass
-from . import lists as _lists
 from . import stats as _stats
+from .planner import MODES, canonical_mode, plan_for  # noqa: F401  (re-exported)
 
 FP32 = registry.DT_FLOAT
 FLOATS = registry.FLOAT_TYPES
-
-MODES = ("allow_mix_precision", "allow_mix_precision_bf16", "force_fp16",
-         "must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp32", "cube_fp16in_fp32out")
-_ALIASES = {"allow_mix_precision_fp16": "allow_mix_precision", "fp16": "force_fp16",
-            "origin": "must_keep_origin_dtype", "mixed_float16": "allow_mix_precision",
-            "mixed_bfloat16": "allow_mix_precision_bf16"}
 
 FIXED_OPS = {
     "Placeholder": "graph input", "PlaceholderWithDefault": "graph input",
@@ -87,7 +89,7 @@ FIXED_OPS = {
     "Enter": "v1 loop plumbing", "RefEnter": "v1 loop plumbing",
     "Exit": "v1 loop plumbing", "RefExit": "v1 loop plumbing",
     "Merge": "v1 loop plumbing", "RefMerge": "v1 loop plumbing",
-    "Switch": "v1 loop plumbing", "RefSwitch": "v1 loop plumbing",
+    "Switch": "v1 loop plumbing", "RefSwitch": "v1 loop plumbing",  # (cond ones: see COND_OPS)
     "NextIteration": "v1 loop plumbing", "RefNextIteration": "v1 loop plumbing",
     "LoopCond": "v1 loop plumbing",
     "PartitionedCall": "function call", "StatefulPartitionedCall": "function call",
@@ -99,6 +101,12 @@ FIXED_OPS = {
     "Bitcast": "reinterprets its input's bits: another input dtype changes the values and "
                "the shape (Keras 3 argmax/accuracy bitcast float32 logits)",
 }
+# Switch/Merge of a lowered conditional (tf.cond, smart_cond, a lowered If):
+# not loop plumbing, they move data like clear ops (lists.CLEAR); a Merge's
+# inputs (both branches) share one attr T, so the branches vote and the edge
+# fix casts the branch that disagrees.  Loop Switch/Merge stay fixed.
+COND_OPS = frozenset({"Switch", "Merge"})
+_LOOP_MARKERS = frozenset({"LoopCond", "NextIteration", "RefNextIteration", "Enter", "RefEnter"})
 # ops that hold the FP32 master weights: their reads neither vote nor change
 VARIABLE_OPS = frozenset({"VariableV2", "Variable", "VarHandleOp", "ReadVariableOp",
                           "ResourceGather", "_ReadVariablesOp"})
@@ -112,40 +120,11 @@ _CONST_THROUGH = frozenset({"Identity", "Snapshot", "Reshape", "ExpandDims", "Sq
 
 _CAST_SUFFIX = {registry.DT_HALF: "CastToFp16", registry.DT_BFLOAT16: "CastToBf16",
                 registry.DT_FLOAT: "CastToFp32"}
-MODE_ERROR_KEY = "precision_mode"
-
-
-def canonical_mode(options) -> tuple[str, int]:
-    """(canonical precision mode, low DataType) from an options object."""
-    mode = getattr(options, "precision", None) if options is not None else None
-    if mode is None and options is not None:
-        mode = getattr(options, "precision_mode_v2", None) or getattr(options, "precision_mode", None)
-    mode = mode or "allow_mix_precision"
-    mode = _ALIASES.get(mode, mode)
-    if mode not in MODES:
-        raise OptionError(
-            f"{MODE_ERROR_KEY}={mode!r} is not valid; accepted: "
-            + ", ".join(repr(m) for m in MODES + tuple(_ALIASES)))
-    low = getattr(options, "low_dtype", None) if options is not None else None
-    if low is None:
-        low = "bfloat16" if mode == "allow_mix_precision_bf16" else "float16"
-    low_dt = {"float16": registry.DT_HALF, "bfloat16": registry.DT_BFLOAT16}.get(low)
-    if low_dt is None:
-        raise OptionError(f"low_dtype={low!r} is not valid; accepted: 'float16', 'bfloat16'")
-    return mode, low_dt
 
 
 def _np_dtype(dt):
     from tensorflow.python.framework import dtypes
     return dtypes.as_dtype(dt).as_numpy_dtype
-
-
-def _truthy_attr(node, key):
-    a = node.attr.get(key)
-    if a is None:
-        return False
-    kind = a.WhichOneof("value")
-    return bool(getattr(a, kind)) if kind in ("b", "i", "s", "f") else kind is not None
 
 
 class _NodeInfo:
@@ -165,17 +144,11 @@ class PrecisionPass(Pass):
     def run(self, graph, ctx):
         self.g = graph
         self.ctx = ctx
-        self.mode, self.low = canonical_mode(ctx.options)
-        self.low_name = registry.dtype_name(self.low)
+        self.plan = plan = plan_for(ctx)
+        self.mode, self.low, self.low_name = plan.mode, plan.low, plan.low_name
         self.default_dev = ctx.default_device_type()
-        self.lists = _lists.lists_for(ctx.options)
-        self.op_list = {}
-        for lname in _lists.LIST_NAMES:
-            for op, why in self.lists[lname].items():
-                self.op_list[op] = (lname, why)
-        self.unknown_policy = ctx.option("unknown_op_policy", "black") or "black"
-        self.keep_names = tuple(ctx.option("keep_dtype_nodes", ()) or ())
-        self.low_names = tuple(ctx.option("low_precision_nodes", ()) or ())
+        self.lists, self.op_list = plan.lists, plan.op_list
+        self.unknown_policy = plan.unknown_policy
         self.protected = ctx.protected
         self._info = {}
         self._kernel_cache = {}
@@ -198,6 +171,7 @@ class PrecisionPass(Pass):
             changed = self._paint(order)
             if self.mode in ("allow_mix_precision", "allow_mix_precision_bf16"):
                 changed += self._demote(order)
+                changed += self._follow_readers(order)
             self._adapt_casts()
             self._convert_consts()
             self._fix_edges(shapes)
@@ -216,11 +190,26 @@ class PrecisionPass(Pass):
         self._info[node.name] = (node.op, res)
         return res
 
+    def in_loop_plumbing(self, node):
+        """A Switch fed a ``LoopCond`` predicate (or a loop-carried value
+        straight from an ``Enter``), or a Merge fed by ``NextIteration`` or
+        ``Enter``: part of a v1 while loop, where one loop-carried value keeps
+        one dtype on every edge.  Switch/Merge of a conditional are not."""
+        for inp in node.input:
+            if inp.startswith("^"):
+                continue
+            src = self.g.nodes.get(parse_tensor(inp)[0])
+            if src is not None and src.op in _LOOP_MARKERS:
+                return True
+        return False
+
     def _compute_info(self, node):
         meta = _op_meta(node.op)
         if meta is None:
             return _NodeInfo((), [], "function call" if node.op in self.g.functions else "unknown op")
         fixed, used, defaults, in_args = meta
+        if node.op in COND_OPS and not self.in_loop_plumbing(node):
+            fixed = None
         attrs = []
         nattr = node.attr
         for a in used:
@@ -265,18 +254,10 @@ class PrecisionPass(Pass):
         return ok
 
     def is_keep(self, node):
-        if _truthy_attr(node, "_keep_dtype"):
-            return True
-        for k in self.keep_names:
-            if node.name == k or (k.endswith("/") and node.name.startswith(k)):
-                return True
-        return False
+        return self.plan.is_keep(node)
 
     def is_forced_low(self, node):
-        for k in self.low_names:
-            if node.name == k or (k.endswith("/") and node.name.startswith(k)):
-                return True
-        return False
+        return self.plan.is_forced_low(node.name)
 
     def classify(self, node):
         entry = self.op_list.get(node.op)
@@ -420,6 +401,23 @@ class PrecisionPass(Pass):
                 wants.add(registry.base_dtype(want[idx]))
         return wants
 
+    def _movable_producers(self, node, info):
+        """True when every low producer of ``node`` is a gray/clear node (its
+        own demotion may absorb a cast moved onto its output)."""
+        seen = False
+        for k, inp in enumerate(node.input):
+            if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
+                continue
+            r = self.root(inp)
+            rdt = self.g.tensor_dtype(r)
+            if rdt is None or registry.base_dtype(rdt) != self.low:
+                continue
+            d = self.decisions.get(parse_tensor(r)[0])
+            if d is None or d.get("list") not in ("gray", "clear"):
+                return False
+            seen = True
+        return seen
+
     def _demote(self, order):
         """Gray/clear nodes painted low whose casts would outnumber the ones
         FP32 needs go back to FP32 (reverse topological order, so consumers
@@ -455,12 +453,19 @@ class PrecisionPass(Pass):
                 outs |= self._wanted(tensor_name(name, port))
             cost_low += FP32 in outs
             cost_f32 += self.low in outs
-            # a contested node (FP32 and low producers) whose readers all want
-            # FP32 goes FP32 on a tie: the cast then sits on the low producer,
-            # not in front of an FP32 island (residual add -> LayerNorm stats)
-            contested_tie = (cost_f32 == cost_low and name in self._contested
-                             and FP32 in outs and self.low not in outs)
-            if cost_f32 < cost_low or contested_tie:
+            # a node whose readers all want FP32 goes FP32 on a tie: the cast
+            # then sits on the low producer, not in front of an FP32 island
+            # (residual add -> LayerNorm stats).
+            # Likewise a clear op (data movement: no arithmetic is lost) on a
+            # tie whose readers all want FP32, e.g. conv16 -> BiasAdd ->
+            # Reshape -> loss: the cast moves up to the producer, whose own
+            # decision (reverse order: next) can then absorb it.
+            # (only when a gray/clear producer could take the cast: after a
+            # white op the cast costs the same on either side and stays low).
+            edge_tie = (cost_f32 == cost_low and outs == {FP32}
+                        and (name in self._contested
+                             or (d.get("list") == "clear" and self._movable_producers(node, info))))
+            if cost_f32 < cost_low or edge_tie:
                 for a in info.attrs:
                     node.attr[a].type = FP32
                 self.touched.add(name)
@@ -471,7 +476,88 @@ class PrecisionPass(Pass):
                          reason=d["reason"] + f"; kept FP32: {cost_f32} cast(s) instead of {cost_low}")
         return changed
 
-    def _refuse_low(self, node, info, cur):
+    def _direct_wants(self, ref):
+        """Base dtypes the direct readers of tensor ``ref`` expect (a Cast
+        reader expects its SrcT: it adapts, no cast is inserted for it)."""
+        src, port, _ = parse_tensor(ref)
+        wants = set()
+        for cname, idx in self.g.consumers(src, port=port):
+            want = self.g.input_dtypes(self.g.nodes[cname])
+            if want is not None and idx < len(want):
+                wants.add(registry.base_dtype(want[idx]))
+        return wants
+
+    def _follow_readers(self, order):
+        """Cast once before a fan-out: a clear node left FP32 (no low
+        producer: a graph input, a constant, an FP32 op) whose readers want
+        the low dtype goes low when that needs fewer casts::
+
+            x ─► Split ─► 3 x Conv2D16   (3 casts: one per Split output)
+            x ─► x/CastToFp16 ─► Split16 ─► 3 x Conv2D16   (1 cast)
+
+        Cost of staying: one cast per output tensor a direct reader wants
+        low.  Cost of going low: one cast per float input whose root no
+        other reader wants low already and that is not already read through
+        a Cast to low (grappler's arithmetic optimizer moves a Cast in front
+        of a Reshape in its second iteration: Cast16 -> Reshape -> MatMul16
+        must stay as it is), constants aside (converted in place), and one
+        per output tensor a reader wants in FP32.  Reverse topological
+        order, so a chain of clear nodes resolves from its readers back.
+        Clear ops only move data, so going low is exact where the readers
+        would have cast anyway.  Nodes fed by a variable read are left alone
+        (the FP32 master; ``keep_fp16_copies`` must not read the copy to
+        initialise the copy)."""
+        g = self.g
+        changed = 0
+        for name in reversed(order):
+            d = self.decisions.get(name)
+            if d is None or d.get("list") != "clear" or d.get("state") not in ("neutral", "f32", "hard"):
+                continue
+            node = g.nodes[name]
+            if self.is_keep(node) or name in self.protected:
+                continue
+            info = self.info(node)
+            cur = self.current(node, info)
+            if cur != FP32:
+                continue
+            stay = go = 0
+            for port in range(len(g.output_dtypes(node) or ())):
+                w = self._direct_wants(tensor_name(name, port))
+                stay += self.low in w
+                go += FP32 in w
+            if not stay:
+                continue
+            blocked = False
+            for k, inp in enumerate(node.input):
+                if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
+                    continue
+                r = self.root(inp)
+                rnode = g.nodes.get(parse_tensor(r)[0])
+                if rnode is None or rnode.op in VARIABLE_OPS:
+                    blocked = True
+                    break
+                if self._const_of(inp) is not None:
+                    continue
+                prod = g.nodes.get(parse_tensor(inp)[0])
+                if (prod is not None and prod.op == "Cast" and prod.attr["DstT"].type == self.low
+                        and prod.attr["SrcT"].type in FLOATS):
+                    continue  # the low copy exists already (a Cast grappler moved in front)
+                rdt = g.tensor_dtype(r)
+                if rdt is not None and registry.base_dtype(rdt) == FP32 \
+                        and self.low not in self._wanted(r, exclude=name):
+                    go += 1
+            if blocked or go >= stay or self._refuse_low(node, info, cur, warn=False):
+                continue
+            for a in info.attrs:
+                node.attr[a].type = self.low
+            self.touched.add(name)
+            self.state[name] = "low"
+            changed += 1
+            d.update(state="low", dtype=self.low_name,
+                     reason=d["reason"] + f"; low before its fan-out: {go} cast(s) instead of {stay}")
+        return changed
+
+    def _refuse_low(self, node, info, cur, warn=True):
         """Reason a node may not go low precision (unsafe const, no kernel), or None."""
         for k, inp in enumerate(node.input):
             if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
@@ -481,12 +567,14 @@ class PrecisionPass(Pass):
                 why = self.unsafe_const(c, self.low)
                 if why:
                     msg = f"const underflow: input '{c.name}' {why}; '{node.name}' stays FP32"
-                    self.ctx.warn(msg, node=node.name)
+                    if warn:
+                        self.ctx.warn(msg, node=node.name)
                     return msg
         if not self.kernel_ok(node, info, self.low):
             msg = (f"no kernel: {node.op} has no {self.low_name} kernel on "
                    f"{self.device_type(node)}; stays {registry.dtype_name(cur)}")
-            self.ctx.warn(msg, node=node.name)
+            if warn:
+                self.ctx.warn(msg, node=node.name)
             return msg
         return None
 

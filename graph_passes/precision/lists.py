@@ -11,12 +11,12 @@ and refuses an op that ends up in two lists.
 * clear: data movement; passes on whatever precision it is given.
 
 Ops that are in no list are decided by the ``unknown_op_policy`` option.  Some
-ops are never re-typed whatever the lists say (see ``precision/amp.py``,
-``fixed_reason``): variables and their reads (the FP32 master weights),
+ops are never re-typed whatever the lists say (see ``FIXED_OPS`` and
+``_op_meta`` in ``precision/amp.py``; the planner reports them as ``fixed``): variables and their reads (the FP32 master weights),
 stateful ops and optimizer updates (``ApplyAdam``, ``ResourceApply*``,
-``AssignSub``...), v1 loop plumbing (``Enter``/``Merge``/``Switch``/
-``NextIteration``/``Exit``: a loop-carried value keeps one dtype on every
-edge), TensorList/variant ops (a TensorList cluster keeps one colour), and
+``AssignSub``...), v1 loop plumbing (``Enter``/``NextIteration``/``Exit``/``LoopCond`` and the
+``Merge``/``Switch`` of a loop: a loop-carried value keeps one dtype on every
+edge; the ``Switch``/``Merge`` of a conditional are clear), TensorList/variant ops (a TensorList cluster keeps one colour), and
 function calls (``PartitionedCall``/``While``/``If``: signatures never change,
 bodies are rewritten on their own with casts inside).
 """
@@ -171,6 +171,8 @@ CLEAR = {
     "OnesLike": "constant fill",
     "Fill": "constant fill",
     "CheckNumerics": "passes its input through",
+    "Switch": "conditional (tf.cond/smart_cond lowered): routes data; loop Switches are fixed",
+    "Merge": "conditional (tf.cond/smart_cond lowered): forwards the taken branch; loop Merges are fixed",
     "EnsureShape": "passes its input through",
 }
 

@@ -410,6 +410,35 @@ def runnable(model: Model) -> Runnable:
     return Runnable(frozen, dict(model.inputs), dict(model.outputs))
 
 
+def inline_functions(graph_def, fetches, preserve=()):
+    """The graph as a Session would hand it to the pass: function calls
+    (``PartitionedCall`` / ``StatefulPartitionedCall``: a TF2 SavedModel puts
+    every Keras layer in its own function) inlined and lowered by grappler's
+    own function optimizer, every other grappler pass off.  ``fetches`` and
+    ``preserve`` (the graph's own outputs and inputs) keep their names, so the
+    graph's signature is unchanged.  Returns a new GraphDef; on a graph
+    without calls, the graph itself."""
+    from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
+    from tensorflow.python.grappler import tf_optimizer
+
+    if not any(n.op in ("StatefulPartitionedCall", "PartitionedCall") for n in graph_def.node):
+        return graph_def
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph_def)
+    keep = meta.collection_def["train_op"].node_list.value
+    for name in list(fetches) + list(preserve):
+        keep.append(_node_of(name))
+    cfg = config_pb2.ConfigProto()
+    ro = cfg.graph_options.rewrite_options
+    ro.optimizers.extend(["function"])      # only the function optimizer
+    ro.min_graph_nodes = -1
+    ro.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+    try:
+        return tf_optimizer.OptimizeGraph(cfg, meta, graph_id=b"npu_amp_inline")
+    except Exception as exc:  # noqa: BLE001 - grappler raises many kinds
+        raise ToolError(f"cannot inline the graph's functions: {_first_line(exc)}") from None
+
+
 def _runnable_tf2_saved_model(model: Model) -> Runnable:
     import tensorflow as tf
     from tensorflow.python.framework import convert_to_constants

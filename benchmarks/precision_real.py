@@ -1,0 +1,145 @@
+"""Precision on real model code vs grappler's own AMP, and one training step
+vs FP32 (issue 13).  Same graph, same process, side by side:
+
+  * casts: our pipeline through ``npu_amp_tf.session_config()`` vs grappler's
+    ``auto_mixed_precision_cpu`` (TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_EMULATE_FP16=0),
+    both after grappler's stock passes, remapper off (tests/amp_peers.py);
+  * low-precision share of matrix/conv FLOPs (our report);
+  * the loss after ONE training step (Momentum), FP32 Session vs our Session,
+    same initial weights (graph seed).
+
+Models: Keras ResNet-50 and MobileNet (weights=None) in a TF1 graph with
+Keras's learning-phase placeholder (every BatchNorm under a lowered cond),
+TF-Slim resnet_v1_50, and TF's split -> 3 convs -> concat case.  Tiny inputs
+(FP16 runs ~130x slower than FP32 on TF 2.15 CPU kernels).  Prints a table;
+asserts nothing.
+
+    python benchmarks/precision_real.py [--models resnet50,mobilenet,slim_resnet,fanout]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import amp_peers as P  # noqa: E402  (sets the grappler emulation env var)
+import npu_amp_tf  # noqa: E402
+from conftest import keras2  # noqa: E402
+
+v1 = tf.compat.v1
+
+
+def _keras(app, **kw):
+    k = keras2()
+    g = tf.Graph()
+    g.seed = 0
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [2, 32, 32, 3], name="images")
+        y = v1.placeholder(tf.int32, [2], name="labels")
+        model = getattr(k.applications, app)(weights=None, input_tensor=x, classes=10, **kw)
+        logits = model.output.op.inputs[0]
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        with tf.control_dependencies(model.updates):
+            train = v1.train.MomentumOptimizer(0.01, 0.9).minimize(
+                loss, var_list=model.trainable_weights, name="train")
+        init = v1.global_variables_initializer()
+        feeds = {x: np.random.RandomState(0).rand(2, 32, 32, 3).astype(np.float32),
+                 y: np.array([1, 3]), k.backend.learning_phase(): True}
+    return g, loss, train, init, feeds
+
+
+def slim_resnet():
+    from real_models import import_slim
+    slim = import_slim()
+    from tf_slim.nets import resnet_v1
+    g = tf.Graph()
+    g.seed = 0
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [4, 64, 64, 3], name="images")
+        y = v1.placeholder(tf.int32, [4], name="labels")
+        with slim.arg_scope(resnet_v1.resnet_arg_scope()):
+            logits, _ = resnet_v1.resnet_v1_50(x, num_classes=10, is_training=True, global_pool=True)
+        logits = tf.reshape(logits, [4, 10])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            train = v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, name="train")
+        init = v1.global_variables_initializer()
+        feeds = {x: np.random.RandomState(0).rand(4, 64, 64, 3).astype(np.float32), y: np.array([1, 3, 5, 7])}
+    return g, loss, train, init, feeds
+
+
+def fanout():
+    rng = np.random.RandomState(0)
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [2, 16, 16, 6], name="x")
+        outs = []
+        for i, part in enumerate(tf.split(x, 3, axis=3)):
+            w = v1.get_variable(f"w{i}", initializer=rng.randn(3, 3, 2, 8).astype(np.float32) * 0.3)
+            outs.append(tf.nn.conv2d(part, w, 1, "SAME"))
+        loss = tf.reduce_mean(tf.square(tf.concat(outs, 3)), name="loss")
+        train = v1.train.GradientDescentOptimizer(0.01).minimize(loss, name="train")
+        init = v1.global_variables_initializer()
+    return g, loss, train, init, {x: rng.randn(2, 16, 16, 6).astype(np.float32)}
+
+
+MODELS = {
+    "resnet50": ("Keras ResNet50, TF1 + learning phase, Momentum", lambda: _keras("ResNet50")),
+    "mobilenet": ("Keras MobileNet a=0.25, TF1 + learning phase", lambda: _keras("MobileNet", alpha=0.25)),
+    "slim_resnet": ("TF-Slim resnet_v1_50, is_training, 4x64x64", slim_resnet),
+    "fanout": ("split -> 3 convs -> concat (TF's AMP test shape)", fanout),
+}
+
+
+def step_loss(g, loss, train, init, feeds, config):
+    with v1.Session(graph=g, config=config) as s:
+        s.run(init)
+        l0 = s.run([loss, train], feeds)[0]
+        t0 = time.perf_counter()
+        l1 = s.run(loss, feeds)
+        return l0, l1, time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    args = ap.parse_args()
+    rows = []
+    for key in args.models.split(","):
+        title, build = MODELS[key]
+        g, loss, train, init, feeds = build()
+        fetches = [loss.op.name, train.name]
+        peer = P.grappler_amp(g, fetches)
+        npu_amp_tf.bridge.clear_reports()
+        ours = P.ours_session(g, fetches)
+        rep = [r for r in npu_amp_tf.bridge.last_reports() if r["status"] == "rewritten"][0]["report"]
+        share = rep["summary"].get("lp_flop_share")
+        l32 = step_loss(g, loss, train, init, feeds, P._base_config())
+        l16 = step_loss(g, loss, train, init, feeds,
+                        P._base_config(npu_amp_tf.session_config(fail_on_error=True)))
+        cg = P._base_config()
+        cg.graph_options.rewrite_options.auto_mixed_precision_cpu = P.RC.ON
+        lg = step_loss(g, loss, train, init, feeds, cg)
+        rows.append((title, P.count(ours), P.count(peer), share, l32[1], l16[1], lg[1]))
+        print(f"{title}: casts {P.count(ours)} / grappler {P.count(peer)}; lp FLOP share "
+              f"{share:.1%}; loss before {l32[0]:.4f} / {l16[0]:.4f} / {lg[0]:.4f}, after one step "
+              f"{l32[1]:.4f} (FP32) / {l16[1]:.4f} (ours) / {lg[1]:.4f} (grappler)", flush=True)
+    print("\n| model | casts ours / grappler | low-precision FLOP share | loss after one step FP32 / ours / grappler AMP |")
+    print("|---|---|---|---|")
+    for t, a, b, sh, x, y, z in rows:
+        print(f"| {t} | {a} / {b} | {sh:.1%} | {x:.4f} / {y:.4f} / {z:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
