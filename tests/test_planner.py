@@ -118,6 +118,7 @@ def test_keras_fit_second_iteration_inserts_no_cast(k2):
     per function; between the calls its arithmetic optimizer moves Casts in
     front of Reshapes.  The second call must insert no cast."""
     npu_amp_tf.bridge.clear_reports()
+    seen0 = npu_amp_tf.bridge.stats().get("skipped_seen", 0)
     npu_amp_tf.enable()
     try:
         L = k2.layers
@@ -136,8 +137,13 @@ def test_keras_fit_second_iteration_inserts_no_cast(k2):
         if "predict_function" in r["graph"] or "train_function" in r["graph"]:
             calls.setdefault(r["graph"], []).append(r)
     assert len(calls) == 2, list(calls)
+    seen = npu_amp_tf.bridge.stats().get("skipped_seen", 0) - seen0
     for name, rs in calls.items():
-        assert len(rs) >= 2 and rs[0]["status"] == "rewritten", (name, [r["status"] for r in rs])
+        assert rs[0]["status"] == "rewritten", (name, [r["status"] for r in rs])
+        if len(rs) == 1:
+            # the second iteration was answered in C++ from our output's mark:
+            # the pipeline did not run again, so it inserted nothing
+            assert seen >= 1, (name, npu_amp_tf.bridge.stats())
         for r in rs[1:]:
             casts = ((r.get("report") or {}).get("summary") or {}).get("casts_inserted", 0)
             assert r["status"] in ("unchanged", "cached") or casts == 0, (name, r["status"], casts)
