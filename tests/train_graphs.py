@@ -102,10 +102,37 @@ def amp_overflow(d, checkpoint=False, seed=2):
         w2 = tf1.get_variable("w_small", initializer=rng.uniform(0.05, 0.15, (8, 4)).astype(np.float32))
         out = tf.matmul(s, w2, name="small/MatMul")
         loss = tf.reduce_mean(tf.square(out - t), name="loss")
-        opt = npu_amp_tf.AMP_Optimizer(tf1.train.GradientDescentOptimizer(1e-8))
+        opt = npu_amp_tf.AMP_Optimizer(tf1.train.GradientDescentOptimizer(1e-6))
         train = opt.minimize(loss, global_step=tf1.train.get_or_create_global_step(), name="train")
         train = tf.group(train, name="train_step")
         with tf1.Session(graph=g) as sess:
             meta, ckpt = _export(g, sess, d, checkpoint, {g.get_tensor_by_name(k): v for k, v in feed.items()},
                                  train)
     return meta, ckpt, feed
+
+
+def v1_loop_cond(d):
+    """Control flow v1 (``Enter``/``Exit``/``Switch``/``Merge``, as TF1 and
+    ``disable_control_flow_v2`` scripts build it): a ``while_loop`` of three
+    MatMuls, then a ``cond`` whose false branch never runs, trained by SGD."""
+    from tensorflow.python.ops import control_flow_util
+
+    old = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
+    try:
+        g = tf.Graph()
+        feed = {"x:0": np.full((2, 4), 0.5, np.float32)}
+        with g.as_default(), tf1.variable_scope("", use_resource=True):
+            x = tf1.placeholder(tf.float32, [2, 4], name="x")
+            w = tf1.get_variable("w", initializer=np.eye(4, dtype=np.float32) * 1.5)
+            _, h = tf1.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.matmul(h, w, name="step")),
+                                  [tf.constant(0), x], name="loop")
+            y = tf1.cond(tf.reduce_sum(h) > 0, lambda: tf.nn.relu(h, name="pos"),
+                         lambda: tf.negative(h, name="neg"), name="branch")
+            loss = tf.reduce_sum(tf.square(y), name="loss")
+            tf1.train.GradientDescentOptimizer(1e-3).minimize(loss, name="train")
+            with tf1.Session(graph=g) as sess:
+                meta, _ = _export(g, sess, d, False, {}, None)
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = old
+    return meta, None, feed

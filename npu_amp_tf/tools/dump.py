@@ -113,6 +113,13 @@ def _run_all(graph_def, run, feeds, label, progress=True):
             info[name] = (node, op, dtype, len(arrays))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    # Tensors a graph rewrite inside the Session fused away before the watches went in (oneDNN's layout
+    # pass fuses Conv2D + BiasAdd in FP32, for one): fetching them keeps them; the step is re-run from the
+    # same weights.  Tensors in loop bodies or untaken branches cannot be fetched and stay unnamed here.
+    fetchable = [n for n in info if n not in values and n not in missing and n not in
+                 {model_io.tensor_ref(k) for k in feeds}]
+    if fetchable:
+        values.update(_fetch_each(graph_def, run, feeds, fetchable))
     for name, value in feeds.items():  # fed tensors do not run, their value is the feed
         name = model_io.tensor_ref(name)
         if name in info and name not in values:
@@ -131,6 +138,29 @@ def _run_all(graph_def, run, feeds, label, progress=True):
                 f"inside function(s) {', '.join(fns)} called by {op.type} '{op.name}' (control flow v2 / "
                 "tf.function): the v1 debugger cannot watch function bodies; only the call's outputs are dumped")
     return values, info, missing
+
+
+def _fetch_each(graph_def, run, feeds, names):
+    """{tensor: value} for those of ``names`` a Session can fetch alongside
+    the step (all at once; one by one when one of them cannot be fetched)."""
+    out = {}
+    sess = model_io.StepSession(graph_def, run.variables, config=model_io.session_config(grappler=False))
+    try:
+        steps = list(run.outputs.values())
+        try:
+            vals = sess.run(steps + names, feeds)[len(steps):]
+            return dict(zip(names, vals))
+        except ToolError:
+            pass
+        for n in names:
+            sess.reset()
+            try:
+                out[n] = sess.run(steps + [n], feeds)[-1]
+            except ToolError:
+                continue
+    finally:
+        sess.close()
+    return out
 
 
 def _to_npz_value(a):
@@ -186,6 +216,7 @@ def dump(model, feeds: dict, out_dir: str, options=None, progress: bool = True) 
         "precision_mode": options.precision,
         "weights_from": run.weights_from,
         "training_step": run.training,
+        "loader_notes": list(run.notes),
         "tensors": tensors,
         "not_dumped": {"fp32": fp32_missing, "mixed": mixed_missing},
     }

@@ -375,6 +375,7 @@ class Runnable:
     outputs: dict  # key -> tensor name (or ``op:0`` of an op without outputs, e.g. the train op)
     variables: dict = dataclasses.field(default_factory=dict)
     weights_from: str = "constants"
+    notes: list = dataclasses.field(default_factory=list)  # what the loader had to change, for the user
 
     @property
     def fetch_nodes(self):
@@ -444,6 +445,7 @@ def runnable(model: Model, checkpoint: str | None = None) -> Runnable:
     ckpt = _checkpoint_prefix(checkpoint) if checkpoint else None
     out_nodes = model.fetch_nodes
     sub = tf.compat.v1.graph_util.extract_sub_graph(gd, sorted(set(out_nodes + model.input_nodes)))
+    notes = _stub_orphan_py_funcs(sub)
     var_nodes = {n.name: n.op for n in sub.node if n.op in VARIABLE_NODE_KINDS}
     g = tf.Graph()
     with g.as_default(), tf.compat.v1.Session(graph=g, config=session_config()) as sess:
@@ -466,7 +468,63 @@ def runnable(model: Model, checkpoint: str | None = None) -> Runnable:
             what = f"checkpoint '{checkpoint}' into '{model.path}'" if ckpt else f"'{model.path}'"
             raise ToolError(f"cannot load {what}: {_first_line(exc)}") from None
         values = _read_variables(sess, g, var_nodes, model.path)
-    return Runnable(sub, dict(model.inputs), dict(model.outputs), values, source)
+    return Runnable(sub, dict(model.inputs), dict(model.outputs), values, source, notes)
+
+
+_PY_FUNC_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def _stub_orphan_py_funcs(graph_def) -> list[str]:
+    """Replace (in place) each ``tf.py_function`` / ``tf.compat.v1.py_func``
+    node that nothing reads as data (a side effect only, e.g. logging) by a
+    constant of its one output dtype, keeping its inputs as control inputs.
+
+    TF never serializes the Python callable of a py_func: a MetaGraph that
+    holds one cannot run in another process (TF fails with "Could not find
+    callback").  The typical case is logging (``AMP_Optimizer``'s loss-scale
+    event log), read by nothing but control dependencies.  A py_func whose
+    value is used stays as it is and runs only where its callback is
+    registered.  Returns one note per replaced node."""
+    from tensorflow.python.framework import tensor_util
+
+    notes = []
+
+    def read_as_data(nodes):
+        return {i.split(":")[0] for n in nodes for i in n.input if not i.startswith("^")}
+
+    def stub(node, where, read, valid=None):
+        touts = list(node.attr["Tout"].list.type)
+        if len(touts) != 1 or node.name in read:
+            return
+        import tensorflow as tf
+
+        dtype = tf.dtypes.as_dtype(touts[0])
+        value = tensor_util.make_tensor_proto(np.zeros([], dtype.as_numpy_dtype), dtype=dtype)
+        ctrl = ["^" + i.lstrip("^").split(":")[0] for i in node.input
+                if valid is None or i.lstrip("^").split(":")[0] in valid]
+        op = node.op
+        node.op = "Const"
+        del node.input[:]
+        node.input.extend(sorted(set(ctrl)))
+        for k in list(node.attr):
+            if k not in ("_class",):
+                del node.attr[k]
+        node.attr["dtype"].type = dtype.as_datatype_enum
+        node.attr["value"].tensor.CopyFrom(value)
+        notes.append(f"{op} '{node.name}'{where} (a Python side effect nothing reads) is not called: TF does "
+                     "not save py_func code in a MetaGraph")
+
+    read = read_as_data(graph_def.node)
+    for node in graph_def.node:
+        if node.op in _PY_FUNC_OPS:
+            stub(node, "", read)
+    for fn in graph_def.library.function:
+        valid = {n.name for n in fn.node_def}  # control inputs must name nodes, not arguments
+        read = read_as_data(fn.node_def) | {v.split(":")[0] for v in fn.ret.values()}
+        for node in fn.node_def:
+            if node.op in _PY_FUNC_OPS:
+                stub(node, f" in function {fn.signature.name}", read, valid)
+    return notes
 
 
 def _importable_meta(mg):
@@ -646,8 +704,15 @@ def _runnable_tf2_saved_model(model: Model) -> Runnable:
 
 
 def _first_line(exc) -> str:
+    """The first informative line of an error (TF >= 2.11 starts a Session
+    error with a bare "Graph execution error:")."""
     s = str(exc).strip() or type(exc).__name__
-    return s.splitlines()[0]
+    lines = [ln.strip() for ln in s.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.rstrip(":") not in ("Graph execution error", "Detected at node") and not ln.startswith(
+                ("Detected at node", "Traceback", "File ")):
+            return ln
+    return lines[0]
 
 
 def load_inputs(path: str, run: Runnable, allow_missing: bool = False) -> dict:
