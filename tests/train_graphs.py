@@ -28,6 +28,19 @@ def _export(g, sess, d, checkpoint, feed, train_op):
     return meta, ckpt
 
 
+def _tf1_layers():
+    """``tf.compat.v1.layers`` (Keras 2); on TF >= 2.16 with Keras 3 the same
+    legacy layers come from ``tf_keras``."""
+    import types
+
+    try:
+        tf1.layers.conv2d  # noqa: B018  (raises on Keras 3)
+        return tf1.layers
+    except AttributeError:
+        from tf_keras.src.legacy_tf_layers import convolutional, core
+        return types.SimpleNamespace(conv2d=convolutional.conv2d, dense=core.dense, flatten=core.flatten)
+
+
 def layers_adam(d, checkpoint=False, resource=True, seed=0):
     """tf1.layers conv2d + dense, softmax cross-entropy, Adam.  Returns
     (meta path, checkpoint prefix or None, feeds {name: array})."""
@@ -39,9 +52,10 @@ def layers_adam(d, checkpoint=False, resource=True, seed=0):
         tf1.set_random_seed(seed)
         x = tf1.placeholder(tf.float32, [2, 8, 8, 3], name="images")
         y = tf1.placeholder(tf.int64, [2], name="labels")
-        h = tf1.layers.conv2d(x, 4, 3, padding="same", activation=tf.nn.relu, name="conv1")
-        h = tf1.layers.flatten(h)
-        logits = tf1.layers.dense(h, 5, name="fc")
+        layers = _tf1_layers()
+        h = layers.conv2d(x, 4, 3, padding="same", activation=tf.nn.relu, name="conv1")
+        h = layers.flatten(h)
+        logits = layers.dense(h, 5, name="fc")
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
                               name="loss")
         step = tf1.train.get_or_create_global_step()
