@@ -5,6 +5,17 @@ TensorFlow's own shape inference (:func:`graph_passes.registry.infer_shapes`,
 run once on the graph *before* it is rewritten: dtypes never change shapes).
 Unknown dimensions (``-1``, usually the batch) count as 1, so shares are
 exact for a fixed batch and the same for every batch size.
+
+Activation bytes count the tensors a *step* computes from its data: outputs
+that depend, through data edges, on a graph input (a feed, an input
+pipeline, a function argument).  Variable initializers, weight reads and
+their casts, learning-rate schedules are not activations (an initializer
+subgraph alone is ~4x the parameter bytes of a TF1 training graph).  A
+graph with no input op at all (synthetic data) counts every computed tensor.
+Ops whose output aliases their input (Identity, Reshape, ...) add nothing.
+The figure is the *sum* of those tensors over the step, an upper bound of
+the peak TF's allocator measures (``npu-amp profile``): TF frees a tensor
+after its last use.
 """
 from __future__ import annotations
 
@@ -27,6 +38,36 @@ _PARAM_OPS = frozenset({"Const", "VariableV2", "Variable", "VarHandleOp", "ReadV
                         "_Arg", "Placeholder", "PlaceholderWithDefault"})
 
 
+#: ops whose output shares its input's buffer: no bytes of their own
+_ALIAS_OPS = frozenset({
+    "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient", "PreventGradient",
+    "Enter", "Exit", "Switch", "Merge", "NextIteration", "RefIdentity", "EnsureShape", "CheckNumerics",
+})
+
+#: ops whose outputs are the step's data
+_INPUT_OPS = frozenset({
+    "Placeholder", "PlaceholderWithDefault", "_Arg", "IteratorGetNext", "IteratorGetNextSync",
+    "IteratorGetNextAsOptional", "OptionalGetValue", "QueueDequeueV2", "QueueDequeueManyV2",
+    "QueueDequeueUpToV2", "MultiDeviceIteratorGetNextFromShard",
+})
+
+
+def input_dependent(graph):
+    """Names of the nodes whose value depends on a graph input through data
+    edges (inputs included), or None when the graph has no input op."""
+    seeds = [name for name, node in graph.nodes.items() if node.op in _INPUT_OPS]
+    if not seeds:
+        return None
+    seen = set(seeds)
+    stack = list(seeds)
+    while stack:
+        for consumer, _ in graph.consumers(stack.pop(), control=False):
+            if consumer not in seen:
+                seen.add(consumer)
+                stack.append(consumer)
+    return seen
+
+
 class ShapeTable:
     """name -> [shape per output]; `_output_shapes` first, TF shape inference
     (once, lazily) for a node that lacks them."""
@@ -36,6 +77,7 @@ class ShapeTable:
         self._shapes = {}
         self._inferred = None
         self.error = None
+        self._dependent = False  # input_dependent(graph) of the graph as first seen (False: not yet)
 
     @property
     def inferred(self):
@@ -147,16 +189,26 @@ def _einsum_flops(node, ins, out):
 
 
 def activation_bytes(graph, shapes: ShapeTable, names=None, per_node=None):
-    """Bytes of every float activation (outputs of compute nodes, not of
-    constants, variables or feeds), over ``names`` (default: every node).
-    ``per_node`` (a dict) receives each node's share, so a later figure can be
-    updated for the few nodes that changed instead of rescanning the graph."""
+    """Bytes of every float activation (outputs of compute nodes that depend
+    on a graph input, see the module doc), over ``names`` (default: every
+    node).  ``per_node`` (a dict) receives each node's share, so a later
+    figure can be updated for the few nodes that changed instead of rescanning
+    the graph.  The input dependence is taken once per ``shapes`` (on the
+    graph before a rewrite); a node added since (an inserted Cast) depends on
+    an input when one of its data inputs does."""
     total = 0
     nodes = graph.nodes
+    if shapes._dependent is False:
+        shapes._dependent = input_dependent(graph)
+    dependent = shapes._dependent
     for name in (nodes if names is None else names):
         node = nodes.get(name)
-        if node is None or node.op in _PARAM_OPS:
+        if node is None or node.op in _PARAM_OPS or node.op in _ALIAS_OPS:
             continue
+        if dependent is not None and name not in dependent:
+            if not any(parse_tensor(i)[0] in dependent for i in node.input if not i.startswith("^")):
+                continue
+            dependent.add(name)
         dts = graph.output_dtypes(node)
         if not dts:
             continue
