@@ -191,3 +191,27 @@ def test_cli_dump_and_profile_training_metagraph(adam, tmp_path):
     p = cli("profile", meta, "--inputs", tmp_path / "in.npz", "--out", tmp_path / "p", "--outputs", "train",
             "--steps", "1", "--no-progress", "--precision-mode", "must_keep_origin_dtype")
     assert json.load(open(tmp_path / "p" / "summary.json"))["lp_compute_share"] == 0
+
+
+def test_activation_estimate_counts_step_tensors_only():
+    """The report's activation bytes: a variable's initializer, its reads and
+    their casts, and aliasing ops are not activations; what the step computes
+    from the feed is.  Expected values by hand: x[4,8] @ w[8,8] -> [4,8]."""
+    import npu_amp_tf
+
+    g = tf.Graph()
+    with g.as_default(), tf1.variable_scope("", use_resource=True):
+        x = tf1.placeholder(tf.float32, [4, 8], name="x")
+        w = tf1.get_variable("w", [8, 8], initializer=tf1.truncated_normal_initializer(stddev=0.1))
+        h = tf.nn.relu(tf.matmul(x, w, name="mm"), name="r")
+        tf.identity(tf.identity(h), name="y")
+        tf1.global_variables_initializer()
+    out, rep = npu_amp_tf.rewrite_graph(g.as_graph_def(), fetches=["y", "init"], graph_level=0)
+    s = rep.summary
+    assert s["activation_bytes_sum_before"] == 2 * (4 * 8 * 4)  # mm, r in FP32; not the [8,8] initializer ops
+    # mm, r in FP16 (2 x 64 B) + x cast to FP16 (64 B) + at most one [4,8] FP32 cast back (128 B);
+    # the [8,8] weight cast (128 B) would exceed this
+    assert 3 * 64 <= s["activation_bytes_sum_after"] <= 3 * 64 + 128
+    # the step's peak: mm and r live together (FP32: 2 x 128 B); the initializer's three [8,8] FP32
+    # tensors (768 B) are not step memory
+    assert s["activation_bytes_before"] == 2 * 128

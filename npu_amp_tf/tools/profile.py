@@ -10,11 +10,11 @@ https://ui.perfetto.dev) and a summary (``summary.json``):
 ``cast_transdata_share``
     share of op time spent in Cast and TransData (Ascend's "copy time");
 ``peak_bytes``
-    peak memory of the step measured by TF's allocators: the largest total
-    of live tensors TF's timeline reconstructs from the step's allocation
-    records, per allocator (:func:`allocator_peaks`).  Variables allocated
-    before the step (weights, optimizer slots) are not in it: it is the
-    step's activations, gradients and temporaries;
+    peak memory of the step measured by TF's allocators: the largest running
+    total of the allocation records of the traced steps, per allocator
+    (:func:`allocator_peaks`).  Variables allocated before the step (weights,
+    optimizer slots) are not in it: it is the step's activations, gradients,
+    casts and temporaries;
 ``top_ops``
     the ops with the most total time.
 
@@ -102,26 +102,37 @@ def summarize(step_stats_list, graph_def=None, top: int = 10) -> dict:
 
 
 def allocator_peaks(step_stats) -> dict:
-    """{allocator name: peak bytes of live tensors} in one step's StepStats.
+    """{allocator name: peak bytes allocated during one step} from the
+    step's StepStats.
 
-    The figure is the one TF's own ``tensorflow.python.client.timeline``
-    computes for its memory counters (tensor creation to last use, per
-    allocator).  TF exposes it only as the private ``_allocator_maximums``
-    of a ``Timeline`` after ``generate_chrome_trace_format(show_memory=True)``;
-    this helper is the one place that reads it (checked on TF 2.15.1 and
-    2.21.0).  The public alternatives do not measure a Session step on CPU:
-    ``tf.config.experimental.get_memory_info`` reports eager devices only (and
-    no CPU), and the per-node ``allocator_bytes_in_use`` of StepStats is 0
-    for the CPU allocators."""
-    from tensorflow.python.client import timeline
+    Every allocation and deallocation TF's tracking allocators record for
+    the step's ops (``NodeExecStats.memory[].allocation_records``, public
+    fields of ``step_stats.proto``, filled under ``FULL_TRACE``) is replayed in
+    time order; the peak of the running total is the step's peak: its
+    activations, gradients, casts and temporaries.  Buffers that outlive the
+    step (variables, optimizer slots) are not in it, and a tensor that
+    aliases another buffer (a resource variable read, an Identity) allocates
+    nothing.  Trace a step after a warm-up: the first step after the
+    initializers also allocates the variables' buffers.
 
-    tl = timeline.Timeline(step_stats)
-    tl.generate_chrome_trace_format(show_memory=True)
-    maxes = getattr(tl, "_allocator_maximums", None)
-    if maxes is None:
-        raise ToolError("this TensorFlow's timeline has no allocator maxima (checked on TF 2.15 and 2.21); "
-                        "peak memory cannot be measured")
-    return {alloc: int(mx.num_bytes) for alloc, mx in maxes.items()}
+    (TF's own timeline memory counter sums every op *output* from creation
+    to last use, aliases included, so it counts each FP32 weight read as
+    new memory and cannot compare an FP32 graph with a mixed one.)"""
+    events = collections.defaultdict(list)
+    for dev in step_stats.dev_stats:
+        for ns in dev.node_stats:
+            for mem in ns.memory:
+                for rec in mem.allocation_records:
+                    events[mem.allocator_name].append((rec.alloc_micros, rec.alloc_bytes))
+    peaks = {}
+    for alloc, recs in events.items():
+        recs.sort()
+        cur = peak = 0
+        for _, b in recs:
+            cur += b
+            peak = max(peak, cur)
+        peaks[alloc] = peak
+    return peaks
 
 
 def chrome_trace(step_stats_list, graph=None) -> dict:
