@@ -135,9 +135,10 @@ def test_compare_finds_overflow_in_amp_training_step_and_loss_scaling_runs(tmp_p
 
 
 def test_tune_mixlist_on_training_step(tmp_path):
+    """On an Ascend-style script: NPULossScaleOptimizer + ExponentialUpdateLossScaleManager."""
     from npu_amp_tf.tools import ToolError, load_model, runnable, tune_mixlist
 
-    meta, _, feed = tg.amp_overflow(str(tmp_path / "m"))
+    meta, _, feed = tg.amp_overflow(str(tmp_path / "m"), npu=True)
     run = runnable(load_model(meta, outputs=["train_step", "loss"]))
     res = tune_mixlist(run, feed, rtol=1e-2, options=_options(), progress=False)
     assert res.default_err == float("inf") and res.black_add == ["MatMul"]

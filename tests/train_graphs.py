@@ -96,11 +96,12 @@ def slim_momentum(d, checkpoint=False, resource=False, seed=1):
     return meta, ckpt, feed
 
 
-def amp_overflow(d, checkpoint=False, seed=2):
+def amp_overflow(d, checkpoint=False, seed=2, npu=False):
     """A training graph with ``AMP_Optimizer`` (dynamic loss scale) whose
     forward MatMul ``big/MatMul`` overflows in FP16 only: 16 products of
     ~100 x ~100 = ~1.6e5 > 65504.  After it the activations are scaled down,
-    so FP32 stays finite."""
+    so FP32 stays finite.  ``npu=True``: the Ascend script's spelling,
+    ``NPULossScaleOptimizer`` + ``ExponentialUpdateLossScaleManager``."""
     import npu_amp_tf
 
     g = tf.Graph()
@@ -116,7 +117,12 @@ def amp_overflow(d, checkpoint=False, seed=2):
         w2 = tf1.get_variable("w_small", initializer=rng.uniform(0.05, 0.15, (8, 4)).astype(np.float32))
         out = tf.matmul(s, w2, name="small/MatMul")
         loss = tf.reduce_mean(tf.square(out - t), name="loss")
-        opt = npu_amp_tf.AMP_Optimizer(tf1.train.GradientDescentOptimizer(1e-6))
+        if npu:
+            manager = npu_amp_tf.ExponentialUpdateLossScaleManager(init_loss_scale=2 ** 10, incr_every_n_steps=100,
+                                                                   decr_every_n_nan_or_inf=1)
+            opt = npu_amp_tf.NPULossScaleOptimizer(tf1.train.GradientDescentOptimizer(1e-6), manager)
+        else:
+            opt = npu_amp_tf.AMP_Optimizer(tf1.train.GradientDescentOptimizer(1e-6))
         train = opt.minimize(loss, global_step=tf1.train.get_or_create_global_step(), name="train")
         train = tf.group(train, name="train_step")
         with tf1.Session(graph=g) as sess:
