@@ -216,6 +216,6 @@ def test_activation_estimate_counts_step_tensors_only():
     # mm, r in FP16 (2 x 64 B) + x cast to FP16 (64 B) + at most one [4,8] FP32 cast back (128 B);
     # the [8,8] weight cast (128 B) would exceed this
     assert 3 * 64 <= s["activation_bytes_sum_after"] <= 3 * 64 + 128
-    # the step's peak: mm and r live together (FP32: 2 x 128 B); the initializer's three [8,8] FP32
-    # tensors (768 B) are not step memory
-    assert s["activation_bytes_before"] == 2 * 128
+    # the step's peak: one [4,8] FP32 buffer (128 B): Relu writes into mm's buffer, which dies there (TF's
+    # buffer forwarding); the initializer's three [8,8] FP32 tensors (768 B) are not step memory
+    assert s["activation_bytes_before"] == 128
