@@ -219,3 +219,23 @@ def test_activation_estimate_counts_step_tensors_only():
     # the step's peak: one [4,8] FP32 buffer (128 B): Relu writes into mm's buffer, which dies there (TF's
     # buffer forwarding); the initializer's three [8,8] FP32 tensors (768 B) are not step memory
     assert s["activation_bytes_before"] == 128
+
+
+def test_profile_peak_is_allocated_bytes_not_outputs(tmp_path):
+    """peak_bytes replays TF's allocation records: buffers are freed after
+    their last use, an Identity allocates nothing, so a chain of four
+    [256,256] FP32 ops peaks at two 256 KiB buffers at most (an op's input and
+    output), not at the 1 MiB of their outputs summed (TF's timeline counter
+    keeps each output from creation to last use and counts aliases too)."""
+    from npu_amp_tf.tools import profile_graph
+
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [256, 256], name="x")
+        y = tf.multiply(x, 2.0, name="y")      # new buffer (x is the feed's)
+        z = tf.add(y, 1.0, name="z")           # takes over y's buffer
+        tf.reduce_sum(tf.identity(tf.nn.relu(z)), name="s")  # relu takes over z's; identity aliases
+    one = 256 * 256 * 4
+    s = profile_graph(g.as_graph_def(), {"x:0": np.ones((256, 256), np.float32)}, ["s:0"], 1,
+                      str(tmp_path / "p"), progress=False)
+    assert one <= s["peak_bytes"] <= 2 * one
