@@ -33,6 +33,12 @@ more than grappler's or Keras's.
 
     python benchmarks/memory.py [--models resnet50,bert] [--batch 16] [--image 96]
                                 [--bert-batch 16] [--bert-layers 2] [--configs fp32,ours-bf16,...]
+
+The README figures: ``--batch 32 --image 128 --bert-batch 32 --configs
+fp32,ours-bf16,grappler-bf16,keras-bf16,ours-bf16+recompute,ours-bf16+scheduling``
+(BF16 runs fast here) and ``--models resnet50 --batch 16 --image 64`` for
+every configuration (an FP16 ResNet-50 step takes ~3 minutes on this CPU; a
+BERT FP16 step longer than the budget).
 """
 from __future__ import annotations
 
