@@ -218,6 +218,10 @@ class ShapeTable:
     the graph's shape source (see :func:`attach`), else TF's inference once,
     lazily, on the graph as it is at the first lookup that needs it."""
 
+    #: per-table cache of :func:`graph_passes.precision.stats.input_dependent`
+    #: (False: not computed yet; None: the graph has no input op)
+    _dependent = False
+
     def __init__(self, graph, source=None):
         self._graph = graph
         self._shapes = {}

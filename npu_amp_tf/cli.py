@@ -106,6 +106,23 @@ def _load(args, path_attr="model"):
                                outputs=[o.strip() for o in outputs] or None)
 
 
+def _run_args(p):
+    p.add_argument("--checkpoint", help="TF1 checkpoint (prefix such as model.ckpt-100, or its directory) "
+                                        "holding the MetaGraph's variables; default: the graph's initializers")
+    p.add_argument("--threads", type=int, default=None,
+                   help="TensorFlow intra- and inter-op threads for the runs (default: TensorFlow's own choice)")
+
+
+def _runnable(args, model):
+    from .tools import model_io
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise _CliError(f"--threads={args.threads} is not valid; accepted: an integer >= 1")
+        model_io.THREADS = args.threads
+    return model_io.runnable(model, checkpoint=args.checkpoint)
+
+
 def _progress(args) -> bool:
     return not getattr(args, "no_progress", False)
 
@@ -219,12 +236,17 @@ def cmd_dump(args):
 
     options = _options(args)
     model = _load(args)
-    run = model_io.runnable(model)
+    run = _runnable(args, model)
     feeds = model_io.load_inputs(args.inputs, run)
     meta = run_dump(run, feeds, args.out, options, progress=_progress(args))
     n32 = sum(1 for t in meta["tensors"].values() if t["fp32_dtype"])
     nmx = sum(1 for t in meta["tensors"].values() if t["mixed_dtype"])
-    print(f"dumped {n32} FP32 and {nmx} mixed tensors to '{args.out}' ({options.precision}); "
+    for note in meta.get("loader_notes", []):
+        print(f"note: {note}")
+    missing = sum(len(v) for v in meta["not_dumped"].values())
+    print(f"dumped {n32} FP32 and {nmx} mixed tensors to '{args.out}' ({options.precision}; "
+          f"{'one training step' if meta['training_step'] else 'one step'}, weights from {meta['weights_from']}"
+          f"{f'; {missing} without a value, listed under not_dumped in meta.json' if missing else ''}); "
           f"next: {PROG} compare {args.out}")
     return 0
 
@@ -248,7 +270,7 @@ def cmd_tune(args):
         raise _CliError(f"--rtol={args.rtol} is not valid; accepted: a number > 0")
     options = _options(args)
     model = _load(args)
-    run = model_io.runnable(model)
+    run = _runnable(args, model)
     feeds = model_io.load_inputs(args.inputs, run)
     res = tune_mod.tune_mixlist(run, feeds, args.rtol, args.atol, options, out_path=args.out,
                                 progress=_progress(args))
@@ -272,6 +294,9 @@ def cmd_profile(args):
         raise _CliError(f"--steps={args.steps} is not valid; accepted: an integer >= 1")
     target = args.target
     if target.endswith(".py"):
+        for flag in ("checkpoint", "threads"):
+            if getattr(args, flag, None) is not None:
+                raise _CliError(f"--{flag} applies to a model, not to a script ('{target}' runs as it is)")
         from . import compat
 
         compat.install()
@@ -282,11 +307,11 @@ def cmd_profile(args):
     else:
         options = _options(args)
         model = _load(args, "target")
-        run = model_io.runnable(model)
+        run = _runnable(args, model)
         feeds = _feeds(args, run)
         gd, _ = model_io.rewrite_runnable(run, options)
         summary = prof.profile_graph(gd, feeds, list(run.outputs.values()), args.steps, args.out,
-                                     progress=_progress(args))
+                                     progress=_progress(args), variables=run.variables)
     print(prof.format_summary(summary))
     print("written: " + ", ".join(summary["files"]) + "  (open timeline.json in chrome://tracing or "
                                                        "https://ui.perfetto.dev)")
@@ -379,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inputs", required=True, help=".npz keyed by placeholder name (x or x:0, or signature key)")
     p.add_argument("--out", required=True, help="dump directory")
     p.add_argument("--no-progress", action="store_true")
+    _run_args(p)
     _model_args(p)
     _rewrite_args(p)
 
@@ -401,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=0.0)
     p.add_argument("--out", default="modify_mixlist.json", help="mixlist JSON to write (default modify_mixlist.json)")
     p.add_argument("--no-progress", action="store_true")
+    _run_args(p)
     _model_args(p)
     _rewrite_args(p)
 
@@ -415,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inputs", help=".npz keyed by placeholder name (default: random data)")
     p.add_argument("--batch", type=int, default=2, help="batch size for random data (unknown dims)")
     p.add_argument("--no-progress", action="store_true")
+    _run_args(p)
     _model_args(p)
     _rewrite_args(p)
 

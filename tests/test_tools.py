@@ -175,10 +175,12 @@ def test_metagraph_runnable_uses_same_weights(tmp_path):
     m = load_model(write_metagraph(tmp_path / "m.meta"))
     assert m.kind == "metagraph" and m.signature == "serving_default"
     run = runnable(m)
-    assert not any(n.op in ("VariableV2", "VarHandleOp") for n in run.graph_def.node)
+    # the variable stays a variable (as in the job); its value, read once from the initializer, is loaded
+    assert [n.name for n in run.graph_def.node if n.op in ("VariableV2", "VarHandleOp")] == ["w"]
     x = np.ones((2, 8), np.float32)
     w = np.random.default_rng(3).standard_normal((8, 4)).astype(np.float32)
-    (y,) = run_graph(run.graph_def, {"x:0": x}, [run.outputs["y"]])
+    np.testing.assert_array_equal(run.variables["w"], w)
+    (y,) = run_graph(run.graph_def, {"x:0": x}, [run.outputs["y"]], variables=run.variables)
     np.testing.assert_allclose(y, np.maximum(x @ w, 0), rtol=1e-5)
 
 

@@ -163,6 +163,7 @@ class PrecisionPass(Pass):
         shapes = _stats.ShapeTable(graph)
         self._act_nodes = {}
         act_before = _stats.activation_bytes(graph, shapes, per_node=self._act_nodes)
+        peak_before = _stats.peak_step_bytes(graph, shapes, set(shapes._dependent or ()) or None)
         self.new_casts = []
 
         changed = 0
@@ -179,7 +180,7 @@ class PrecisionPass(Pass):
             for name, node in graph.nodes.items():
                 if self.info(node).attrs:
                     self._record(node, "keep", "precision_mode=must_keep_origin_dtype: no change")
-        return self._finish(shapes, act_before, changed)
+        return self._finish(shapes, act_before, changed, peak_before)
 
     # ------------------------------------------------------- node facts
     def info(self, node) -> _NodeInfo:
@@ -797,7 +798,7 @@ class PrecisionPass(Pass):
         return name
 
     # ------------------------------------------------------------ report
-    def _finish(self, shapes, act_before, changed):
+    def _finish(self, shapes, act_before, changed, peak_before=None):
         g, rep = self.g, self.ctx.report
         float_nodes = low_nodes = 0
         lp_flops = total_flops = 0
@@ -837,8 +838,12 @@ class PrecisionPass(Pass):
             "matrix_flops": total_flops,
             "lp_flop_share": share,
             "matrix_ops_without_shape": unknown_flops,
-            "activation_bytes_before": act_before,
-            "activation_bytes_after": act_after,
+            # the step's estimated peak (what `npu-amp profile` measures); the sums over every step tensor
+            # (an upper bound, frees ignored) stay under *_sum
+            "activation_bytes_before": peak_before,
+            "activation_bytes_after": _stats.peak_step_bytes(g, shapes, shapes._dependent),
+            "activation_bytes_sum_before": act_before,
+            "activation_bytes_sum_after": act_after,
         }
         if shapes.error:
             summary["shape_inference_error"] = shapes.error

@@ -48,9 +48,12 @@ class CompareResult:
     overflow: dict | None  # the overflow locator's finding
     outputs: list  # rows for the graph outputs
     dump_dir: str
+    not_dumped: dict = dataclasses.field(default_factory=dict)  # {"fp32"|"mixed": {tensor: why}} from dump
+
 
     def to_json(self) -> dict:
-        return {"overflow": self.overflow, "outputs": self.outputs, "ops": self.rows}
+        return {"overflow": self.overflow, "outputs": self.outputs, "ops": self.rows,
+                "not_dumped": self.not_dumped}
 
 
 def load_dump(dump_dir: str):
@@ -124,7 +127,7 @@ def compare(dump_dir: str) -> CompareResult:
     overflow = locate_overflow(meta, fp32, mixed)
     out_tensors = set(meta.get("outputs", {}).values())
     outputs = [r for r in rows if r["tensor"] in out_tensors]
-    return CompareResult(rows, overflow, outputs, dump_dir)
+    return CompareResult(rows, overflow, outputs, dump_dir, meta.get("not_dumped", {}))
 
 
 def locate_overflow(meta, fp32, mixed) -> dict | None:
@@ -193,6 +196,11 @@ def format_table(result: CompareResult, top: int = 20) -> str:
                      f"{ov['size']}; {ov['explanation']}")
     else:
         lines.append("no overflow: no tensor becomes inf/NaN in the mixed graph only")
+    for side, missing in sorted(result.not_dumped.items()):
+        if missing:
+            first = sorted(missing)[:3]
+            lines.append(f"not in the {side} dump ({len(missing)}, not compared): {', '.join(first)}"
+                         f"{' ...' if len(missing) > 3 else ''}; reasons in meta.json 'not_dumped'")
     for r in result.outputs:
         lines.append(f"output {r['tensor']}: max_rel_err={_fmt(r['max_rel_err'])} cosine={_fmt(r['cosine'])}")
     return "\n".join(lines)

@@ -350,13 +350,32 @@ def _write(path, msg, binary):
 # --------------------------------------------------------------------------
 # running
 # --------------------------------------------------------------------------
+#: variable node op -> kind ("resource" handles or TF1 "ref" variables)
+VARIABLE_NODE_KINDS = {"VarHandleOp": "resource", "VariableV2": "ref", "Variable": "ref"}
+
+
 @dataclasses.dataclass
 class Runnable:
-    """A frozen, self-contained graph with named inputs and outputs."""
+    """A self-contained graph with named inputs and outputs, and the values
+    of its variables.
+
+    ``graph_def`` is either frozen (no variables: a GraphDef, a TF2
+    SavedModel signature) or keeps the MetaGraph's variables, optimizer slots
+    and train op as they are (a TF1 MetaGraph / SavedModel).  In the second
+    case ``variables`` maps each variable *node* (``VarHandleOp`` or
+    ``VariableV2``) to its value, read once from ``--checkpoint`` or the
+    graph's initializers: :class:`StepSession` loads exactly these values into
+    every graph it runs (the FP32 one and the rewritten one) before each
+    step, so both start from the same weights and a step that fetches the
+    train op really updates them (forward + backward + apply).
+    """
 
     graph_def: object
     inputs: dict  # key -> tensor name (placeholders of graph_def)
-    outputs: dict  # key -> tensor name
+    outputs: dict  # key -> tensor name (or ``op:0`` of an op without outputs, e.g. the train op)
+    variables: dict = dataclasses.field(default_factory=dict)
+    weights_from: str = "constants"
+    notes: list = dataclasses.field(default_factory=list)  # what the loader had to change, for the user
 
     @property
     def fetch_nodes(self):
@@ -366,48 +385,282 @@ class Runnable:
     def input_nodes(self):
         return sorted({_node_of(t) for t in self.inputs.values()})
 
+    @property
+    def preserve_nodes(self):
+        """Nodes a rewrite must keep by name: the inputs and the variables."""
+        return sorted(set(self.input_nodes) | set(self.variables))
 
-def runnable(model: Model) -> Runnable:
-    """Fold variables into constants so the FP32 and the rewritten graph run
-    on exactly the same weights.  MetaGraphs are initialised with their
-    initialisers; SavedModels are restored from their variables."""
+    @property
+    def training(self) -> bool:
+        """True when an output is an op that changes a variable (a train op)."""
+        return bool(self.variables) and _updates_variables(self.graph_def, self.fetch_nodes)
+
+
+def _updates_variables(graph_def, fetch_nodes) -> bool:
+    nodes = {n.name: n for n in graph_def.node}
+    seen, stack = set(), list(fetch_nodes)
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in nodes:
+            continue
+        seen.add(name)
+        op = nodes[name].op
+        if op.startswith(("Apply", "ResourceApply", "Assign", "ResourceScatter", "ScatterAdd", "ScatterUpdate",
+                          "ResourceSparseApply", "SparseApply")):
+            return True
+        stack.extend(_node_of(i) for i in nodes[name].input)
+    return False
+
+
+def runnable(model: Model, checkpoint: str | None = None) -> Runnable:
+    """What dump / compare / tune / profile run.
+
+    * a frozen GraphDef runs as it is;
+    * a TF2 SavedModel signature is frozen (variables -> constants);
+    * a TF1 MetaGraph or SavedModel keeps its variables (resource *and* ref)
+      and everything its outputs need, the train op's update ops included.
+      The variable values come from ``checkpoint`` (a checkpoint prefix or a
+      directory holding one) when given, else from the SavedModel's variables,
+      else from the graph's initializers (run once, so the FP32 and the
+      rewritten graph get the same random draws).
+    """
     import tensorflow as tf
 
     gd = model.graph_def
     has_vars = any(n.op in VARIABLE_OPS for n in gd.node)
     has_calls = any(n.op in ("StatefulPartitionedCall", "PartitionedCall") for n in gd.node)
     if model.kind == "graphdef":
+        if checkpoint:
+            raise ToolError(f"--checkpoint '{checkpoint}' given but '{model.path}' is a frozen GraphDef, which "
+                            "has no variables to restore; pass the MetaGraph (.meta) instead")
         if has_vars:
             raise ToolError(f"GraphDef '{model.path}' holds variables; freeze it first or pass the "
                             "MetaGraph (.meta) or SavedModel directory instead")
         return Runnable(gd, dict(model.inputs), dict(model.outputs))
     if model.kind == "savedmodel" and model.meta_graph.object_graph_def.nodes and has_calls:
+        if checkpoint:
+            raise ToolError(f"--checkpoint '{checkpoint}' given but '{model.path}' is a TF2 SavedModel, whose "
+                            "variables are in the SavedModel itself; accepted: a TF1 MetaGraph (.meta)")
         return _runnable_tf2_saved_model(model)
-    # TF1-style MetaGraph or SavedModel: import, initialise / restore, freeze.
-    from tensorflow.python.framework import convert_to_constants
-
+    ckpt = _checkpoint_prefix(checkpoint) if checkpoint else None
+    out_nodes = model.fetch_nodes
+    sub = tf.compat.v1.graph_util.extract_sub_graph(gd, sorted(set(out_nodes + model.input_nodes)))
+    notes = _stub_orphan_py_funcs(sub)
+    var_nodes = {n.name: n.op for n in sub.node if n.op in VARIABLE_NODE_KINDS}
     g = tf.Graph()
-    with g.as_default():
-        with tf.compat.v1.Session(graph=g) as sess:
-            try:
-                if model.kind == "savedmodel":
-                    tags = list(model.meta_graph.meta_info_def.tags)
-                    tf.compat.v1.saved_model.loader.load(sess, tags, model.path)
+    with g.as_default(), tf.compat.v1.Session(graph=g, config=session_config()) as sess:
+        try:
+            if model.kind == "savedmodel":
+                tags = list(model.meta_graph.meta_info_def.tags)
+                tf.compat.v1.saved_model.loader.load(sess, tags, model.path)
+                saver, source = None, "SavedModel variables"
+            else:
+                saver = tf.compat.v1.train.import_meta_graph(_importable_meta(model.meta_graph),
+                                                             clear_devices=True)
+                source = "initializers"
+                _run_initializers(sess, g)
+            if ckpt:
+                if saver is None:
+                    saver = tf.compat.v1.train.Saver()
+                saver.restore(sess, ckpt)
+                source = f"checkpoint {ckpt}"
+        except (tf.errors.OpError, ValueError, KeyError) as exc:
+            what = f"checkpoint '{checkpoint}' into '{model.path}'" if ckpt else f"'{model.path}'"
+            raise ToolError(f"cannot load {what}: {_first_line(exc)}") from None
+        values = _read_variables(sess, g, var_nodes, model.path)
+    return Runnable(sub, dict(model.inputs), dict(model.outputs), values, source, notes)
+
+
+_PY_FUNC_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def _stub_orphan_py_funcs(graph_def) -> list[str]:
+    """Replace (in place) each ``tf.py_function`` / ``tf.compat.v1.py_func``
+    node that nothing reads as data (a side effect only, e.g. logging) by a
+    constant of its one output dtype, keeping its inputs as control inputs.
+
+    TF never serializes the Python callable of a py_func: a MetaGraph that
+    holds one cannot run in another process (TF fails with "Could not find
+    callback").  The typical case is logging (``AMP_Optimizer``'s loss-scale
+    event log), read by nothing but control dependencies.  A py_func whose
+    value is used stays as it is and runs only where its callback is
+    registered.  Returns one note per replaced node."""
+    from tensorflow.python.framework import tensor_util
+
+    notes = []
+
+    def read_as_data(nodes):
+        return {i.split(":")[0] for n in nodes for i in n.input if not i.startswith("^")}
+
+    def stub(node, where, read, valid=None):
+        touts = list(node.attr["Tout"].list.type)
+        if len(touts) != 1 or node.name in read:
+            return
+        import tensorflow as tf
+
+        dtype = tf.dtypes.as_dtype(touts[0])
+        value = tensor_util.make_tensor_proto(np.zeros([], dtype.as_numpy_dtype), dtype=dtype)
+        ctrl = ["^" + i.lstrip("^").split(":")[0] for i in node.input
+                if valid is None or i.lstrip("^").split(":")[0] in valid]
+        op = node.op
+        node.op = "Const"
+        del node.input[:]
+        node.input.extend(sorted(set(ctrl)))
+        for k in list(node.attr):
+            if k not in ("_class",):
+                del node.attr[k]
+        node.attr["dtype"].type = dtype.as_datatype_enum
+        node.attr["value"].tensor.CopyFrom(value)
+        notes.append(f"{op} '{node.name}'{where} (a Python side effect nothing reads) is not called: TF does "
+                     "not save py_func code in a MetaGraph")
+
+    read = read_as_data(graph_def.node)
+    for node in graph_def.node:
+        if node.op in _PY_FUNC_OPS:
+            stub(node, "", read)
+    for fn in graph_def.library.function:
+        valid = {n.name for n in fn.node_def}  # control inputs must name nodes, not arguments
+        read = read_as_data(fn.node_def) | {v.split(":")[0] for v in fn.ret.values()}
+        for node in fn.node_def:
+            if node.op in _PY_FUNC_OPS:
+                stub(node, f" in function {fn.signature.name}", read, valid)
+    return notes
+
+
+def _importable_meta(mg):
+    """``mg`` without collection entries that name no node of the graph.
+
+    ``tf.compat.v1.train.import_meta_graph`` fails on such an entry.  They
+    occur in real exports: an optimizer whose ``apply_gradients`` runs inside
+    a ``tf.cond`` (control flow v2, e.g. an overflow-skip) adds the op *in the
+    cond's function body* to the outer graph's ``train_op`` collection."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    names = {n.name for n in mg.graph_def.node}
+    if all(_node_of(v) in names for col in mg.collection_def.values() for v in col.node_list.value):
+        return mg
+    out = meta_graph_pb2.MetaGraphDef()
+    out.CopyFrom(mg)
+    for col in out.collection_def.values():
+        keep = [v for v in col.node_list.value if _node_of(v) in names]
+        if len(keep) != len(col.node_list.value):
+            del col.node_list.value[:]
+            col.node_list.value.extend(keep)
+    return out
+
+
+def _checkpoint_prefix(path: str) -> str:
+    import tensorflow as tf
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        prefix = tf.train.latest_checkpoint(path)
+        if prefix is None:
+            raise ToolError(f"checkpoint directory '{path}' holds no checkpoint (no 'checkpoint' state file); "
+                            "accepted: a checkpoint prefix such as model.ckpt-100 or its directory")
+        return prefix
+    if not (os.path.exists(path + ".index") or os.path.exists(path)):
+        raise ToolError(f"checkpoint '{path}' does not exist (no '{path}.index'); accepted: a checkpoint prefix "
+                        "such as model.ckpt-100, or a directory holding one")
+    return path
+
+
+def _run_initializers(sess, g):
+    """Every initializer the MetaGraph's collections name (global and local
+    variables, tables), in one run."""
+    import tensorflow as tf
+
+    init = [v.initializer for v in tf.compat.v1.global_variables() + tf.compat.v1.local_variables()]
+    init += list(g.get_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS))
+    if init:
+        sess.run(init)
+
+
+def _read_variables(sess, g, var_nodes: dict, path: str) -> dict:
+    """{variable node: ndarray} read in ``sess``; a ToolError names the
+    variables that have no value (no initializer, not in the checkpoint)."""
+    import tensorflow as tf
+
+    if not var_nodes:
+        return {}
+    names = sorted(var_nodes)
+    with g.as_default(), g.name_scope("npu_amp_read"):
+        ops = [g.get_operation_by_name(n) for n in names]
+        inited = [tf.raw_ops.VarIsInitializedOp(resource=op.outputs[0]) if var_nodes[op.name] == "VarHandleOp"
+                  else tf.compat.v1.is_variable_initialized(op.outputs[0]) for op in ops]
+        reads = [tf.raw_ops.ReadVariableOp(resource=op.outputs[0], dtype=op.get_attr("dtype"))
+                 if var_nodes[op.name] == "VarHandleOp" else tf.identity(op.outputs[0]) for op in ops]
+    missing = [n for n, ok in zip(names, sess.run(inited)) if not ok]
+    if missing:
+        raise ToolError(f"variable(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} of "
+                        f"'{path}' have no value: no initializer in the MetaGraph's collections and no "
+                        "--checkpoint holding them")
+    return dict(zip(names, sess.run(reads)))
+
+
+class StepSession:
+    """One graph in a ``tf.compat.v1.Session`` with a :class:`Runnable`'s
+    variable values loaded.
+
+    ``reset()`` (called by the constructor) assigns every variable of
+    ``variables`` that the graph holds from a fed placeholder, so a training
+    step can be repeated from the same weights.  ``run`` fetches tensor names
+    and, for an output that names an op without outputs (``train:0`` for a
+    train op), runs that op and returns ``None`` in its place.
+    """
+
+    def __init__(self, graph_def, variables: dict | None = None, graph=None, config=None):
+        import tensorflow as tf
+
+        self.graph = graph if graph is not None else import_graph(graph_def)
+        self._assign, self._feed = [], {}
+        with self.graph.as_default(), self.graph.name_scope("npu_amp_load"):
+            for name, value in sorted((variables or {}).items()):
+                try:
+                    op = self.graph.get_operation_by_name(name)
+                except KeyError:
+                    continue  # not part of this graph (pruned by the rewrite)
+                dtype = op.get_attr("dtype")
+                ph = tf.compat.v1.placeholder(dtype, shape=np.shape(value))
+                if op.type == "VarHandleOp":
+                    self._assign.append(tf.raw_ops.AssignVariableOp(resource=op.outputs[0], value=ph))
                 else:
-                    tf.compat.v1.train.import_meta_graph(model.meta_graph)
-                    init = [v.initializer for v in tf.compat.v1.global_variables()]
-                    init += [v.initializer for v in tf.compat.v1.local_variables()]
-                    if init:
-                        sess.run(init)
-            except (tf.errors.OpError, ValueError, KeyError) as exc:
-                raise ToolError(f"cannot load '{model.path}': {_first_line(exc)}") from None
-            out_nodes = sorted({_node_of(t) for t in model.outputs.values()})
-            frozen = convert_to_constants.convert_variables_to_constants_from_session_graph(
-                sess, g.as_graph_def(), out_nodes) if hasattr(
-                convert_to_constants, "convert_variables_to_constants_from_session_graph") else \
-                tf.compat.v1.graph_util.convert_variables_to_constants(sess, g.as_graph_def(), out_nodes)
-    frozen = tf.compat.v1.graph_util.extract_sub_graph(frozen, out_nodes + model.input_nodes)
-    return Runnable(frozen, dict(model.inputs), dict(model.outputs))
+                    self._assign.append(tf.compat.v1.assign(op.outputs[0], ph, validate_shape=False).op)
+                self._feed[ph] = value
+        self.session = tf.compat.v1.Session(graph=self.graph, config=config or session_config())
+        self.reset()
+
+    def reset(self):
+        if self._assign:
+            self.session.run(self._assign, feed_dict=self._feed)
+
+    def resolve(self, name: str):
+        """``op:0`` of an op with no outputs -> the op (a run target)."""
+        node = _node_of(name)
+        try:
+            op = self.graph.get_operation_by_name(node)
+        except KeyError:
+            raise ToolError(f"'{name}' is not a node of the graph being run") from None
+        return op if not op.outputs else self.graph.get_tensor_by_name(tensor_ref(name))
+
+    def run(self, fetches, feeds: dict, options=None, run_metadata=None, what: str = "the graph"):
+        import tensorflow as tf
+
+        targets = [self.resolve(f) if isinstance(f, str) else f for f in fetches]
+        try:
+            vals = self.session.run(targets, feed_dict=feeds, options=options, run_metadata=run_metadata)
+        except tf.errors.OpError as exc:
+            raise ToolError(f"running {what} failed: {_first_line(exc.message)}") from None
+        return [None if isinstance(t, tf.Operation) else v for t, v in zip(targets, vals)]
+
+    def close(self):
+        self.session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def inline_functions(graph_def, fetches, preserve=()):
@@ -480,8 +733,15 @@ def _runnable_tf2_saved_model(model: Model) -> Runnable:
 
 
 def _first_line(exc) -> str:
+    """The first informative line of an error (TF >= 2.11 starts a Session
+    error with a bare "Graph execution error:")."""
     s = str(exc).strip() or type(exc).__name__
-    return s.splitlines()[0]
+    lines = [ln.strip() for ln in s.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.rstrip(":") not in ("Graph execution error", "Detected at node") and not ln.startswith(
+                ("Detected at node", "Traceback", "File ")):
+            return ln
+    return lines[0]
 
 
 def load_inputs(path: str, run: Runnable, allow_missing: bool = False) -> dict:
@@ -552,18 +812,32 @@ def synthetic_inputs(run: Runnable, batch: int = 2, seed: int = 0) -> dict:
     return feeds
 
 
-def session_config():
+#: Session threads for every tool run (None: TensorFlow's own choice); the CLI's --threads sets it.
+THREADS: int | None = None
+
+
+def session_config(threads: int | None = None, grappler: bool = True):
     """A plain ConfigProto for running already-rewritten graphs: our plugin is
     not registered, and TF's remapper is off (it fuses ops into kernels with no
-    FP16 CPU implementation, and it aborts TF 2.15 on some graphs)."""
+    FP16 CPU implementation, and it aborts TF 2.15 on some graphs).
+    ``grappler=False`` turns grappler and the classic graph optimizer's
+    constant folding off, so the graph runs node for node as written (what
+    ``dump`` needs).  ``threads`` (default
+    :data:`THREADS`, else TF's own choice) sets intra- and inter-op threads."""
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 
-    cfg = config_pb2.ConfigProto()
+    cfg = config_pb2.ConfigProto(allow_soft_placement=True)
     ro = cfg.graph_options.rewrite_options
     ro.remapping = rewriter_config_pb2.RewriterConfig.OFF
     ro.auto_mixed_precision = rewriter_config_pb2.RewriterConfig.OFF
-    cfg.intra_op_parallelism_threads = 2
-    cfg.inter_op_parallelism_threads = 2
+    if not grappler:
+        ro.disable_meta_optimizer = True
+        cfg.graph_options.optimizer_options.opt_level = config_pb2.OptimizerOptions.L0
+        cfg.graph_options.optimizer_options.do_constant_folding = False
+    threads = THREADS if threads is None else threads
+    if threads:
+        cfg.intra_op_parallelism_threads = threads
+        cfg.inter_op_parallelism_threads = threads
     return cfg
 
 
@@ -580,21 +854,17 @@ def import_graph(graph_def):
     return g
 
 
-def run_graph(graph_def, feeds: dict, fetches: list[str], options=None, run_metadata=None, graph=None):
-    """One ``Session.run`` of ``graph_def``; returns the fetched arrays."""
-    import tensorflow as tf
-
-    g = graph if graph is not None else import_graph(graph_def)
-    with tf.compat.v1.Session(graph=g, config=session_config()) as sess:
-        try:
-            return sess.run(list(fetches), feed_dict=feeds, options=options, run_metadata=run_metadata)
-        except tf.errors.OpError as exc:
-            raise ToolError(f"running the graph failed: {_first_line(exc.message)}") from None
+def run_graph(graph_def, feeds: dict, fetches: list[str], options=None, run_metadata=None, graph=None,
+              variables: dict | None = None):
+    """One ``Session.run`` of ``graph_def`` (with ``variables`` loaded, see
+    :class:`StepSession`); returns the fetched arrays (``None`` for ops)."""
+    with StepSession(graph_def, variables, graph=graph) as sess:
+        return sess.run(list(fetches), feeds, options=options, run_metadata=run_metadata)
 
 
 def rewrite_runnable(run: Runnable, options):
-    """Rewrite a frozen graph with the pipeline; inputs and outputs are
-    preserved.  Returns (GraphDef, Report)."""
+    """Rewrite the runnable's graph with the pipeline; inputs, outputs and
+    variables are preserved.  Returns (GraphDef, Report)."""
     from ..pipeline import optimize
 
-    return optimize(run.graph_def, options, fetches=run.fetch_nodes, preserve=run.input_nodes)
+    return optimize(run.graph_def, options, fetches=run.fetch_nodes, preserve=run.preserve_nodes)

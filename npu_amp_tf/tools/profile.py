@@ -10,8 +10,11 @@ https://ui.perfetto.dev) and a summary (``summary.json``):
 ``cast_transdata_share``
     share of op time spent in Cast and TransData (Ascend's "copy time");
 ``peak_bytes``
-    peak memory measured by TF's allocators (the largest live-tensor total
-    TF's timeline reconstructs from its allocation records, per allocator);
+    peak memory of the step measured by TF's allocators: the largest running
+    total of the allocation records of the traced steps, per allocator
+    (:func:`allocator_peaks`).  Variables allocated before the step (weights,
+    optimizer slots) are not in it: it is the step's activations, gradients,
+    casts and temporaries;
 ``top_ops``
     the ops with the most total time.
 
@@ -25,6 +28,7 @@ as ``__main__``; its first N ``Session.run`` calls are traced).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import runpy
@@ -49,7 +53,6 @@ def _label_op(label: str) -> str:
 def summarize(step_stats_list, graph_def=None, top: int = 10) -> dict:
     """Time shares, top ops and peak memory from a list of StepStats."""
     from tensorflow.core.framework import types_pb2
-    from tensorflow.python.client import timeline
 
     nodes = {n.name: n for n in graph_def.node} if graph_def is not None else {}
     per_op = collections.defaultdict(lambda: {"time_us": 0, "count": 0, "low_precision": False})
@@ -82,10 +85,8 @@ def summarize(step_stats_list, graph_def=None, top: int = 10) -> dict:
                 per_op[key]["low_precision"] |= is_low and op not in COPY_OPS
                 for m in ns.memory:
                     peak[m.allocator_name] = max(peak.get(m.allocator_name, 0), m.allocator_bytes_in_use)
-        tl = timeline.Timeline(ss)
-        tl.generate_chrome_trace_format(show_memory=True)
-        for alloc, mx in getattr(tl, "_allocator_maximums", {}).items():
-            peak[alloc] = max(peak.get(alloc, 0), int(mx.num_bytes))
+        for alloc, mx in allocator_peaks(ss).items():
+            peak[alloc] = max(peak.get(alloc, 0), mx)
     top_ops = sorted(per_op.items(), key=lambda kv: -kv[1]["time_us"])[:top]
     return {
         "steps": len(step_stats_list),
@@ -98,6 +99,40 @@ def summarize(step_stats_list, graph_def=None, top: int = 10) -> dict:
         "peak_bytes_by_allocator": peak,
         "top_ops": [dict(op=k, share=v["time_us"] / total if total else 0.0, **v) for k, v in top_ops],
     }
+
+
+def allocator_peaks(step_stats) -> dict:
+    """{allocator name: peak bytes allocated during one step} from the
+    step's StepStats.
+
+    Every allocation and deallocation TF's tracking allocators record for
+    the step's ops (``NodeExecStats.memory[].allocation_records``, public
+    fields of ``step_stats.proto``, filled under ``FULL_TRACE``) is replayed in
+    time order; the peak of the running total is the step's peak: its
+    activations, gradients, casts and temporaries.  Buffers that outlive the
+    step (variables, optimizer slots) are not in it, and a tensor that
+    aliases another buffer (a resource variable read, an Identity) allocates
+    nothing.  Trace a step after a warm-up: the first step after the
+    initializers also allocates the variables' buffers.
+
+    (TF's own timeline memory counter sums every op *output* from creation
+    to last use, aliases included, so it counts each FP32 weight read as
+    new memory and cannot compare an FP32 graph with a mixed one.)"""
+    events = collections.defaultdict(list)
+    for dev in step_stats.dev_stats:
+        for ns in dev.node_stats:
+            for mem in ns.memory:
+                for rec in mem.allocation_records:
+                    events[mem.allocator_name].append((rec.alloc_micros, rec.alloc_bytes))
+    peaks = {}
+    for alloc, recs in events.items():
+        recs.sort()
+        cur = peak = 0
+        for _, b in recs:
+            cur += b
+            peak = max(peak, cur)
+        peaks[alloc] = peak
+    return peaks
 
 
 def chrome_trace(step_stats_list, graph=None) -> dict:
@@ -129,25 +164,34 @@ def write_outputs(out_dir: str, trace: dict, summary: dict) -> list[str]:
     return [tpath, spath]
 
 
-def profile_graph(graph_def, feeds: dict, fetches: list[str], steps: int, out_dir: str,
-                  progress: bool = True, warmup: int = 1) -> dict:
-    """Run ``graph_def`` ``warmup + steps`` times, tracing the last ``steps``."""
+def trace_steps(graph_def, feeds: dict, fetches: list[str], steps: int, variables: dict | None = None,
+                progress: bool = True, warmup: int = 1, config=None, desc: str = "profile"):
+    """Run ``graph_def`` ``warmup + steps`` times (``variables`` loaded once,
+    see :class:`.model_io.StepSession`: a train op in ``fetches`` trains on),
+    tracing the last ``steps``.  Returns (list of StepStats, tf.Graph)."""
     import tensorflow as tf
     from tqdm import tqdm
 
     g = model_io.import_graph(graph_def)
     stats = []
     opts = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    with tf.compat.v1.Session(graph=g, config=model_io.session_config()) as sess:
-        try:
-            for _ in range(warmup):
-                sess.run(fetches, feed_dict=feeds)
-            for _ in tqdm(range(steps), desc="profile", unit="step", disable=not progress, leave=False):
-                md = tf.compat.v1.RunMetadata()
-                sess.run(fetches, feed_dict=feeds, options=opts, run_metadata=md)
-                stats.append(md.step_stats)
-        except tf.errors.OpError as exc:
-            raise ToolError(f"running the graph failed: {model_io._first_line(exc.message)}") from None
+    with model_io.StepSession(graph_def, variables, graph=g, config=config) as sess:
+        for _ in range(warmup):
+            sess.run(fetches, feeds)
+        for _ in tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False):
+            md = tf.compat.v1.RunMetadata()
+            sess.run(fetches, feeds, options=opts, run_metadata=md)
+            stats.append(md.step_stats)
+    return stats, g
+
+
+def profile_graph(graph_def, feeds: dict, fetches: list[str], steps: int, out_dir: str,
+                  progress: bool = True, warmup: int = 1, variables: dict | None = None) -> dict:
+    """Run ``graph_def`` ``warmup + steps`` times, tracing the last ``steps``.
+    ``variables`` ({variable node: value}, :attr:`.model_io.Runnable.variables`)
+    are loaded first; a train op among ``fetches`` makes each step a training
+    step."""
+    stats, g = trace_steps(graph_def, feeds, fetches, steps, variables, progress, warmup)
     summary = summarize(stats, graph_def)
     summary["files"] = write_outputs(out_dir, chrome_trace(stats, g), summary)
     return summary
@@ -157,14 +201,48 @@ def profile_script(script: str, steps: int, out_dir: str, args=(), progress: boo
                    skip: int = 1) -> dict:
     """Run a TF1 script as ``__main__`` and trace ``steps`` of its
     ``Session.run`` calls after the first ``skip`` (warm-up / initialiser)."""
-    import tensorflow as tf
     from tqdm import tqdm
-    from tensorflow.python.client import session as session_lib
 
     if not os.path.isfile(script):
         raise ToolError(f"script '{script}' does not exist")
     stats, graphs = [], []
     bar = tqdm(total=steps, desc="profile", unit="step", disable=not progress, leave=False)
+    old_argv = sys.argv
+    sys.argv = [script] + list(args)
+    try:
+        with _traced_session_runs(steps, skip, stats, graphs, bar.update):
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise ToolError(f"script '{script}' exited with status {exc.code}") from None
+    finally:
+        sys.argv = old_argv
+        bar.close()
+    if not stats:
+        raise ToolError(f"script '{script}' made no Session.run call past the first {skip}; "
+                        "profile traces TF1 Session scripts (for a model file, pass the model instead)")
+    gd = graphs[-1].as_graph_def()
+    summary = summarize(stats, gd)
+    summary["files"] = write_outputs(out_dir, chrome_trace(stats, graphs[-1]), summary)
+    return summary
+
+
+@contextlib.contextmanager
+def _traced_session_runs(steps: int, skip: int, stats: list, graphs: list, on_step):
+    """While active, ``Session.run`` calls number ``skip + 1`` to
+    ``skip + steps`` (those without their own ``RunOptions``) run with
+    ``FULL_TRACE``; their StepStats and graphs are appended to ``stats`` /
+    ``graphs``.
+
+    TF has no public hook into a plain ``tf.compat.v1.Session`` (session hooks
+    exist for ``MonitoredSession`` only), so this wraps
+    ``tensorflow.python.client.session.BaseSession.run`` for the duration, the
+    one place the tools patch TF (checked on TF 2.15.1 and 2.21.0: the
+    signature ``run(self, fetches, feed_dict=None, options=None,
+    run_metadata=None)`` is unchanged since TF 1.0)."""
+    import tensorflow as tf
+    from tensorflow.python.client import session as session_lib
+
     orig_run = session_lib.BaseSession.run
     calls = {"n": 0}
 
@@ -177,28 +255,14 @@ def profile_script(script: str, steps: int, out_dir: str, args=(), progress: boo
         out = orig_run(self, fetches, feed_dict, opts, md)
         stats.append(md.step_stats)
         graphs.append(self.graph)
-        bar.update(1)
+        on_step(1)
         return out
 
-    old_argv = sys.argv
-    sys.argv = [script] + list(args)
     session_lib.BaseSession.run = traced_run
     try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise ToolError(f"script '{script}' exited with status {exc.code}") from None
+        yield
     finally:
         session_lib.BaseSession.run = orig_run
-        sys.argv = old_argv
-        bar.close()
-    if not stats:
-        raise ToolError(f"script '{script}' made no Session.run call past the first {skip}; "
-                        "profile traces TF1 Session scripts (for a model file, pass the model instead)")
-    gd = graphs[-1].as_graph_def()
-    summary = summarize(stats, gd)
-    summary["files"] = write_outputs(out_dir, chrome_trace(stats, graphs[-1]), summary)
-    return summary
 
 
 def format_summary(summary: dict) -> str:

@@ -104,8 +104,12 @@ def tune_mixlist(model, feeds: dict, rtol: float, atol: float = 0.0, options=Non
     base = options if options is not None else Options.from_kwargs(_groups=("rewrite",))
     run = model if isinstance(model, model_io.Runnable) else model_io.runnable(model)
     fetches = list(run.outputs.values())
-    graph_fp32 = model_io.import_graph(run.graph_def)
-    ref = model_io.run_graph(run.graph_def, feeds, fetches, graph=graph_fp32)
+    ref_all = model_io.run_graph(run.graph_def, feeds, fetches, variables=run.variables)
+    compared = [i for i, v in enumerate(ref_all) if v is not None and np.asarray(v).dtype.kind == "f"]
+    if not compared:
+        raise ToolError(f"no float output to compare among {', '.join(run.outputs)}; name one with --outputs "
+                        "(for a training step: the train op and the loss, e.g. --outputs train,loss)")
+    ref = [ref_all[i] for i in compared]
     base_params = dict(base.rewrite_params())
     base_black = tuple(base.custom_black_list)
 
@@ -116,7 +120,8 @@ def tune_mixlist(model, feeds: dict, rtol: float, atol: float = 0.0, options=Non
         o = opts or Options.from_kwargs(_groups=("rewrite",), _env=False, **dict(
             base_params, custom_black_list=list(base_black) + list(black)))
         gd, _ = model_io.rewrite_runnable(run, o)
-        got = model_io.run_graph(gd, feeds, fetches)
+        got_all = model_io.run_graph(gd, feeds, fetches, variables=run.variables)
+        got = [got_all[i] for i in compared]
         ok = within(ref, got, rtol, atol)
         err = output_error(ref, got)
         trials.append({"black": list(black), "ok": ok, "err": err})
@@ -203,31 +208,24 @@ def _rank_candidates(run, mixed_gd, lp: dict, feeds, rtol: float) -> list[str]:
     error), then by its largest error."""
     from graph_passes.graph import Graph
 
+    from .dump import _run_all
+
     names = sorted({n for nodes in lp.values() for n in nodes})
-    g32 = model_io.import_graph(run.graph_def)
-    g16 = model_io.import_graph(mixed_gd)
-    fetch = []
-    for n in names:
-        try:
-            op32, op16 = g32.get_operation_by_name(n), g16.get_operation_by_name(n)
-        except KeyError:
-            continue
-        if op32._get_control_flow_context() is not None or not op32.outputs or not op16.outputs:
-            continue
-        if op32.outputs[0].dtype.is_floating:
-            fetch.append(n)
     topo = {n: i for i, n in enumerate(Graph(mixed_gd).topo_order())}
     never = 1 << 30
     onset = {op: never for op in lp}
     score = {op: 0.0 for op in lp}
-    if fetch:
-        a = model_io.run_graph(run.graph_def, feeds, [f + ":0" for f in fetch], graph=g32)
-        b = model_io.run_graph(mixed_gd, feeds, [f + ":0" for f in fetch], graph=g16)
-        node_op = {n.name: n.op for n in mixed_gd.node}
-        for n, x, y in zip(fetch, a, b):
-            e = output_error([x], [y])
-            op = node_op[n]
-            score[op] = max(score[op], e)
-            if e > rtol:
-                onset[op] = min(onset[op], topo.get(n, never - 1))
+    # one step of each graph with every tensor captured (loop / cond bodies included)
+    a, _, _ = _run_all(run.graph_def, run, feeds, "fp32", progress=False)
+    b, _, _ = _run_all(mixed_gd, run, feeds, "mixed", progress=False)
+    node_op = {n.name: n.op for n in mixed_gd.node}
+    for n in names:
+        x, y = a.get(n + ":0"), b.get(n + ":0")
+        if x is None or y is None:
+            continue
+        e = output_error([x], [y])
+        op = node_op[n]
+        score[op] = max(score[op], e)
+        if e > rtol:
+            onset[op] = min(onset[op], topo.get(n, never - 1))
     return sorted(lp, key=lambda op: (onset[op], -score[op], op))
