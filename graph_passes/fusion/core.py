@@ -327,7 +327,14 @@ def _kernel_problems(b: Builder) -> list[str]:
             out.append(f"{why}: op {op} is not registered (custom-op library not loaded?)")
         elif not registry.has_kernel(op, dev, ta):
             shown = {k: registry.dtype_name(v) for k, v in ta.items()}
-            out.append(f"{why}: no {dev} kernel for {op} with {shown}")
+            broken = [registry.BROKEN_KERNELS[(op, dev, v)] for v in ta.values()
+                      if (op, dev, v) in registry.BROKEN_KERNELS]
+            if broken:
+                out.append(f"{why}: {op} with {shown} on {dev} is known-broken ({broken[0]})")
+            elif not registry.opdef_allows(op, ta):
+                out.append(f"{why}: the OpDef of {op} does not allow {shown}")
+            else:
+                out.append(f"{why}: no {dev} kernel for {op} with {shown}")
     return out
 
 

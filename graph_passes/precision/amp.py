@@ -384,8 +384,7 @@ class PrecisionPass(Pass):
                 continue
             target, state, reason, lst = self._decide(node, info, cur)
             if target != cur:
-                for a in info.attrs:
-                    node.attr[a].type = target
+                registry.retype(node, info.attrs, target)  # fused args (TArgs) follow
                 changed += 1
                 self.touched.add(name)
             self.state[name] = state
@@ -457,8 +456,7 @@ class PrecisionPass(Pass):
             contested_tie = (cost_f32 == cost_low and name in self._contested
                              and FP32 in outs and self.low not in outs)
             if cost_f32 < cost_low or contested_tie:
-                for a in info.attrs:
-                    node.attr[a].type = FP32
+                registry.retype(node, info.attrs, FP32)
                 self.touched.add(name)
                 self.state[name] = "f32"
                 if d.get("was") == "float32":
