@@ -269,6 +269,32 @@ def opdef_allows(op_type: str, type_attrs: dict) -> bool:
     return True
 
 
+#: fused forms measured with benchmarks/fused_forms.py (TF 2.15.1 and 2.21.0, oneDNN on,
+#: avx512_bf16): (generic fused op, device, dtype) -> (op to emit instead, its ``_kernel``
+#: label, evidence).  Used only when oneDNN is on.  The generic op's OpDef refuses
+#: the dtype, the oneDNN op's OpDef allows it and its kernel (registered under the
+#: label) runs the whole conv+bias+activation in one BF16 primitive.
+FUSED_FORMS = {
+    ("_FusedConv2D", "CPU", DT_BFLOAT16): (
+        "_MklNativeFusedConv2D", "MklNameChangeOp",
+        "OpDef allows bfloat16 (2.15 and 2.21); conv+bias+relu 16x56x56x64 3x3: one BF16 "
+        "primitive, faster than Conv2D+BiasAdd+Relu in BF16 (oneDNN merges only conv+bias)"),
+}
+
+#: ops whose kernels are registered under a label and that the passes emit with
+#: ``_kernel=<label>`` (so TF selects exactly that kernel): has_kernel accepts it
+KERNEL_LABELS = {form[0]: form[1] for form in FUSED_FORMS.values()}
+
+
+def fused_form(op_type: str, device_type: str, dtype: int):
+    """(op, kernel label) to emit for ``op_type`` running in ``dtype`` on
+    ``device_type``, or None when the generic op is the one to emit."""
+    form = FUSED_FORMS.get((op_type, device_type, dtype))
+    if form is None or not onednn_enabled():
+        return None
+    return form[0], form[1]
+
+
 def has_kernel(op_type: str, device_type: str = "CPU", type_attrs: dict | None = None) -> bool:
     """Is a *working* kernel registered for ``op_type`` on ``device_type``
     accepting these type attrs (attr name -> DataType)?  The dtypes must be
@@ -283,7 +309,7 @@ def has_kernel(op_type: str, device_type: str = "CPU", type_attrs: dict | None =
     if not opdef_allows(op_type, type_attrs):
         return False
     for dev, label, cons in _kernels(op_type):
-        if dev != device_type or label:
+        if dev != device_type or (label and label != KERNEL_LABELS.get(op_type)):
             continue
         if all(name not in cons or dt in cons[name] for name, dt in type_attrs.items()):
             return True

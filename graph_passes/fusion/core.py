@@ -317,6 +317,28 @@ class Outcome:
     reason: str = ""
 
 
+def _select_forms(b: Builder):
+    """Swap an emitted generic fused op for the form the registry measured to
+    run (and run fast) in the dtype the precision pass will give it
+    (:data:`registry.FUSED_FORMS`, e.g. ``_FusedConv2D`` -> ``_MklNativeFusedConv2D``
+    in BF16 under oneDNN, whose OpDef allows bfloat16).  The emitted node
+    carries the kernel label; its attrs stay those of the generic op (a subset
+    of the form's OpDef is checked by the OpDef guard)."""
+    dev = b.device_type()
+    for i, (op, ta, why) in enumerate(b.requirements):
+        dt = ta.get("T")
+        form = registry.fused_form(op, dev, dt) if dt is not None else None
+        if form is None:
+            continue
+        new_op, label = form
+        for n in b.emitted:
+            if n.op == op:
+                n.op = new_op
+                if label:
+                    n.attr["_kernel"].s = label.encode()
+        b.requirements[i] = (new_op, ta, why)
+
+
 def _kernel_problems(b: Builder) -> list[str]:
     dev = b.device_type()
     out = []
@@ -401,6 +423,7 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
         if port not in out_map:
             return Outcome(False, f"output {port} of '{m.anchor}' is read by '{cname}', and the "
                                   f"fused op does not produce it")
+    _select_forms(b)
     problems = _kernel_problems(b)
     if problems:
         if ctx is not None:
