@@ -103,10 +103,11 @@ def build_keras_resnet(batch, size, classes):
     K = _keras2()
     x = tf1.placeholder(tf.float32, [batch, size, size, 3], name="images")
     y = tf1.placeholder(tf.int32, [batch], name="labels")
-    model = K.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=classes)
-    logits = model(x, training=True)
+    K.backend.set_learning_phase(1)  # BatchNorm in training mode, built on x itself
+    model = K.applications.ResNet50(weights=None, input_tensor=x, classes=classes)
+    logits = model.output
     loss = tf.reduce_mean(K.losses.sparse_categorical_crossentropy(y, logits))
-    with tf.control_dependencies(model.updates if hasattr(model, "updates") else []):
+    with tf.control_dependencies(model.updates):
         train = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, var_list=model.trainable_weights)
     return x, y, loss, train
 
