@@ -98,7 +98,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
         out = graph.to_graph_def()
         problems = _opdef_check.new_problems(graph_def, out, ctx.default_device_type())
         if problems:
-            _opdef_failure(problems, "the main graph", options, report)
+            _opdef_failure(problems, "main graph", options, report)
             out = graph_def
     except PassError as exc:
         if options.fail_on_error:
@@ -120,15 +120,16 @@ def _opdef_failure(problems, what, options, report: Report):
     that aborts the process; the user's graph runs unchanged instead."""
     shown = "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
     msg = (f"the rewritten {what} does not satisfy TensorFlow's op definitions ({shown}); "
-           f"{what} is left unchanged")
+           f"the {what} is left unchanged")
     if options.fail_on_error:
         raise PassError("opdef_check", msg)
     log.warning("npu_amp_tf: %s", msg)
-    first = problems[0]
-    node = first.split("'")[1] if first.count("'") >= 2 else None
+    quoted = problems[0].split("'")[1::2]  # edge 'src' -> 'dst':k names the consumer second
+    node = (quoted[1] if problems[0].startswith("edge") and len(quoted) > 1
+            else quoted[0] if quoted else None)
     report.warn(msg, node=node, pass_name="opdef_check")
     report.summary.setdefault("opdef_check_failed", []).append({"graph": what, "problems": problems[:20]})
-    if what == "the main graph":
+    if what == "main graph":
         report.summary["failed_pass"] = "opdef_check"
 
 

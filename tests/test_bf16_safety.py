@@ -143,8 +143,8 @@ def _bad_rule_graph():
 
 
 def test_pipeline_keeps_the_original_graph_when_a_rewrite_breaks_an_opdef():
-    def build(m, b):  # a user rule that emits a Relu carrying an attr Relu does not have
-        b.emit("Relu", m.anchor, [m["x"]], {"T": ("type", F32), "not_an_attr": 1})
+    def build(m, b):  # a user rule whose node is valid alone but mistyped for its input edge
+        b.emit("Relu", m.anchor, [m["x"]], {"T": ("type", types_pb2.DT_DOUBLE)})
 
     fusion_core.register_fusion_rule("test_i18_bad", Pat("Relu", inputs=[Pat.any("x")]), build,
                                      graph_level=2)
@@ -154,13 +154,32 @@ def test_pipeline_keeps_the_original_graph_when_a_rewrite_breaks_an_opdef():
                                             graph_level=2)
         assert out == gd  # the original, not a partial rewrite
         warn = [w for w in rep.warnings if w["pass"] == "opdef_check"]
-        assert warn and warn[0]["node"] == "act", rep.warnings
-        assert "attr 'not_an_attr'" in warn[0]["message"] and "left unchanged" in warn[0]["message"]
+        assert warn and warn[0]["node"] in ("act", "out"), rep.warnings  # the mistyped node or its reader
+        assert "-> 'act':0 carries" in warn[0]["message"] and "expects float64" in warn[0]["message"]
+        assert "left unchanged" in warn[0]["message"]
         assert rep.summary["failed_pass"] == "opdef_check"
         with pytest.raises(PassError, match="opdef_check"):
             npu_amp_tf.rewrite_graph(gd, fetches=["out"], graph_level=2, fail_on_error=True)
     finally:
         fusion_core.unregister_fusion_rule("test_i18_bad")
+
+
+def test_fusion_refuses_an_emitted_node_that_breaks_its_opdef():
+    def build(m, b):  # carries an attr Relu does not have: TF would reject the graph
+        b.emit("Relu", m.anchor, [m["x"]], {"T": ("type", F32), "not_an_attr": 1})
+
+    fusion_core.register_fusion_rule("test_i18_attr", Pat("Relu", inputs=[Pat.any("x")]), build,
+                                     graph_level=2)
+    try:
+        gd = _bad_rule_graph()
+        out, rep = npu_amp_tf.rewrite_graph(gd, fetches=["out"], precision_mode="must_keep_origin_dtype",
+                                            graph_level=2)
+        assert rep.pass_stats("fusion")["skipped"]["test_i18_attr"] == 1
+        assert "has attr 'not_an_attr', which its OpDef does not define" in \
+            rep.decisions["act"]["fusion_reason"]
+        assert not [w for w in rep.warnings if w["pass"] == "opdef_check"]
+    finally:
+        fusion_core.unregister_fusion_rule("test_i18_attr")
 
 
 def test_bf16_rewrite_never_emits_a_known_broken_or_opdef_invalid_node():

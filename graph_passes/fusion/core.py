@@ -344,6 +344,11 @@ def _kernel_problems(b: Builder) -> list[str]:
     out = []
     checks = [(n.op, _type_attrs(n), f"emitted node '{n.name}'") for n in b.emitted if n.op != "Const"]
     checks += [(op, ta, why) for op, ta, why in b.requirements]
+    from ..opdef_check import node_problems
+
+    for n in b.emitted:  # every attr against the OpDef: list(type) (TArgs), required attrs...
+        if n.op != "Const" and registry.op_def(n.op) is not None:
+            out.extend(node_problems(n, b.graph.functions, dev))
     for op, ta, why in checks:
         if registry.op_def(op) is None:
             out.append(f"{why}: op {op} is not registered (custom-op library not loaded?)")
