@@ -223,7 +223,18 @@ class FitRunner:
                     npu_amp_tf.disable()
         self.sessions = self.models
 
+    @staticmethod
+    def activate(name):
+        """TF instantiates a function per call-time config: keep each config's
+        rewrite options active for its own steps, not only while building."""
+        tf.config.optimizer.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": name == "grappler"})
+        if name == "ours":
+            npu_amp_tf.enable(precision_mode=MODE, graph_level=2)
+        else:
+            npu_amp_tf.disable()
+
     def step(self, name):
+        self.activate(name)
         out = self.models[name].train_on_batch(self.xb, self.yb)
         self.last_loss[name] = float(out[0] if isinstance(out, (list, tuple)) else out)
 
