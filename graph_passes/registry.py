@@ -201,11 +201,13 @@ def input_dtypes(node, library=None) -> list[int] | None:
 # ---------------------------------------------------------------- kernels
 @functools.lru_cache(maxsize=None)
 def _kernels(op_type: str):
+    """(device type, label, {attr: allowed dtypes}) per registered kernel.
+
+    TF answers an unknown op name with an empty list; any exception from TF
+    here is a real fault and propagates (the pass manager turns it into a
+    report warning and keeps the original graph)."""
     from tensorflow.python.framework import kernels
-    try:
-        kl = kernels.get_registered_kernels_for_op(op_type)
-    except Exception:  # noqa: BLE001 - unknown op names raise inside TF
-        return ()
+    kl = kernels.get_registered_kernels_for_op(op_type)
     out = []
     for k in kl.kernel:
         cons = {c.name: frozenset(c.allowed_values.list.type) for c in k.constraint}
@@ -213,28 +215,160 @@ def _kernels(op_type: str):
     return tuple(out)
 
 
-#: kernels that TensorFlow registers but that fail when run:
-#: (op, device type, dtype) -> why.  has_kernel() treats them as absent.
+#: known-broken combinations: (op, device type, dtype) -> why.  TensorFlow
+#: registers a kernel for each of them, but using it fails or aborts the
+#: process.  has_kernel() treats them as absent, so no pass ever creates them.
+#: One line per entry, each with the evidence (tests/test_bf16_safety.py
+#: proves every entry is avoided).
 BROKEN_KERNELS = {
     ("_FusedConv2D", "CPU", DT_HALF):
         "TF >= 2.16 registers it, but running it fails with 'Op does not support half inputs'",
+    ("_FusedConv2D", "CPU", DT_BFLOAT16):
+        "a CPU kernel is registered, but the OpDef does not allow T=bfloat16: with oneDNN off TF "
+        "rejects the node; with oneDNN on it runs only through the MKL rewrite, and aborted the "
+        "process (tensor.cc 'Check failed: dtype() == expected_dtype') when a fused arg stayed float",
 }
+
+
+def onednn_enabled() -> bool:
+    """Is TensorFlow's oneDNN (MKL) path on in this process (``TF_ENABLE_ONEDNN_OPTS``)?"""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:  # a TF build without the probe: stock kernels
+        return False
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def _tf_version() -> tuple:
+    import tensorflow as tf
+    return tuple(int(p) for p in re.findall(r"\d+", tf.__version__)[:2])
+
+
+#: broken only when oneDNN is off: (op, device, dtype) -> (first TF version
+#: that fixed it or None, why).  Measured with benchmarks/fused_forms.py.
+_BROKEN_WITHOUT_ONEDNN = {
+    ("_FusedMatMul", "CPU", DT_BFLOAT16):
+        ((2, 16), "TF 2.15 with oneDNN off registers it, but running it fails with "
+                  "'Op does not support bfloat16 inputs'"),
+    **{("_FusedDepthwiseConv2dNative", "CPU", dt):
+        (None, "with oneDNN off the registered kernel produces no output ('Missing 0-th output')")
+       for dt in (DT_FLOAT, DT_HALF, DT_BFLOAT16, DT_DOUBLE)},
+}
+
+
+def _install_conditional_broken():
+    if onednn_enabled():
+        return
+    ver = _tf_version()
+    for key, (fixed_in, why) in _BROKEN_WITHOUT_ONEDNN.items():
+        if fixed_in is None or ver < fixed_in:
+            BROKEN_KERNELS.setdefault(key, why + " (this process runs with oneDNN off)")
+
+
+_install_conditional_broken()
+
+
+@functools.lru_cache(maxsize=None)
+def allowed_types(op_type: str) -> dict:
+    """{type or list(type) attr name: frozenset of allowed dtypes, or None = any}
+    from the op's OpDef ({} for an unknown op)."""
+    od = op_def(op_type)
+    if od is None:
+        return {}
+    out = {}
+    for a in od.attr:
+        if a.type in ("type", "list(type)"):
+            allowed = a.allowed_values.list.type if a.HasField("allowed_values") else ()
+            out[a.name] = frozenset(allowed) if allowed else None
+    return out
+
+
+def opdef_allows(op_type: str, type_attrs: dict) -> bool:
+    """Does the OpDef of ``op_type`` accept these dtypes (attr name -> DataType
+    or list of DataTypes, for ``type`` and ``list(type)`` attrs)?"""
+    allowed = allowed_types(op_type)
+    for name, dt in type_attrs.items():
+        ok = allowed.get(name)
+        if ok is None:
+            continue
+        for d in (dt if isinstance(dt, (list, tuple)) else (dt,)):
+            if d not in ok:
+                return False
+    return True
+
+
+#: fused forms measured with benchmarks/fused_forms.py (TF 2.15.1 and 2.21.0, oneDNN on,
+#: avx512_bf16): (generic fused op, device, dtype) -> (op to emit instead, its ``_kernel``
+#: label, evidence).  Used only when oneDNN is on.  The generic op's OpDef refuses
+#: the dtype, the oneDNN op's OpDef allows it and its kernel (registered under the
+#: label) runs the whole conv+bias+activation in one BF16 primitive.
+FUSED_FORMS = {
+    ("_FusedConv2D", "CPU", DT_BFLOAT16): (
+        "_MklNativeFusedConv2D", "MklNameChangeOp",
+        "OpDef allows bfloat16 (2.15 and 2.21); conv+bias+relu 16x56x56x64 3x3: one BF16 "
+        "primitive, faster than Conv2D+BiasAdd+Relu in BF16 (oneDNN merges only conv+bias)"),
+}
+
+#: ops whose kernels are registered under a label and that the passes emit with
+#: ``_kernel=<label>`` (so TF selects exactly that kernel): has_kernel accepts it
+KERNEL_LABELS = {form[0]: form[1] for form in FUSED_FORMS.values()}
+
+
+def fused_form(op_type: str, device_type: str, dtype: int):
+    """(op, kernel label) to emit for ``op_type`` running in ``dtype`` on
+    ``device_type``, or None when the generic op is the one to emit."""
+    form = FUSED_FORMS.get((op_type, device_type, dtype))
+    if form is None or not onednn_enabled():
+        return None
+    return form[0], form[1]
 
 
 def has_kernel(op_type: str, device_type: str = "CPU", type_attrs: dict | None = None) -> bool:
     """Is a *working* kernel registered for ``op_type`` on ``device_type``
-    accepting these type attrs (attr name -> DataType)?  Labelled kernels and
-    the known-broken registrations in :data:`BROKEN_KERNELS` are ignored."""
+    accepting these type attrs (attr name -> DataType)?  The dtypes must be
+    allowed by the op's OpDef as well (TF registers kernels for some dtypes
+    their OpDef refuses, e.g. ``_FusedConv2D`` bfloat16 on CPU).  Labelled
+    kernels and the known-broken registrations in :data:`BROKEN_KERNELS` are
+    ignored."""
     type_attrs = type_attrs or {}
     for dt in type_attrs.values():
         if (op_type, device_type, dt) in BROKEN_KERNELS:
             return False
+    if not opdef_allows(op_type, type_attrs):
+        return False
     for dev, label, cons in _kernels(op_type):
-        if dev != device_type or label:
+        if dev != device_type or (label and label != KERNEL_LABELS.get(op_type)):
             continue
         if all(name not in cons or dt in cons[name] for name, dt in type_attrs.items()):
             return True
     return False
+
+
+#: list(type) attrs whose entries carry the same dtype as a type attr of the
+#: op (the fused extra args: bias, BN parameters, side input).  When a pass
+#: re-types the type attr, these entries follow (see :func:`retype`).
+LIST_ATTRS_FOLLOW = {
+    "_FusedConv2D": {"TArgs": "T"},
+    "_MklNativeFusedConv2D": {"TArgs": "T"},
+    "_FusedConv3D": {"TArgs": "T"},
+}
+
+
+def retype(node, attrs, dt: int):
+    """Set the float type attrs ``attrs`` of ``node`` to ``dt``, and the
+    entries of the list(type) attrs tied to them (:data:`LIST_ATTRS_FOLLOW`)
+    that held the old dtype, so fused args follow the op's dtype."""
+    follow = LIST_ATTRS_FOLLOW.get(node.op, {})
+    for a in attrs:
+        old = node.attr[a].type if a in node.attr else None
+        node.attr[a].type = dt
+        for lst, owner in follow.items():
+            if owner != a or lst not in node.attr:
+                continue
+            types = node.attr[lst].list.type
+            for i, t in enumerate(types):
+                if t == old or (old is None and t in FLOAT_TYPES):
+                    types[i] = dt
 
 
 def kernel_devices(op_type: str) -> set[str]:

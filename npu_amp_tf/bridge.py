@@ -272,14 +272,28 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         if code == RC_OK:
             _lib.NpuAmpWriteResult(sink, out, len(out))
         return code
-    except BaseException as exc:  # noqa: BLE001 - must not cross the C boundary
-        try:
-            msg = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
-            _lib.NpuAmpWriteError(sink, msg, len(msg))
-            log.error("npu_amp_tf bridge: unexpected error: %s", exc)
-        except BaseException:  # noqa: BLE001
-            pass
+    except Exception as exc:  # noqa: BLE001 - must not cross the C boundary
+        _report_error(sink, exc)
         return RC_ERROR
+    except BaseException as exc:  # KeyboardInterrupt / SystemExit inside grappler
+        # Cannot propagate through C; grappler keeps the graph.  Deliver the
+        # interrupt to the main thread instead of turning it into "unchanged".
+        _report_error(sink, exc)
+        if isinstance(exc, KeyboardInterrupt):
+            import _thread
+
+            _thread.interrupt_main()
+        return RC_ERROR
+
+
+def _report_error(sink, exc):
+    msg = f"{type(exc).__name__}: {exc}"
+    log.error("npu_amp_tf bridge: unexpected error: %s", msg)
+    data = msg.encode("utf-8", "replace")
+    try:
+        _lib.NpuAmpWriteError(sink, data, len(data))
+    except (ctypes.ArgumentError, AttributeError, OSError) as err:  # library gone at exit
+        log.error("npu_amp_tf bridge: could not hand the error to grappler: %s", err)
 
 
 def parse_options(config_bytes: bytes):

@@ -14,6 +14,7 @@ import time
 from tensorflow.core.framework import graph_pb2
 
 from graph_passes import manager as _manager
+from graph_passes import opdef_check as _opdef_check
 from graph_passes.errors import NpuAmpError, PassError
 from graph_passes import shapes as _shapes
 from graph_passes.graph import Graph
@@ -124,6 +125,10 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
             _optimize_functions(graph, mgr, options, devices, report)
         summarize(graph, report)
         out = graph.to_graph_def()
+        problems = _opdef_check.new_problems(graph_def, out, ctx.default_device_type())
+        if problems:
+            _opdef_failure(problems, "main graph", options, report)
+            out = graph_def
     except PassError as exc:
         if options.fail_on_error:
             raise
@@ -153,6 +158,26 @@ def _timed(source, report):
     return run
 
 
+def _opdef_failure(problems, what, options, report: Report):
+    """A rewritten graph (or function body) broke its OpDefs: keep the original.
+
+    TF would reject such a graph, or worse, run it into a kernel ``CHECK``
+    that aborts the process; the user's graph runs unchanged instead."""
+    shown = "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
+    msg = (f"the rewritten {what} does not satisfy TensorFlow's op definitions ({shown}); "
+           f"the {what} is left unchanged")
+    if options.fail_on_error:
+        raise PassError("opdef_check", msg)
+    log.warning("npu_amp_tf: %s", msg)
+    quoted = problems[0].split("'")[1::2]  # edge 'src' -> 'dst':k names the consumer second
+    node = (quoted[1] if problems[0].startswith("edge") and len(quoted) > 1
+            else quoted[0] if quoted else None)
+    report.warn(msg, node=node, pass_name="opdef_check")
+    report.summary.setdefault("opdef_check_failed", []).append({"graph": what, "problems": problems[:20]})
+    if what == "main graph":
+        report.summary["failed_pass"] = "opdef_check"
+
+
 _RATIO_KEYS = frozenset({"lp_flop_share", "time_s"})
 
 
@@ -170,6 +195,13 @@ def _optimize_functions(graph: Graph, mgr, options, devices, report: Report):
         preserve = [n for n, node in fgraph.nodes.items() if node.op in ("_Arg", "_Retval")]
         ctx = _manager.PassContext(options, (), preserve, devices, sub)
         mgr.run(fgraph, ctx)
+        problems = _opdef_check.graph_problems(fgraph, ctx.default_device_type())
+        if problems:
+            old = set(_opdef_check.graph_problems(graph.function_graph(fname), ctx.default_device_type()))
+            problems = [p for p in problems if p not in old]
+        if problems:
+            _opdef_failure(problems, f"function '{fname}'", options, report)
+            continue  # the body stays as it was; its decisions are not reported
         graph.set_function(fgraph)
         for node, dec in sub.decisions.items():
             report.decisions[f"{fname}/{node}"] = dict(dec, function=fname)

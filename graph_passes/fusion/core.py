@@ -284,17 +284,51 @@ class Outcome:
     reason: str = ""
 
 
+def _select_forms(b: Builder):
+    """Swap an emitted generic fused op for the form the registry measured to
+    run (and run fast) in the dtype the precision pass will give it
+    (:data:`registry.FUSED_FORMS`, e.g. ``_FusedConv2D`` -> ``_MklNativeFusedConv2D``
+    in BF16 under oneDNN, whose OpDef allows bfloat16).  The emitted node
+    carries the kernel label; its attrs stay those of the generic op (a subset
+    of the form's OpDef is checked by the OpDef guard)."""
+    dev = b.device_type()
+    for i, (op, ta, why) in enumerate(b.requirements):
+        dt = ta.get("T")
+        form = registry.fused_form(op, dev, dt) if dt is not None else None
+        if form is None:
+            continue
+        new_op, label = form
+        for n in b.emitted:
+            if n.op == op:
+                n.op = new_op
+                if label:
+                    n.attr["_kernel"].s = label.encode()
+        b.requirements[i] = (new_op, ta, why)
+
+
 def _kernel_problems(b: Builder) -> list[str]:
     dev = b.device_type()
     out = []
     checks = [(n.op, _type_attrs(n), f"emitted node '{n.name}'") for n in b.emitted if n.op != "Const"]
     checks += [(op, ta, why) for op, ta, why in b.requirements]
+    from ..opdef_check import node_problems
+
+    for n in b.emitted:  # every attr against the OpDef: list(type) (TArgs), required attrs...
+        if n.op != "Const" and registry.op_def(n.op) is not None:
+            out.extend(node_problems(n, b.graph.functions, dev))
     for op, ta, why in checks:
         if registry.op_def(op) is None:
             out.append(f"{why}: op {op} is not registered (custom-op library not loaded?)")
         elif not registry.has_kernel(op, dev, ta):
             shown = {k: registry.dtype_name(v) for k, v in ta.items()}
-            out.append(f"{why}: no {dev} kernel for {op} with {shown}")
+            broken = [registry.BROKEN_KERNELS[(op, dev, v)] for v in ta.values()
+                      if (op, dev, v) in registry.BROKEN_KERNELS]
+            if broken:
+                out.append(f"{why}: {op} with {shown} on {dev} is known-broken ({broken[0]})")
+            elif not registry.opdef_allows(op, ta):
+                out.append(f"{why}: the OpDef of {op} does not allow {shown}")
+            else:
+                out.append(f"{why}: no {dev} kernel for {op} with {shown}")
     return out
 
 
@@ -361,6 +395,7 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
         if port not in out_map:
             return Outcome(False, f"output {port} of '{m.anchor}' is read by '{cname}', and the "
                                   f"fused op does not produce it")
+    _select_forms(b)
     problems = _kernel_problems(b)
     if problems:
         if ctx is not None:

@@ -370,8 +370,7 @@ class PrecisionPass(Pass):
                 continue
             target, state, reason, lst = self._decide(node, info, cur)
             if target != cur:
-                for a in info.attrs:
-                    node.attr[a].type = target
+                registry.retype(node, info.attrs, target)  # fused args (TArgs) follow
                 changed += 1
                 self.touched.add(name)
             self.state[name] = state
@@ -467,8 +466,7 @@ class PrecisionPass(Pass):
                         and (name in self._contested
                              or (d.get("list") == "clear" and self._movable_producers(node, info))))
             if cost_f32 < cost_low or edge_tie:
-                for a in info.attrs:
-                    node.attr[a].type = FP32
+                registry.retype(node, info.attrs, FP32)
                 self.touched.add(name)
                 self.state[name] = "f32"
                 if d.get("was") == "float32":
@@ -549,8 +547,7 @@ class PrecisionPass(Pass):
                     go += 1
             if blocked or go >= stay or self._refuse_low(node, info, cur, warn=False):
                 continue
-            for a in info.attrs:
-                node.attr[a].type = self.low
+            registry.retype(node, info.attrs, self.low)  # fused args (TArgs) follow
             self.touched.add(name)
             self.state[name] = "low"
             changed += 1

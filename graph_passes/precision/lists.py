@@ -41,6 +41,7 @@ WHITE = {
     "Einsum": "cube op: contraction",
     "_FusedMatMul": "fused cube op (grappler remapper); low only where a kernel exists (none for FP16 on CPU)",
     "_FusedConv2D": "fused cube op (grappler remapper); low only where a kernel exists (none for FP16 on CPU)",
+    "_MklNativeFusedConv2D": "oneDNN form of _FusedConv2D that fusion emits for BF16 (registry.FUSED_FORMS)",
 }
 
 BLACK = {

@@ -1,0 +1,124 @@
+"""Which fused op forms run in BF16 on this TF, and how fast?  (issue 18)
+
+For conv (16x56x56x64, 3x3, SAME) and matmul (512x1024 @ 1024x1024), each
+with bias and Relu, in FP32 and BF16:
+
+  plain      Conv2D/MatMul + BiasAdd + Relu as separate nodes (grappler's
+             remapper OFF; oneDNN's own layout pass may still merge conv+bias)
+  generic    _FusedConv2D / _FusedMatMul [BiasAdd, Relu]
+  onednn     _MklNativeFusedConv2D [BiasAdd, Relu] with _kernel=MklNameChangeOp
+             (the form registry.FUSED_FORMS emits for BF16 under oneDNN)
+
+Every form runs in its own subprocess (a form may abort TF) that imports the
+graph with ``import_graph_def`` (TF's OpDef validation), runs it, and reports
+the median step time and the ops TF actually executed.  The results back the
+``FUSED_FORMS`` / ``BROKEN_KERNELS`` entries in graph_passes/registry.py.
+Set TF_ENABLE_ONEDNN_OPTS=0 to measure TF's Eigen kernels.  Never asserts a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+FORMS = [(k, f, d) for k in ("conv", "matmul") for f in ("plain", "generic", "onednn")
+         for d in ("float32", "bfloat16") if not (k == "matmul" and f == "onednn")]
+
+
+def _child(kind, form, dtn, reps=15):
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+
+    tf1 = tf.compat.v1
+    dt = getattr(tf, dtn)
+    g = tf.Graph()
+    with g.as_default():
+        if kind == "conv":
+            shape, C = [16, 56, 56, 64], 64
+            x = tf1.placeholder(tf.float32, shape, name="x")
+            w = tf.constant(np.random.RandomState(1).normal(0, 0.05, [3, 3, C, C]).astype(np.float32))
+            core = tf.nn.conv2d(tf.cast(x, dt), tf.cast(w, dt), 1, "SAME", name="core")
+        else:
+            shape, C = [512, 1024], 1024
+            x = tf1.placeholder(tf.float32, shape, name="x")
+            w = tf.constant(np.random.RandomState(1).normal(0, 0.05, [1024, C]).astype(np.float32))
+            core = tf.matmul(tf.cast(x, dt), tf.cast(w, dt), name="core")
+        b = tf.cast(tf.constant(np.linspace(-1, 1, C).astype(np.float32)), dt)
+        tf.nn.relu(tf.nn.bias_add(core, b, name="ba"), name="relu")
+        tf.reduce_sum(tf.cast(g.get_tensor_by_name("relu:0"), tf.float32), name="out")
+    gd = g.as_graph_def()
+    if form != "plain":
+        byname = {n.name: n for n in gd.node}
+        c, ba, relu = byname["core"], byname["ba"], byname["relu"]
+        relu.op = {"conv": "_FusedConv2D", "matmul": "_FusedMatMul"}[kind] if form == "generic" \
+            else "_MklNativeFusedConv2D"
+        del relu.input[:]
+        relu.input.extend([c.input[0], c.input[1], ba.input[1]])
+        for k, v in c.attr.items():
+            if k not in ("_output_shapes", "use_cudnn_on_gpu", "grad_a", "grad_b"):
+                relu.attr[k].CopyFrom(v)
+        if kind == "conv":
+            relu.attr["TArgs"].list.type.append(dt.as_datatype_enum)
+        relu.attr["num_args"].i = 1
+        relu.attr["fused_ops"].list.s.extend([b"BiasAdd", b"Relu"])
+        if form == "onednn":
+            relu.attr["_kernel"].s = b"MklNameChangeOp"
+        keep = [n for n in gd.node if n.name not in ("core", "ba")]
+        del gd.node[:]
+        gd.node.extend(keep)
+    cfg = config_pb2.ConfigProto()
+    cfg.graph_options.rewrite_options.remapping = rewriter_config_pb2.RewriterConfig.OFF
+    g2 = tf.Graph()
+    with g2.as_default():
+        try:
+            tf.graph_util.import_graph_def(gd, name="")
+        except (ValueError, tf.errors.OpError) as exc:
+            return {"status": "refused", "why": str(exc).splitlines()[0][:120]}
+        feed = {"x:0": np.random.RandomState(0).uniform(-1, 1, shape).astype(np.float32)}
+        with tf1.Session(graph=g2, config=cfg) as s:
+            md = tf1.RunMetadata()
+            try:
+                val = s.run("out:0", feed, options=tf1.RunOptions(output_partition_graphs=True), run_metadata=md)
+            except tf.errors.OpError as exc:
+                return {"status": "fails", "why": str(exc).splitlines()[0][:120]}
+            ops = sorted({n.op for pg in md.partition_graphs for n in pg.node
+                          if n.op not in ("Const", "_Arg", "_Retval", "Placeholder", "Cast", "Sum", "_Recv", "_Send")})
+            for _ in range(3):
+                s.run("out:0", feed)
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                s.run("out:0", feed)
+                ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return {"status": "runs", "ms": 1e3 * ts[len(ts) // 2], "min_ms": 1e3 * ts[0], "value": float(val), "ops": ops}
+
+
+def main():
+    if len(sys.argv) == 4:
+        print("RESULT " + json.dumps(_child(*sys.argv[1:])), flush=True)
+        return
+    import tensorflow as tf
+
+    print(f"TF {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(default)')}")
+    print(f"{'kind':7s} {'form':8s} {'dtype':9s} {'status':8s} {'median ms':>9s} {'min ms':>7s}  executed ops / why")
+    for kind, form, dtn in FORMS:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), kind, form, dtn],
+                           capture_output=True, text=True, timeout=600)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        r = json.loads(line[0][7:]) if line else {"status": f"died rc={p.returncode}",
+                                                   "why": (p.stderr.strip().splitlines() or [""])[-1][:120]}
+        if r["status"] == "runs":
+            print(f"{kind:7s} {form:8s} {dtn:9s} {'runs':8s} {r['ms']:9.1f} {r['min_ms']:7.1f}  {', '.join(r['ops'])}")
+        else:
+            print(f"{kind:7s} {form:8s} {dtn:9s} {r['status']:8s} {'-':>9s} {'-':>7s}  {r.get('why', '')}")
+
+
+if __name__ == "__main__":
+    main()

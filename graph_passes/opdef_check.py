@@ -1,0 +1,109 @@
+"""The OpDef guard: does every node of a rewritten graph satisfy its OpDef?
+
+TensorFlow validates a graph a custom optimizer returns far less strictly
+than ``import_graph_def`` does: a node whose type attrs disagree with the
+dtypes it is fed can reach a kernel, and the kernel then ``CHECK``-fails and
+**aborts the process** (seen: ``_FusedConv2D`` with ``T=bfloat16`` and a float
+``TArgs`` bias, ``tensor.cc:844 Check failed: dtype() == expected_dtype``).
+So before the pipeline hands a graph back, every node is checked here, and a
+graph with a problem the input did not have is not returned.
+
+Checks per node (registered ops; function calls get the arity check only):
+
+* every OpDef attr without a default is set; no attr the OpDef lacks (names
+  starting with ``_`` are TF's private attrs and are allowed);
+* each ``type`` / ``list(type)`` attr value is in the OpDef's allowed set,
+  ``int`` and ``list`` attrs respect their ``minimum``;
+* the number of data inputs equals what the signature wants;
+* each data input carries the dtype the signature wants at that slot (the
+  producer's output dtype, resolved from the producer's own attrs);
+* (op, device type, T) is not in :data:`registry.BROKEN_KERNELS`.
+
+Preconditions
+    none: any GraphDef / :class:`Graph`.
+Postconditions
+    the graph is not modified.  :func:`new_problems` returns only the
+    problems of the rewritten graph that the original graph did not have
+    (a user graph that TF accepts despite an odd attr is not our business).
+"""
+from __future__ import annotations
+
+from . import registry
+from .graph import Graph
+
+
+def _attr_kind(av) -> str | None:
+    return av.WhichOneof("value")
+
+
+def node_problems(node, library=None, default_device: str = "CPU") -> list[str]:
+    """OpDef problems of one node, each a sentence naming the node."""
+    od = registry.op_def(node.op)
+    where = f"node '{node.name}' ({node.op})"
+    if od is None:
+        if library is not None and node.op in library:
+            return []  # a function call: arity is checked with the edges
+        return []  # an op from a library not loaded here: TF will say so itself
+    out = []
+    known = {a.name: a for a in od.attr}
+    for name, av in node.attr.items():
+        if name not in known and not name.startswith("_"):
+            out.append(f"{where} has attr '{name}', which its OpDef does not define")
+    for a in od.attr:
+        av = node.attr.get(a.name)
+        if av is None:
+            if not a.HasField("default_value"):
+                out.append(f"{where} lacks attr '{a.name}' (no default)")
+            continue
+        if a.type == "type":
+            if _attr_kind(av) != "type":
+                out.append(f"{where} attr '{a.name}' is not a type")
+                continue
+            allowed = registry.allowed_types(node.op).get(a.name)
+            if allowed is not None and av.type not in allowed:
+                out.append(f"{where} attr {a.name}={registry.dtype_name(av.type)} is not allowed by "
+                           f"its OpDef (allowed: {sorted(registry.dtype_name(t) for t in allowed)})")
+        elif a.type == "list(type)":
+            types = list(av.list.type)
+            allowed = registry.allowed_types(node.op).get(a.name)
+            bad = [t for t in types if allowed is not None and t not in allowed]
+            if bad:
+                out.append(f"{where} attr {a.name} holds {[registry.dtype_name(t) for t in bad]}, "
+                           f"not allowed by its OpDef")
+            if a.has_minimum and len(types) < a.minimum:
+                out.append(f"{where} attr {a.name} has {len(types)} entries, minimum {a.minimum}")
+        elif a.type == "int" and a.has_minimum and _attr_kind(av) == "i" and av.i < a.minimum:
+            out.append(f"{where} attr {a.name}={av.i} is below its minimum {a.minimum}")
+    dev = registry.device_type_of(node, default_device)
+    t = node.attr.get("T")
+    if t is not None and _attr_kind(t) == "type":
+        why = registry.BROKEN_KERNELS.get((node.op, dev, t.type))
+        if why:
+            out.append(f"{where} with T={registry.dtype_name(t.type)} on {dev} is a known-broken "
+                       f"combination: {why}")
+    return out
+
+
+def graph_problems(graph, default_device: str = "CPU") -> list[str]:
+    """Every OpDef / arity / edge-dtype problem in ``graph`` (a Graph or GraphDef)."""
+    if not isinstance(graph, Graph):
+        graph = Graph(graph, copy=False)
+    lib = graph.functions
+    out = []
+    for node in graph.nodes.values():
+        out.extend(node_problems(node, lib, default_device))
+    # arity and producer dtypes, through the graph's own signature resolution
+    out.extend(graph._dtype_problems())  # noqa: SLF001 - the one place that walks edges
+    return out
+
+
+def new_problems(before, after, default_device: str = "CPU") -> list[str]:
+    """Problems of ``after`` that ``before`` did not have (both Graph or GraphDef)."""
+    now = graph_problems(after, default_device)
+    if not now:
+        return []
+    old = set(graph_problems(before, default_device))
+    return [p for p in now if p not in old]
+
+
+__all__ = ["node_problems", "graph_problems", "new_problems"]
