@@ -197,7 +197,7 @@ def _optimize_functions(graph: Graph, mgr, options, devices, report: Report):
         mgr.run(fgraph, ctx)
         problems = _opdef_check.graph_problems(fgraph, ctx.default_device_type())
         if problems:
-            old = set(_opdef_check.graph_problems(graph.function_graph(fname), ctx.default_device_type()))
+            old = set(_opdef_check.graph_problems(function_graph(graph, fname), ctx.default_device_type()))
             problems = [p for p in problems if p not in old]
         if problems:
             _opdef_failure(problems, f"function '{fname}'", options, report)

@@ -231,6 +231,7 @@ _PLUMBING_OPS = frozenset({
     "WriteHistogramSummary", "WriteImageSummary", "WriteSummary", "FlushSummaryWriter",
     "SummaryWriter", "CreateSummaryFileWriter", "CloseSummaryWriter",
 })
+_STORAGE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable", "TemporaryVariable"})
 _PLUMBING_PREFIXES = ("save/", "save_", "init", "report_uninitialized", "saver_filename",
                       "summaries/", "Merge/MergeSummary")
 # ops that call library functions: attr names holding the functions; inputs
@@ -281,6 +282,8 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
     called (nodes ``<call>/<body node>``).  Nodes off the paths that compute
     the fetches (initialisers, saver, summaries, ``VarIsInitialized``) are
     flagged ``hidden``; the page shows them behind a toggle."""
+    from graph_passes.errors import GraphError
+    from graph_passes.functions import function_graph
     from graph_passes.graph import Graph, parse_tensor
     from graph_passes.precision import stats
 
@@ -297,8 +300,8 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
     def fctx(fname, prefix, call):
         if fname not in fshapes:
             try:
-                fg = main.function_graph(fname)
-            except Exception:  # noqa: BLE001 - a body we cannot read is drawn as its call
+                fg = function_graph(main, fname)
+            except GraphError:  # a body we cannot read is drawn as its call
                 fshapes[fname] = None
                 return None
             first = _Ctx(fg, prefix, fname, stats.ShapeTable(fg), call=call)
@@ -436,6 +439,17 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
             stack.extend(preds[n])
     if not live:  # nothing recognisable as an output: show everything but the plumbing
         live = set(names) - plumbing
+    # variable storage (the handles the reads and updates use) is bookkeeping
+    # where it sits apart from its layer: a SavedModel whose layer functions were
+    # inlined keeps its handles in scopes of their own, one box per variable
+    # spread across the top of the page.  Handles inside a layer's scope stay.
+    storage = {n for n in live if leaves[n]["node"].op in _STORAGE_OPS}
+    if storage:
+        scopes = set()
+        for n in live - storage:
+            parts = n.split("/")
+            scopes.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        live -= {n for n in storage if "/" not in n or n.rsplit("/", 1)[0] not in scopes}
 
     # ---- fold Casts into marks on edges
     def is_cast(n):
