@@ -83,8 +83,8 @@ def summarize(step_stats_list, graph_def=None, top: int = 10) -> dict:
                 per_op[key]["time_us"] += dur
                 per_op[key]["count"] += 1
                 per_op[key]["low_precision"] |= is_low and op not in COPY_OPS
-                for m in ns.memory:
-                    peak[m.allocator_name] = max(peak.get(m.allocator_name, 0), m.allocator_bytes_in_use)
+                # (not ``allocator_bytes_in_use``: it is the whole process's, so it
+                # counts every other live session's buffers and variables)
         for alloc, mx in allocator_peaks(ss).items():
             peak[alloc] = max(peak.get(alloc, 0), mx)
     top_ops = sorted(per_op.items(), key=lambda kv: -kv[1]["time_us"])[:top]
