@@ -9,6 +9,9 @@ graphs that contain them can run.
   the input dtype.  Differentiable: the registered gradient runs the C++
   ``LayerNormGrad`` kernel (dx, dgamma, dbeta).  The auxiliary outputs
   (mean, inv_std) are not differentiable.
+* :func:`rms_norm` -- ``RMSNorm(x, gamma)``: ``x * rsqrt(mean(x^2) + eps) * gamma``
+  over the trailing dims gamma covers (T5/LLaMA); fp32 accumulation, output in
+  the input dtype.  Differentiable (C++ ``RMSNormGrad``).
 * :func:`fused_attention` -- ``softmax(q . k^T * scale + mask) . v`` (fp32,
   inference only: no gradient is registered, asking for one raises).
 """
@@ -31,6 +34,14 @@ def layer_norm(x, gamma, beta, epsilon: float = 1e-3, name=None):
     return y
 
 
+def rms_norm(x, gamma, epsilon: float = 1e-6, name=None):
+    """RMS normalisation of ``x`` over its trailing dims covered by ``gamma``."""
+    if epsilon < 0:
+        raise NpuAmpError(f"rms_norm: epsilon={epsilon!r}; accepted: a float >= 0")
+    y, _ = _lib.rms_norm(x, gamma, epsilon=float(epsilon), name=name)
+    return y
+
+
 def fused_attention(q, k, v, mask=None, scale: float = 1.0, adj_k: bool = True, name=None):
     """``softmax(q @ k^T * scale + mask) @ v`` with q [..., S, D], k [..., T, D]
     (or [..., D, T] with ``adj_k=False``), v [..., T, Dv]."""
@@ -45,4 +56,10 @@ def _layer_norm_grad(op, dy, _dmean, _dinv):
     return dx, dgamma, dbeta
 
 
-__all__ = ["layer_norm", "fused_attention"]
+@_ops.RegisterGradient("RMSNorm")
+def _rms_norm_grad(op, dy, _dinv):
+    x, gamma = op.inputs
+    return tuple(_lib.rms_norm_grad(dy, x, gamma, op.outputs[1]))
+
+
+__all__ = ["layer_norm", "rms_norm", "fused_attention"]

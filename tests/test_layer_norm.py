@@ -168,3 +168,111 @@ def test_tf_function_frozen_keras3_style_graph():
     assert op_counts(new)["LayerNorm"] == 1, rep.pass_stats("fusion")
     feed = {inp: FEED["x"]}
     np.testing.assert_allclose(run_gd(gd, [out], feed)[0], run_gd(new, [out], feed)[0], atol=1e-4)
+
+
+# ------------------------------------------- LayerNorm / RMSNorm as people write them
+def _gamma_beta(d=8):
+    return (tf.constant(RNG.uniform(0.5, 1.5, d).astype(np.float32), name="gamma"),
+            tf.constant(RNG.standard_normal(d).astype(np.float32), name="beta"))
+
+
+def _raw_rsqrt_reduce_mean(x):
+    g, b = _gamma_beta()
+    mean = tf.reduce_mean(x, axis=-1, keepdims=True)
+    var = tf.reduce_mean(tf.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * tf.math.rsqrt(var + 1e-6) * g + b
+
+
+def _raw_rsqrt_moments(x):
+    g, b = _gamma_beta()
+    mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+    return (x - mean) * tf.math.rsqrt(var + 1e-5) * g + b
+
+
+def _raw_div_sqrt(x):
+    g, b = _gamma_beta()
+    mean = tf.reduce_mean(x, axis=-1, keepdims=True)
+    var = tf.math.reduce_variance(x, axis=-1, keepdims=True)
+    return g * (x - mean) / tf.sqrt(var + 1e-12) + b
+
+
+def _raw_no_affine(x):
+    mean, var = tf.nn.moments(x, axes=[2], keepdims=True)
+    return (x - mean) / tf.sqrt(var + 1e-3)
+
+
+def _t5_rms(x):  # HF transformers TFT5LayerNorm.call
+    w = tf.constant(RNG.uniform(0.5, 1.5, 8).astype(np.float32), name="weight")
+    variance = tf.math.reduce_mean(tf.math.square(x), axis=-1, keepdims=True)
+    x = x * tf.math.rsqrt(variance + 1e-6)
+    return w * x
+
+
+def _llama_rms(x):  # LLaMA-style: x / sqrt(mean(x**2) + eps) * weight
+    w = tf.constant(RNG.uniform(0.5, 1.5, 8).astype(np.float32), name="weight")
+    return x / tf.sqrt(tf.reduce_mean(tf.pow(x, 2.0), axis=-1, keepdims=True) + 1e-5) * w
+
+
+@pytest.mark.parametrize("form,op", [(_raw_rsqrt_reduce_mean, "LayerNorm"), (_raw_rsqrt_moments, "LayerNorm"),
+                                     (_raw_div_sqrt, "LayerNorm"), (_raw_no_affine, "LayerNorm"),
+                                     (_t5_rms, "RMSNorm"), (_llama_rms, "RMSNorm")])
+def test_norm_forms_fuse_to_one_op(form, op):
+    def f():
+        x = tf1.placeholder(tf.float32, [4, 3, 8], name="x")
+        return tf.identity(form(x * 2.0 + 1.0), name="out")
+    gd, _ = build(f)
+    new, rep = rewrite(gd, ["out"])
+    c = op_counts(new)
+    assert c[op] == 1, rep.pass_stats("fusion")
+    # everything of the norm is gone: only the input's Mul/Add, the op, Identity, Placeholder, Consts
+    assert c["Mean"] == 0 and c["Rsqrt"] + c["Sqrt"] == 0 and c["Sub"] == 0
+    assert set(c) <= {"Placeholder", "Mul", "AddV2", op, "Identity", "Const"}, c
+    np.testing.assert_allclose(run_gd(gd, ["out"], FEED)[0], run_gd(new, ["out"], FEED)[0],
+                               rtol=1e-5, atol=2e-5)
+
+
+def test_fetched_inner_tensor_is_reported():
+    def f():
+        x = tf1.placeholder(tf.float32, [4, 3, 8], name="x")
+        mean = tf.reduce_mean(x, axis=-1, keepdims=True, name="mu")
+        var = tf.reduce_mean(tf.square(x - mean), axis=-1, keepdims=True)
+        return tf.identity((x - mean) * tf.math.rsqrt(var + 1e-6), name="out")
+    gd, _ = build(f)
+    new, rep = rewrite(gd, ["out", "mu"])
+    assert op_counts(new)["LayerNorm"] == 0
+    assert any("not fused: 'mu' is fetched" in str(d.get("fusion_reason")) for d in rep.decisions.values())
+    # the tree-matched rules say it too
+    gd = _bert_ln()
+    new, rep = rewrite(gd, ["out", "moments/mean"])
+    assert op_counts(new)["LayerNorm"] == 0
+    assert any("not fused: 'moments/mean' is fetched" in str(d.get("fusion_reason"))
+               for d in rep.decisions.values()), rep.decisions
+
+
+def test_keras2_both_paths_and_keras3():
+    """tf.keras LayerNormalization on the last axis (Keras 2: FusedBatchNormV3 path;
+    Keras 3: moments + Neg) and on a non-last axis list (Keras 2's moments +
+    batch_normalization path), frozen from a tf.function."""
+    from _fusion_util import freeze
+    for axis in (-1, [1, 2]):
+        layer = tf.keras.layers.LayerNormalization(axis=axis, epsilon=1e-5)
+        layer.build([2, 3, 8])
+        layer.set_weights([RNG.uniform(0.5, 1.5, w.shape).astype(np.float32) for w in layer.get_weights()])
+        gd, (inp,), out = freeze(lambda x: layer(x), ([2, 3, 8], tf.float32, "x"))
+        new, rep = rewrite(gd, [out])
+        assert op_counts(new)["LayerNorm"] == 1, (axis, rep.pass_stats("fusion"))
+        feed = {inp: RNG.standard_normal((2, 3, 8)).astype(np.float32) * 3}
+        np.testing.assert_allclose(run_gd(gd, [out], feed)[0], run_gd(new, [out], feed)[0],
+                                   rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(tf.float32, 1e-6), (tf.float16, 1e-3), (tf.bfloat16, 8e-3)])
+def test_rms_norm_kernel(dtype, tol):
+    x = tf.cast(RNG.standard_normal((3, 5, 16)) * 3, dtype)
+    g = tf.cast(RNG.uniform(0.5, 1.5, 16), dtype)
+    y = fused_ops.rms_norm(x, g, 1e-6)
+    assert y.dtype == dtype
+    xf = tf.cast(x, tf.float32).numpy().astype(np.float64)
+    want = xf / np.sqrt((xf ** 2).mean(-1, keepdims=True) + 1e-6) * tf.cast(g, tf.float32).numpy()
+    # fp32 accumulation: the only error is the final rounding to dtype (half an ulp, relative)
+    np.testing.assert_allclose(tf.cast(y, tf.float32).numpy(), want, rtol=tol, atol=tol)
