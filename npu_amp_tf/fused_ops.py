@@ -12,6 +12,8 @@ graphs that contain them can run.
 * :func:`rms_norm` -- ``RMSNorm(x, gamma)``: ``x * rsqrt(mean(x^2) + eps) * gamma``
   over the trailing dims gamma covers (T5/LLaMA); fp32 accumulation, output in
   the input dtype.  Differentiable (C++ ``RMSNormGrad``).
+* :func:`scale_mask_softmax` -- ``softmax(scores * scale + mask)`` over the last
+  axis in one pass; what the attention fusion emits between TF's own matmuls.
 * :func:`fused_attention` -- ``softmax(q . k^T * scale + mask) . v`` (fp32,
   inference only: no gradient is registered, asking for one raises).
 """
@@ -42,6 +44,13 @@ def rms_norm(x, gamma, epsilon: float = 1e-6, name=None):
     return y
 
 
+def scale_mask_softmax(scores, mask=None, scale: float = 1.0, name=None):
+    """``softmax(scores * scale + mask)`` over the last axis in one pass (fp32
+    arithmetic; float32/float16/bfloat16).  Inference op: no gradient."""
+    masks = [] if mask is None else [mask]
+    return _lib.scale_mask_softmax(scores, masks, scale=float(scale), name=name)
+
+
 def fused_attention(q, k, v, mask=None, scale: float = 1.0, adj_k: bool = True, name=None):
     """``softmax(q @ k^T * scale + mask) @ v`` with q [..., S, D], k [..., T, D]
     (or [..., D, T] with ``adj_k=False``), v [..., T, Dv]."""
@@ -62,4 +71,4 @@ def _rms_norm_grad(op, dy, _dinv):
     return tuple(_lib.rms_norm_grad(dy, x, gamma, op.outputs[1]))
 
 
-__all__ = ["layer_norm", "rms_norm", "fused_attention"]
+__all__ = ["layer_norm", "rms_norm", "scale_mask_softmax", "fused_attention"]

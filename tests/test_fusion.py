@@ -1,6 +1,8 @@
 """Fusion pass: registry, graph_level, Conv/MatMul+bias+activation, BN folding,
 attention, precision-aware kernel checks.  Real TF graphs, numerics compared
 against the unfused graph."""
+import os
+
 import numpy as np
 import pytest
 
@@ -244,17 +246,19 @@ def test_attention_level3(mask):
     gd = _attention_graph(mask)
     feed = {k: v for k, v in ATT_FEED.items() if mask or k != "m"}
     l2, _ = rewrite(gd, ["out"], level=2)
-    assert op_counts(l2)["FusedAttention"] == 0
+    assert op_counts(l2)["ScaleMaskSoftmax"] == 0
     l3, rep = rewrite(gd, ["out"], level=3)
     c = op_counts(l3)
-    assert c["FusedAttention"] == 1 and c["Softmax"] == 0 and c["BatchMatMulV2"] == 0
+    # the products stay TF's (oneDNN GEMMs); scale, mask add and softmax are one op
+    assert c["ScaleMaskSoftmax"] == 1 and c["Softmax"] == 0 and c["Mul"] == 0 and c["AddV2"] == 0
+    assert c["BatchMatMulV2"] == 2
     np.testing.assert_allclose(run_gd(gd, ["out"], feed)[0], run_gd(l3, ["out"], feed)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_attention_external_consumer_no_fusion():
     gd = _attention_graph(extra=True)
     l3, _ = rewrite(gd, ["out"], level=3)
-    assert op_counts(l3)["FusedAttention"] == 0 and op_counts(l3)["Softmax"] == 1
+    assert op_counts(l3)["ScaleMaskSoftmax"] == 0 and op_counts(l3)["Softmax"] == 1
 
 
 # ------------------------------------------------------- graph_level 0/1
@@ -440,9 +444,10 @@ def test_attention_variants(scale_on, scale_kind, mask_kind, op):
     gd, _ = build(f)
     new, rep = rewrite(gd, ["out"], level=3)
     c = op_counts(new)
-    assert c["FusedAttention"] == 1 and c["Softmax"] == 0 and c["Einsum"] + c["BatchMatMulV2"] == 0, \
+    assert c["ScaleMaskSoftmax"] == 1 and c["Softmax"] == 0 and c["Einsum"] + c["BatchMatMulV2"] == 2, \
         rep.pass_stats("fusion")
-    fa = [n for n in new.node if n.op == "FusedAttention"][0]
+    assert c["Mul"] + c["RealDiv"] + c["Rsqrt"] + c["AddV2"] + c["Select"] == 0, c  # all moved into the op
+    fa = [n for n in new.node if n.op == "ScaleMaskSoftmax"][0]
     assert fa.attr["scale"].f == pytest.approx(0.5)  # 1/sqrt(4), wherever it was applied
     feed = {k: v for k, v in ATT_FEED.items() if k != "m" or mask_kind == "add"}
     if mask_kind == "bool":
@@ -462,7 +467,7 @@ def test_keras_multi_head_attention():
                                   ([2, 5, 8], tf.float32, "x"), ([2, 5, 5], tf.bool, "mask"))
     new, rep = rewrite(gd, [out], level=3)
     c = op_counts(new)
-    assert c["FusedAttention"] == 1 and c["Softmax"] == 0, rep.pass_stats("fusion")
+    assert c["ScaleMaskSoftmax"] == 1 and c["Softmax"] == 0, rep.pass_stats("fusion")
     feed = {inp: xs, minp: mask}
     np.testing.assert_allclose(run_gd(gd, [out], feed)[0], run_gd(new, [out], feed)[0], rtol=1e-5, atol=1e-5)
 
@@ -476,6 +481,63 @@ def test_attention_fetched_probs_reported():
         return tf.identity(tf.matmul(p, v), name="out")
     gd, _ = build(f)
     new, rep = rewrite(gd, ["out", "probs"], level=3)
-    assert op_counts(new)["FusedAttention"] == 0
+    assert op_counts(new)["ScaleMaskSoftmax"] == 0
     assert any(d.get("fusion_reason") == "not fused: 'probs' is fetched or preserved"
                for d in rep.decisions.values()), rep.decisions
+
+
+@pytest.mark.parametrize("dtype,tol", [(tf.float32, 1e-6), (tf.float16, 1e-3), (tf.bfloat16, 8e-3)])
+def test_scale_mask_softmax_kernel(dtype, tol):
+    from npu_amp_tf import fused_ops
+    s = RNG.standard_normal((2, 3, 4, 19)).astype(np.float32) * 4  # 19: vector body + scalar tail
+    m = np.where(RNG.random((2, 1, 4, 19)) > 0.3, 0.0, -1e4).astype(np.float32)
+    st, mt = tf.cast(s, dtype), tf.cast(m, dtype)
+    got = fused_ops.scale_mask_softmax(st, mt, scale=0.3)
+    assert got.dtype == dtype
+    z = tf.cast(st, tf.float32).numpy().astype(np.float64) * 0.3 + tf.cast(mt, tf.float32).numpy()
+    want = np.exp(z - z.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    # fp32 arithmetic: the error is the output rounding to dtype (relative), plus exp's ~1 ulp in fp32
+    np.testing.assert_allclose(tf.cast(got, tf.float32).numpy(), want, rtol=tol, atol=tol * 1e-2)
+    np.testing.assert_allclose(fused_ops.scale_mask_softmax(s[0, 0], None, 1.0).numpy(),
+                               tf.nn.softmax(s[0, 0]).numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_pre_ln_transformer_block_in_plain_ops():
+    """The issue's example: a pre-LN block written with plain TF ops
+    (tf.nn.moments and (x-mean)*rsqrt(var+eps)*gamma+beta, Dense on 3-D via
+    tensordot, tf.nn.gelu, attention with the scale after q.k^T)."""
+    b_, s_, e_, h_ = 2, 5, 8, 2
+
+    def w(*shape):
+        return tf.constant((RNG.standard_normal(shape) * 0.3).astype(np.float32))
+
+    def ln(x):
+        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+        return (x - mean) * tf.math.rsqrt(var + 1e-6) * (1.0 + w(e_)) + w(e_)
+
+    def dense(x, n):
+        return tf.tensordot(x, w(int(x.shape[-1]), n), axes=1) + w(n)
+
+    def f():
+        x = tf1.placeholder(tf.float32, [b_, s_, e_], name="x")
+        h = ln(x)
+        q, k, v = (tf.transpose(tf.reshape(dense(h, e_), [b_, s_, h_, e_ // h_]), [0, 2, 1, 3])
+                   for _ in range(3))
+        p = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / np.sqrt(e_ // h_).astype(np.float32))
+        a = tf.reshape(tf.transpose(tf.matmul(p, v), [0, 2, 1, 3]), [b_, s_, e_])
+        x = x + dense(a, e_)
+        x = x + dense(tf.nn.gelu(dense(ln(x), 16)), e_)
+        return tf.identity(x, name="out")
+    gd, _ = build(f)
+    new, rep = rewrite(gd, ["out"], level=3)
+    c, c0 = op_counts(new), op_counts(gd)
+    stats = rep.pass_stats("fusion")["fused"]
+    assert c["LayerNorm"] == 2 and c["ScaleMaskSoftmax"] == 1 and c["Softmax"] == 0, stats
+    assert c["_FusedMatMul"] == 6 and c["MatMul"] == 0, stats  # q, k, v, out, ffn1 (+gelu), ffn2
+    expect_gelu = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0"  # oneDNN's _FusedMatMul has GELU
+    assert (c["Erf"] + c["Erfc"] == 0) == expect_gelu, stats
+    removed = sum(c0.values()) - sum(c.values())
+    assert removed >= 40, (removed, sum(c0.values()))  # was 6 (only the bias adds) before
+    feed = {"x": RNG.standard_normal((b_, s_, e_)).astype(np.float32)}
+    np.testing.assert_allclose(run_gd(gd, ["out"], feed)[0], run_gd(new, ["out"], feed)[0], rtol=1e-4, atol=1e-5)

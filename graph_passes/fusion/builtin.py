@@ -10,8 +10,11 @@ level 2  ``bias``               Conv2D/Depthwise/MatMul + BiasAdd => the same fu
 level 2  ``layer_norm_moments`` tf.nn.moments + tf.nn.batch_normalization (BERT)   => LayerNorm
 level 2  ``layer_norm_keras3``  Keras 3 LayerNormalization (moments, Neg)          => LayerNorm
 level 2  ``layer_norm_keras2``  Keras 2 LayerNormalization (reshape + FusedBatchNormV3) => LayerNorm
-level 3  ``attention``          BatchMatMul -> scale -> [mask add] -> Softmax -> BatchMatMul
-                                 => FusedAttention
+level 2  ``layer_norm``         LayerNorm / RMSNorm in plain ops (raw, reduce_mean, moments,
+                                 sqrt/div, reduce_variance; T5/LLaMA RMSNorm) => LayerNorm / RMSNorm
+level 3  ``attention``          BatchMatMul/Einsum -> scale (q, k or scores) -> [mask add | where]
+                                 -> Softmax -> BatchMatMul/Einsum
+                                 => the products stay, ScaleMaskSoftmax in between
 
 "BiasAdd" also means ``Add``/``AddV2`` of a 1-D bias (or a [1,..,1,C] reshape of one)
 along the last dim, as Keras 3 writes it.
@@ -684,24 +687,6 @@ def _att_predicate(node, graph):
     return sm is not None and sm.op == "Softmax"
 
 
-def _labels(b, node):
-    """Einsum-style labels (in0, in1, out) of a BatchMatMul or 2-operand Einsum."""
-    if node.op == "Einsum":
-        eq = node.attr["equation"].s.decode().replace(" ", "")
-        b.require("..." not in eq and "->" in eq and eq.count(",") == 1,
-                  f"einsum '{eq}' (ellipsis or not two operands)")
-        ins, out = eq.split("->")
-        a, c = ins.split(",")
-        b.require(all(len(set(t)) == len(t) for t in (a, c, out)), f"einsum '{eq}' repeats a label")
-        return a, c, out
-    shape = b.shape(b.graph.data_inputs(node)[0])
-    b.require(shape is not None, f"rank of '{node.name}' input unknown")
-    batch = "ABCDEFGH"[:len(shape) - 2]
-    adj = lambda a: node.attr[a].b if a in node.attr else False  # noqa: E731
-    return (batch + ("ji" if adj("adj_x") else "ij"), batch + ("kj" if adj("adj_y") else "jk"),
-            batch + "ik")
-
-
 def _scale_chain(b, ref, inner, max_ops=2):
     """Strip Mul/RealDiv by constant scalars: (ref, scale)."""
     scale = 1.0
@@ -723,16 +708,19 @@ def _scale_chain(b, ref, inner, max_ops=2):
     return ref, scale
 
 
-def _perm(src_labels, want):
-    return [src_labels.index(ch) for ch in want]
-
-
 def _build_attention_any(m, b):
+    """softmax(q.k * scale [+ mask | where(mask, ., fill)]) . v  =>  the two products
+    stay (TF's oneDNN GEMMs), scale + mask + softmax become one ScaleMaskSoftmax.
+
+    The scale may sit on q, on k (a single-consumer Mul/RealDiv by a constant
+    feeding the product: moved into the op, the product re-emitted on the raw
+    operand) or on the scores; constants may be expressions like rsqrt(d).
+    A boolean mask becomes the additive mask where(mask, 0, fill)."""
     g = b.graph
     bmm2 = b.anchor
     inner = []
-    p_ref, sm = _through_identity(g, g.data_inputs(bmm2)[0], inner)
-    v_ref = g.data_inputs(bmm2)[1]
+    p_in = g.data_inputs(bmm2)[0]
+    _, sm = _through_identity(g, p_in, inner)
     inner.append(sm.name)
     logits = sm.input[0]
     mask, bool_mask = None, None
@@ -741,8 +729,7 @@ def _build_attention_any(m, b):
     if node is not None and node.op in _ADDS:
         a, c = g.data_inputs(node)
         for s_ref, mk in ((a, c), (c, a)):
-            base, _ = _scale_chain(b, s_ref, [])
-            bn = _src(g, base)
+            bn = _src(g, _scale_chain(b, s_ref, [])[0])
             if bn is not None and bn.op in _ATT_OPS:
                 inner.append(node.name)
                 scores_ref, mask = s_ref, mk
@@ -750,8 +737,7 @@ def _build_attention_any(m, b):
     elif node is not None and node.op in ("Select", "SelectV2"):
         cond, then, other = g.data_inputs(node)
         for s_ref, fill, keep in ((then, other, True), (other, then, False)):
-            base, _ = _scale_chain(b, s_ref, [])
-            bn = _src(g, base)
+            bn = _src(g, _scale_chain(b, s_ref, [])[0])
             if bn is not None and bn.op in _ATT_OPS:
                 fv = const_scalar(b, fill)
                 b.require(fv is not None, "the masked fill value is not a constant")
@@ -761,97 +747,41 @@ def _build_attention_any(m, b):
     s_base, scale = _scale_chain(b, scores_ref, inner)
     bmm1 = _src(g, s_base)
     b.require(bmm1 is not None and bmm1.op in _ATT_OPS, "softmax input is not a scaled q.k product")
-    inner.append(bmm1.name)
-    q_ref, k_ref = g.data_inputs(bmm1)
-    # labels: scores = f(q, k), out = f(p, v)
-    l1a, l1b, l1o = _labels(b, bmm1)
-    l2a, l2b, l2o = _labels(b, bmm2)
-    b.require(len(l1o) >= 2 and len(l2a) == len(l1o), "score ranks differ")
-    s_lab, t_lab, batch = l1o[-2], l1o[-1], l1o[:-2]
-    contracted = [ch for ch in l1a if ch in l1b and ch not in l1o]
-    b.require(len(contracted) == 1, f"q.k contracts {len(contracted)} dims")
-    d_lab = contracted[0]
-    if s_lab in l1b and t_lab in l1a:  # operands given as (k, q), as Keras writes it
-        q_ref, k_ref, l1a, l1b = k_ref, q_ref, l1b, l1a
-    b.require(set(l1a) == set(batch + s_lab + d_lab) and set(l1b) == set(batch + t_lab + d_lab),
-              f"q/k labels {l1a},{l1b} are not batch+s+d / batch+t+d")
-    # second product, labels renamed to the score labels positionally
-    ren = dict(zip(l2a, l1o))
-    v_lab = "".join(ren.get(ch, ch.upper() if ch.islower() else ch.lower()) for ch in l2b)
-    o_lab = "".join(ren.get(ch, ch.upper() if ch.islower() else ch.lower()) for ch in l2o)
-    extra = [ch for ch in v_lab if ch not in l1o]
-    b.require(len(extra) == 1 and set(v_lab) == set(batch + t_lab + extra[0])
-              and set(o_lab) == set(batch + s_lab + extra[0]),
-              f"p.v labels {l2a},{l2b}->{l2o} are not attention's")
-    e_lab = extra[0]
-    # q/k scale factors applied before the product
-    for which in ("q", "k"):
-        ref = q_ref if which == "q" else k_ref
+    ops_in = g.data_inputs(bmm1)
+    new_in = list(ops_in)
+    for i, ref in enumerate(ops_in):  # a scale on q or k moves into the softmax op
         node_s = _src(g, ref)
         if node_s is not None and node_s.op in ("Mul", "RealDiv") and len(g.consumers(node_s.name)) == 1:
             tmp = []
-            new_ref, sc = _scale_chain(b, ref, tmp, max_ops=1)
+            raw, sc = _scale_chain(b, ref, tmp, max_ops=1)
             if tmp:
                 inner += tmp
                 scale *= sc
-                if which == "q":
-                    q_ref = new_ref
-                else:
-                    k_ref = new_ref
-    for t in (q_ref, k_ref, v_ref):
-        b.require(b.dtype(t) == registry.DT_FLOAT, "attention is fused in float32 only")
-    for n in (bmm1, bmm2):
-        for a in ("Ta", "Tb", "Tout"):
-            if a in n.attr:
-                b.require(n.attr[a].type == registry.DT_FLOAT, f"{n.name} {a} is not float32")
-    shapes = [b.shape(t) for t in (q_ref, k_ref, v_ref)]
-    b.require(all(s is not None and len(s) == len(lab) for s, lab in zip(shapes, (l1a, l1b, v_lab))),
-              f"q/k/v shapes {shapes} unknown")
-    qs = [shapes[0][i] for i in _perm(l1a, batch + s_lab + d_lab)]
-    ks = [shapes[1][i] for i in _perm(l1b, batch + t_lab + d_lab)]
-    vs = [shapes[2][i] for i in _perm(v_lab, batch + t_lab + e_lab)]
-    for i in range(len(batch)):
-        dims = {s[i] for s in (qs, ks, vs) if s[i] != -1}
-        b.require(len(dims) <= 1, f"q/k/v batch dims differ (broadcasting batch matmul): {qs} {ks} {vs}")
+                new_in[i] = raw
+    dt = b.dtype(s_base)
+    b.require(dt in registry.FLOAT_TYPES, f"scores dtype {registry.dtype_name(dt)}")
+    reemit = new_in != ops_in
+    if reemit:
+        inner.append(bmm1.name)
+    inner.append(bmm2.name)
     b.absorb(list(dict.fromkeys(inner)))
-    base = f"{m.anchor}/FusedAttention"
-
-    def perm(ref, labels, want, tag):
-        p = _perm(labels, want)
-        if p == list(range(len(p))):
-            return ref
-        pc = b.const_node(f"{base}/{tag}_perm", p, registry.types_pb2.DT_INT32)
-        return b.emit("Transpose", f"{base}/{tag}", [ref, pc],
-                      {"T": ("type", registry.DT_FLOAT), "Tperm": ("type", registry.types_pb2.DT_INT32)})
-
-    inputs = [perm(q_ref, l1a, batch + s_lab + d_lab, "q"), perm(k_ref, l1b, batch + t_lab + d_lab, "k"),
-              perm(v_ref, v_lab, batch + t_lab + e_lab, "v")]
-    r = len(batch) + 2
+    copy = lambda n: {k: v for k, v in n.attr.items() if k != "_output_shapes"}  # noqa: E731
+    if reemit:
+        b.emit(bmm1.op, bmm1.name, new_in, copy(bmm1))
+    inputs = [s_base]
+    base = sm.name
     if mask is not None:
-        ms = b.shape(mask)
-        b.require(ms is not None and len(ms) <= r, f"mask shape {ms} unknown or of higher rank")
-        b.require(b.dtype(mask) == registry.DT_FLOAT, "mask is not float32")
+        b.require(b.dtype(mask) == dt, "the mask dtype differs from the scores")
         inputs.append(mask)
     elif bool_mask is not None:
         cond, fill, keep = bool_mask
-        ms = b.shape(cond)
-        b.require(ms is not None and len(ms) <= r, f"mask shape {ms} unknown or of higher rank")
-        zero = b.const_node(f"{base}/mask_keep", np.float32(0.0), registry.DT_FLOAT)
-        drop = b.const_node(f"{base}/mask_fill", np.float32(fill), registry.DT_FLOAT)
+        zero = b.const_node(f"{base}/mask_keep", 0.0, dt)
+        drop = b.const_node(f"{base}/mask_fill", fill, dt)
         inputs.append(b.emit("SelectV2", f"{base}/mask", [cond] + ([zero, drop] if keep else [drop, zero]),
-                             {"T": ("type", registry.DT_FLOAT)}))
-    canon = batch + s_lab + e_lab
-    out_perm = _perm(canon, o_lab)
-    attrs = {"T": ("type", registry.DT_FLOAT), "num_masks": len(inputs) - 3, "scale": float(scale),
-             "adj_k": True}
-    if out_perm == list(range(len(out_perm))):
-        b.emit("FusedAttention", m.anchor, inputs, attrs)
-    else:
-        b.emit("FusedAttention", base, inputs, attrs)
-        pc = b.const_node(f"{base}/out_perm", out_perm, registry.types_pb2.DT_INT32)
-        b.emit("Transpose", m.anchor, [base, pc],
-               {"T": ("type", registry.DT_FLOAT), "Tperm": ("type", registry.types_pb2.DT_INT32)})
-
+                             {"T": ("type", dt)}))
+    b.emit("ScaleMaskSoftmax", base, inputs,
+           {"T": ("type", dt), "num_masks": len(inputs) - 1, "scale": float(scale)})
+    b.emit(bmm2.op, bmm2.name, [base, g.data_inputs(bmm2)[1]], copy(bmm2))
 
 def register():
     reg = lambda *a, **kw: register_fusion_rule(*a, _builtin=True, **kw)  # noqa: E731
