@@ -37,12 +37,23 @@ BMM_OPS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 
 
 def onednn_enabled() -> bool:
-    """oneDNN rewrites _Fused* ops into its own kernels, which accept more activations."""
+    """Whether TF's oneDNN graph rewrite is on in this process (it turns
+    ``_Fused*`` ops into oneDNN kernels, which accept more activations).
+
+    TF has no public API for this.  The one place that asks TF is here:
+    ``tensorflow.python.util._pywrap_util_port.IsMklEnabled()`` (private; present
+    and checked in TF 2.15.1 and 2.21.0, where it is true for x86-64 Linux wheels
+    unless ``TF_ENABLE_ONEDNN_OPTS=0``).  If a TF version drops it, fall back to
+    that documented rule: the environment variable on x86-64 Linux."""
     try:
         from tensorflow.python.util import _pywrap_util_port
         return bool(_pywrap_util_port.IsMklEnabled())
-    except Exception:  # noqa: BLE001 - older/newer TF without the probe: assume stock kernels
-        return False
+    except (ImportError, AttributeError):
+        import os
+        import platform
+        env = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower()
+        return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+                and env not in ("0", "false"))
 
 
 #: fused_ops the CPU kernels accept (measured on TF 2.15 and 2.21; see docs/fusion.md)
