@@ -388,8 +388,8 @@ def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: 
             else:
                 ctx.report.decide(m.anchor, fusion_skipped=rule.name, fusion_reason=outcome.reason)
         done += outcome.fused
-    if ctx is not None and ctx.protected:
-        _report_fetched_refusals(graph, rule, ctx, stats)
+    if ctx is not None and ctx.protected and (rule.pattern.inputs or rule.pattern.alternatives):
+        _report_fetched_refusals(graph, rule, ctx, stats)  # root-only patterns: the build reports
     return done
 
 
