@@ -563,6 +563,7 @@ def test_pre_ln_transformer_block_in_plain_ops():
     expect_gelu = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0"  # oneDNN's _FusedMatMul has GELU
     assert (c["Erf"] + c["Erfc"] == 0) == expect_gelu, stats
     removed = sum(c0.values()) - sum(c.values())
-    assert removed >= 40, (removed, sum(c0.values()))  # was 6 (only the bias adds) before
+    # was 6 (only the bias adds) before; TF >= 2.16 writes erf-GELU with 2 ops fewer
+    assert removed >= 37, (removed, sum(c0.values()))
     feed = {"x": RNG.standard_normal((b_, s_, e_)).astype(np.float32)}
     np.testing.assert_allclose(run_gd(gd, ["out"], feed)[0], run_gd(new, ["out"], feed)[0], rtol=1e-4, atol=1e-5)

@@ -158,12 +158,38 @@ class ShapeOracle:
                 return [int(d) for d in v.reshape(-1)]
         return self._infer(src, port)
 
+    #: constants with more elements than this are replaced by a Placeholder of the same
+    #: dtype and shape for shape inference: their values never decide a shape, and
+    #: copying and importing a frozen model's weights dominated the pass time
+    BIG_CONST = 4096
+
+    def _light_graph_def(self):
+        from tensorflow.core.framework import graph_pb2
+
+        out = graph_pb2.GraphDef()
+        for node in self.graph.nodes.values():
+            if node.op == "Const" and "value" in node.attr:
+                t = node.attr["value"].tensor
+                n = 1
+                for d in t.tensor_shape.dim:
+                    n *= max(d.size, 0)
+                if n > self.BIG_CONST:
+                    ph = out.node.add(name=node.name, op="Placeholder")
+                    ph.attr["dtype"].type = t.dtype
+                    ph.attr["shape"].shape.CopyFrom(t.tensor_shape)
+                    ph.input.extend(i for i in node.input if i.startswith("^"))
+                    continue
+            out.node.add().CopyFrom(node)
+        out.library.CopyFrom(self.graph.library)
+        out.versions.CopyFrom(self.graph.versions)
+        return out
+
     def _infer(self, src, port):
         if self._inferred is None:
             self._inferred = {}
             if len(self.graph.nodes) and not any(n.op == "_Arg" for n in self.graph.nodes.values()):
                 try:
-                    self._inferred = registry.infer_shapes(self.graph.to_graph_def())
+                    self._inferred = registry.infer_shapes(self._light_graph_def())
                 except Exception:  # noqa: BLE001 - shape inference is best effort
                     self._inferred = {}
         sh = self._inferred.get(src)
