@@ -9,6 +9,11 @@ graphs that contain them can run.
   the input dtype.  Differentiable: the registered gradient runs the C++
   ``LayerNormGrad`` kernel (dx, dgamma, dbeta).  The auxiliary outputs
   (mean, inv_std) are not differentiable.
+* :func:`rms_norm` -- ``RMSNorm(x, gamma)``: ``x * rsqrt(mean(x^2) + eps) * gamma``
+  over the trailing dims gamma covers (T5/LLaMA); fp32 accumulation, output in
+  the input dtype.  Differentiable (C++ ``RMSNormGrad``).
+* :func:`scale_mask_softmax` -- ``softmax(scores * scale + mask)`` over the last
+  axis in one pass; what the attention fusion emits between TF's own matmuls.
 * :func:`fused_attention` -- ``softmax(q . k^T * scale + mask) . v`` (fp32,
   inference only: no gradient is registered, asking for one raises).
 """
@@ -31,6 +36,21 @@ def layer_norm(x, gamma, beta, epsilon: float = 1e-3, name=None):
     return y
 
 
+def rms_norm(x, gamma, epsilon: float = 1e-6, name=None):
+    """RMS normalisation of ``x`` over its trailing dims covered by ``gamma``."""
+    if epsilon < 0:
+        raise NpuAmpError(f"rms_norm: epsilon={epsilon!r}; accepted: a float >= 0")
+    y, _ = _lib.rms_norm(x, gamma, epsilon=float(epsilon), name=name)
+    return y
+
+
+def scale_mask_softmax(scores, mask=None, scale: float = 1.0, name=None):
+    """``softmax(scores * scale + mask)`` over the last axis in one pass (fp32
+    arithmetic; float32/float16/bfloat16).  Inference op: no gradient."""
+    masks = [] if mask is None else [mask]
+    return _lib.scale_mask_softmax(scores, masks, scale=float(scale), name=name)
+
+
 def fused_attention(q, k, v, mask=None, scale: float = 1.0, adj_k: bool = True, name=None):
     """``softmax(q @ k^T * scale + mask) @ v`` with q [..., S, D], k [..., T, D]
     (or [..., D, T] with ``adj_k=False``), v [..., T, Dv]."""
@@ -45,4 +65,10 @@ def _layer_norm_grad(op, dy, _dmean, _dinv):
     return dx, dgamma, dbeta
 
 
-__all__ = ["layer_norm", "fused_attention"]
+@_ops.RegisterGradient("RMSNorm")
+def _rms_norm_grad(op, dy, _dinv):
+    x, gamma = op.inputs
+    return tuple(_lib.rms_norm_grad(dy, x, gamma, op.outputs[1]))
+
+
+__all__ = ["layer_norm", "rms_norm", "scale_mask_softmax", "fused_attention"]

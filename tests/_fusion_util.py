@@ -1,7 +1,6 @@
 """Shared helpers for the fusion tests: build real TF graphs, rewrite, run both."""
 from __future__ import annotations
 
-import types
 from collections import Counter
 
 import numpy as np
@@ -14,8 +13,12 @@ from graph_passes.manager import run_passes
 tf1 = tf.compat.v1
 
 
-def opts(level=2, precision=None, low_dtype="float16", **kw):
-    return types.SimpleNamespace(graph_level=level, precision=precision, low_dtype=low_dtype, **kw)
+def opts(level=2, precision=None, **kw):
+    """Real, validated Options.  ``precision`` None keeps the graph's dtypes
+    (must_keep_origin_dtype), so only the fusion pass's own behaviour shows."""
+    from npu_amp_tf.options import Options
+    return Options.from_kwargs(graph_level=level, precision_mode=precision or "must_keep_origin_dtype",
+                               _env=False, **kw)
 
 
 def rewrite(gd, fetches, level=2, **kw):
@@ -43,6 +46,17 @@ def run_gd(gd, fetches, feeds=None, init=None, steps=None):
             for _ in range(steps[1]):
                 s.run(steps[0], feed)
         return s.run([f if ":" in f else f + ":0" for f in fetches], feed)
+
+
+def freeze(fn, *specs):
+    """Trace ``fn`` as a tf.function with TensorSpecs ``(shape, dtype, name)`` and
+    freeze variables to constants (how Keras 3 / TF2 code reaches a GraphDef).
+    Returns (graph_def, input names, output name)."""
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+    cf = tf.function(fn).get_concrete_function(*[tf.TensorSpec(s, d, name=n) for s, d, n in specs])
+    frozen = convert_variables_to_constants_v2(cf)
+    gd = frozen.graph.as_graph_def()
+    return gd, [t.name.split(":")[0] for t in frozen.inputs], frozen.outputs[0].name.split(":")[0]
 
 
 def build(fn):

@@ -10,8 +10,11 @@ level 2  ``bias``               Conv2D/Depthwise/MatMul + BiasAdd => the same fu
 level 2  ``layer_norm_moments`` tf.nn.moments + tf.nn.batch_normalization (BERT)   => LayerNorm
 level 2  ``layer_norm_keras3``  Keras 3 LayerNormalization (moments, Neg)          => LayerNorm
 level 2  ``layer_norm_keras2``  Keras 2 LayerNormalization (reshape + FusedBatchNormV3) => LayerNorm
-level 3  ``attention``          BatchMatMul -> scale -> [mask add] -> Softmax -> BatchMatMul
-                                 => FusedAttention
+level 2  ``layer_norm``         LayerNorm / RMSNorm in plain ops (raw, reduce_mean, moments,
+                                 sqrt/div, reduce_variance; T5/LLaMA RMSNorm) => LayerNorm / RMSNorm
+level 3  ``attention``          BatchMatMul/Einsum -> scale (q, k or scores) -> [mask add | where]
+                                 -> Softmax -> BatchMatMul/Einsum
+                                 => the products stay, ScaleMaskSoftmax in between
 
 "BiasAdd" also means ``Add``/``AddV2`` of a 1-D bias (or a [1,..,1,C] reshape of one)
 along the last dim, as Keras 3 writes it.
@@ -25,7 +28,7 @@ import numpy as np
 from .. import registry
 from ..graph import parse_tensor
 from ..pattern import Pat
-from .core import Skip, planned_dtype, register_fusion_rule
+from .core import Skip, const_value, planned_dtype, register_fusion_rule, scalar_value
 
 MATRIX_OPS = ("Conv2D", "DepthwiseConv2dNative", "MatMul")
 FUSED_OP = {"Conv2D": "_FusedConv2D", "DepthwiseConv2dNative": "_FusedDepthwiseConv2dNative",
@@ -34,12 +37,23 @@ BMM_OPS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 
 
 def onednn_enabled() -> bool:
-    """oneDNN rewrites _Fused* ops into its own kernels, which accept more activations."""
+    """Whether TF's oneDNN graph rewrite is on in this process (it turns
+    ``_Fused*`` ops into oneDNN kernels, which accept more activations).
+
+    TF has no public API for this.  The one place that asks TF is here:
+    ``tensorflow.python.util._pywrap_util_port.IsMklEnabled()`` (private; present
+    and checked in TF 2.15.1 and 2.21.0, where it is true for x86-64 Linux wheels
+    unless ``TF_ENABLE_ONEDNN_OPTS=0``).  If a TF version drops it, fall back to
+    that documented rule: the environment variable on x86-64 Linux."""
     try:
         from tensorflow.python.util import _pywrap_util_port
         return bool(_pywrap_util_port.IsMklEnabled())
-    except Exception:  # noqa: BLE001 - older/newer TF without the probe: assume stock kernels
-        return False
+    except (ImportError, AttributeError):
+        import os
+        import platform
+        env = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower()
+        return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+                and env not in ("0", "false"))
 
 
 #: fused_ops the CPU kernels accept (measured on TF 2.15 and 2.21; see docs/fusion.md)
@@ -58,11 +72,17 @@ def supported_activations(op: str, device_type: str = "CPU") -> set:
 
 
 # ------------------------------------------------------------------ bias part
+def _mm_pat():
+    """The matrix op, or MatMul seen through the Reshape of ``tf.tensordot``
+    (Keras 2 and Keras 3 Dense on a 3-D input: Reshape -> MatMul -> Reshape)."""
+    return Pat.one_of(Pat(MATRIX_OPS, name="mm"),
+                      Pat("Reshape", name="rs", inputs=[Pat("MatMul", name="mm"), Pat.any("rs_shape")]))
+
+
 def _bias_pat():
     return Pat.one_of(
-        Pat("BiasAdd", name="bias", inputs=[Pat(MATRIX_OPS, name="mm"), Pat.any("b")]),
-        Pat(("AddV2", "Add"), name="bias", commutative=True,
-            inputs=[Pat(MATRIX_OPS, name="mm"), Pat.any("b")]))
+        Pat("BiasAdd", name="bias", inputs=[_mm_pat(), Pat.any("b")]),
+        Pat(("AddV2", "Add"), name="bias", commutative=True, inputs=[_mm_pat(), Pat.any("b")]))
 
 
 def _bias_input(m, b) -> str:
@@ -73,7 +93,7 @@ def _bias_input(m, b) -> str:
         b.require(fmt == "NHWC", f"BiasAdd data_format {fmt} (fused kernels take NHWC)")
         return m["b"]
     shape = b.shape(m["b"])
-    out = b.shape(m["mm"].name)
+    out = b.shape(m["rs"].name if "rs" in m.nodes else m["mm"].name)
     b.require(shape is not None and len(shape) >= 1 and shape[-1] > 0,
               "bias of the Add has an unknown shape")
     b.require(all(d == 1 for d in shape[:-1]), f"Add operand of shape {shape} is not a bias")
@@ -118,7 +138,18 @@ def _emit_fused(m, b, act: str, extra_attrs=None):
     attrs["epsilon"] = 0.0001
     attrs.update(extra_attrs or {})
     data = b.graph.data_inputs(mm)
-    b.emit(fused, m.anchor, [data[0], data[1], bias], attrs)
+    if "rs" not in m.nodes:
+        b.emit(fused, m.anchor, [data[0], data[1], bias], attrs)
+        return
+    # tensordot: bias and activation act on the last dim, which the Reshape keeps;
+    # fuse on the 2-D MatMul (it keeps its name) and reshape its result instead
+    rs = m["rs"]
+    s2, s3 = b.shape(mm.name), b.shape(rs.name)
+    b.require(s2 is not None and s3 is not None and len(s2) == 2 and s2[-1] > 0 and s3[-1] == s2[-1],
+              f"the Reshape of '{mm.name}' ({s2} -> {s3}) does not keep the last dim")
+    b.emit(fused, mm.name, [data[0], data[1], bias], attrs)
+    b.emit("Reshape", m.anchor, [mm.name, m["rs_shape"]],
+           {"T": ("type", dt), "Tshape": rs.attr["Tshape"]})
 
 
 def _build_bias(m, b):
@@ -137,30 +168,89 @@ def _close(v, want, tol=1e-4):
     return v is not None and abs(v - want) <= tol * max(1.0, abs(want))
 
 
+_CONST_UNARY = {"Sqrt": np.sqrt, "Rsqrt": lambda v: 1.0 / np.sqrt(v), "Reciprocal": lambda v: 1.0 / v,
+                "Inv": lambda v: 1.0 / v, "Neg": np.negative, "Cast": lambda v: v, "Identity": lambda v: v,
+                "StopGradient": lambda v: v}
+_CONST_BINARY = {"Mul": np.multiply, "RealDiv": np.divide, "Add": np.add, "AddV2": np.add,
+                 "Sub": np.subtract, "Pow": np.power, "Maximum": np.maximum}
+
+
+def const_eval(b, ref, depth=0):
+    """numpy value of a small constant expression (``tf.sqrt(2.0)``,
+    ``rsqrt(cast(d))``, ``1/sqrt(k.shape[-1])``, ``shape(k)[-1]`` with a known
+    static shape), in float64; None when it depends on run-time data."""
+    src, port, ctrl = parse_tensor(ref)
+    node = b.graph.nodes.get(src)
+    if node is None or ctrl or port != 0 or depth > 8:
+        return None
+    if node.op == "Const":
+        v = b.const(ref)
+        return None if v is None or v.dtype.kind not in "fiub" else v.astype(np.float64)
+    data = b.graph.data_inputs(node)
+    if node.op in _CONST_UNARY and data:
+        v = const_eval(b, data[0], depth + 1)
+        return None if v is None else _CONST_UNARY[node.op](v)
+    if node.op in _CONST_BINARY and len(data) == 2:
+        x, y = const_eval(b, data[0], depth + 1), const_eval(b, data[1], depth + 1)
+        return None if x is None or y is None else _CONST_BINARY[node.op](x, y)
+    if node.op == "Shape" and data:
+        sh = b.shape(data[0])
+        return None if sh is None or min(sh, default=0) < 0 else np.asarray(sh, np.float64)
+    if node.op == "StridedSlice" and len(data) == 4:
+        vals = [const_eval(b, d, depth + 1) for d in data]
+        if any(v is None for v in vals) or vals[0].ndim != 1 or vals[1].size != 1:
+            return None
+        shrink = node.attr["shrink_axis_mask"].i if "shrink_axis_mask" in node.attr else 0
+        if shrink != 1 or (node.attr["ellipsis_mask"].i if "ellipsis_mask" in node.attr else 0):
+            return None
+        i = int(vals[1].reshape(()))
+        return vals[0][i] if -len(vals[0]) <= i < len(vals[0]) else None
+    return None
+
+
+def const_scalar(b, ref):
+    v = const_eval(b, ref)
+    return None if v is None or v.size != 1 else float(v.reshape(()))
+
+
 def _build_gelu_exact(m, b):
-    b.require(_close(b.scalar(m["half"]), 0.5) and _close(b.scalar(m["one"]), 1.0),
-              "GELU constants are not 0.5 and 1")
-    c = b.scalar(m["c"])
-    div = m["div"].op == "RealDiv"
-    b.require(c is not None and (_close(c, math.sqrt(2.0)) if div else _close(c, 1 / math.sqrt(2.0))),
-              f"erf argument scale {c} is not 1/sqrt(2)")
+    b.require(_close(const_scalar(b, m["half"]), 0.5), "GELU constant is not 0.5")
+    c = const_scalar(b, m["c"])
+    if "erfc" in m.nodes:  # TF >= 2.16: 0.5 * x * erfc(-x / sqrt(2))
+        b.require(c is not None and _close(abs(c), 1 / math.sqrt(2.0)),
+                  f"erfc argument scale {c} is not 1/sqrt(2)")
+    else:
+        b.require(_close(const_scalar(b, m["one"]), 1.0), "GELU constant is not 1")
+        div = m["div"].op == "RealDiv"
+        b.require(c is not None and (_close(c, math.sqrt(2.0)) if div else _close(c, 1 / math.sqrt(2.0))),
+                  f"erf argument scale {c} is not 1/sqrt(2)")
     _emit_fused(m, b, "GeluExact")
 
 
 def _build_gelu_tanh(m, b):
-    b.require(_close(b.scalar(m["half"]), 0.5) and _close(b.scalar(m["one"]), 1.0)
-              and _close(b.scalar(m["k"]), math.sqrt(2 / math.pi)) and _close(b.scalar(m["a"]), 0.044715)
-              and _close(b.scalar(m["three"]), 3.0), "tanh-GELU constants do not match")
+    cs = {k: const_scalar(b, m[k]) for k in ("half", "one", "k", "a", "three")}
+    b.require(_close(cs["half"], 0.5) and _close(cs["one"], 1.0)
+              and _close(cs["k"], math.sqrt(2 / math.pi)) and _close(cs["a"], 0.044715)
+              and _close(cs["three"], 3.0), "tanh-GELU constants do not match")
     _emit_fused(m, b, "GeluApproximate")
 
 
 def _gelu_exact_pat():
-    x = _bias_pat()
+    """0.5*x*(1+erf(x/sqrt2)) as tf.nn.gelu (TF <= 2.15), x*0.5*(...) and BERT's
+    x*(0.5*(1+erf(x/sqrt(2)))); TF >= 2.16's tf.nn.gelu: 0.5*x*erfc(-x/sqrt2)."""
     erf_arg = Pat(("RealDiv", "Mul"), name="div", inputs=[Pat.any("@bias"), Pat.any("c")])
     one_plus = Pat(("AddV2", "Add"), commutative=True, name="onep",
                    inputs=[Pat.any("one"), Pat("Erf", name="erf", inputs=[erf_arg])])
-    return Pat("Mul", commutative=True, inputs=[
-        Pat("Mul", name="halfx", commutative=True, inputs=[Pat.any("half"), x]), one_plus])
+    tf_style = Pat("Mul", commutative=True, inputs=[
+        Pat("Mul", name="halfx", commutative=True, inputs=[Pat.any("half"), _bias_pat()]), one_plus])
+    bert_style = Pat("Mul", commutative=True, inputs=[
+        _bias_pat(), Pat("Mul", name="cdf", commutative=True, inputs=[Pat.any("half"), one_plus])])
+    erfc_arg = Pat("Mul", name="div", commutative=True, inputs=[
+        Pat("Neg", name="neg", inputs=[Pat.any("@bias")]), Pat.any("c")])
+    erfc_style = Pat("Mul", commutative=True, inputs=[
+        Pat("Mul", name="halfx", commutative=True, inputs=[Pat.any("half"), _bias_pat()]),
+        Pat("Erfc", name="erfc", inputs=[erfc_arg])])
+    return Pat.one_of(tf_style, bert_style, erfc_style)
 
 
 def _gelu_tanh_pat():
@@ -221,15 +311,21 @@ def _bn_fold_pat():
 
 
 # ------------------------------------------------------------------ LayerNorm
-def _last_axis(b, axes_ref, x_ref) -> bool:
+def _trailing_axes(b, axes_ref, x_ref):
+    """How many trailing axes of x the constant ``axes`` name (contiguous, ending
+    at the last one), or None."""
     v = b.const(axes_ref)
-    if v is None or v.size != 1:
-        return False
-    ax = int(v.reshape(()))
-    if ax == -1:
-        return True
+    if v is None or v.size < 1:
+        return None
+    vals = [int(a) for a in v.reshape(-1)]
+    if vals == [-1]:
+        return 1
     xs = b.shape(x_ref)
-    return xs is not None and ax == len(xs) - 1
+    if xs is None:
+        return None
+    r = len(xs)
+    axes = sorted({a % r for a in vals})
+    return len(axes) if axes == list(range(r - len(axes), r)) else None
 
 
 def _emit_layer_norm(m, b, x, gamma, beta, eps):
@@ -251,8 +347,16 @@ def _emit_layer_norm(m, b, x, gamma, beta, eps):
 
 
 def _build_ln_moments(m, b):
-    for a in ("axes", "axes2"):
-        b.require(_last_axis(b, m[a], m["x"]), "moments are not over the last axis")
+    ks = {_trailing_axes(b, m[a], m["x"]) for a in ("axes", "axes2")}
+    b.require(len(ks) == 1 and None not in ks, "moments are not over the last axis (or trailing axes)")
+    k = ks.pop()
+    if k > 1:  # multi-axis (Keras 2 LayerNormalization(axis=[1, 2])): gamma must cover them all
+        xs, gs = b.shape(m["x"]), b.shape(m["gamma"])
+        core = list(gs or [])
+        while len(core) > k and core[0] == 1:
+            core.pop(0)
+        b.require(xs is not None and core == list(xs[-k:]),
+                  f"gamma {gs} does not cover the normalised dims {xs and xs[-k:]}")
     b.require(m["mean"].attr["keep_dims"].b and m["var"].attr["keep_dims"].b, "moments without keep_dims")
     eps = b.scalar(m["eps"])
     b.require(eps is not None and eps >= 0, "variance epsilon is not a constant")
@@ -313,46 +417,382 @@ def _ln_keras2_pat():
         Pat.any("beta")])
 
 
-# ------------------------------------------------------------------ attention
-def _build_attention(m, b):
-    bmm1, bmm2 = m["bmm1"], m["bmm2"]
-    adj = lambda n, a: n.attr[a].b if a in n.attr else False  # noqa: E731
-    b.require(not adj(bmm1, "adj_x") and not adj(bmm2, "adj_x") and not adj(bmm2, "adj_y"),
-              "transposed operands other than k")
-    for n in (bmm1, bmm2):
-        for a in ("Ta", "Tb", "Tout"):
-            if a in n.attr:
-                b.require(n.attr[a].type == registry.DT_FLOAT, f"{n.name} {a} is not float32")
-    c = b.scalar(m["scale"])
-    b.require(c is not None and c != 0, "attention scale is not a constant")
-    scale = 1.0 / c if m["scale_op"].op == "RealDiv" else c
-    q, k, v = m["q"], m["k"], m["v"]
-    shapes = [b.shape(t) for t in (q, k, v)]
-    b.require(all(s is not None for s in shapes) and len({len(s) for s in shapes}) == 1 and len(shapes[0]) >= 2,
-              f"q/k/v shapes {shapes}: need equal known ranks")
-    r = len(shapes[0])
-    for i in range(r - 2):
-        dims = {s[i] for s in shapes if s[i] != -1}
-        b.require(len(dims) <= 1, f"q/k/v batch dims differ (broadcasting batch matmul): {shapes}")
-    inputs = [q, k, v]
-    if "mask_add" in m.nodes:
-        ms = b.shape(m["mask"])
-        b.require(ms is not None and len(ms) <= r, f"mask shape {ms} unknown or of higher rank")
-        b.require(b.dtype(m["mask"]) == registry.DT_FLOAT, "mask is not float32")
-        inputs.append(m["mask"])
-    b.emit("FusedAttention", m.anchor, inputs,
-           {"T": ("type", registry.DT_FLOAT), "num_masks": len(inputs) - 3, "scale": float(scale),
-            "adj_k": bool(adj(bmm1, "adj_y"))})
+# ------------------------------------------------- LayerNorm / RMSNorm, any form
+# A functional matcher (the forms are too many for one Pat tree): the rule's Pat
+# is the root op; the predicate does the structural match, the build function
+# checks axes/shapes/dtypes with reasons and absorbs the inner nodes.
+_ADDS = ("Add", "AddV2")
 
 
-def _attention_pat():
-    bmm1 = Pat(BMM_OPS, name="bmm1", inputs=[Pat.any("q"), Pat.any("k")])
-    scaled = Pat.one_of(Pat("Mul", name="scale_op", commutative=True, inputs=[bmm1, Pat.any("scale")]),
-                        Pat("RealDiv", name="scale_op", inputs=[bmm1, Pat.any("scale")]))
-    masked = Pat(("AddV2", "Add"), name="mask_add", commutative=True, inputs=[scaled, Pat.any("mask")])
-    sm = Pat("Softmax", name="softmax", inputs=[Pat.one_of(masked, scaled)])
-    return Pat(BMM_OPS, name="bmm2", inputs=[sm, Pat.any("v")])
+def _src(graph, ref):
+    """The node producing ``ref`` when it is output 0 (else None)."""
+    name, port, ctrl = parse_tensor(ref)
+    return None if ctrl or port != 0 else graph.nodes.get(name)
 
+
+def _product(graph, ref, factors, inner, depth=0):
+    """Flatten Mul/RealDiv trees: factors as ('mul'|'div', ref)."""
+    node = _src(graph, ref)
+    if node is not None and depth < 4 and node.op in ("Mul", "RealDiv"):
+        a, c = graph.data_inputs(node)
+        inner.append(node.name)
+        _product(graph, a, factors, inner, depth + 1)
+        if node.op == "Mul":
+            _product(graph, c, factors, inner, depth + 1)
+        else:
+            factors.append(("div", c))
+        return
+    factors.append(("mul", ref))
+
+
+def _mean_of(graph, ref):
+    """(x, axes_ref, node) when ``ref`` is Mean(x, axes, keep_dims=True)."""
+    node = _src(graph, ref)
+    if node is None or node.op != "Mean" or not node.attr["keep_dims"].b:
+        return None
+    x, axes = graph.data_inputs(node)
+    return x, axes, node
+
+
+def _same_mean(graph, a, b_):
+    """Two Means of the same tensor over the same constant axes."""
+    if a[2].name == b_[2].name:
+        return True
+    va, vb = const_value(graph, a[1]), const_value(graph, b_[1])
+    return a[0] == b_[0] and va is not None and vb is not None and sorted(va.reshape(-1)) == sorted(vb.reshape(-1))
+
+
+def _inv_std(graph, kind, ref, inner):
+    """Rsqrt(v + eps) as a 'mul' factor or Sqrt(v + eps) as a 'div' factor -> (v_ref, eps_ref)."""
+    node = _src(graph, ref)
+    want = "Rsqrt" if kind == "mul" else "Sqrt"
+    if node is None or node.op != want:
+        return None
+    add = _src(graph, graph.data_inputs(node)[0])
+    if add is None or add.op not in _ADDS:
+        return None
+    a, c = graph.data_inputs(add)
+    inner += [node.name, add.name]
+    for v, e in ((a, c), (c, a)):
+        if _src(graph, v) is not None and _src(graph, v).op == "Mean":
+            return v, e
+    return None
+
+
+def _variance(graph, ref, mean, inner):
+    """Mean((x-mean)^2) as moments / reduce_variance / raw code write it."""
+    mv = _mean_of(graph, ref)
+    if mv is None:
+        return False
+    inner.append(mv[2].name)
+    sq = _src(graph, mv[0])
+    if sq is None:
+        return False
+    x = mean[0]
+    if sq.op == "SquaredDifference":
+        a, c = graph.data_inputs(sq)
+        inner.append(sq.name)
+        for xx, mm in ((a, c), (c, a)):
+            if xx != x:
+                continue
+            mnode = _src(graph, mm)
+            if mnode is not None and mnode.op == "StopGradient":
+                inner.append(mnode.name)
+                mm = mnode.input[0]
+            m2 = _mean_of(graph, mm)
+            if m2 is not None and _same_mean(graph, mean, m2):
+                inner.append(m2[2].name)
+                return _same_axes(graph, mv[1], mean[1])
+        return False
+    if sq.op in ("Square", "Pow", "Mul"):
+        d = graph.data_inputs(sq)
+        if sq.op == "Pow" and not _close(scalar_value(graph, d[1]), 2.0):
+            return False
+        if sq.op == "Mul" and d[0] != d[1]:
+            return False
+        sub = _src(graph, d[0])
+        if sub is None or sub.op != "Sub" or graph.data_inputs(sub)[0] != x:
+            return False
+        m2 = _mean_of(graph, graph.data_inputs(sub)[1])
+        if m2 is None or not _same_mean(graph, mean, m2):
+            return False
+        inner += [sq.name, sub.name, m2[2].name]
+        return _same_axes(graph, mv[1], mean[1])
+    return False
+
+
+def _same_axes(graph, a, c):
+    va, vc = const_value(graph, a), const_value(graph, c)
+    return va is not None and vc is not None and sorted(va.reshape(-1)) == sorted(vc.reshape(-1))
+
+
+def _mean_square(graph, ref, inner):
+    """Mean(x^2) (Square, Pow 2, x*x) -> (x, axes_ref)."""
+    mv = _mean_of(graph, ref)
+    if mv is None:
+        return None
+    sq = _src(graph, mv[0])
+    if sq is None or sq.op not in ("Square", "Pow", "Mul"):
+        return None
+    d = graph.data_inputs(sq)
+    if sq.op == "Pow" and not _close(scalar_value(graph, d[1]), 2.0):
+        return None
+    if sq.op == "Mul" and d[0] != d[1]:
+        return None
+    inner += [mv[2].name, sq.name]
+    return d[0], mv[1]
+
+
+def analyze_norm(graph, anchor):
+    """Match LayerNorm / RMSNorm written as plain ops, rooted at ``anchor``.
+
+    LayerNorm: ``[gamma *] (x - mean) {* rsqrt(var + eps) | / sqrt(var + eps)} [+ beta]``,
+    mean = Mean(x, axes, keep_dims), var = moments' Mean(SquaredDifference(x,
+    StopGradient(mean))), or Mean(Square(x - mean)) (reduce_variance / raw code).
+    RMSNorm: ``[gamma *] x {* rsqrt(mean(x^2) + eps) | / sqrt(...)}``.
+    Returns a dict (kind, x, axes, eps, gamma, beta, inner) or None."""
+    beta = None
+    inner = [anchor.name]
+    roots = []
+    if anchor.op in _ADDS:
+        a, c = graph.data_inputs(anchor)
+        roots = [(a, c), (c, a)]
+    elif anchor.op in ("Mul", "RealDiv"):
+        roots = [(anchor.name, None)]
+    for prod, beta in roots:
+        node = _src(graph, prod)
+        if node is None or node.op not in ("Mul", "RealDiv"):
+            continue
+        factors, pinner = [], []
+        _product(graph, prod, factors, pinner)
+        res = _classify_norm(graph, factors, list(inner) + [n for n in pinner if n != anchor.name])
+        if res is not None:
+            res["beta"] = beta
+            return res
+    return None
+
+
+def _classify_norm(graph, factors, inner):
+    if not 2 <= len(factors) <= 3:
+        return None
+    for i, (kind, ref) in enumerate(factors):
+        sub_inner = []
+        inv = _inv_std(graph, kind, ref, sub_inner)
+        if inv is None:
+            continue
+        var_ref, eps = inv
+        rest = factors[:i] + factors[i + 1:]
+        if any(k != "mul" for k, _ in rest):
+            return None
+        # LayerNorm: one of the rest is x - mean
+        for j, (_, r) in enumerate(rest):
+            sub = _src(graph, r)
+            if sub is None or sub.op != "Sub":
+                continue
+            x, mref = graph.data_inputs(sub)
+            mean = _mean_of(graph, mref)
+            if mean is None or mean[0] != x:
+                continue
+            v_inner = []
+            if not _variance(graph, var_ref, mean, v_inner):
+                continue
+            gamma = [g for k2, (_, g) in enumerate(rest) if k2 != j]
+            return {"kind": "layer_norm", "x": x, "axes": mean[1], "eps": eps,
+                    "gamma": gamma[0] if gamma else None,
+                    "inner": inner + sub_inner + v_inner + [sub.name, mean[2].name]}
+        # RMSNorm: one of the rest is x itself
+        ms_inner = []
+        ms = _mean_square(graph, var_ref, ms_inner)
+        if ms is None:
+            return None
+        x, axes = ms
+        for j, (_, r) in enumerate(rest):
+            if r == x:
+                gamma = [g for k2, (_, g) in enumerate(rest) if k2 != j]
+                return {"kind": "rms_norm", "x": x, "axes": axes, "eps": eps,
+                        "gamma": gamma[0] if gamma else None, "inner": inner + sub_inner + ms_inner}
+        return None
+    return None
+
+
+def _would_extend(graph, node) -> bool:
+    """True when ``node``'s single consumer also matches a norm (and so is the
+    better anchor: it takes gamma or beta in too)."""
+    cons = graph.consumers(node.name)
+    if len(cons) != 1 or cons[0][1] < 0:
+        return False
+    c = graph.nodes[cons[0][0]]
+    if c.op not in _ADDS + ("Mul",):
+        return False
+    res = analyze_norm(graph, c)
+    return res is not None and node.name in res["inner"]
+
+
+def _norm_predicate(node, graph):
+    res = analyze_norm(graph, node)
+    return res is not None and not _would_extend(graph, node)
+
+
+def _build_norm(m, b):
+    res = analyze_norm(b.graph, b.anchor)
+    b.require(res is not None, "the norm subgraph changed")
+    x = res["x"]
+    dt = b.dtype(x)
+    b.require(dt in registry.FLOAT_TYPES, f"input dtype {registry.dtype_name(dt)}")
+    xs = b.shape(x)
+    b.require(xs is not None, f"the shape of '{x}' is unknown")
+    ax = b.const(res["axes"])
+    b.require(ax is not None, "reduction axes are not constant")
+    r = len(xs)
+    axes = sorted({int(a) % r for a in ax.reshape(-1)}) if r else []
+    b.require(axes and axes == list(range(r - len(axes), r)),
+              f"the mean is over axes {sorted(int(a) for a in ax.reshape(-1))} of a rank-{r} "
+              f"input: not over the last axis (or trailing axes)")
+    norm = list(xs[r - len(axes):])
+    b.require(min(norm) > 0, f"normalised dims {norm} not static")
+    eps = const_scalar(b, res["eps"])
+    b.require(eps is not None and eps >= 0, "the variance epsilon is not a constant >= 0")
+
+    def param(ref, what, fill):
+        if ref is None:
+            return b.const_node(f"{m.anchor}/{what}", np.full(norm, fill), dt)
+        b.require(b.dtype(ref) == dt, f"{what} dtype differs from the input")
+        ps = b.shape(ref)
+        b.require(ps is not None, f"{what} shape unknown")
+        core = list(ps)
+        while len(core) > len(norm) and core[0] == 1:
+            core.pop(0)
+        b.require(core == norm, f"{what} of shape {ps} does not cover the normalised dims {norm}")
+        return ref
+
+    gamma = param(res["gamma"], "gamma", 1.0)
+    inner = list(dict.fromkeys(res["inner"]))
+    if res["kind"] == "layer_norm":
+        beta = param(res["beta"], "beta", 0.0)
+        b.absorb(inner)
+        b.emit("LayerNorm", m.anchor, [x, gamma, beta], {"T": ("type", dt), "epsilon": float(eps)})
+    else:
+        b.require(res["beta"] is None, "RMSNorm takes no beta")
+        b.absorb(inner)
+        b.emit("RMSNorm", m.anchor, [x, gamma], {"T": ("type", dt), "epsilon": float(eps)})
+
+
+# ------------------------------------------------------------- attention, any form
+_ATT_OPS = BMM_OPS + ("Einsum",)
+
+
+def _through_identity(graph, ref, inner):
+    node = _src(graph, ref)
+    while node is not None and node.op in ("Identity", "StopGradient"):
+        inner.append(node.name)
+        ref = node.input[0]
+        node = _src(graph, ref)
+    return ref, node
+
+
+def _att_predicate(node, graph):
+    data = graph.data_inputs(node)
+    if len(data) != 2:
+        return False
+    _, sm = _through_identity(graph, data[0], [])
+    return sm is not None and sm.op == "Softmax"
+
+
+def _scale_chain(b, ref, inner, max_ops=2):
+    """Strip Mul/RealDiv by constant scalars: (ref, scale)."""
+    scale = 1.0
+    for _ in range(max_ops):
+        node = _src(b.graph, ref)
+        if node is None or node.op not in ("Mul", "RealDiv"):
+            break
+        a, c = b.graph.data_inputs(node)
+        pairs = [(a, c), (c, a)] if node.op == "Mul" else [(a, c)]
+        for t, k in pairs:
+            v = const_scalar(b, k)
+            if v is not None and v != 0:
+                scale *= (1.0 / v) if node.op == "RealDiv" else v
+                inner.append(node.name)
+                ref = t
+                break
+        else:
+            break
+    return ref, scale
+
+
+def _build_attention_any(m, b):
+    """softmax(q.k * scale [+ mask | where(mask, ., fill)]) . v  =>  the two products
+    stay (TF's oneDNN GEMMs), scale + mask + softmax become one ScaleMaskSoftmax.
+
+    The scale may sit on q, on k (a single-consumer Mul/RealDiv by a constant
+    feeding the product: moved into the op, the product re-emitted on the raw
+    operand) or on the scores; constants may be expressions like rsqrt(d).
+    A boolean mask becomes the additive mask where(mask, 0, fill)."""
+    g = b.graph
+    bmm2 = b.anchor
+    inner = []
+    p_in = g.data_inputs(bmm2)[0]
+    _, sm = _through_identity(g, p_in, inner)
+    inner.append(sm.name)
+    logits = sm.input[0]
+    mask, bool_mask = None, None
+    node = _src(g, logits)
+    scores_ref = logits
+    if node is not None and node.op in _ADDS:
+        a, c = g.data_inputs(node)
+        for s_ref, mk in ((a, c), (c, a)):
+            bn = _src(g, _scale_chain(b, s_ref, [])[0])
+            if bn is not None and bn.op in _ATT_OPS:
+                inner.append(node.name)
+                scores_ref, mask = s_ref, mk
+                break
+    elif node is not None and node.op in ("Select", "SelectV2"):
+        cond, then, other = g.data_inputs(node)
+        for s_ref, fill, keep in ((then, other, True), (other, then, False)):
+            bn = _src(g, _scale_chain(b, s_ref, [])[0])
+            if bn is not None and bn.op in _ATT_OPS:
+                fv = const_scalar(b, fill)
+                b.require(fv is not None, "the masked fill value is not a constant")
+                inner.append(node.name)
+                scores_ref, bool_mask = s_ref, (cond, fv, keep)
+                break
+    s_base, scale = _scale_chain(b, scores_ref, inner)
+    bmm1 = _src(g, s_base)
+    b.require(bmm1 is not None and bmm1.op in _ATT_OPS, "softmax input is not a scaled q.k product")
+    ops_in = g.data_inputs(bmm1)
+    new_in = list(ops_in)
+    for i, ref in enumerate(ops_in):  # a scale on q or k moves into the softmax op
+        node_s = _src(g, ref)
+        if node_s is not None and node_s.op in ("Mul", "RealDiv") and len(g.consumers(node_s.name)) == 1:
+            tmp = []
+            raw, sc = _scale_chain(b, ref, tmp, max_ops=1)
+            if tmp:
+                inner += tmp
+                scale *= sc
+                new_in[i] = raw
+    dt = b.dtype(s_base)
+    b.require(dt in registry.FLOAT_TYPES, f"scores dtype {registry.dtype_name(dt)}")
+    reemit = new_in != ops_in
+    if reemit:
+        inner.append(bmm1.name)
+    inner.append(bmm2.name)
+    b.absorb(list(dict.fromkeys(inner)))
+    copy = lambda n: {k: v for k, v in n.attr.items() if k != "_output_shapes"}  # noqa: E731
+    if reemit:
+        b.emit(bmm1.op, bmm1.name, new_in, copy(bmm1))
+    inputs = [s_base]
+    base = sm.name
+    if mask is not None:
+        b.require(b.dtype(mask) == dt, "the mask dtype differs from the scores")
+        inputs.append(mask)
+    elif bool_mask is not None:
+        cond, fill, keep = bool_mask
+        zero = b.const_node(f"{base}/mask_keep", 0.0, dt)
+        drop = b.const_node(f"{base}/mask_fill", fill, dt)
+        inputs.append(b.emit("SelectV2", f"{base}/mask", [cond] + ([zero, drop] if keep else [drop, zero]),
+                             {"T": ("type", dt)}))
+    b.emit("ScaleMaskSoftmax", base, inputs,
+           {"T": ("type", dt), "num_masks": len(inputs) - 1, "scale": float(scale)})
+    b.emit(bmm2.op, bmm2.name, [base, g.data_inputs(bmm2)[1]], copy(bmm2))
 
 def register():
     reg = lambda *a, **kw: register_fusion_rule(*a, _builtin=True, **kw)  # noqa: E731
@@ -372,7 +812,10 @@ def register():
         reason="Keras 3 LayerNormalization becomes one kernel")
     reg("layer_norm_keras2", _ln_keras2_pat(), _build_ln_keras2,
         reason="Keras 2 LayerNormalization (reshape + FusedBatchNormV3) becomes one kernel")
-    reg("attention", _attention_pat(), _build_attention, graph_level=3,
+    reg("layer_norm", Pat(_ADDS + ("Mul", "RealDiv"), predicate=_norm_predicate), _build_norm,
+        reason="LayerNorm/RMSNorm written as plain ops (raw, reduce_mean, moments, sqrt/div, "
+               "reduce_variance) becomes one fp32-accumulating kernel")
+    reg("attention", Pat(_ATT_OPS, predicate=_att_predicate), _build_attention_any, graph_level=3,
         reason="scores never leave cache; softmax fused (rounding changes)")
 
 

@@ -200,6 +200,8 @@ class Builder:
         #: extra (op, type_attrs, why) kernel requirements
         self.requirements: list[tuple[str, dict, str]] = []
         self.fused_ops_note: str | None = None
+        #: inner nodes found by a build function's own matcher (see :meth:`absorb`)
+        self.absorbed: list[str] = []
 
     # reading --------------------------------------------------------------
     def node(self, capture: str):
@@ -232,6 +234,28 @@ class Builder:
 
     def require_kernel(self, op: str, type_attrs: dict, why: str = ""):
         self.requirements.append((op, dict(type_attrs), why))
+
+    def absorb(self, names):
+        """Add nodes that a build function matched by itself (beyond the Pat
+        tree) to the match: they are removed with it.  Each must be read only
+        by matched nodes, carry no control consumers and not be fetched or
+        preserved; otherwise the match is skipped with the reason
+        ("not fused: 'x' is fetched", "... is also read by 'y'")."""
+        inner = set(self.match.matched) | set(self.absorbed) | set(names)
+        protected = self.ctx.protected if self.ctx is not None else frozenset()
+        for name in names:
+            if name == self.match.anchor:
+                continue
+            if name in protected:
+                raise Skip(f"not fused: '{name}' is fetched or preserved")
+            for cname, idx in self.graph.consumers(name):
+                if idx < 0:
+                    raise Skip(f"not fused: '{name}' has a control consumer '{cname}'")
+                if cname not in inner:
+                    raise Skip(f"not fused: '{name}' is also read by '{cname}'")
+        for name in names:
+            if name not in self.absorbed and name not in self.match.matched:
+                self.absorbed.append(name)
 
     # writing --------------------------------------------------------------
     def emit(self, op: str, name: str, inputs, attrs: dict | None = None) -> str:
@@ -365,7 +389,27 @@ def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: 
             else:
                 ctx.report.decide(m.anchor, fusion_skipped=rule.name, fusion_reason=outcome.reason)
         done += outcome.fused
+    if ctx is not None and ctx.protected and (rule.pattern.inputs or rule.pattern.alternatives):
+        _report_fetched_refusals(graph, rule, ctx, stats)  # root-only patterns: the build reports
     return done
+
+
+def _report_fetched_refusals(graph: Graph, rule: FusionRule, ctx, stats: dict):
+    """The matcher silently refuses a match whose inner tensor is fetched or
+    preserved.  Match again without protection and say so in the report
+    ("not fused: 'x' is fetched"), so a user knows why the pattern stayed."""
+    protected = ctx.protected
+    seen = stats.setdefault("_skips_seen", set())
+    for m in find_matches(graph, rule.pattern, frozenset()):
+        hit = [n for n in m.matched[1:] if n in protected]
+        if not hit or (rule.name, m.anchor) in seen:
+            continue
+        seen.add((rule.name, m.anchor))
+        what = "fetched" if hit[0] in ctx.fetches else "preserved"
+        reason = f"not fused: '{hit[0]}' is {what}"
+        stats.setdefault("skipped", {}).setdefault(rule.name, 0)
+        stats["skipped"][rule.name] += 1
+        ctx.report.decide(m.anchor, fusion_skipped=rule.name, fusion_reason=reason)
 
 
 def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle) -> Outcome:
@@ -382,6 +426,8 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
         return Outcome(False, "the build function emitted no node")
     out_map = result if isinstance(result, dict) else {0: tensor_name(m.anchor, 0)}
     emitted_names = {n.name for n in b.emitted}
+    if b.absorbed:  # nodes the build function matched itself (Builder.absorb)
+        m.matched.extend(n for n in b.absorbed if n not in m.matched)
     matched = set(m.matched)
     for n in b.emitted:
         if n.name in graph.nodes and n.name not in matched:

@@ -1,0 +1,228 @@
+// ScaleMaskSoftmax: softmax(scores * scale + mask) over the last axis, one pass.
+// Emitted by the fusion pass at graph_level 3 (rule "attention") between the
+// two attention matmuls, which stay TF's own BatchMatMul / Einsum: on CPU they
+// are oneDNN GEMMs, faster than any hand-written product here (FusedAttention,
+// measured in benchmarks/fusion.py).  This op replaces Mul/RealDiv + AddV2 (or
+// SelectV2 with a boolean mask) + Softmax, i.e. three passes over the score
+// tensor, by one.
+//
+//   scores [B..., S, T]      float, half or bfloat16 (arithmetic in fp32)
+//   mask   (0 or 1 tensors)  same dtype, broadcastable to scores, added
+//   out    [B..., S, T]      in the scores dtype
+#define EIGEN_USE_THREADS
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define NPU_AMP_X86 1
+#endif
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace npu_amp_tf {
+namespace {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpInputList;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::errors::InvalidArgument;
+
+REGISTER_OP("ScaleMaskSoftmax")
+    .Input("scores: T")
+    .Input("mask: num_masks * T")
+    .Output("probs: T")
+    .Attr("T: {half, bfloat16, float}")
+    .Attr("num_masks: int >= 0 = 0")
+    .Attr("scale: float = 1.0")
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("softmax(scores * scale + mask) over the last axis; fp32 arithmetic.");
+
+// One row, in place: z <- exp(z - max(z)) / sum.  The file is built with TF's
+// flags (no -mavx), so Eigen would use SSE; this AVX2/FMA version (exp by a
+// degree-6 polynomial on the reduced argument, 2^n by exponent arithmetic,
+// ~1 ulp) is chosen at run time when the CPU has it.
+void SoftmaxRowBase(float* z, int64_t n) {
+  Eigen::Map<Eigen::ArrayXf> a(z, n);
+  const float mx = a.maxCoeff();
+  a = (a - mx).exp();
+  a *= 1.0f / a.sum();
+}
+
+#ifdef NPU_AMP_X86
+__attribute__((target("avx2,fma"))) static inline __m256 Exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  x = _mm256_max_ps(x, lo);
+  const __m256 l2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, l2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - fx * ln2 (Cody-Waite split)
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* z, int64_t n) {
+  int64_t i = 0;
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(z + i));
+  float buf[8];
+  _mm256_storeu_ps(buf, vmax);
+  float mx = -INFINITY;
+  for (float b : buf) mx = std::max(mx, b);
+  for (; i < n; ++i) mx = std::max(mx, z[i]);
+  if (!std::isfinite(mx)) {  // -inf everywhere or NaN/inf: the exact reference path
+    SoftmaxRowBase(z, n);
+    return;
+  }
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 ex = Exp8(_mm256_sub_ps(_mm256_loadu_ps(z + i), vm));
+    _mm256_storeu_ps(z + i, ex);
+    vsum = _mm256_add_ps(vsum, ex);
+  }
+  _mm256_storeu_ps(buf, vsum);
+  float sum = 0.f;
+  for (float b : buf) sum += b;
+  for (; i < n; ++i) {
+    z[i] = std::exp(z[i] - mx);
+    sum += z[i];
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(z + i, _mm256_mul_ps(_mm256_loadu_ps(z + i), inv));
+  for (; i < n; ++i) z[i] *= 1.0f / sum;
+}
+#endif
+
+using RowFn = void (*)(float*, int64_t);
+
+RowFn PickRow() {
+#ifdef NPU_AMP_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &SoftmaxRowAvx2;
+#endif
+  return &SoftmaxRowBase;
+}
+
+template <typename T>
+class ScaleMaskSoftmaxOp : public OpKernel {
+ public:
+  explicit ScaleMaskSoftmaxOp(OpKernelConstruction* ctx) : OpKernel(ctx), row_fn_(PickRow()) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& s = ctx->input(0);
+    OpInputList masks;
+    OP_REQUIRES_OK(ctx, ctx->input_list("mask", &masks));
+    OP_REQUIRES(ctx, masks.size() <= 1, InvalidArgument("ScaleMaskSoftmax: at most one mask"));
+    const int r = s.dims();
+    OP_REQUIRES(ctx, r >= 1, InvalidArgument("ScaleMaskSoftmax: scores must have rank >= 1"));
+    const int64_t NC = s.dim_size(r - 1);
+    const int64_t rows = NC == 0 ? 0 : s.NumElements() / NC;
+    // mask broadcasting: stride of each scores dim in the mask (0 where broadcast)
+    std::vector<int64_t> dims(r), mstride(r, 0);
+    for (int i = 0; i < r; ++i) dims[i] = s.dim_size(i);
+    const T* mp = nullptr;
+    if (masks.size() == 1) {
+      const Tensor& m = masks[0];
+      OP_REQUIRES(ctx, m.dims() <= r, InvalidArgument("ScaleMaskSoftmax: mask rank ", m.dims(), " > ", r));
+      std::vector<int64_t> md(r, 1);
+      for (int i = 0; i < m.dims(); ++i) md[r - m.dims() + i] = m.dim_size(i);
+      int64_t st = 1;
+      for (int i = r - 1; i >= 0; --i) {
+        OP_REQUIRES(ctx, md[i] == 1 || md[i] == dims[i],
+                    InvalidArgument("ScaleMaskSoftmax: mask ", m.shape().DebugString(),
+                                    " does not broadcast to ", s.shape().DebugString()));
+        mstride[i] = md[i] == 1 ? 0 : st;
+        st *= md[i];
+      }
+      mp = m.flat<T>().data();
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, s.shape(), &out));
+    if (rows == 0) return;
+    const T* sp = s.flat<T>().data();
+    T* op = out->flat<T>().data();
+    const float scale = scale_;
+    const int64_t col_stride = mstride[r - 1];
+    RowFn row_fn = row_fn_;
+    auto work = [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(std::is_same<T, float>::value ? 0 : NC);
+      for (int64_t row = begin; row < end; ++row) {
+        const T* in = sp + row * NC;
+        float* zp;  // fp32 works in the output row itself
+        if constexpr (std::is_same<T, float>::value) {
+          zp = op + row * NC;
+        } else {
+          zp = buf.data();
+        }
+        Eigen::Map<Eigen::ArrayXf> z(zp, NC);
+        if constexpr (std::is_same<T, float>::value) {
+          z = Eigen::Map<const Eigen::ArrayXf>(in, NC) * scale;
+        } else {
+          for (int64_t j = 0; j < NC; ++j) zp[j] = static_cast<float>(in[j]) * scale;
+        }
+        if (mp != nullptr) {
+          int64_t rem = row, off = 0;
+          for (int i = r - 2; i >= 0; --i) {
+            off += (rem % dims[i]) * mstride[i];
+            rem /= dims[i];
+          }
+          const T* mrow = mp + off;
+          if constexpr (std::is_same<T, float>::value) {
+            if (col_stride == 1) {
+              z += Eigen::Map<const Eigen::ArrayXf>(mrow, NC);
+            } else {
+              z += mrow[0];
+            }
+          } else {
+            for (int64_t j = 0; j < NC; ++j) zp[j] += static_cast<float>(mrow[j * col_stride]);
+          }
+        }
+        row_fn(zp, NC);
+        if constexpr (!std::is_same<T, float>::value) {
+          for (int64_t j = 0; j < NC; ++j) op[row * NC + j] = static_cast<T>(zp[j]);
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    pool->ParallelFor(rows, /*cost_per_unit=*/NC * 30, work);
+  }
+
+ private:
+  float scale_;
+  RowFn row_fn_;
+};
+
+#define REGISTER(T)                                                                        \
+  REGISTER_KERNEL_BUILDER(Name("ScaleMaskSoftmax").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          ScaleMaskSoftmaxOp<T>);
+REGISTER(float);
+REGISTER(Eigen::half);
+REGISTER(Eigen::bfloat16);
+#undef REGISTER
+
+}  // namespace
+}  // namespace npu_amp_tf
