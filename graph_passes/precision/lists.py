@@ -64,6 +64,9 @@ BLACK = {
     "Digamma": "accuracy-sensitive special function",
     "LayerNorm": "fused LayerNorm accumulates in FP32 by itself",
     "LayerNormGrad": "fused LayerNorm gradient accumulates in FP32",
+    "RMSNorm": "fused RMSNorm, like LayerNorm: its statistics need FP32",
+    "RMSNormGrad": "fused RMSNorm gradient, like LayerNormGrad",
+    "ScaleMaskSoftmax": "fused scale + mask + softmax: exp/sum over a row overflows FP16",
 }
 
 GRAY = {
