@@ -17,7 +17,8 @@ Checks per node (registered ops; function calls get the arity check only):
 * the number of data inputs equals what the signature wants;
 * each data input carries the dtype the signature wants at that slot (the
   producer's output dtype, resolved from the producer's own attrs);
-* (op, device type, T) is not in :data:`registry.BROKEN_KERNELS`.
+* (op, device type, T) is not in :data:`registry.BROKEN_KERNELS`, nor (with its
+  ``fused_ops``) in :data:`registry.BROKEN_FUSED_OPS`.
 
 Preconditions
     none: any GraphDef / :class:`Graph`.
@@ -81,6 +82,11 @@ def node_problems(node, library=None, default_device: str = "CPU") -> list[str]:
         if why:
             out.append(f"{where} with T={registry.dtype_name(t.type)} on {dev} is a known-broken "
                        f"combination: {why}")
+        elif "fused_ops" in node.attr:
+            why = registry.fused_ops_broken(node.op, dev, t.type, node.attr["fused_ops"].list.s)
+            if why:
+                out.append(f"{where} with T={registry.dtype_name(t.type)} on {dev} is a known-broken "
+                           f"combination: {why}")
     return out
 
 

@@ -256,6 +256,32 @@ _BROKEN_WITHOUT_ONEDNN = {
 }
 
 
+#: fused activations a registered fused kernel does not implement in a dtype:
+#: (op, device, dtype, fused op) -> (first TF version where it is broken, why).
+#: Measured by running each combination (TF 2.15.1 and 2.21.0, oneDNN on).
+BROKEN_FUSED_OPS = {
+    **{("_FusedMatMul", "CPU", DT_HALF, act):
+        ((2, 16), f"TF >= 2.16 registers an FP16 _FusedMatMul CPU kernel, but running it with "
+                  f"{act} fails with 'Fusion is not implemented: [BiasAdd,{act}]'")
+       for act in ("GeluExact", "GeluApproximate")},
+}
+
+
+def fused_ops_broken(op_type: str, device_type: str, dtype, fused_ops) -> str | None:
+    """Why ``op_type`` in ``dtype`` cannot run with these ``fused_ops`` (names,
+    str or bytes) on ``device_type`` although a kernel is registered, or None."""
+    ver = None
+    for f in fused_ops or ():
+        f = f.decode() if isinstance(f, bytes) else f
+        entry = BROKEN_FUSED_OPS.get((op_type, device_type, dtype, f))
+        if entry is None:
+            continue
+        ver = ver or _tf_version()
+        if ver >= entry[0]:
+            return entry[1]
+    return None
+
+
 def _install_conditional_broken():
     if onednn_enabled():
         return

@@ -112,6 +112,7 @@ class Unfuse(Pass):
             dev_type = registry.device_type_of(node, default_dev)
             broken = BROKEN_KERNELS.get((node.op, dev_type, low))
             parts = [s.decode() for s in node.attr["fused_ops"].list.s]
+            broken = broken or registry.fused_ops_broken(node.op, dev_type, low, parts)
             listed = [p for p in parts if ACTIVATIONS.get(p, (p,))[0] in black]
             if listed:  # a black-listed activation must not ride along in low precision
                 broken = f"fused {listed} black-listed: split so it stays FP32"

@@ -340,6 +340,11 @@ def _kernel_problems(b: Builder) -> list[str]:
     for n in b.emitted:  # every attr against the OpDef: list(type) (TArgs), required attrs...
         if n.op != "Const" and registry.op_def(n.op) is not None:
             out.extend(node_problems(n, b.graph.functions, dev))
+        if "fused_ops" in n.attr:  # a registered kernel that lacks this activation in this dtype
+            for v in _type_attrs(n).values():
+                why = registry.fused_ops_broken(n.op, dev, v, n.attr["fused_ops"].list.s)
+                if why:
+                    out.append(f"emitted node '{n.name}': {why}")
     for op, ta, why in checks:
         if registry.op_def(op) is None:
             out.append(f"{why}: op {op} is not registered (custom-op library not loaded?)")

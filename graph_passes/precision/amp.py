@@ -252,6 +252,9 @@ class PrecisionPass(Pass):
             for a in info.attrs:
                 want[a] = dt
             ok = self._kernel_cache[key] = registry.has_kernel(node.op, key[1], want)
+        if ok and "fused_ops" in node.attr and registry.fused_ops_broken(
+                node.op, key[1], dt, node.attr["fused_ops"].list.s):
+            return False
         return ok
 
     def is_keep(self, node):
