@@ -126,6 +126,9 @@ def main():
         device_only.update(r["summary"].get("ge_device_only_keys", []))
         for node, d in r["decisions"].items():
             decisions[node] = d.get("dtype")
+        for node, d in r["decisions"].items():  # a MatMul fused with its bias/activation
+            for inner in d.get("fused_nodes", ()):  # runs in the fused node's dtype
+                decisions.setdefault(inner, d.get("dtype"))
     fp16 = sorted(n for n in ("fc0", "fc1", "logits") if decisions.get(n) == "float16")
 
     print(f"{'':22}{'FP32 (flag override)':>22}{'as written (mixed)':>22}")
