@@ -44,70 +44,62 @@ def static_shapes(node) -> list[list[int] | None] | None:
 
 
 # ---------------------------------------------------------------- sources
-class LineShapes:
-    """Shapes in the bridge's line format (``name\\x01d,d|?|...``, nodes
+class _LazyShapes:
+    """A read-only ``name -> [shape per output]`` mapping over raw per-node
+    records, each decoded (:meth:`_decode`) on its first lookup."""
+
+    def __init__(self, raw: dict):
+        self._raw = raw
+        self._done = {}
+
+    def __len__(self):
+        return len(self._raw)
+
+    def __contains__(self, name):
+        return name in self._raw
+
+    def __getitem__(self, name):
+        s = self.get(name)
+        if s is None:
+            raise KeyError(name)
+        return s
+
+    def get(self, name):
+        s = self._done.get(name)
+        if s is not None:
+            return s
+        raw = self._raw.get(name)
+        if raw is None:
+            return None
+        s = self._done[name] = self._decode(raw)
+        return s
+
+    def _decode(self, raw):
+        raise NotImplementedError
+
+
+class LineShapes(_LazyShapes):
+    """Shapes in the bridge's line format (``name\x01d,d|?|...``, nodes
     without outputs left out), decoded per node on first lookup."""
 
     def __init__(self, text: str):
-        self._raw = {}
+        raw = {}
         for line in text.split("\n"):
             name, sep, rest = line.partition("\x01")
             if sep:
-                self._raw[name] = rest
-        self._done = {}
+                raw[name] = rest
+        super().__init__(raw)
 
-    def __len__(self):
-        return len(self._raw)
-
-    def __contains__(self, name):
-        return name in self._raw
-
-    def __getitem__(self, name):
-        s = self.get(name)
-        if s is None:
-            raise KeyError(name)
-        return s
-
-    def get(self, name):
-        s = self._done.get(name)
-        if s is not None:
-            return s
-        raw = self._raw.get(name)
-        if raw is None:
-            return None
-        s = [None if part == "?" else ([int(d) for d in part.split(",")] if part else [])
-             for part in raw.split("|")]
-        self._done[name] = s
-        return s
+    def _decode(self, raw):
+        return [None if part == "?" else ([int(d) for d in part.split(",")] if part else [])
+                for part in raw.split("|")]
 
 
-class _PropertiesShapes:
+class _PropertiesShapes(_LazyShapes):
     """``{name: [serialized OpInfo.TensorProperties]}`` from grappler's Item,
     decoded per node on first lookup."""
 
-    def __init__(self, props: dict):
-        self._raw = props
-        self._done = {}
-
-    def __len__(self):
-        return len(self._raw)
-
-    def __contains__(self, name):
-        return name in self._raw
-
-    def __getitem__(self, name):
-        s = self.get(name)
-        if s is None:
-            raise KeyError(name)
-        return s
-
-    def get(self, name):
-        s = self._done.get(name)
-        if s is not None:
-            return s
-        raw = self._raw.get(name)
-        if raw is None:
-            return None
+    def _decode(self, raw):
         from tensorflow.core.grappler.costs import op_performance_data_pb2
 
         tp = op_performance_data_pb2.OpInfo.TensorProperties
@@ -115,7 +107,6 @@ class _PropertiesShapes:
         for b in raw:
             sh = tp.FromString(b).shape
             s.append(None if sh.unknown_rank else [max(d.size, -1) for d in sh.dim])
-        self._done[name] = s
         return s
 
 

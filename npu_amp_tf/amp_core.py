@@ -420,3 +420,22 @@ def _options(options, source="AMP_Optimizer") -> Options:
 
 
 __all__ = ["AmpCore", "fused_unscale_and_check", "check_strategy", "FP16_COPIES_COLLECTION"]
+
+
+def amp_config(manager, options) -> dict:
+    """The ``npu_amp`` entry the Keras wrappers add to ``get_config``: the
+    loss-scale settings (not its state, which travels in checkpoints) and the
+    AMP options, enough to rebuild the wrapper in ``from_config``."""
+    opts = {k: options[k] for k in ("keep_fp16_copies", "gradient_accumulation_steps",
+                                    "allreduce_dtype", "bucket_size_mb")}
+    m = manager
+    if m.is_dynamic:
+        lsm = None
+        opts.update(init_loss_scale=m._init_scale, incr_every_n_steps=m.incr_every_n_steps,  # pylint: disable=protected-access
+                    decr_every_n_nan_or_inf=m.decr_every_n_nan_or_inf,
+                    incr_ratio=m.incr_ratio, decr_ratio=m.decr_ratio,
+                    min_loss_scale=m._min, max_loss_scale=m._max)  # pylint: disable=protected-access
+    else:
+        lsm = m._init_scale  # pylint: disable=protected-access
+        opts["enable_overflow_check"] = m.enable_overflow_check
+    return {"loss_scale_manager": lsm, "options": opts}

@@ -64,6 +64,7 @@ import functools
 import tensorflow as tf
 
 from .errors import NpuAmpError, OptionError
+from . import amp_core
 from .loss_scale import make_manager
 from .optimizer import AmpCore, _options, check_strategy, fused_unscale_and_check
 
@@ -215,19 +216,7 @@ class _AmpKeras3Mixin:
         """The wrapped optimizer's config plus an ``npu_amp`` entry (loss-scale
         settings), so ``model.save``/``load_model`` rebuild the AMP optimizer."""
         cfg = self._npu_amp_base.get_config(self)
-        m, o = self.loss_scale_manager, self._npu_amp_core.options
-        opts = {k: o[k] for k in ("keep_fp16_copies", "gradient_accumulation_steps",
-                                  "allreduce_dtype", "bucket_size_mb")}
-        if m.is_dynamic:
-            lsm = None
-            opts.update(init_loss_scale=m._init_scale, incr_every_n_steps=m.incr_every_n_steps,
-                        decr_every_n_nan_or_inf=m.decr_every_n_nan_or_inf,
-                        incr_ratio=m.incr_ratio, decr_ratio=m.decr_ratio,
-                        min_loss_scale=m._min, max_loss_scale=m._max)
-        else:
-            lsm = m._init_scale
-            opts["enable_overflow_check"] = m.enable_overflow_check
-        cfg["npu_amp"] = {"loss_scale_manager": lsm, "options": opts}
+        cfg["npu_amp"] = amp_core.amp_config(self.loss_scale_manager, self._npu_amp_core.options)
         return cfg
 
     @classmethod

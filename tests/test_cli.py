@@ -4,16 +4,15 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
-import zlib
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import test_tools as tm
+from chromium_cdp import png_pixels
 
 BIN = os.path.join(os.path.dirname(sys.executable), "npu-amp")
 TF_LOG = re.compile(r"^(WARNING: All log messages before absl|[IWEF]\d{4} \d\d:\d\d:\d\d|"
@@ -174,44 +173,6 @@ def test_report_table_totals(models, tmp_path, capsys):
     assert "low-precision FLOP share:   100.0%" in p2.stdout
 
 
-def _png_pixels(path):
-    """Decode an 8-bit RGB/RGBA non-interlaced PNG (what Chromium writes)."""
-    data = open(path, "rb").read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, w = 8, b"", None
-    while pos < len(data):
-        length, typ = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
-        if typ == b"IHDR":
-            w, h, depth, ctype = struct.unpack(">IIBB", body[:10])
-            assert depth == 8 and ctype in (2, 6)
-            bpp = 3 if ctype == 2 else 4
-        elif typ == b"IDAT":
-            idat += body
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    stride = w * bpp
-    out, prev = [], bytearray(stride)
-    for r in range(h):
-        f, line = raw[r * (stride + 1)], bytearray(raw[r * (stride + 1) + 1:(r + 1) * (stride + 1)])
-        for i in range(stride):
-            a = line[i - bpp] if i >= bpp else 0
-            b = prev[i]
-            c = prev[i - bpp] if i >= bpp else 0
-            if f == 1:
-                line[i] = (line[i] + a) & 255
-            elif f == 2:
-                line[i] = (line[i] + b) & 255
-            elif f == 3:
-                line[i] = (line[i] + (a + b) // 2) & 255
-            elif f == 4:
-                pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
-                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
-        out.append(bytes(line))
-        prev = line
-    return w, h, bpp, out
-
-
 def test_report_html_renders_in_headless_chromium(models, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -227,7 +188,7 @@ def test_report_html_renders_in_headless_chromium(models, tmp_path):
                     "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}",
                     "--window-size=1000,800", html_path.as_uri()],
                    capture_output=True, timeout=120, check=True)
-    w, h, bpp, rows = _png_pixels(png)
+    w, h, bpp, rows = png_pixels(png)
     assert (w, h) == (1000, 800)
     # the FP16 nodes are drawn: the FP16 colour (#f28e2b) fills many pixels
     # below the header, the FP32 colour (#4e79a7) some
