@@ -333,8 +333,9 @@ def _mode_graph():
     ({}, {"mm": F16, "ba": F16, "sm": F32}),
     ({"precision_mode": "allow_mix_precision_fp16"}, {"mm": F16, "ba": F16, "sm": F32}),
     ({"precision_mode_v2": "mixed_float16"}, {"mm": F16, "ba": F16, "sm": F32}),
-    ({"precision_mode": "allow_mix_precision_bf16"}, {"mm": BF16, "ba": BF16, "sm": F32}),
-    ({"precision_mode_v2": "mixed_bfloat16"}, {"mm": BF16, "ba": BF16, "sm": F32}),
+    # BF16: Softmax is black for FP16's range only, so it follows its producers (lists.BF16_GRAY)
+    ({"precision_mode": "allow_mix_precision_bf16"}, {"mm": BF16, "ba": BF16, "sm": BF16}),
+    ({"precision_mode_v2": "mixed_bfloat16"}, {"mm": BF16, "ba": BF16, "sm": BF16}),
     ({"precision_mode": "force_fp16"}, {"mm": F16, "ba": F16, "sm": F16}),
     ({"precision_mode_v2": "fp16"}, {"mm": F16, "ba": F16, "sm": F16}),
     ({"precision_mode": "cube_fp16in_fp32out"}, {"mm": F16, "ba": F32, "sm": F32}),

@@ -165,6 +165,7 @@ class PrecisionPass(Pass):
         act_before = _stats.activation_bytes(graph, shapes, per_node=self._act_nodes)
         peak_before = _stats.peak_step_bytes(graph, shapes, set(shapes._dependent or ()) or None)
         self.new_casts = []
+        self.casts_delayed = 0
 
         changed = 0
         if self.mode != "must_keep_origin_dtype":
@@ -176,6 +177,7 @@ class PrecisionPass(Pass):
             self._adapt_casts()
             self._convert_consts()
             self._fix_edges(shapes)
+            self._delay_widening_casts()
         else:
             for name, node in graph.nodes.items():
                 if self.info(node).attrs:
@@ -773,6 +775,71 @@ class PrecisionPass(Pass):
         self._cast_cache[key] = cname
         return cname
 
+    def _delay_widening_casts(self):
+        """A Cast low -> FP32 inserted by this run waits for the other inputs
+        of its readers: it gets a control edge from each producer that is
+        later in the graph than the Cast's source and does not depend on the
+        Cast.  TF runs a node as soon as its inputs are ready, so without the
+        edge an FP32 copy of a forward activation read only by the backward
+        pass is made in the forward pass and held (at twice the low tensor's
+        bytes) until the backward pass; with it the low tensor is what waits
+        and the FP32 copy lives only while its readers run::
+
+            softmax16 ─► Cast32 ──────────────► Mul32 (backward)
+                                       grad ──┘
+            =>
+            softmax16 ─► Cast32 ─► Mul32         (Cast32 has ^grad: made when grad is)
+                grad ─^──┘   grad ─┘
+
+        Not done in graphs with v1 loops (a control edge may not cross a
+        frame) nor for casts of constants; no edge that would close a cycle."""
+        g = self.g
+        if not self.new_casts or g.nodes_of_type(("Enter", "RefEnter")):
+            return
+        pos = g.topo_positions()
+        for cname in self.new_casts:
+            cast = g.nodes.get(cname)
+            if (cast is None or cast.attr["DstT"].type != FP32
+                    or cast.attr["SrcT"].type not in registry.LOW_TYPES):
+                continue
+            src = parse_tensor(cast.input[0])[0]
+            if g.nodes[src].op == "Const" or src not in pos or cname not in pos:
+                continue
+            waits = []
+            for reader, idx in g.consumers(cname, control=False):
+                for k, inp in enumerate(g.nodes[reader].input):
+                    if k == idx or inp.startswith("^"):
+                        continue
+                    other = parse_tensor(inp)[0]
+                    if (other in waits or other == src or pos.get(other, -1) <= pos[src]
+                            or g.nodes[other].op == "Const"):
+                        continue
+                    if not self._depends_on(other, cname, pos):
+                        waits.append(other)
+            for other in waits:
+                g.add_control_input(cname, other)
+            if waits:
+                self.casts_delayed += 1
+                self.decisions.setdefault(cname, {})["waits_for"] = waits
+                pos = g.topo_positions()
+
+    def _depends_on(self, name, target, pos):
+        """Whether ``name`` is downstream of ``target`` (data or control edges);
+        only nodes after ``target`` in topological order are visited."""
+        g = self.g
+        lo = pos[target]
+        seen, stack = {name}, [name]
+        while stack:
+            n = stack.pop()
+            if n == target:
+                return True
+            for inp in g.nodes[n].input:
+                p = parse_tensor(inp)[0]
+                if p not in seen and pos.get(p, -1) >= lo:
+                    seen.add(p)
+                    stack.append(p)
+        return False
+
     def _fp16_copy_read(self, src, port, dt):
         """``keep_fp16_copies``: instead of casting a read of master variable
         ``v``, read its FP16 working copy ``v/Fp16Copy`` (kept in sync by
@@ -833,6 +900,7 @@ class PrecisionPass(Pass):
             "low_precision_nodes": low_nodes,
             "float_nodes": float_nodes,
             "casts_inserted": self.casts_inserted,
+            "casts_delayed": self.casts_delayed,
             "fp16_copy_reads": self.copy_reads,
             "lp_flops": lp_flops,
             "matrix_flops": total_flops,

@@ -69,6 +69,15 @@ BLACK = {
     "ScaleMaskSoftmax": "fused scale + mask + softmax: exp/sum over a row overflows FP16",
 }
 
+#: black ops whose only reason is FP16's range: gray (follow their producers)
+#: when the low dtype is BF16, which has FP32's exponent range
+#: (``planner.Plan``; a user's own black entry keeps them black)
+BF16_GRAY = {
+    "Softmax": "BF16 has FP32's range, so the FP16 overflow does not apply; oneDNN's BF16 softmax "
+               "accumulates in FP32 (grappler's oneDNN BF16 AMP and Keras mixed_bfloat16 run it in BF16); "
+               "in FP32 its output is held for the backward pass at twice the bytes",
+}
+
 GRAY = {
     "Add": "elementwise arithmetic",
     "AddV2": "elementwise arithmetic",

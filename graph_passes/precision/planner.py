@@ -16,7 +16,8 @@ context (cached on it); a plan never changes after it is built.
 Mode -> dtype of a matrix (white-list) op, before kernels are checked:
 
 =========================  =============================================
-allow_mix_precision(_bf16) low (FP16 / BF16); black ops FP32
+allow_mix_precision(_bf16) low (FP16 / BF16); black ops FP32 (with BF16,
+                           lists.BF16_GRAY ops are gray instead)
 force_fp16                 low wherever a kernel exists
 cube_fp16in_fp32out        low for white (cube) ops, others unchanged
 allow_fp32_to_fp16         FP32 wherever an FP32 kernel exists (low only
@@ -89,6 +90,12 @@ class Plan:
         self.mode, self.low = canonical_mode(options)
         self.low_name = registry.dtype_name(self.low)
         self.lists = _lists.lists_for(options)
+        if self.low == registry.DT_BFLOAT16:
+            black, gray = self.lists["black"], self.lists["gray"]
+            for op, why in _lists.BF16_GRAY.items():
+                if op in black and not black[op].startswith("user:"):
+                    del black[op]
+                    gray[op] = f"BF16: {why}"
         self.op_list = {}
         for lname in _lists.LIST_NAMES:
             for op, why in self.lists[lname].items():
