@@ -782,6 +782,13 @@ def markdown_table(groups=("rewrite", "loss_scale")) -> str:
         elif opt.accepts:
             meaning += f" Accepted: {opt.accepts}."
         rows.append(f"| `{opt.name}` | {opt.type} | {default} | {meaning} |")
+    # GE keys that act on the session's ConfigProto (session_config, an entry's
+    # parameter_map, NPURunConfig, npu-amp run): the memory levers
+    for key, (kind, type_, doc) in GE_ACTING_KEYS.items():
+        if kind == "memory":
+            rows.append(f"| `{key}` | {type_} (GE key) | none | {doc}. Acts on the Session's ConfigProto: "
+                        f"`session_config`, `estimator.RunConfig`, an entry's parameter_map in sessions under "
+                        f"`npu-amp run` / `npu_amp_tf.compat`; not in `rewrite_graph` or `enable`. |")
     return "\n".join(rows)
 
 

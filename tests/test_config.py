@@ -130,6 +130,55 @@ def test_session_config_runs_the_pipeline_in_a_session():
     np.testing.assert_allclose(out, ref / ref.sum(axis=1, keepdims=True), atol=2e-3)
 
 
+def _mlp_adam_step():
+    g = tf.Graph()
+    with g.as_default(), tf.compat.v1.variable_scope("", use_resource=True):
+        x = tf.compat.v1.placeholder(tf.float32, [64, 32], name="x")
+        y = tf.compat.v1.placeholder(tf.int32, [64], name="y")
+        rng = np.random.RandomState(3)
+        h = x
+        for i in range(3):
+            w = tf.compat.v1.get_variable(f"w{i}", initializer=rng.uniform(-.3, .3, (32, 32)).astype(np.float32))
+            h = tf.nn.relu(tf.matmul(h, w) * 1.5 + 0.1)
+        w = tf.compat.v1.get_variable("out", initializer=rng.uniform(-.3, .3, (32, 4)).astype(np.float32))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(h, w)),
+                              name="loss")
+        train = tf.compat.v1.train.AdamOptimizer(1e-2).minimize(loss, name="train")
+        init = tf.compat.v1.global_variables_initializer()
+    feed = {"x:0": np.random.RandomState(4).standard_normal((64, 32)).astype(np.float32),
+            "y:0": np.arange(64, dtype=np.int32) % 4}
+    return g, train, init, loss, feed
+
+
+def test_memory_optimize_sets_recomputation_and_a_training_step_runs():
+    """GE's memory_optimize (the lever benchmarks/memory.py measures as
+    '+recompute') sets grappler's memory optimizer on the session, and a
+    training step runs under it: grappler recomputes forward ops for the
+    backward pass ('Recomputed/...' nodes), the losses equal those without it."""
+    cfg = npu_amp_tf.session_config(precision_mode="allow_mix_precision_bf16", memory_optimize="on")
+    assert cfg.graph_options.rewrite_options.memory_optimization == RC.RECOMPUTATION_HEURISTICS
+    assert params_of(cfg, "NpuAmpOptimizer")["precision_mode"] == "allow_mix_precision_bf16"
+    plain = npu_amp_tf.session_config(precision_mode="allow_mix_precision_bf16")
+    assert plain.graph_options.rewrite_options.memory_optimization == RC.DEFAULT_MEM_OPT
+    assert npu_amp_tf.session_config(memory_optimize="off").graph_options.rewrite_options \
+        .memory_optimization == RC.NO_MEM_OPT
+    losses = {}
+    for label, c in (("recompute", cfg), ("plain", plain)):
+        g, train, init, loss, feed = _mlp_adam_step()
+        with tf.compat.v1.Session(graph=g, config=c) as s:
+            s.run(init)
+            md = tf.compat.v1.RunMetadata()
+            vals = [s.run([train, loss], feed, run_metadata=md,
+                          options=tf.compat.v1.RunOptions(output_partition_graphs=True))[1] for _ in range(3)]
+        nodes = [n for pg in md.partition_graphs for n in pg.node]
+        losses[label] = vals
+        recomputed = [n.name for n in nodes if n.name.startswith("Recomputed/")]
+        assert bool(recomputed) is (label == "recompute"), recomputed[:5]
+        assert any(n.op in ("MatMul", "_MklMatMul") and n.attr["T"].type == types_pb2.DT_BFLOAT16 for n in nodes)
+    assert np.all(np.isfinite(losses["recompute"])) and losses["recompute"][2] < losses["recompute"][0]
+    np.testing.assert_allclose(losses["recompute"], losses["plain"], rtol=1e-5)
+
+
 # ------------------------------------------------------------ TF2
 def function_graph_nodes(fn, *args):
     """Run ``fn`` and return the nodes of the partition graphs that executed."""

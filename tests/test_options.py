@@ -142,6 +142,9 @@ def test_markdown_table_lists_every_option():
     table = O.markdown_table()
     for name in O.OPTIONS:
         assert f"`{name}`" in table
+    # the memory levers (GE keys acting on the session config) are documented there too
+    for name in ("memory_optimize", "buffer_optim"):
+        assert f"| `{name}` | str (GE key) |" in table
 
 
 def test_readme_parameter_table_is_current():
