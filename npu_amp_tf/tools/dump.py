@@ -115,7 +115,14 @@ def _run_all(graph_def, run, feeds, label, progress=True):
         shutil.rmtree(tmp, ignore_errors=True)
     # Tensors a graph rewrite inside the Session fused away before the watches went in (oneDNN's layout
     # pass fuses Conv2D + BiasAdd in FP32, for one): fetching them keeps them; the step is re-run from the
-    # same weights.  Tensors in loop bodies or untaken branches cannot be fetched and stay unnamed here.
+    # same weights.  Tensors inside a v1 while_loop cannot be fetched: they are named below with the loop.
+    frames = _loop_frames(g)
+    for name in info:
+        node = info[name][0]
+        if name not in values and name not in missing and node in frames:
+            missing[name] = (f"inside v1 while_loop frame '{frames[node]}': the debugger recorded no value "
+                             "(a rewrite inside the Session fused it away, or the loop did not run) and a "
+                             "tensor inside a loop cannot be fetched")
     fetchable = [n for n in info if n not in values and n not in missing and n not in
                  {model_io.tensor_ref(k) for k in feeds}]
     if fetchable:
@@ -138,6 +145,31 @@ def _run_all(graph_def, run, feeds, label, progress=True):
                 f"inside function(s) {', '.join(fns)} called by {op.type} '{op.name}' (control flow v2 / "
                 "tf.function): the v1 debugger cannot watch function bodies; only the call's outputs are dumped")
     return values, info, missing
+
+
+def _loop_frames(g) -> dict:
+    """{op name: frame name} for the ops inside v1 ``while_loop`` bodies (and
+    conditions) of ``g``: everything reached from an ``Enter`` through data or
+    control edges before the loop's ``Exit`` (nested loops: an inner op is
+    named with the first frame that reaches it)."""
+    waiting = {}
+    for op in g.get_operations():
+        for ci in op.control_inputs:
+            waiting.setdefault(ci.name, []).append(op)
+    frames = {}
+    stack = []
+    for op in g.get_operations():
+        if op.type in ("Enter", "RefEnter"):
+            frame = op.get_attr("frame_name")
+            stack.append((op, frame.decode() if isinstance(frame, bytes) else frame))
+    while stack:
+        op, frame = stack.pop()
+        if op.name in frames:
+            continue
+        frames[op.name] = frame
+        nxt = [c for t in op.outputs for c in t.consumers()] + waiting.get(op.name, [])
+        stack.extend((c, frame) for c in nxt if c.type not in ("Exit", "RefExit") and c.name not in frames)
+    return frames
 
 
 def _fetch_each(graph_def, run, feeds, names):
