@@ -184,6 +184,34 @@ def test_dump_v1_while_and_cond_bodies(tmp_path):
     assert "branch/neg:0" in format_table(res)
 
 
+def test_dump_names_loop_tensors_it_cannot_capture(tmp_path):
+    """Inside a v1 while body a tensor the debugger got no value for (oneDNN
+    fuses the FP32 Conv2D + BiasAdd in the Session) cannot be fetched either:
+    it is named in not_dumped with its loop frame, never skipped silently."""
+    from npu_amp_tf.tools import dump, load_model, runnable
+
+    meta, _, feed = tg.v1_loop_conv(str(tmp_path / "m"))
+    run = runnable(load_model(meta, outputs=["train", "loss"]))
+    md = dump(run, feed, str(tmp_path / "d"), _options(), progress=False)
+    g = tf.Graph()
+    with g.as_default():
+        tf1.train.import_meta_graph(meta)
+    floats = {t.name for op in g.get_operations() if op.type not in ("NoOp", "Assert")
+              for t in op.outputs if t.dtype.base_dtype in (tf.float32, tf.float16, tf.bfloat16)}
+    for label, dt in (("fp32", "fp32_dtype"), ("mixed", "mixed_dtype")):
+        got = {n for n, t in md["tensors"].items() if t[dt]} | set(md["not_dumped"][label])
+        loop = {n for n in floats if n.startswith("loop/")}
+        assert loop <= got, sorted(loop - got)  # every loop tensor: a value or a reason
+    assert "loop/act:0" in md["tensors"] and md["tensors"]["loop/act:0"]["executions"] == 2
+    for label in ("fp32", "mixed"):
+        if "loop/conv:0" in md["not_dumped"][label]:
+            assert "while_loop frame 'loop/while_context'" in md["not_dumped"][label]["loop/conv:0"]
+        else:
+            assert md["tensors"]["loop/conv:0"][f"{label}_dtype"]
+    in_loop = [n for n, why in md["not_dumped"]["fp32"].items() if "while_loop frame" in why]
+    assert all(n.startswith("loop/") for n in in_loop)
+
+
 def test_cli_dump_and_profile_training_metagraph(adam, tmp_path):
     from test_cli import cli
 

@@ -156,3 +156,33 @@ def v1_loop_cond(d):
     finally:
         control_flow_util.ENABLE_CONTROL_FLOW_V2 = old
     return meta, None, feed
+
+
+def v1_loop_conv(d):
+    """A v1 ``while_loop`` whose body is Conv2D + BiasAdd + Relu (oneDNN's
+    layout pass fuses the FP32 Conv2D + BiasAdd inside the Session, so the
+    debugger sees no Conv2D output), trained by SGD."""
+    from tensorflow.python.ops import control_flow_util
+
+    old = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
+    try:
+        g = tf.Graph()
+        feed = {"x:0": np.full((1, 8, 8, 4), 0.5, np.float32)}
+        with g.as_default(), tf1.variable_scope("", use_resource=True):
+            x = tf1.placeholder(tf.float32, [1, 8, 8, 4], name="x")
+            k = tf1.get_variable("k", initializer=np.full((3, 3, 4, 4), 0.05, np.float32))
+            b = tf1.get_variable("b", initializer=np.full((4,), 0.1, np.float32))
+
+            def body(i, h):
+                c = tf.nn.conv2d(h, k, 1, "SAME", name="conv")
+                return i + 1, tf.nn.relu(tf.nn.bias_add(c, b, name="bias"), name="act")
+
+            _, h = tf1.while_loop(lambda i, h: i < 2, body, [tf.constant(0), x], name="loop")
+            loss = tf.reduce_sum(tf.square(h), name="loss")
+            tf1.train.GradientDescentOptimizer(1e-3).minimize(loss, name="train")
+            with tf1.Session(graph=g) as sess:
+                meta, _ = _export(g, sess, d, False, {}, None)
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = old
+    return meta, None, feed
