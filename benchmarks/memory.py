@@ -34,11 +34,14 @@ more than grappler's or Keras's.
     python benchmarks/memory.py [--models resnet50,bert] [--batch 16] [--image 96]
                                 [--bert-batch 16] [--bert-layers 2] [--configs fp32,ours-bf16,...]
 
-The README figures: ``--batch 32 --image 128 --bert-batch 32 --configs
-fp32,ours-bf16,grappler-bf16,keras-bf16,ours-bf16+recompute,ours-bf16+scheduling``
-(BF16 runs fast here) and ``--models resnet50 --batch 16 --image 64`` for
-every configuration (an FP16 ResNet-50 step takes ~3 minutes on this CPU; a
-BERT FP16 step longer than the budget).
+The README figures (2026-12-01): on TF 2.15.1 ``--models resnet50 --batch 32
+--image 128 --configs fp32,ours-bf16,grappler-bf16,keras-bf16,ours-bf16+recompute,ours-bf16+scheduling``
+and ``--models bert --bert-batch 32 --configs
+fp32,ours-bf16,grappler-bf16,ours-bf16+recompute,ours-bf16+scheduling`` (BF16
+runs fast here; an FP16 step takes minutes on TF 2.15's Eigen kernels); the
+FP16 rows on TF 2.21.0 (FP16 matmul at about FP32's speed there) with
+``--configs fp32,ours-fp16,grappler-fp16,ours-bf16,grappler-bf16`` (plus
+``keras-fp16,keras-bf16`` for ResNet-50), same batches.
 """
 from __future__ import annotations
 
