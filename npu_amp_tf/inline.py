@@ -19,8 +19,9 @@ The rule:
 * grappler's own function optimizer runs, every other grappler pass off
   (no constant folding, no remapper: the pipeline decides the rest);
 * the graph's own inputs and outputs (``fetches``, ``preserve``, and every
-  call whose outputs nothing reads) keep their names, dtypes and output
-  counts, so the graph's signature is unchanged;
+  call whose outputs nothing reads; with neither given, every node nothing
+  reads) keep their names, dtypes and output counts, so the graph's
+  signature is unchanged;
 * a call grappler does not inline (``_noinline``, a function it cannot
   instantiate) stays a call, and its function keeps its signature; the
   pipeline then rewrites its body on its own, as before.
@@ -75,10 +76,10 @@ def _grappler_function_optimizer(graph_def, keep):
         raise InlineError(f"cannot inline the graph's function calls: {first}") from None
 
 
-def _unread_calls(graph_def) -> set[str]:
-    """Call nodes whose outputs no node reads: outputs of the graph itself."""
-    read = {_node_of(i) for n in graph_def.node for i in n.input if not i.startswith("^")}
-    return {n.name for n in graph_def.node if n.op in CALL_OPS and n.name not in read}
+def _unread(graph_def, ops=None) -> set[str]:
+    """Nodes (of ``ops``, or any) that no node reads: the graph's own outputs."""
+    read = {_node_of(i) for n in graph_def.node for i in n.input}
+    return {n.name for n in graph_def.node if (ops is None or n.op in ops) and n.name not in read}
 
 
 def inline_calls(graph_def, fetches=(), preserve=()):
@@ -95,8 +96,16 @@ def inline_calls(graph_def, fetches=(), preserve=()):
         return graph_def
     names = {n.name for n in graph_def.node}
     keep = {_node_of(t) for t in list(fetches) + list(preserve)} & names
-    keep |= _unread_calls(graph_def)
-    return _grappler_function_optimizer(graph_def, keep)
+    # the graph's outputs: fetched, or (nothing fetched) read by no node
+    keep |= _unread(graph_def, CALL_OPS) if keep else _unread(graph_def)
+    out = _grappler_function_optimizer(graph_def, keep)
+    if _calls(out) == _calls(graph_def):
+        return graph_def  # nothing inlinable: the graph as it was (not re-sorted)
+    return out
+
+
+def _calls(graph_def):
+    return {(n.name, n.op, n.attr["f"].func.name) for n in graph_def.node if n.op in CALL_OPS}
 
 
 def inline_bodies(graph_def, fnames):
@@ -122,6 +131,8 @@ def inline_bodies(graph_def, fnames):
         keep = {n.name for n in body.node if n.op in ("_Arg", "_Retval")}
         keep |= set(fg.fdef.control_ret.values()) & {n.name for n in body.node}
         new = _grappler_function_optimizer(body, keep)
+        if _calls(new) == _calls(body):
+            continue
         for f in new.library.function:
             if f.signature.name not in graph.functions:
                 graph.library.function.add().CopyFrom(f)
