@@ -101,7 +101,14 @@ def inline_calls(graph_def, fetches=(), preserve=()):
     out = _grappler_function_optimizer(graph_def, keep)
     if _calls(out) == _calls(graph_def):
         return graph_def  # nothing inlinable: the graph as it was (not re-sorted)
-    return out
+    return _drop_dangling_colocation(out)
+
+
+def _drop_dangling_colocation(graph_def):
+    from graph_passes.graph import drop_dangling_colocation
+
+    drop_dangling_colocation(graph_def.node)
+    return graph_def
 
 
 def _calls(graph_def):
@@ -138,6 +145,7 @@ def inline_bodies(graph_def, fnames):
                 graph.library.function.add().CopyFrom(f)
                 graph.functions[f.signature.name] = graph.library.function[-1]
         del new.library.function[:]
+        _drop_dangling_colocation(new)
         try:
             graph.set_function(FunctionGraph.with_body(fg.fdef, graph.functions, new))
         except GraphError:
