@@ -6,16 +6,18 @@ MobileNetV2 sees what a session sees.  The function calls are inlined first
 and the signature is unchanged.
 
 Shapes are tiny (alpha 0.35, 32x32, batch 2): FP16 kernels on TF 2.15's CPU
-are ~100x slower than FP32.  The BatchNorm statistics are set from one batch
-(momentum 0, one training-mode call) so activations stay O(1) through the 53
-layers; with Keras's fresh statistics (mean 0, variance 1) the logits of the
-untrained net are ~1e-11 and FP16 flushes them to zero, which would make the
-numeric check meaningless.
+are ~100x slower than FP32.  The BatchNorm statistics are set from a batch of
+32 (momentum 0, one training-mode call) so activations stay O(1) through the
+network; with Keras's fresh statistics (mean 0, variance 1) the logits of the
+untrained net are ~1e-11 and FP16 flushes them to zero, and statistics of a
+batch of 2 (variance over 2 values at the 1x1 end) amplify rounding ~100x.
 
-FP16 tolerance: unit roundoff u = 2**-11 ~ 4.9e-4 per rounding; with one
-rounding of each layer's output and errors adding up at worst linearly over
-L = 53 layers (52 convolutions + the classifier), the logits may be off by
-L * u ~ 2.6% of their scale.  The check allows 3% of max |logit|.
+FP16 tolerance against FP32: unit roundoff u = 2**-11 ~ 4.9e-4; a dot product
+of K terms rounds to ~sqrt(K) u, and L layers add such errors up like a
+random walk, sqrt(L).  With L = 53 layers and K = 1280 (the classifier's
+dot product, the longest in the net), sqrt(L K) u ~ 12.7% of the logits'
+scale: the bound checked.  Against the session path, which runs the same
+FP16 ops, the offline result must agree to a few roundings (4 u of scale).
 """
 import json
 import re
@@ -31,8 +33,8 @@ from conftest import keras2
 
 CALLS = ("PartitionedCall", "StatefulPartitionedCall")
 HW, BATCH, ALPHA = 32, 2, 0.35
-DEPTH = 53
-TOL = DEPTH * 2.0 ** -11 * 1.15  # ~3%: see the module docstring
+U = 2.0 ** -11
+TOL = (53 * 1280) ** 0.5 * U  # ~12.7%: see the module docstring
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,8 @@ def mnv2(tmp_path_factory):
     bns = [layer for layer in model.layers if isinstance(layer, k.layers.BatchNormalization)]
     for bn in bns:
         bn.momentum = 0.0
-    model(x, training=True)  # moving statistics := this batch's (as a trained net's would be)
+    # moving statistics := those of a batch of 32 (as a trained net's would be)
+    model(rng.standard_normal((32, HW, HW, 3)).astype(np.float32), training=True)
     for bn in bns:
         bn.momentum = 0.99
     # the Keras model's serving function saved as a SavedModel signature (a
@@ -65,20 +68,21 @@ def mnv2(tmp_path_factory):
             "ref": model(x, training=False).numpy()}
 
 
-def _session_casts(model, x):
-    """Casts the bridge inserts into Keras's predict function (grappler has
-    inlined the layer functions, as in any session)."""
+def _session_path(model, x):
+    """The output of Keras's predict function under ``enable()`` and the casts
+    the bridge inserted into it (grappler has inlined the layer functions, as
+    in any session)."""
     npu_amp_tf.bridge.clear_reports()
     npu_amp_tf.enable()
     try:
-        model.predict(x, verbose=0)
+        y = model.predict(x, verbose=0)
     finally:
         npu_amp_tf.disable()
     reps = [r for r in npu_amp_tf.bridge.last_reports()
             if "predict_function" in r["graph"] and r["status"] == "rewritten"]
     assert reps
     s = reps[0]["report"]["summary"]
-    return s["casts_inserted"] + s.get("functions_casts_inserted", 0)
+    return y, s["casts_inserted"] + s.get("functions_casts_inserted", 0)
 
 
 def _saved_model(path):
@@ -131,7 +135,7 @@ def test_rewrite_graph_on_saved_model_inlines_like_a_session(mnv2):
     assert len(half) == mnv2["n_conv"], (len(half), mnv2["n_conv"])
     # casts within 10% of the session path on the same model
     offline = rep.summary["casts_inserted"] + rep.summary.get("functions_casts_inserted", 0)
-    session = _session_casts(mnv2["model"], mnv2["x"])
+    y_session, session = _session_path(mnv2["model"], mnv2["x"])
     assert abs(offline - session) <= 0.1 * session, (offline, session)
     # signature unchanged: input and output nodes keep name, dtype and shape
     before, after = {n.name: n for n in gd.node}, {n.name: n for n in out.node}
@@ -149,8 +153,10 @@ def test_rewrite_graph_on_saved_model_inlines_like_a_session(mnv2):
     # numerically close to FP32 (the original graph, run the same way)
     variables = f"{mnv2['path']}/variables/variables"
     ref = _run_v1(gd, mg, variables, mnv2["x"])
-    np.testing.assert_allclose(ref, mnv2["ref"], rtol=1e-4, atol=1e-5 * np.abs(ref).max())
-    _close_not_equal(_run_v1(out, mg, variables, mnv2["x"]), ref)
+    assert np.abs(ref - mnv2["ref"]).max() <= 1e-3 * np.abs(ref).max()  # graph vs eager FP32 kernels
+    got = _run_v1(out, mg, variables, mnv2["x"])
+    _close_not_equal(got, ref)
+    assert np.abs(got - y_session).max() <= 4 * U * np.abs(ref).max(), np.abs(got - y_session).max()
 
 
 def test_cli_rewrite_writes_a_saved_model_that_loads_and_runs(mnv2, tmp_path):
