@@ -15,6 +15,14 @@ TF-Slim resnet_v1_50, and TF's split -> 3 convs -> concat case.  Tiny inputs
 asserts nothing.
 
     python benchmarks/precision_real.py [--models resnet50,mobilenet,slim_resnet,fanout]
+
+``--saved-model 224,8[,1.0]`` instead measures the offline path on a Keras
+MobileNetV2 SavedModel (``model.save``: one function per layer) at that input
+size, batch and width: casts of ``npu-amp report`` / ``rewrite`` (calls inlined
+first, npu_amp_tf/inline.py) vs the bodies rewritten one by one (the old
+offline behaviour) vs the session path (``enable()`` + ``model.predict``,
+same model, same process); the estimated activation memory before -> after;
+the FP16 count the HTML map draws.
 """
 from __future__ import annotations
 
@@ -111,10 +119,67 @@ def step_loss(g, loss, train, init, feeds, config):
         return l0, l1, time.perf_counter() - t0
 
 
+def saved_model_row(hw: int, batch: int, alpha: float):
+    import tempfile
+
+    from npu_amp_tf.options import Options
+    from npu_amp_tf.pipeline import optimize
+    from npu_amp_tf.tools import model_io
+    from npu_amp_tf.tools.report import write_html
+
+    k = keras2()
+    tf.keras.utils.set_random_seed(0)
+    inp = k.Input(batch_shape=(batch, hw, hw, 3), name="images")
+    model = k.applications.MobileNetV2(weights=None, alpha=alpha, input_tensor=inp)
+    d = tempfile.mkdtemp(prefix="mnv2_saved_")
+    t0 = time.perf_counter()
+    model.save(os.path.join(d, "sm"))
+    print(f"MobileNetV2 a={alpha} {batch}x{hw}x{hw} saved with model.save in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    m = model_io.load_model(os.path.join(d, "sm"))
+    opts = Options.from_kwargs(_groups=("rewrite",))
+    res = {}
+    for label, gd in (("bodies one by one (before)", m.graph_def),
+                      ("calls inlined (report / rewrite)", model_io.inlined_graph_def(m))):
+        t0 = time.perf_counter()
+        out, rep = optimize(gd, opts, fetches=m.fetch_nodes, preserve=m.preserve_nodes())
+        s = rep.summary
+        counts = write_html(rep, out, os.path.join(d, "map.html"), model=m)
+        res[label] = (s["casts_inserted"] + s.get("functions_casts_inserted", 0),
+                      s.get("activation_bytes_before"), s.get("activation_bytes_after"),
+                      s.get("activation_bytes_sum_before"), s.get("activation_bytes_sum_after"),
+                      counts["float16"], time.perf_counter() - t0)
+        print(label, res[label], flush=True)
+    npu_amp_tf.bridge.clear_reports()
+    x = np.random.RandomState(0).rand(batch, hw, hw, 3).astype(np.float32)
+    npu_amp_tf.enable()
+    t0 = time.perf_counter()
+    model.predict(x, batch_size=batch, verbose=0)
+    npu_amp_tf.disable()
+    reps = [r for r in npu_amp_tf.bridge.last_reports()
+            if "predict_function" in r["graph"] and r["status"] == "rewritten"]
+    ss = reps[0]["report"]["summary"]
+    session = ss["casts_inserted"] + ss.get("functions_casts_inserted", 0)
+    print(f"session path (enable() + predict, {time.perf_counter() - t0:.0f} s): {session} casts", flush=True)
+    mib = 2.0 ** 20
+    print(f"\n| MobileNetV2 a={alpha} SavedModel, {batch}x{hw}x{hw}, TF {tf.__version__} | casts (session "
+          f"path: {session}) | activation peak est. before -> after | activation sum before -> after "
+          f"| FP16 ops drawn in the map |")
+    print("|---|---|---|---|---|")
+    for label, (c, pb, pa, sb, sa, n16, _) in res.items():
+        print(f"| {label} | {c} ({(c - session) / session:+.0%}) | {pb / mib:.1f} -> {pa / mib:.1f} MiB "
+              f"| {sb / mib:.1f} -> {sa / mib:.1f} MiB | {n16} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--saved-model", default=None, metavar="HW,BATCH[,ALPHA]")
     args = ap.parse_args()
+    if args.saved_model:
+        parts = args.saved_model.split(",")
+        saved_model_row(int(parts[0]), int(parts[1]), float(parts[2]) if len(parts) > 2 else 1.0)
+        return
     rows = []
     for key in args.models.split(","):
         title, build = MODELS[key]

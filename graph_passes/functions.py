@@ -71,6 +71,29 @@ class FunctionGraph(Graph):
         super().__init__(gd, copy=False)
         self._functions = library
 
+    @classmethod
+    def with_body(cls, fdef: function_pb2.FunctionDef, library: dict,
+                  body: graph_pb2.GraphDef) -> "FunctionGraph":
+        """Function ``fdef`` with its body replaced by ``body``: a GraphDef in
+        this class's form holding the same ``_Arg`` / ``_Retval`` nodes (by
+        name, dtype and index) as ``FunctionGraph(fdef, library)`` makes, for
+        example that graph after grappler inlined its calls.  The signature
+        stays that of ``fdef``."""
+        fg = cls(fdef, library)
+        want = {n.name: (n.op, n.attr["T"].type, n.attr["index"].i)
+                for n in fg.nodes.values() if fg.is_boundary(n)}
+        got = {n.name: (n.op, n.attr["T"].type, n.attr["index"].i)
+               for n in body.node if n.op in ("_Arg", "_Retval")}
+        if want != got:
+            raise GraphError(f"function '{fg.fname}': the new body's arguments/results "
+                             f"differ from the signature's")
+        gd = graph_pb2.GraphDef()
+        gd.node.extend(body.node)
+        Graph.__init__(fg, gd, copy=False)
+        fg._functions = library
+        fg._dirty = True
+        return fg
+
     def _fixed_dtype(self, arg):
         if arg.type_attr or arg.type_list_attr or arg.number_attr:
             raise GraphError(

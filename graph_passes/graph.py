@@ -44,6 +44,30 @@ def parse_tensor(ref: str) -> tuple[str, int, bool]:
     return ref, 0, False
 
 
+def drop_dangling_colocation(nodes) -> int:
+    """Remove ``_class: loc:@X`` colocation entries naming a node X that is
+    not among ``nodes`` (NodeDefs, edited in place); ``import_graph_def``
+    rejects a graph that keeps them (a pass removed X, or grappler inlined it
+    away).  Returns how many entries were dropped."""
+    nodes = list(nodes)
+    names = {n.name for n in nodes}
+    dropped = 0
+    for n in nodes:
+        if "_class" not in n.attr:
+            continue
+        vals = list(n.attr["_class"].list.s)
+        keep = [v for v in vals if not v.startswith(b"loc:@") or v[5:].decode() in names]
+        if len(keep) == len(vals):
+            continue
+        dropped += len(vals) - len(keep)
+        if keep:
+            del n.attr["_class"].list.s[:]
+            n.attr["_class"].list.s.extend(keep)
+        else:
+            del n.attr["_class"]
+    return dropped
+
+
 def tensor_name(node: str, port: int = 0) -> str:
     """Canonical reference: ``node`` for port 0, ``node:k`` otherwise, ``^node`` for -1."""
     if port < 0:
@@ -410,6 +434,7 @@ class Graph:
             return out
         out = graph_pb2.GraphDef()
         out.node.extend(self.nodes.values())
+        drop_dangling_colocation(out.node)  # colocated with a node a pass removed
         out.library.CopyFrom(self.library)
         out.versions.CopyFrom(self.versions)
         return out

@@ -144,7 +144,9 @@ def cmd_rewrite(args):
 
     options = _options(args)
     model = _load(args, "input")
-    gd, report = optimize(model.graph_def, options, fetches=model.fetch_nodes,
+    # what a Session sees: function calls inlined first (npu_amp_tf.inline)
+    gd_in = model_io.inlined_graph_def(model, for_saving=True)
+    gd, report = optimize(gd_in, options, fetches=model.fetch_nodes,
                           preserve=model.preserve_nodes(), graph_name=os.path.basename(args.input))
     written = model_io.save_model(model, gd, args.output, report)
     from .tools.report import totals
@@ -177,7 +179,7 @@ def cmd_report(args):
         # report what a Session sees: function calls inlined first (one
         # function per Keras layer in a SavedModel would otherwise put casts
         # at every layer boundary and hide the converted ops from the map)
-        gd_in = model_io.inline_functions(model.graph_def, model.fetch_nodes, model.preserve_nodes())
+        gd_in = model_io.inlined_graph_def(model)
         graph_def, report = optimize(gd_in, options, fetches=model.fetch_nodes,
                                      preserve=model.preserve_nodes(),
                                      graph_name=os.path.basename(args.model.rstrip("/")))

@@ -225,11 +225,23 @@ def rewrite_graph(graph_def, fetches=None, preserve=None, **params):
     """Rewrite a GraphDef offline.  ``params`` are the options-module keys
     (``precision_mode=...``, ``modify_mixlist=...``, ``graph_level=...``...).
 
+    As in a Session, function calls (``PartitionedCall`` /
+    ``StatefulPartitionedCall``) are first inlined by grappler's function
+    optimizer (:func:`npu_amp_tf.inline.inline_calls`): ``fetches``,
+    ``preserve`` and every call whose outputs nothing reads keep their names
+    and outputs; calls grappler does not inline keep their functions'
+    signatures, and those bodies are rewritten on their own.
+
     Returns ``(new_graph_def, report)``.
     """
+    from .inline import inline_calls
+
     options = Options.from_kwargs(_groups=("rewrite",), **params)
     if isinstance(fetches, str):
         fetches = [fetches]
+    if isinstance(preserve, str):
+        preserve = [preserve]
+    graph_def = inline_calls(graph_def, fetches or (), preserve or ())
     return optimize(graph_def, options, fetches or (), preserve or ())
 
 

@@ -73,7 +73,9 @@ def test_pipeline_failure_keeps_graph_and_names_the_pass(monkeypatch):
 
 
 def test_function_bodies_are_rewritten_and_share_reported():
-    @tf.function
+    # a call grappler will not inline (``_noinline``, as a shared function may
+    # be) stays a call: its body is rewritten on its own, signature kept
+    @tf.function(experimental_attributes={"_noinline": True})
     def inner(x, w):
         return tf.nn.relu(tf.matmul(x, w))
 
@@ -83,6 +85,7 @@ def test_function_bodies_are_rewritten_and_share_reported():
 
     gd = outer.get_concrete_function(tf.TensorSpec([2, 4]), tf.TensorSpec([4, 3])).graph.as_graph_def()
     out, rep = npu_amp_tf.rewrite_graph(gd)
+    assert [n.op for n in out.node if n.op.endswith("PartitionedCall")] == ["PartitionedCall"]
     body = [f for f in out.library.function if "inner" in f.signature.name][0]
     mm = [n for n in body.node_def if n.op == "MatMul"]
     assert mm and mm[0].attr["T"].type == tf.float16.as_datatype_enum

@@ -313,7 +313,9 @@ def test_while_loop_training_graph(cf_v2):
 
 # --------------------------------------------------- nested tf.function
 def test_tf_function_with_nested_call():
-    @tf.function
+    # not inlinable (``_noinline``): the body is rewritten on its own; the
+    # inlinable case is in test_offline_inline.py
+    @tf.function(experimental_attributes={"_noinline": True})
     def inner(x, w):
         return tf.nn.relu(tf.matmul(x, w, name="inner_mm"))
 

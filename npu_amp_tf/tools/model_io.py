@@ -663,33 +663,31 @@ class StepSession:
         self.close()
 
 
-def inline_functions(graph_def, fetches, preserve=()):
-    """The graph as a Session would hand it to the pass: function calls
-    (``PartitionedCall`` / ``StatefulPartitionedCall``: a TF2 SavedModel puts
-    every Keras layer in its own function) inlined and lowered by grappler's
-    own function optimizer, every other grappler pass off.  ``fetches`` and
-    ``preserve`` (the graph's own outputs and inputs) keep their names, so the
-    graph's signature is unchanged.  Returns a new GraphDef; on a graph
-    without calls, the graph itself."""
-    from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
-    from tensorflow.python.grappler import tf_optimizer
+def inlined_graph_def(model: Model, for_saving: bool = False):
+    """The model's graph as a Session would hand it to the pass: function
+    calls inlined by grappler's function optimizer (:mod:`npu_amp_tf.inline`,
+    the one rule every offline entry point follows), the model's inputs,
+    outputs and saver / collection nodes kept by name.
 
-    if not any(n.op in ("StatefulPartitionedCall", "PartitionedCall") for n in graph_def.node):
-        return graph_def
-    meta = meta_graph_pb2.MetaGraphDef()
-    meta.graph_def.CopyFrom(graph_def)
-    keep = meta.collection_def["train_op"].node_list.value
-    for name in list(fetches) + list(preserve):
-        keep.append(_node_of(name))
-    cfg = config_pb2.ConfigProto()
-    ro = cfg.graph_options.rewrite_options
-    ro.optimizers.extend(["function"])      # only the function optimizer
-    ro.min_graph_nodes = -1
-    ro.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+    ``for_saving``: the graph will be written back as the same model.  A TF2
+    SavedModel is loaded through its function library
+    (``tf.saved_model.load`` runs the signature *functions*), so the signature
+    functions' bodies are inlined too (signatures kept) and every library
+    function the object graph may name is kept."""
+    from .. import inline
+
+    gd = model.graph_def
+    tf2 = model.kind == "savedmodel" and bool(model.meta_graph.object_graph_def.nodes)
     try:
-        return tf_optimizer.OptimizeGraph(cfg, meta, graph_id=b"npu_amp_inline")
-    except Exception as exc:  # noqa: BLE001 - grappler raises many kinds
-        raise ToolError(f"cannot inline the graph's functions: {_first_line(exc)}") from None
+        if for_saving and tf2:
+            sig_nodes = {_node_of(t.name) for sig in model.meta_graph.signature_def.values()
+                         for t in sig.outputs.values()}
+            gd = inline.inline_bodies(gd, inline.called_functions(gd, sig_nodes))
+            return inline.merge_library(inline.inline_calls(gd, model.fetch_nodes, model.preserve_nodes()),
+                                        gd.library)
+        return inline.inline_calls(gd, model.fetch_nodes, model.preserve_nodes())
+    except inline.InlineError as exc:
+        raise ToolError(str(exc)) from None
 
 
 def _runnable_tf2_saved_model(model: Model) -> Runnable:
