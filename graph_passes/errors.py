@@ -34,3 +34,10 @@ class PassError(NpuAmpError):
 
 class BuildError(NpuAmpError, RuntimeError):
     """The custom ops could not be compiled or loaded."""
+
+
+class TFCompatError(NpuAmpError, RuntimeError):
+    """A TensorFlow / Keras internal the plugin relies on is missing or changed
+    in the installed version.  Raised only by the two compatibility modules
+    (``graph_passes/_tf.py``, ``npu_amp_tf/_tf.py``); the message names the
+    TensorFlow version and the internal."""

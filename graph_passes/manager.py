@@ -112,6 +112,7 @@ class PassManager:
         before_problems = set(graph.validate()) if self.validate else set()
         for name in self.pass_names:
             ctx.current_pass = name
+            repairs = graph.index_repairs
             t0 = time.perf_counter()
             try:
                 stats = PASS_REGISTRY[name]().run(graph, ctx) or {}
@@ -121,6 +122,9 @@ class PassManager:
                 raise PassError(name, f"{type(exc).__name__}: {exc}",
                                 node=getattr(exc, "node", None)) from exc
             dt = time.perf_counter() - t0
+            if graph.index_repairs > repairs:
+                ctx.warn(f"the graph's consumers index was out of sync {graph.index_repairs - repairs} "
+                         "time(s) (node inputs edited without Graph.reindex()); it was rebuilt")
             ctx.report.passes.append({"name": name, "time_s": round(dt, 6), "stats": stats})
             after = _interface(graph, iface)
             for node_name, dts in iface.items():

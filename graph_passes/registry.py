@@ -10,6 +10,8 @@ import re
 
 from tensorflow.core.framework import types_pb2
 
+from . import _tf
+
 DT_FLOAT = types_pb2.DT_FLOAT
 DT_HALF = types_pb2.DT_HALF
 DT_BFLOAT16 = types_pb2.DT_BFLOAT16
@@ -25,9 +27,9 @@ DTYPE_BY_NAME = {"float32": DT_FLOAT, "float16": DT_HALF, "bfloat16": DT_BFLOAT1
 
 
 def dtype_name(dt: int) -> str:
-    from tensorflow.python.framework import dtypes
+    import tensorflow as tf
     try:
-        return dtypes.as_dtype(dt).name
+        return tf.as_dtype(dt).name
     except TypeError:
         return f"dtype({dt})"
 
@@ -39,8 +41,7 @@ def base_dtype(dt: int) -> int:
 @functools.lru_cache(maxsize=None)
 def op_def(op_type: str):
     """The registered OpDef for ``op_type`` or None (unknown op or a function name)."""
-    from tensorflow.python.framework import op_def_registry
-    return op_def_registry.get(op_type)
+    return _tf.op_def(op_type)
 
 
 def signature_of(op_type: str, library=None):
@@ -206,8 +207,7 @@ def _kernels(op_type: str):
     TF answers an unknown op name with an empty list; any exception from TF
     here is a real fault and propagates (the pass manager turns it into a
     report warning and keeps the original graph)."""
-    from tensorflow.python.framework import kernels
-    kl = kernels.get_registered_kernels_for_op(op_type)
+    kl = _tf.registered_kernels(op_type)
     out = []
     for k in kl.kernel:
         cons = {c.name: frozenset(c.allowed_values.list.type) for c in k.constraint}
@@ -231,12 +231,9 @@ BROKEN_KERNELS = {
 
 
 def onednn_enabled() -> bool:
-    """Is TensorFlow's oneDNN (MKL) path on in this process (``TF_ENABLE_ONEDNN_OPTS``)?"""
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-    except ImportError:  # a TF build without the probe: stock kernels
-        return False
-    return bool(_pywrap_util_port.IsMklEnabled())
+    """Is TensorFlow's oneDNN (MKL) path on in this process (``TF_ENABLE_ONEDNN_OPTS``)?
+    See :func:`graph_passes._tf.onednn_enabled`."""
+    return _tf.onednn_enabled()
 
 
 def _tf_version() -> tuple:

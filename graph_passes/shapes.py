@@ -8,7 +8,7 @@ Where shapes come from, cheapest first:
    the bridge asks the C++ side to run ``GraphProperties::InferStatically`` on
    the ``GrapplerItem`` it already holds (``custom_ops/grappler_bridge.cc``);
    offline the pipeline asks the same C++ code for a serialized GraphDef;
-3. otherwise grappler's C++ inference through ``tensorflow.python.grappler.item``
+3. otherwise grappler's C++ inference (``graph_passes._tf.grappler_op_properties``)
    (:func:`infer_shapes`), and only if that fails TF's Python importer.
 
 Sources are *lazy*: nothing is inferred until a pass asks for a shape, and a
@@ -145,10 +145,11 @@ def _for_inference(graph_def, feed_op: str = "Placeholder"):
 
 def grappler_shapes(graph_def):
     """Grappler's C++ static shape inference (``GraphProperties``) through
-    ``tensorflow.python.grappler.item``: a lazy name -> shapes mapping.
+    ``graph_passes._tf.grappler_op_properties``: a lazy name -> shapes mapping.
     Raises whatever TF raises on a graph it refuses."""
     from tensorflow.core.protobuf import meta_graph_pb2
-    from tensorflow.python.grappler import _pywrap_tf_item as tf_item
+
+    from . import _tf
 
     mg = meta_graph_pb2.MetaGraphDef()
     mg.graph_def.CopyFrom(_for_inference(graph_def, "FakeParam"))
@@ -156,8 +157,7 @@ def grappler_shapes(graph_def):
         return _PropertiesShapes({})
     # the item builder wants a fetch; pruning is off, so any node will do
     mg.collection_def["train_op"].node_list.value.append(mg.graph_def.node[-1].name)
-    item = tf_item.TF_NewItem(mg.SerializeToString(), True, True)
-    return _PropertiesShapes(tf_item.TF_GetOpProperties(item))
+    return _PropertiesShapes(_tf.grappler_op_properties(mg.SerializeToString()))
 
 
 def import_shapes(graph_def) -> dict:
@@ -346,12 +346,12 @@ def const_node(graph, ref, through=("Identity",), max_depth: int = 8):
 def const_value(graph, ref, through=("Identity",), max_depth: int = 8):
     """numpy value of the Const behind ``ref`` (see :func:`const_node`), or None
     (also for a malformed constant)."""
-    from tensorflow.python.framework import tensor_util
+    import tensorflow as tf
 
     node = const_node(graph, ref, through, max_depth)
     if node is None:
         return None
     try:
-        return tensor_util.MakeNdarray(node.attr["value"].tensor)
+        return tf.make_ndarray(node.attr["value"].tensor)
     except Exception:  # noqa: BLE001 - malformed constant: not a constant for us
         return None

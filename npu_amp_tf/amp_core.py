@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from . import _tf
 from .errors import NpuAmpError, OptionError
 from .loss_scale import LossScaleManager
 from .options import Options
@@ -42,10 +43,7 @@ def check_strategy(strategy):
     """Raise unless ``strategy`` is one this optimizer handles correctly."""
     if strategy is None:
         return
-    from tensorflow.python.distribute import mirrored_strategy, one_device_strategy
-
-    if isinstance(strategy.extended, (mirrored_strategy.MirroredExtended,
-                                      one_device_strategy.OneDeviceExtended)):
+    if isinstance(strategy.extended, _tf.supported_strategy_extended_types()):
         return
     raise NpuAmpError(
         f"AMP_Optimizer does not support {type(strategy).__name__}: the overflow verdict and "

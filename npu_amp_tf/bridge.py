@@ -228,7 +228,7 @@ def item_shape_source(sink):
 def graph_shape_source(graph_def):
     """Lazy shape source for an offline GraphDef: the same C++ inference, or
     None when the custom-op library is not loaded (the engine then uses
-    ``tensorflow.python.grappler.item``)."""
+    ``graph_passes._tf.grappler_op_properties``)."""
     if _lib is None:
         return None
 
@@ -275,15 +275,60 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
     except Exception as exc:  # noqa: BLE001 - must not cross the C boundary
         _report_error(sink, exc)
         return RC_ERROR
-    except BaseException as exc:  # KeyboardInterrupt / SystemExit inside grappler
-        # Cannot propagate through C; grappler keeps the graph.  Deliver the
-        # interrupt to the main thread instead of turning it into "unchanged".
+    except (KeyboardInterrupt, SystemExit) as exc:
+        # Ctrl-C / sys.exit() inside grappler cannot propagate through C:
+        # grappler keeps this graph, and the very exception is re-raised in
+        # the main thread as soon as it runs Python again (_redeliver).
         _report_error(sink, exc)
-        if isinstance(exc, KeyboardInterrupt):
-            import _thread
-
-            _thread.interrupt_main()
+        _redeliver(exc)
         return RC_ERROR
+
+
+_redelivery: threading.Event | None = None
+
+
+def _redeliver(exc):
+    """Raise ``exc`` (KeyboardInterrupt or SystemExit) in the main thread once
+    it runs Python outside this module again (raised inside the ctypes
+    callback, ctypes would print and drop it).  On the main thread: a one-shot
+    SIGINT handler that raises ``exc`` and a helper thread that trips SIGINT
+    every 10 ms until the handler ran outside bridge code.  From another
+    thread: a KeyboardInterrupt in the main thread (only the main thread can
+    install signal handlers)."""
+    import _thread
+    import signal
+
+    global _redelivery
+    if threading.current_thread() is not threading.main_thread():
+        _thread.interrupt_main()
+        return
+    if _redelivery is not None and not _redelivery.is_set():
+        return  # one is pending already (grappler called again): that one is raised
+    previous = signal.getsignal(signal.SIGINT)
+    delivered = _redelivery = threading.Event()
+
+    def once(signum, frame):  # noqa: ARG001
+        f = frame
+        while f is not None:
+            if f.f_code.co_filename == __file__:  # still inside the callback: the helper retries
+                return
+            f = f.f_back
+        delivered.set()
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        raise exc
+
+    def trip():
+        while not delivered.wait(0.01):
+            _thread.interrupt_main()
+
+    try:
+        signal.signal(signal.SIGINT, once)
+    except (ValueError, OSError) as err:  # no signal support: a KeyboardInterrupt is delivered
+        log.warning("npu_amp_tf bridge: %s inside grappler is delivered as KeyboardInterrupt (%s)",
+                    type(exc).__name__, err)
+        _thread.interrupt_main()
+        return
+    threading.Thread(target=trip, name="npu_amp_tf-redeliver", daemon=True).start()
 
 
 def _report_error(sink, exc):

@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import threading
 
+from . import _tf
 from .options import Options
 
 log = logging.getLogger("npu_amp_tf")
@@ -266,9 +267,7 @@ _enabled_params: dict | None = None
 
 
 def _context():
-    from tensorflow.python.eager import context
-
-    return context.context()
+    return _tf.eager_context()
 
 
 def enable(**params):
@@ -297,7 +296,7 @@ def enable(**params):
     ctx = _context()
     with _state_lock:
         if _saved_context_config is _UNSET:
-            cur = getattr(ctx, "_config", None)
+            cur = _tf.context_config(ctx)
             saved = None
             if cur is not None:
                 saved = config_pb2.ConfigProto()
@@ -307,12 +306,12 @@ def enable(**params):
         if _saved_context_config is not None:
             base.CopyFrom(_saved_context_config)
         new = session_config(base, **params)
-        if hasattr(ctx, "_config"):
-            ctx._config = new
+        if _tf.has_context_config(ctx):
+            _tf.set_context_config(ctx, new)
         _enabled_params = dict(params)
     # this thread: re-derive from the context config
     ctx.function_call_options = None
-    if not hasattr(ctx, "_config"):  # pragma: no cover - very old/new TF layouts
+    if not _tf.has_context_config(ctx):  # pragma: no cover - very old/new TF layouts
         _set_thread_options(ctx, params)
 
 
@@ -324,8 +323,8 @@ def disable():
     with _state_lock:
         if _saved_context_config is _UNSET:
             return
-        if hasattr(ctx, "_config"):
-            ctx._config = _saved_context_config
+        if _tf.has_context_config(ctx):
+            _tf.set_context_config(ctx, _saved_context_config)
         _saved_context_config = _UNSET
         _enabled_params = None
     ctx.function_call_options = None
@@ -339,14 +338,13 @@ def enabled_params() -> dict | None:
 
 def _set_thread_options(ctx, params):
     from tensorflow.core.protobuf import config_pb2
-    from tensorflow.python.eager.context import FunctionCallOptions
 
     old = ctx.function_call_options
     cp = config_pb2.ConfigProto()
     if old.config_proto_serialized:
         cp.ParseFromString(old.config_proto_serialized)
-    ctx.function_call_options = FunctionCallOptions(
-        executor_type=old.executor_type, config_proto=session_config(cp, **params))
+    ctx.function_call_options = _tf.function_call_options(
+        old.executor_type, session_config(cp, **params))
     return old
 
 

@@ -6,6 +6,7 @@ from graph_passes.errors import (  # noqa: F401  (re-exported)
     NpuAmpError,
     OptionError,
     PassError,
+    TFCompatError,
 )
 
-__all__ = ["NpuAmpError", "OptionError", "MixlistError", "GraphError", "PassError", "BuildError"]
+__all__ = ["NpuAmpError", "OptionError", "MixlistError", "GraphError", "PassError", "BuildError", "TFCompatError"]

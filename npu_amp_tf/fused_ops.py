@@ -20,7 +20,6 @@ graphs that contain them can run.
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.framework import ops as _ops
 
 from . import _loader
 from .errors import NpuAmpError
@@ -58,14 +57,14 @@ def fused_attention(q, k, v, mask=None, scale: float = 1.0, adj_k: bool = True, 
     return _lib.fused_attention(q, k, v, masks, scale=float(scale), adj_k=bool(adj_k), name=name)
 
 
-@_ops.RegisterGradient("LayerNorm")
+@tf.RegisterGradient("LayerNorm")
 def _layer_norm_grad(op, dy, _dmean, _dinv):
     x, gamma, _ = op.inputs
     dx, dgamma, dbeta = _lib.layer_norm_grad(dy, x, gamma, op.outputs[1], op.outputs[2])
     return dx, dgamma, dbeta
 
 
-@_ops.RegisterGradient("RMSNorm")
+@tf.RegisterGradient("RMSNorm")
 def _rms_norm_grad(op, dy, _dinv):
     x, gamma = op.inputs
     return tuple(_lib.rms_norm_grad(dy, x, gamma, op.outputs[1]))

@@ -57,9 +57,10 @@ def has_calls(graph_def) -> bool:
 
 def _grappler_function_optimizer(graph_def, keep):
     """Grappler's function optimizer alone on ``graph_def``; ``keep``: node
-    names that must survive by name.  (The one TF private API use here.)"""
+    names that must survive by name (grappler's entry point through ``_tf``)."""
     from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
-    from tensorflow.python.grappler import tf_optimizer  # private API: see issue 16 (_tf.py)
+
+    from . import _tf
 
     meta = meta_graph_pb2.MetaGraphDef()
     meta.graph_def.CopyFrom(graph_def)
@@ -70,7 +71,7 @@ def _grappler_function_optimizer(graph_def, keep):
     ro.min_graph_nodes = -1
     ro.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
     try:
-        return tf_optimizer.OptimizeGraph(cfg, meta, graph_id=b"npu_amp_inline")
+        return _tf.optimize_graph(cfg, meta, graph_id=b"npu_amp_inline")
     except Exception as exc:  # noqa: BLE001 - grappler raises many kinds
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InlineError(f"cannot inline the graph's function calls: {first}") from None

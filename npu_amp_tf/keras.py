@@ -38,6 +38,7 @@ import importlib
 
 import tensorflow as tf
 
+from . import _tf
 from .errors import OptionError
 from .loss_scale import make_manager
 from . import amp_core
@@ -83,16 +84,10 @@ def _amp_class(base):
     # interface compile() checks under a mixed_float16 policy)
     lso = root.mixed_precision.LossScaleOptimizer
     bases = (_AmpKerasMixin, lso, base)
-    lso_meta = type(lso)
-
-    class meta(lso_meta):
-        # Keras's metaclass redirects construction to its own LossScaleOptimizer
-        def __call__(cls, *args, **kwargs):
-            return type.__call__(cls, *args, **kwargs)
-
     family = "legacy_" if _family_of_class(base) == "v2" else ""
-    cls = meta(f"AMP_{family}{base.__name__}", bases, {"_npu_amp_base": base,
-                                                       "__module__": __name__})
+    # Keras's metaclass redirects construction to its own LossScaleOptimizer
+    cls = _tf.keras2_lso_subclass(f"AMP_{family}{base.__name__}", bases,
+                                  {"_npu_amp_base": base, "__module__": __name__}, lso)
     # model.save/load_model in this process find the class by name
     root.utils.get_custom_objects()[cls.__name__] = cls
     return cls
@@ -175,7 +170,7 @@ class _AmpKerasMixin:
         self.__dict__["_npu_amp_family"] = family
         self.__dict__["_npu_amp_core"] = core
         self.__dict__["_npu_amp_manager"] = manager
-        self._track_trackable(manager, name="loss_scale_manager", overwrite=True)
+        _tf.track_trackable(self, manager, name="loss_scale_manager", overwrite=True)
 
     # ------------------------------------------------------- serialization
     def get_config(self):
@@ -248,8 +243,7 @@ class _AmpKerasMixin:
             grad_loss = kwargs.pop("grad_loss", args[0] if args else None)
             if len(args) > 1:
                 name = args[1]
-            gv = base._compute_gradients(self, scaled, var_list=var_list,  # pylint: disable=protected-access
-                                         grad_loss=grad_loss, tape=tape)
+            gv = _tf.keras2_compute_gradients(base, self, scaled, var_list, grad_loss, tape)
         else:
             gv = base.compute_gradients(self, scaled, var_list, tape)
         return self._npu_amp_apply(list(gv), scaled=True, name=name)
@@ -264,7 +258,7 @@ class _AmpKerasMixin:
         if self._npu_amp_family == "v2":
             flag = {"experimental_aggregate_gradients": False}
             with tf.init_scope():
-                self._create_all_weights(var_list)
+                _tf.keras2_create_all_weights(self, var_list)
         else:
             flag = {"skip_gradients_aggregation": True}
             with tf.init_scope():

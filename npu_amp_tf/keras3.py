@@ -63,6 +63,7 @@ import functools
 
 import tensorflow as tf
 
+from . import _tf
 from .errors import NpuAmpError, OptionError
 from . import amp_core
 from .loss_scale import make_manager
@@ -280,7 +281,7 @@ class _AmpKeras3Mixin:
     def apply_gradients(self, grads_and_vars):
         grads, variables = zip(*grads_and_vars)
         self.apply(grads, variables)
-        return self._iterations
+        return _tf.keras3_iterations(self)
 
     def apply(self, grads, trainable_variables=None):
         scaled = not self.__dict__.get("_npu_amp_unscaled_next", False)
@@ -292,7 +293,7 @@ class _AmpKeras3Mixin:
             if not self.built:
                 raise ValueError("When passing `grads` without `variables`, the optimizer "
                                  "must already be built; call `optimizer.build(vars)` first")
-            trainable_variables = self._trainable_variables
+            trainable_variables = _tf.keras3_trainable_variables(self)
         kvars = list(trainable_variables)
         if not self.built:
             with tf.init_scope():

@@ -297,9 +297,9 @@ class LossScaleManager(tf.Module):
                  ("npu_amp/skipped_steps", self.skipped_steps))
         if not tf.compat.v1.executing_eagerly_outside_functions():
             return [tf.compat.v1.summary.scalar(n, tf.cast(v, tf.float32)) for n, v in items]
-        from tensorflow.python.ops import summary_ops_v2
+        from . import _tf
 
-        if not summary_ops_v2.has_default_writer():
+        if not _tf.has_default_summary_writer():
             return []  # like tf.summary.*: nothing to do (and no variable reads per step)
         if step is None:
             step = tf.summary.experimental.get_step()

@@ -10,7 +10,6 @@ registers the ops with TensorFlow, so GraphDefs rewritten by the layout pass
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.framework import ops as _tf_ops
 
 from . import _loader
 from .errors import NpuAmpError
@@ -67,7 +66,7 @@ def _trans_data_grad(op, grad):
 
 def _register_gradients():
     try:
-        _tf_ops.RegisterGradient("TransData")(_trans_data_grad)
+        tf.RegisterGradient("TransData")(_trans_data_grad)
     except KeyError:  # already registered (module reloaded)
         pass
 

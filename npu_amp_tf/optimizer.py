@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from .amp_core import (FP16_COPIES_COLLECTION, AmpCore, _options,  # noqa: F401  (re-exported)
                        _PreReduced, check_strategy, fused_unscale_and_check)
+from . import _tf
 from .errors import OptionError
 from .loss_scale import (ExponentialUpdateLossScaleManager, FixedLossScaleManager,  # noqa: F401
                          LossScaleManager, make_manager, non_amp_variables)
@@ -45,7 +46,7 @@ from .loss_scale import (ExponentialUpdateLossScaleManager, FixedLossScaleManage
 # ---------------------------------------------------------------------------
 # TF1 wrapper
 # ---------------------------------------------------------------------------
-class TF1AmpOptimizer(tf.__internal__.tracking.DelegatingTrackableMixin,
+class TF1AmpOptimizer(_tf.delegating_trackable_mixin(),
                       tf.compat.v1.train.Optimizer):
     """Loss-scaling wrapper of a ``tf.compat.v1.train.Optimizer``.
 
@@ -69,12 +70,12 @@ class TF1AmpOptimizer(tf.__internal__.tracking.DelegatingTrackableMixin,
         self._opt = opt
         self._manager = make_manager(loss_scale_manager, opts)
         self._core = AmpCore(self._manager, opts, is_distributed)
-        tf.__internal__.tracking.DelegatingTrackableMixin.__init__(self, opt)
-        opt._track_trackable(self._manager, name="loss_scale_manager", overwrite=True)  # pylint: disable=protected-access
+        _tf.delegating_trackable_mixin().__init__(self, opt)
+        _tf.track_trackable(opt, self._manager, name="loss_scale_manager", overwrite=True)
 
     def _create_or_restore_slot_variable(self, slot_variable_position, slot_name, variable):
-        return self._opt._create_or_restore_slot_variable(  # pylint: disable=protected-access
-            slot_variable_position, slot_name, variable)
+        return _tf.create_or_restore_slot_variable(self._opt, slot_variable_position, slot_name,
+                                                   variable)
 
     # observability ----------------------------------------------------------
     @property
@@ -123,15 +124,15 @@ class TF1AmpOptimizer(tf.__internal__.tracking.DelegatingTrackableMixin,
 
         def apply_local(pairs):
             with tf.init_scope():
-                opt._create_slots([v for _, v in pairs])  # pylint: disable=protected-access
+                _tf.create_slots(opt, [v for _, v in pairs])
             return opt.apply_gradients(pairs, name=name)
 
         def apply_cross_replica(strategy, grads, var_list):
-            return opt._distributed_apply(  # pylint: disable=protected-access
-                _PreReduced(strategy), list(zip(grads, var_list)), None, name)
+            return _tf.distributed_apply(opt, _PreReduced(strategy), list(zip(grads, var_list)),
+                                         None, name)
 
         with tf.init_scope():
-            opt._create_slots([v for g, v in gv if g is not None])  # pylint: disable=protected-access
+            _tf.create_slots(opt, [v for g, v in gv if g is not None])
         return self._core.step(gv, scaled, apply_local, apply_cross_replica, global_step)
 
     # delegation -------------------------------------------------------------
@@ -145,7 +146,7 @@ class TF1AmpOptimizer(tf.__internal__.tracking.DelegatingTrackableMixin,
         return self._opt.variables() + self._manager.state_variables
 
     def _create_slots(self, var_list):
-        self._opt._create_slots(var_list)  # pylint: disable=protected-access
+        _tf.create_slots(self._opt, var_list)
 
 
 # ---------------------------------------------------------------------------

@@ -720,8 +720,8 @@ def attr_value_to_python(av):
     if kind in ("i", "f", "b"):
         return getattr(av, kind)
     if kind == "type":
-        from tensorflow.python.framework import dtypes
-        return dtypes.as_dtype(av.type).name
+        import tensorflow as tf
+        return tf.as_dtype(av.type).name
     if kind == "list":
         lst = av.list
         if lst.s:

@@ -24,16 +24,17 @@ def keep_dtype_scope():
     """Mark every op created inside the block with ``_keep_dtype`` (never converted).
 
     TensorFlow has no public API that adds a node attr to every op built in a
-    block; this uses the private ``Graph._attr_scope`` (present and working,
-    for ``tf.Graph`` and ``tf.function`` FuncGraphs alike, in TF 2.15 and
-    2.21; tested by tests/test_precision.py and tests/test_loss_scale_fp32.py).
-    It is the only private TF use of this module.
+    block; this uses :func:`npu_amp_tf._tf.attr_scope` (``Graph._attr_scope``,
+    for ``tf.Graph`` and ``tf.function`` FuncGraphs alike; tested by
+    tests/test_precision.py and tests/test_loss_scale_fp32.py).
     """
+    import tensorflow as tf
     from tensorflow.core.framework import attr_value_pb2
-    from tensorflow.python.framework import ops
 
-    graph = ops.get_default_graph()
-    with graph._attr_scope({KEEP_DTYPE_ATTR: attr_value_pb2.AttrValue(i=1)}):  # pylint: disable=protected-access
+    from . import _tf
+
+    graph = tf.compat.v1.get_default_graph()
+    with _tf.attr_scope(graph, {KEEP_DTYPE_ATTR: attr_value_pb2.AttrValue(i=1)}):
         yield
 
 

@@ -133,6 +133,31 @@ class _DropFetch(Pass):
         return {}
 
 
+@register_pass("test_stale_index")
+class _StaleIndex(Pass):
+    """Edits an input by hand (no reindex), then edits the same edge properly."""
+
+    def run(self, graph, ctx):
+        relu = graph.nodes["relu"]
+        src = relu.input[0]
+        probe = graph.new_node("Identity", "probe", [src], attrs={"T": relu.attr["T"]})
+        relu.input[0] = probe.name        # the consumers index still says relu reads src
+        graph.set_input("relu", 0, src)   # finds the index stale: rebuilt
+        return {}
+
+
+def test_stale_consumers_index_is_a_report_warning():
+    g = Graph(conv_bias_relu_graph())
+    report = PassManager(["test_stale_index"]).run(g, PassContext(fetches=["relu:0"]))
+    assert g.index_repairs == 1
+    assert [(w["pass"], w["message"]) for w in report.warnings] == [
+        ("test_stale_index", "the graph's consumers index was out of sync 1 time(s) (node inputs "
+                             "edited without Graph.reindex()); it was rebuilt")]
+    assert ("relu", 0) in g.consumers("bias") and ("relu", 0) not in g.consumers("probe")
+    clean = PassManager(["test_rename_relu"]).run(Graph(conv_bias_relu_graph()), PassContext())
+    assert clean.warnings == []
+
+
 def test_manager_runs_times_and_reports():
     g = Graph(conv_bias_relu_graph())
     ctx = PassContext(fetches=["relu:0"])

@@ -49,7 +49,7 @@ def check_casts(gd):
 def session_config():
     """TF 2.15's grappler remapper aborts the process (protobuf CHECK 'key not
     found: value') when a Session runs the raw-op transformer block below, the
-    original graph as well as the rewritten one (see DESIGN.md; TF 2.21 is
+    original graph as well as the rewritten one (seen on TF 2.15.1; TF 2.21 is
     fine); the plugin's session_config switches it off too."""
     from tensorflow.core.protobuf import rewriter_config_pb2
     cfg = v1.ConfigProto()

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from .. import registry
+from .. import _tf, registry
 from ..graph import parse_tensor
 from ..pattern import Pat
 from .core import Skip, const_value, planned_dtype, register_fusion_rule, scalar_value
@@ -40,20 +40,10 @@ def onednn_enabled() -> bool:
     """Whether TF's oneDNN graph rewrite is on in this process (it turns
     ``_Fused*`` ops into oneDNN kernels, which accept more activations).
 
-    TF has no public API for this.  The one place that asks TF is here:
-    ``tensorflow.python.util._pywrap_util_port.IsMklEnabled()`` (private; present
-    and checked in TF 2.15.1 and 2.21.0, where it is true for x86-64 Linux wheels
-    unless ``TF_ENABLE_ONEDNN_OPTS=0``).  If a TF version drops it, fall back to
-    that documented rule: the environment variable on x86-64 Linux."""
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-        return bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):
-        import os
-        import platform
-        env = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower()
-        return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-                and env not in ("0", "false"))
+    TF has no public API for this; :func:`graph_passes._tf.onednn_enabled`
+    asks TF's private probe (with the documented environment-variable rule as
+    the fallback)."""
+    return _tf.onednn_enabled()
 
 
 #: fused_ops the CPU kernels accept (measured on TF 2.15 and 2.21; see docs/fusion.md)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, node_def_pb2
 
 from .. import registry
@@ -262,8 +263,6 @@ class Builder:
         """Declare a replacement node; returns its name.  ``attrs`` values may be
         AttrValue protos, bool/int/float/str, lists of str/int/float, or
         ``("type", DataType)`` / ``("tensor", ndarray)`` pairs."""
-        from tensorflow.python.framework import tensor_util
-
         node = node_def_pb2.NodeDef(op=op, name=name, device=self.device)
         node.input.extend(inputs)
         for k, v in (attrs or {}).items():
@@ -275,7 +274,7 @@ class Builder:
             elif isinstance(v, tuple) and len(v) == 2 and v[0] == "types":
                 av.list.type.extend(v[1])
             elif isinstance(v, tuple) and len(v) == 2 and v[0] == "tensor":
-                av.tensor.CopyFrom(tensor_util.make_tensor_proto(v[1]))
+                av.tensor.CopyFrom(tf.make_tensor_proto(v[1]))
             elif isinstance(v, bool):
                 av.b = v
             elif isinstance(v, int):
@@ -295,10 +294,8 @@ class Builder:
         return name
 
     def const_node(self, name: str, value, dtype: int) -> str:
-        from tensorflow.python.framework import dtypes
-
         import numpy as np
-        arr = np.asarray(value, dtype=dtypes.as_dtype(dtype).as_numpy_dtype)
+        arr = np.asarray(value, dtype=tf.as_dtype(dtype).as_numpy_dtype)
         return self.emit("Const", name, [], {"dtype": ("type", dtype), "value": ("tensor", arr)})
 
 

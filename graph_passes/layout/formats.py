@@ -40,8 +40,8 @@ def _dtype_name(dtype) -> str:
     if isinstance(dtype, str):
         return dtype
     if isinstance(dtype, (int, np.integer)):  # a DataType enum value
-        from tensorflow.python.framework import dtypes
-        return dtypes.as_dtype(int(dtype)).name
+        import tensorflow as tf
+        return tf.as_dtype(int(dtype)).name
     name = getattr(dtype, "name", None)
     if name is None:
         name = np.dtype(dtype).name
@@ -174,29 +174,6 @@ def from_fractal_z(f: np.ndarray, hwcn) -> np.ndarray:
         raise FormatError(f"from_fractal_z: shape {f.shape} does not match HWCN {list(hwcn)}")
     w = f.reshape(c1, kh, kw, n1, N0, c0).transpose(1, 2, 0, 5, 3, 4)
     return np.ascontiguousarray(w.reshape(kh, kw, c1 * c0, n1 * N0)[:, :, :ci, :co])
-
-
-def convert(x: np.ndarray, src_format: str, dst_format: str, orig_shape=None) -> np.ndarray:
-    """Reference for the ``TransData`` op (same formats, same ``orig_shape`` attr)."""
-    _check_format(src_format, ALL_FORMATS, "src_format")
-    _check_format(dst_format, ALL_FORMATS, "dst_format")
-    if dst_format == "NC1HWC0" and src_format in ("NHWC", "NCHW", "C"):
-        return to_nc1hwc0(x, src_format)
-    if src_format == "NC1HWC0" and dst_format in ("NHWC", "NCHW", "C"):
-        ch = None
-        if orig_shape:
-            ch = orig_shape[-1] if dst_format in ("NHWC", "C") else orig_shape[1]
-            ch = None if ch < 0 else ch
-        out = from_nc1hwc0(x, dst_format, ch)
-        return out.reshape(orig_shape) if dst_format == "C" and orig_shape else out
-    if (src_format, dst_format) == ("HWCN", "FRACTAL_Z"):
-        return to_fractal_z(x)
-    if (src_format, dst_format) == ("FRACTAL_Z", "HWCN"):
-        if not orig_shape:
-            raise FormatError("FRACTAL_Z -> HWCN needs orig_shape [Kh, Kw, Cin, Cout]")
-        return from_fractal_z(x, orig_shape)
-    raise FormatError(f"no conversion {src_format} -> {dst_format}; accepted: (NHWC|NCHW|C, NC1HWC0), "
-                      "(NC1HWC0, NHWC|NCHW|C), (HWCN, FRACTAL_Z), (FRACTAL_Z, HWCN)")
 
 
 INVERSE = {("NHWC", "NC1HWC0"): ("NC1HWC0", "NHWC"), ("NCHW", "NC1HWC0"): ("NC1HWC0", "NCHW"),

@@ -37,8 +37,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, tensor_pb2
-from tensorflow.python.framework import tensor_util
 
 from .. import registry
 from .. import shapes as _shapes
@@ -579,7 +579,7 @@ class LayoutPass(Pass):
                 p5 = np.zeros((5, 2), dtype=pads.dtype)
                 p5[0], p5[2], p5[3] = pads[0], pads[1], pads[2]
                 tp = tensor_pb2.TensorProto()
-                tp.CopyFrom(tensor_util.make_tensor_proto(p5))
+                tp.CopyFrom(tf.make_tensor_proto(p5))
                 cname = g.unique_name(f"{name}/paddings_NC1HWC0")
                 g.new_node("Const", cname, [], {"dtype": attr_value_pb2.AttrValue(type=tp.dtype),
                                                 "value": attr_value_pb2.AttrValue(tensor=tp)},

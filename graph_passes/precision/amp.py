@@ -71,6 +71,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import tensorflow as tf
 
 from .. import registry
 from ..errors import OptionError
@@ -123,8 +124,7 @@ _CAST_SUFFIX = {registry.DT_HALF: "CastToFp16", registry.DT_BFLOAT16: "CastToBf1
 
 
 def _np_dtype(dt):
-    from tensorflow.python.framework import dtypes
-    return dtypes.as_dtype(dt).as_numpy_dtype
+    return tf.as_dtype(dt).as_numpy_dtype
 
 
 class _NodeInfo:
@@ -331,8 +331,7 @@ class PrecisionPass(Pass):
             return self._unsafe_cache[key]
         why = None
         if node.attr["dtype"].type == FP32 and dt != FP32:
-            from tensorflow.python.framework import tensor_util
-            arr = tensor_util.MakeNdarray(node.attr["value"].tensor)
+            arr = tf.make_ndarray(node.attr["value"].tensor)
             # the overflow is what we are testing for: not a warning for the user's console
             with np.errstate(over="ignore", under="ignore", invalid="ignore"):
                 low = arr.astype(_np_dtype(dt))
@@ -956,7 +955,6 @@ def _type_attr(dt):
 def _convert_const(node, dt):
     """Re-type a float Const in place (splat constants stay splat)."""
     from tensorflow.core.framework import tensor_pb2
-    from tensorflow.python.framework import tensor_util
 
     t = node.attr["value"].tensor
     np_dt = _np_dtype(dt)
@@ -979,8 +977,8 @@ def _convert_const(node, dt):
         else:
             new.half_val.append(int(v.view(np.uint16)[0]))
     else:
-        arr = tensor_util.MakeNdarray(t)
-        new = tensor_util.make_tensor_proto(arr.astype(np_dt), dtype=dt, shape=arr.shape)
+        arr = tf.make_ndarray(t)
+        new = tf.make_tensor_proto(arr.astype(np_dt), dtype=dt, shape=arr.shape)
     node.attr["value"].tensor.CopyFrom(new)
     node.attr["dtype"].type = dt
 

@@ -135,9 +135,9 @@ def is_tf_op(name: str, extra=()) -> bool:
     if name in extra:
         return True
     try:
-        from tensorflow.python.framework import op_def_registry
+        from .. import _tf
 
-        return op_def_registry.get(name) is not None
+        return _tf.op_def(name) is not None
     except Exception:  # noqa: BLE001 - a registry problem: accept the name
         return True
 

@@ -39,7 +39,7 @@ def set_default_params(params):
 
 def patch(default_params=None, npu_entry=False):
     """Install the hook (idempotent) and set what it adds."""
-    from tensorflow.python.client import session as session_lib
+    from .. import _tf
 
     with _lock:
         if default_params is not None:
@@ -47,7 +47,8 @@ def patch(default_params=None, npu_entry=False):
         if npu_entry:
             _state["npu_entry"] = True
         if _state["orig"] is None:
-            orig = session_lib.BaseSession.__init__
+            session_cls = _tf.base_session_class()
+            orig = session_cls.__init__
 
             def __init__(self, target="", graph=None, config=None):  # noqa: N807
                 config = adjust_config(config)
@@ -55,16 +56,16 @@ def patch(default_params=None, npu_entry=False):
                 _maybe_profile(self, config)
 
             __init__.__wrapped__ = orig
-            session_lib.BaseSession.__init__ = __init__
+            session_cls.__init__ = __init__
             _state["orig"] = orig
 
 
 def unpatch():
-    from tensorflow.python.client import session as session_lib
+    from .. import _tf
 
     with _lock:
         if _state["orig"] is not None:
-            session_lib.BaseSession.__init__ = _state["orig"]
+            _tf.base_session_class().__init__ = _state["orig"]
         _state.update(orig=None, default_params=None, npu_entry=False)
 
 

@@ -74,8 +74,11 @@ def _run_all(graph_def, run, feeds, label, progress=True):
     import tempfile
 
     import tensorflow as tf
-    from tensorflow.python.debug.lib import debug_data, debug_utils
     from tqdm import tqdm
+
+    from .. import _tf
+
+    debug_data, debug_utils = _tf.tfdbg()
 
     g = model_io.import_graph(graph_def)
     tensors = _float_tensors(g)

@@ -485,8 +485,6 @@ def _stub_orphan_py_funcs(graph_def) -> list[str]:
     event log), read by nothing but control dependencies.  A py_func whose
     value is used stays as it is and runs only where its callback is
     registered.  Returns one note per replaced node."""
-    from tensorflow.python.framework import tensor_util
-
     notes = []
 
     def read_as_data(nodes):
@@ -499,7 +497,7 @@ def _stub_orphan_py_funcs(graph_def) -> list[str]:
         import tensorflow as tf
 
         dtype = tf.dtypes.as_dtype(touts[0])
-        value = tensor_util.make_tensor_proto(np.zeros([], dtype.as_numpy_dtype), dtype=dtype)
+        value = tf.make_tensor_proto(np.zeros([], dtype.as_numpy_dtype), dtype=dtype)
         ctrl = ["^" + i.lstrip("^").split(":")[0] for i in node.input
                 if valid is None or i.lstrip("^").split(":")[0] in valid]
         op = node.op
@@ -692,14 +690,15 @@ def inlined_graph_def(model: Model, for_saving: bool = False):
 
 def _runnable_tf2_saved_model(model: Model) -> Runnable:
     import tensorflow as tf
-    from tensorflow.python.framework import convert_to_constants
+
+    from .. import _tf
 
     try:
         loaded = tf.saved_model.load(model.path, tags=list(model.meta_graph.meta_info_def.tags))
     except Exception as exc:  # noqa: BLE001 - TF raises many kinds here
         raise ToolError(f"cannot load SavedModel '{model.path}': {_first_line(exc)}") from None
     fn = loaded.signatures[model.signature]
-    frozen_fn = convert_to_constants.convert_variables_to_constants_v2(fn)
+    frozen_fn = _tf.convert_variables_to_constants_v2(fn)
     gd = frozen_fn.graph.as_graph_def()
     # Map signature keys to the frozen graph's placeholders / outputs.
     arg_keys = [k for k in sorted(fn.structured_input_signature[1])] if isinstance(

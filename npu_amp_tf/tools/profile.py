@@ -137,11 +137,11 @@ def allocator_peaks(step_stats) -> dict:
 
 def chrome_trace(step_stats_list, graph=None) -> dict:
     """One Chrome trace (``{"traceEvents": [...]}``) over all steps."""
-    from tensorflow.python.client import timeline
+    from .. import _tf
 
     events, seen_meta = [], set()
     for ss in step_stats_list:
-        tl = timeline.Timeline(ss, graph)
+        tl = _tf.step_stats_timeline(ss, graph)
         data = json.loads(tl.generate_chrome_trace_format(show_memory=True))
         for ev in data.get("traceEvents", []):
             if ev.get("ph") == "M":
@@ -235,15 +235,14 @@ def _traced_session_runs(steps: int, skip: int, stats: list, graphs: list, on_st
     ``graphs``.
 
     TF has no public hook into a plain ``tf.compat.v1.Session`` (session hooks
-    exist for ``MonitoredSession`` only), so this wraps
-    ``tensorflow.python.client.session.BaseSession.run`` for the duration, the
-    one place the tools patch TF (checked on TF 2.15.1 and 2.21.0: the
-    signature ``run(self, fetches, feed_dict=None, options=None,
-    run_metadata=None)`` is unchanged since TF 1.0)."""
+    exist for ``MonitoredSession`` only), so this wraps ``BaseSession.run``
+    for the duration (:func:`npu_amp_tf._tf.patched_base_session`), the one
+    place the tools patch TF."""
     import tensorflow as tf
-    from tensorflow.python.client import session as session_lib
 
-    orig_run = session_lib.BaseSession.run
+    from .. import _tf
+
+    orig_run = _tf.base_session_class().run
     calls = {"n": 0}
 
     def traced_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
@@ -258,11 +257,8 @@ def _traced_session_runs(steps: int, skip: int, stats: list, graphs: list, on_st
         on_step(1)
         return out
 
-    session_lib.BaseSession.run = traced_run
-    try:
+    with _tf.patched_base_session("run", lambda _orig: traced_run):
         yield
-    finally:
-        session_lib.BaseSession.run = orig_run
 
 
 def format_summary(summary: dict) -> str:

@@ -11,8 +11,7 @@ import os
 import tensorflow as _tf2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2  # noqa: F401
 from tensorflow.core.protobuf.rewriter_config_pb2 import RewriterConfig
-from tensorflow.python.client import session  # noqa: F401
-from tensorflow.python.training import session_run_hook
+from npu_amp_tf import _tf as _npu_amp_tf_compat
 
 from hccl.manage.api import (create_group, destroy_group, get_group_rank_from_world_rank,  # noqa: F401
                              get_local_rank_id, get_local_rank_size, get_rank_id, get_rank_size,
@@ -39,6 +38,7 @@ if hasattr(_tf2, "estimator"):
 
 #: tf_adapter's scripts use `tf` after the star import: TF1 there
 tf = _tf2.compat.v1
+session = _npu_amp_tf_compat.session_module()  # tf_adapter's npu_init exports it
 
 experimental_options = {
     "disable_model_pruning": False,
@@ -168,7 +168,7 @@ def get_npu_local_rank_size():
     return get_local_rank_size()
 
 
-class NpuEmptyHook(session_run_hook.SessionRunHook):
+class NpuEmptyHook(_tf2.compat.v1.train.SessionRunHook):
     pass
 
 

@@ -7,6 +7,7 @@ wrapped optimizer would (HCCL's all-reduce over one rank is the identity).
 """
 import tensorflow as tf
 
+from npu_amp_tf import _tf
 from npu_amp_tf.errors import OptionError
 from npu_bridge.hccl import hccl_ops
 
@@ -52,7 +53,7 @@ class _Wrapper(tf.compat.v1.train.Optimizer):
         return self._optimizer.apply_gradients(grads_and_vars, global_step, name)
 
     def _create_slots(self, var_list):
-        self._optimizer._create_slots(var_list)  # pylint: disable=protected-access
+        _tf.create_slots(self._optimizer, var_list)
 
     def get_slot(self, *args, **kwargs):
         return self._optimizer.get_slot(*args, **kwargs)
@@ -64,7 +65,7 @@ class _Wrapper(tf.compat.v1.train.Optimizer):
         return self._optimizer.variables(*args, **kwargs)
 
     def _distributed_apply(self, *args, **kwargs):
-        return self._optimizer._distributed_apply(*args, **kwargs)  # pylint: disable=protected-access
+        return _tf.distributed_apply(self._optimizer, *args, **kwargs)
 
 
 class NPUDistributedOptimizer(_Wrapper):

@@ -4,6 +4,7 @@ import logging
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from npu_amp_tf import _tf
 from npu_amp_tf.errors import OptionError
 
 _values = {}
@@ -25,7 +26,7 @@ def keep_tensors_dtypes(graph, input_tensors):
         raise OptionError("keep_tensors_dtypes: input_tensors must be a list or tuple of tensor names")
     for name in input_tensors:
         t = graph.get_tensor_by_name(name)
-        t.op._set_attr("_keep_dtype", attr_value_pb2.AttrValue(i=1))  # pylint: disable=protected-access
+        _tf.set_op_attr(t.op, "_keep_dtype", attr_value_pb2.AttrValue(i=1))
 
 
 def set_iteration_per_loop(sess, train_op, iterations_per_loop=1):
