@@ -234,15 +234,25 @@ def rewrite_graph(graph_def, fetches=None, preserve=None, **params):
 
     Returns ``(new_graph_def, report)``.
     """
-    from .inline import inline_calls
+    from .inline import InlineError, inline_calls
 
     options = Options.from_kwargs(_groups=("rewrite",), **params)
     if isinstance(fetches, str):
         fetches = [fetches]
     if isinstance(preserve, str):
         preserve = [preserve]
-    graph_def = inline_calls(graph_def, fetches or (), preserve or ())
-    return optimize(graph_def, options, fetches or (), preserve or ())
+    problem = None
+    try:
+        graph_def = inline_calls(graph_def, fetches or (), preserve or ())
+    except InlineError as exc:
+        if options.fail_on_error:
+            raise
+        problem = f"{exc}; function bodies are rewritten on their own (casts at their boundaries)"
+        log.warning("npu_amp_tf: %s", problem)
+    out, report = optimize(graph_def, options, fetches or (), preserve or ())
+    if problem:
+        report.warn(problem)
+    return out, report
 
 
 def _ge_dump(before, after, report: Report, options: Options, graph_name) -> str:
