@@ -158,3 +158,28 @@ def test_without_onednn_rules_do_not_fire_and_training_runs():
         assert count(res[prec, "ours"], "AddV2") == 3  # the residual adds stay
         assert np.isfinite(res[prec, "ours"]["loss"])
         assert_equivalent(res, prec, depth=12)
+
+
+# ------------------------------------------------------------------ rewrite only (no kernels run)
+@needs_onednn
+def test_rewrite_is_idempotent_and_reported():
+    """Rewriting the rewritten graph changes nothing (grappler calls the optimizer once per
+    meta-optimizer iteration); the report names each fusion."""
+    import tensorflow as tf
+
+    import npu_amp_tf
+    import _onednn_fusion_worker as W
+
+    for build, rule, n in ((W.build_slim, "bias_add_act", 3), (W.build_keras_tf1, "bn_act", 2)):
+        g = tf.Graph()
+        with g.as_default():
+            _, loss, train = build()
+        fetches = [loss.op.name, train.name]
+        kw = dict(fetches=fetches, precision_mode="allow_mix_precision_bf16", graph_level=2)
+        gd1, rep = npu_amp_tf.rewrite_graph(g.as_graph_def(), **kw)
+        assert rep.pass_stats("fusion")["fused"][rule] == n
+        assert sum(1 for d in rep.decisions.values() if d.get("fusion") == rule) == n
+        gd2, rep2 = npu_amp_tf.rewrite_graph(gd1, **kw)
+        assert rep2.pass_stats("fusion").get("fused", {}).get(rule, 0) == 0
+        key = lambda gd: sorted((x.name, x.op, tuple(x.input)) for x in gd.node)  # noqa: E731
+        assert key(gd2) == key(gd1)
