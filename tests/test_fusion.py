@@ -199,7 +199,8 @@ def test_bn_fold_level3_only():
     if op_counts(gd)["FusedBatchNormV3"] == 0:
         pytest.skip("this Keras lowers BatchNormalization to elementwise ops; bn_fold folds FusedBatchNorm")
     l2, _ = rewrite(gd, [out], level=2)
-    assert op_counts(l2)["FusedBatchNormV3"] == 1
+    c2 = op_counts(l2)  # level 2 keeps the batch norm (under oneDNN bn_act fuses its Relu into it)
+    assert c2["FusedBatchNormV3"] + c2["_FusedBatchNormEx"] == 1
     l3, rep = rewrite(gd, [out], level=3)
     c = op_counts(l3)
     assert c["FusedBatchNormV3"] == 0 and c["_FusedConv2D"] == 1 and c["Relu"] == 0

@@ -4,6 +4,12 @@ level 3  ``bn_fold``            Conv2D/Depthwise [+BiasAdd] -> FusedBatchNorm(in
                                  => Conv2D(W*s) + BiasAdd((b-mean)*s+offset)
 level 2  ``bias_gelu_exact``    MatMul + BiasAdd + GELU(erf)      => _FusedMatMul[BiasAdd,GeluExact]
 level 2  ``bias_gelu_tanh``     MatMul + BiasAdd + GELU(tanh)     => _FusedMatMul[BiasAdd,GeluApproximate]
+level 2  ``bias_add_act``       Conv2D + BiasAdd + Add(same-shape side input) + Relu|Relu6|Elu|LeakyRelu
+                                 => _FusedConv2D[BiasAdd,Add,<act>] (oneDNN only; the residual unit)
+level 2  ``bias_add``           Conv2D/MatMul + BiasAdd + Add(same-shape side input)
+                                 => _FusedConv2D/_FusedMatMul[BiasAdd,Add] (oneDNN only)
+level 2  ``bn_act``             FusedBatchNorm/V2/V3 (training or inference) + Relu
+                                 => _FusedBatchNormEx(activation_mode=Relu) (oneDNN only)
 level 2  ``bias_act``           Conv2D/Depthwise/MatMul + BiasAdd + Relu|Relu6|Elu|LeakyRelu
                                  => _FusedConv2D/_FusedDepthwiseConv2dNative/_FusedMatMul
 level 2  ``bias``               Conv2D/Depthwise/MatMul + BiasAdd => the same fused ops [BiasAdd]
@@ -26,7 +32,7 @@ import math
 import numpy as np
 
 from .. import _tf, registry
-from ..graph import parse_tensor
+from ..graph import parse_tensor, tensor_name
 from ..pattern import Pat
 from .core import Skip, const_value, planned_dtype, register_fusion_rule, scalar_value
 
@@ -53,6 +59,23 @@ _EIGEN = {"Conv2D": {"", "Relu", "Relu6", "Elu", "LeakyRelu"},
 _ONEDNN = {"Conv2D": {"", "Relu", "Relu6", "Elu", "LeakyRelu"},
            "MatMul": {"", "Relu", "Relu6", "Elu", "LeakyRelu", "GeluExact", "GeluApproximate"},
            "DepthwiseConv2dNative": {"", "Relu", "Relu6", "Elu"}}
+
+
+#: activations after BiasAdd + Add (a same-shape side input, e.g. a residual) that a fused
+#: kernel accepts: only oneDNN's (TF's Eigen _FusedConv2D/_FusedMatMul refuse "Add" with
+#: "Fusion is not implemented: [BiasAdd,Add,Relu]").  Measured on TF 2.15.1 and 2.21.0 in FP32
+#: and BF16 (tests/test_fusion_onednn.py, numerics vs the unfused ops); "" = no activation.
+#: MatMul takes no activation after Add: "MklFusedMatMul must have 2 post-arguments at most".
+#: TF's remapper fuses the same (FindContractionWithBiasAddAndAdd / ...AndAddActivation).
+_ONEDNN_SIDE_ADD = {"Conv2D": {"", "Relu", "Relu6", "Elu", "LeakyRelu"},
+                    "MatMul": {""}}
+
+#: FusedBatchNorm + activation -> _FusedBatchNormEx: oneDNN's kernel takes activation Relu and
+#: no side input ("_MKLFusedBatchNorm do not support side input"); TF's Eigen CPU kernel takes
+#: neither (remapper: "We fuse FusedBatchNorm on GPU or oneDNN CPU").  Measured: FP32 and BF16,
+#: is_training true and false, TF 2.15.1 and 2.21.0 -> _MklNativeFusedBatchNormEx.
+_ONEDNN_BN_ACTIVATIONS = {"Relu"}
+_BN_OPS = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 
 
 def supported_activations(op: str, device_type: str = "CPU") -> set:
@@ -96,12 +119,21 @@ def _bias_input(m, b) -> str:
                   {"T": ("type", b.dtype(m["b"])), "Tshape": ("type", registry.types_pb2.DT_INT32)})
 
 
-def _emit_fused(m, b, act: str, extra_attrs=None):
+def _emit_fused(m, b, act: str, extra_attrs=None, side: str | None = None):
+    """Emit the fused matrix op for the match (``side``: a same-shape tensor
+    added after the bias, fused as ``[BiasAdd, Add, act]`` with a second arg)."""
     mm = m["mm"]
     dev = b.device_type()
-    ok = supported_activations(mm.op, dev)
-    b.require(act in ok, f"{FUSED_OP[mm.op]} on {dev} (oneDNN {'on' if onednn_enabled() else 'off'}) "
-                         f"does not support activation {act or 'none'}")
+    if side is None:
+        ok = supported_activations(mm.op, dev)
+        b.require(act in ok, f"{FUSED_OP[mm.op]} on {dev} (oneDNN {'on' if onednn_enabled() else 'off'}) "
+                             f"does not support activation {act or 'none'}")
+    else:
+        b.require(dev == "CPU" and onednn_enabled(),
+                  f"{FUSED_OP[mm.op]}[BiasAdd,Add] runs only as a oneDNN CPU kernel "
+                  f"(device {dev}, oneDNN {'on' if onednn_enabled() else 'off'})")
+        b.require(act in _ONEDNN_SIDE_ADD.get(mm.op, ()),
+                  f"oneDNN's {FUSED_OP[mm.op]} does not fuse BiasAdd+Add+{act or 'none'}")
     dt = mm.attr["T"].type
     if mm.op != "MatMul":
         fmt = mm.attr["data_format"].s.decode() if "data_format" in mm.attr else "NHWC"
@@ -121,16 +153,18 @@ def _emit_fused(m, b, act: str, extra_attrs=None):
     names = {a.name for a in od.attr} if od is not None else set()
     attrs = {k: v for k, v in mm.attr.items() if k in names}
     attrs["T"] = ("type", dt)
-    attrs["num_args"] = 1
+    args = [bias] if side is None else [bias, side]
+    attrs["num_args"] = len(args)
     if "TArgs" in names:
-        attrs["TArgs"] = ("types", [dt])
-    attrs["fused_ops"] = ["BiasAdd"] + ([act] if act else [])
+        attrs["TArgs"] = ("types", [dt] * len(args))
+    attrs["fused_ops"] = ["BiasAdd"] + (["Add"] if side is not None else []) + ([act] if act else [])
     attrs["epsilon"] = 0.0001
     attrs.update(extra_attrs or {})
     data = b.graph.data_inputs(mm)
     if "rs" not in m.nodes:
-        b.emit(fused, m.anchor, [data[0], data[1], bias], attrs)
+        b.emit(fused, m.anchor, [data[0], data[1]] + args, attrs)
         return
+    b.require(side is None, "a side input after a tensordot Reshape is not fused")
     # tensordot: bias and activation act on the last dim, which the Reshape keeps;
     # fuse on the 2-D MatMul (it keeps its name) and reshape its result instead
     rs = m["rs"]
@@ -152,6 +186,87 @@ def _build_bias_act(m, b):
     if act == "LeakyRelu":
         extra["leakyrelu_alpha"] = float(b.anchor.attr["alpha"].f) if "alpha" in b.anchor.attr else 0.2
     _emit_fused(m, b, act, extra)
+
+
+def _side_input(m, b) -> str:
+    """The residual operand of ``Add(BiasAdd(contraction), side)``: same shape
+    and dtype as the biased result (the fused kernel does not broadcast; TF's
+    remapper asks the same: IsAddWithNoBroadcast)."""
+    side, out = m["side"], m["bias"].name
+    s1, s2 = b.shape(side), b.shape(out)
+    b.require(s1 is not None and s2 is not None and s1 == s2 and min(s1, default=0) >= 0,
+              f"Add operands have shapes {s2} and {s1}: the fused kernel takes a same-shape side input")
+    b.require(b.dtype(side) == b.dtype(out), "the Add operands differ in dtype")
+    b.require(parse_tensor(side)[0] not in (m["mm"].name, m["bias"].name), "the side input is the matched op")
+    return side
+
+
+def _build_bias_add(m, b):
+    _emit_fused(m, b, "", side=_side_input(m, b))
+
+
+def _build_bias_add_act(m, b):
+    act = b.anchor.op
+    extra = {}
+    if act == "LeakyRelu":
+        extra["leakyrelu_alpha"] = float(b.anchor.attr["alpha"].f) if "alpha" in b.anchor.attr else 0.2
+    _emit_fused(m, b, act, extra, side=_side_input(m, b))
+
+
+def _conv_mm_bias_pat(ops):
+    """``BiasAdd(op)`` or a 1-D-bias ``Add(op, b)`` (no tensordot Reshape)."""
+    return Pat.one_of(
+        Pat("BiasAdd", name="bias", inputs=[Pat(ops, name="mm"), Pat.any("b")]),
+        Pat(("AddV2", "Add"), name="bias", commutative=True, inputs=[Pat(ops, name="mm"), Pat.any("b")]))
+
+
+def _side_add_pat(ops):
+    return Pat(("AddV2", "Add"), name="add", commutative=True,
+               inputs=[_conv_mm_bias_pat(ops), Pat.any("side")])
+
+
+def _bn_act_predicate(node, graph):
+    if node.op not in _ONEDNN_BN_ACTIVATIONS or not node.input:
+        return False
+    src, port, ctrl = parse_tensor(node.input[0])
+    bn = graph.nodes.get(src)
+    return bn is not None and not ctrl and port == 0 and bn.op in _BN_OPS
+
+
+def _build_bn_act(m, b):
+    """FusedBatchNorm(V2/V3) -> Relu  =>  _FusedBatchNormEx(activation_mode=Relu)
+    under the batch norm's name (its statistics and reserve spaces keep their
+    readers: moving-average updates, FusedBatchNormGradV3); the Relu's readers
+    (ReluGrad included: it reads the activation output) read its output 0."""
+    relu = b.anchor
+    bn = b.graph.nodes[parse_tensor(relu.input[0])[0]]
+    dev = b.device_type()
+    b.require(dev == "CPU" and onednn_enabled(),
+              f"_FusedBatchNormEx with an activation runs only as a oneDNN CPU kernel "
+              f"(device {dev}, oneDNN {'on' if onednn_enabled() else 'off'})")
+    b.require(b.device == bn.device, "the Relu and the batch norm are placed on different devices")
+    readers = [(c, i) for c, i in b.graph.consumers(bn.name)
+               if i >= 0 and parse_tensor(b.graph.nodes[c].input[i])[1] == 0]
+    b.require(readers == [(relu.name, 0)],
+              f"not fused: output 0 of '{bn.name}' is also read by "
+              f"'{next((c for c, _ in readers if c != relu.name), '?')}'")
+    t = bn.attr["T"].type
+    b.require(t in (registry.DT_FLOAT, registry.DT_BFLOAT16),
+              f"{bn.op} in {registry.dtype_name(t)}: oneDNN's fused batch norm takes float or bfloat16")
+    b.require(bn.op == "FusedBatchNorm" or bn.attr["U"].type == registry.DT_FLOAT,
+              "batch norm statistics (U) are not float")
+    fmt = bn.attr["data_format"].s.decode() if "data_format" in bn.attr else "NHWC"
+    b.require(fmt in ("NHWC", "NCHW"), f"data_format {fmt}")
+    b.replace(bn.name)
+    od = registry.op_def("_FusedBatchNormEx")
+    names = {a.name for a in od.attr} if od is not None else set()
+    attrs = {k: v for k, v in bn.attr.items() if k in names}
+    attrs["T"] = ("type", t)
+    attrs["U"] = ("type", registry.DT_FLOAT)
+    attrs["activation_mode"] = relu.op
+    attrs["num_side_inputs"] = 0
+    b.emit("_FusedBatchNormEx", bn.name, list(bn.input[:5]), attrs)
+    return {0: tensor_name(bn.name, 0)}
 
 
 def _close(v, want, tol=1e-4):
@@ -792,6 +907,13 @@ def register():
         reason="MatMul+BiasAdd+GELU(erf) is one oneDNN kernel")
     reg("bias_gelu_tanh", _gelu_tanh_pat(), _build_gelu_tanh, follows_precision=True,
         reason="MatMul+BiasAdd+GELU(tanh) is one oneDNN kernel")
+    reg("bias_add_act", Pat(("Relu", "Relu6", "Elu", "LeakyRelu"), inputs=[_side_add_pat("Conv2D")]),
+        _build_bias_add_act, follows_precision=True,
+        reason="residual unit: conv, bias, the shortcut add and the activation in one oneDNN kernel")
+    reg("bias_add", _side_add_pat(("Conv2D", "MatMul")), _build_bias_add, follows_precision=True,
+        reason="conv/matmul, bias and a same-shape add (residual) in one oneDNN kernel")
+    reg("bn_act", Pat(tuple(_ONEDNN_BN_ACTIVATIONS), predicate=_bn_act_predicate), _build_bn_act,
+        reason="batch norm and its Relu in one oneDNN kernel pass (training or inference)")
     reg("bias_act", Pat(("Relu", "Relu6", "Elu", "LeakyRelu"), inputs=[_bias_pat()]), _build_bias_act,
         follows_precision=True, reason="matrix op, bias and activation in one kernel pass")
     reg("bias", _bias_pat(), _build_bias, follows_precision=True,

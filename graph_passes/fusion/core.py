@@ -203,6 +203,8 @@ class Builder:
         self.fused_ops_note: str | None = None
         #: inner nodes found by a build function's own matcher (see :meth:`absorb`)
         self.absorbed: list[str] = []
+        #: nodes re-emitted under their own name (see :meth:`replace`)
+        self.replaced: list[str] = []
 
     # reading --------------------------------------------------------------
     def node(self, capture: str):
@@ -257,6 +259,25 @@ class Builder:
         for name in names:
             if name not in self.absorbed and name not in self.match.matched:
                 self.absorbed.append(name)
+
+    def replace(self, name: str):
+        """Declare that the build re-emits node ``name`` (outside the pattern,
+        e.g. the FusedBatchNorm under a Relu) under its own name, with the same
+        outputs on the same ports: its other consumers (the gradient, the
+        moving-average updates) keep reading it.  Refused (Skip) when it is
+        fetched or preserved or has control edges, as grappler's remapper refuses."""
+        protected = self.ctx.protected if self.ctx is not None else frozenset()
+        node = self.graph.nodes.get(name)
+        if node is None:
+            raise Skip(f"'{name}' is not in the graph")
+        if name in protected:
+            raise Skip(f"not fused: '{name}' is fetched or preserved")
+        if any(i.startswith("^") for i in node.input):
+            raise Skip(f"not fused: '{name}' has control inputs")
+        if any(idx < 0 for _, idx in self.graph.consumers(name)):
+            raise Skip(f"not fused: '{name}' has a control consumer")
+        if name not in self.replaced:
+            self.replaced.append(name)
 
     # writing --------------------------------------------------------------
     def emit(self, op: str, name: str, inputs, attrs: dict | None = None) -> str:
@@ -432,8 +453,11 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
         m.matched.extend(n for n in b.absorbed if n not in m.matched)
     matched = set(m.matched)
     for n in b.emitted:
-        if n.name in graph.nodes and n.name not in matched:
+        if n.name in graph.nodes and n.name not in matched and n.name not in b.replaced:
             return Outcome(False, f"emitted node name '{n.name}' is already taken")
+    missing = [r for r in b.replaced if r not in emitted_names]
+    if missing:
+        return Outcome(False, f"node '{missing[0]}' was declared replaced but not re-emitted")
     # consumers of anchor ports the replacement does not provide
     anchor_cons = list(graph.consumers(m.anchor))
     for cname, idx in anchor_cons:
@@ -461,10 +485,17 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
             elif src not in matched:
                 upstream.append(src)
     keep_name = m.anchor in emitted_names
+    # consumers of replaced nodes outside the match keep reading them by name
+    kept = {r: [(c, i) for c, i in graph.consumers(r) if c not in matched] for r in b.replaced}
     for name in m.matched:
+        graph.remove_node(name, force=True)
+    for name in b.replaced:
         graph.remove_node(name, force=True)
     for n in b.emitted:
         graph.add_node(n)
+    for r, cons in kept.items():
+        index = graph._consumers.setdefault(r, [])  # noqa: SLF001 - index repair
+        index.extend(c for c in cons if c[0] in graph.nodes and c not in index)
     # the replacement named like the anchor inherits its consumers; others are rewired
     if keep_name:
         for cname, idx in anchor_cons:

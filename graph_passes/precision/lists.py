@@ -121,6 +121,7 @@ GRAY = {
     "FusedBatchNormGrad": "statistics kept in FP32 by the op itself (U=float)",
     "FusedBatchNormGradV2": "statistics kept in FP32 by the op itself (U=float)",
     "FusedBatchNormGradV3": "statistics kept in FP32 by the op itself (U=float)",
+    "_FusedBatchNormEx": "batch norm + Relu that fusion emits under oneDNN; statistics in FP32 (U=float)",
     "AvgPool": "window average of few values",
     "AvgPoolGrad": "gradient of a window average",
     "AvgPool3D": "window average of few values",
