@@ -65,6 +65,10 @@ def test_bf16_softmax_follows_producers_fp16_keeps_it_fp32():
 
     lst, why = Plan(Options.from_kwargs(_env=False, precision_mode="allow_mix_precision_bf16")).list_of("Softmax")
     assert lst == "gray" and why.startswith("BF16:")
+    plan16 = Plan(Options.from_kwargs(_env=False, precision_mode="allow_mix_precision"))
+    for op in ("Softmax", "Exp", "Expm1"):
+        assert plan16.list_of(op)[0] == "black"
+    assert Plan(Options.from_kwargs(_env=False, precision_mode="allow_mix_precision_bf16")).list_of("Exp")[0] == "gray"
     out16, rep16 = precision(gd, FETCHES, precision_mode="allow_mix_precision")
     assert nodes(out16)["probs"].attr["T"].type == F32
     assert rep16.decisions["probs"]["list"] == "black"

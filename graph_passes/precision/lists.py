@@ -76,6 +76,9 @@ BF16_GRAY = {
     "Softmax": "BF16 has FP32's range, so the FP16 overflow does not apply; oneDNN's BF16 softmax "
                "accumulates in FP32 (grappler's oneDNN BF16 AMP and Keras mixed_bfloat16 run it in BF16); "
                "in FP32 its output is held for the backward pass at twice the bytes",
+    "Exp": "overflows FP16 above ~11, BF16 only above ~88 like FP32; in FP32 it keeps the GELU/Erf "
+           "backward's elementwise chain in FP32 (FP32 copies of BF16 gradients)",
+    "Expm1": "as Exp",
 }
 
 GRAY = {
