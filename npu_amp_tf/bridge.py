@@ -291,10 +291,10 @@ def _redeliver(exc):
     """Raise ``exc`` (KeyboardInterrupt or SystemExit) in the main thread once
     it runs Python outside this module again (raised inside the ctypes
     callback, ctypes would print and drop it).  On the main thread: a one-shot
-    SIGINT handler that raises ``exc`` and a helper thread that trips SIGINT
-    every 10 ms until the handler ran outside bridge code.  From another
-    thread: a KeyboardInterrupt in the main thread (only the main thread can
-    install signal handlers)."""
+    SIGINT handler that raises ``exc``, and a helper thread that trips SIGINT
+    again (10 ms later) each time the handler ran while the main thread was
+    still in bridge code.  From another thread: a KeyboardInterrupt in the
+    main thread (only the main thread can install signal handlers)."""
     import _thread
     import signal
 
@@ -306,8 +306,10 @@ def _redeliver(exc):
         return  # one is pending already (grappler called again): that one is raised
     previous = signal.getsignal(signal.SIGINT)
     delivered = _redelivery = threading.Event()
+    ran = threading.Event()
 
     def once(signum, frame):  # noqa: ARG001
+        ran.set()
         f = frame
         while f is not None:
             if f.f_code.co_filename == __file__:  # still inside the callback: the helper retries
@@ -318,8 +320,14 @@ def _redeliver(exc):
         raise exc
 
     def trip():
-        while not delivered.wait(0.01):
+        while not delivered.is_set():
+            if signal.getsignal(signal.SIGINT) is not once:  # someone else took SIGINT over
+                delivered.set()
+                return
+            ran.clear()
             _thread.interrupt_main()
+            ran.wait()  # the signal stays pending while the main thread runs C++ (grappler, TF)
+            delivered.wait(0.01)
 
     try:
         signal.signal(signal.SIGINT, once)

@@ -194,7 +194,9 @@ def function_graph_nodes(fn, *args):
 
 
 def matmul_types(nodes):
-    return {n.name: n.attr["T"].type for n in nodes if n.op in ("MatMul", "_MklMatMul", "_FusedMatMul")}
+    # (oneDNN, when on, runs MatMul / _FusedMatMul under its own op names)
+    return {n.name: n.attr["T"].type for n in nodes
+            if n.op in ("MatMul", "_MklMatMul", "_FusedMatMul", "_MklFusedMatMul", "_MklNativeFusedMatMul")}
 
 
 def test_enable_reaches_tf_function_and_nested_bodies():
