@@ -795,49 +795,36 @@ class PrecisionPass(Pass):
         g = self.g
         if not self.new_casts or g.nodes_of_type(("Enter", "RefEnter")):
             return
-        pos = g.topo_positions()
+        # A Cast depends only on its source, so placing it just before its first reader keeps a
+        # topological order valid; a producer placed before that point cannot depend on the Cast
+        # (no cycle), and one placed after the source is worth waiting for.  Delayed casts take
+        # their new place in `pos`, so the order stays valid for the casts that follow.
+        pos = dict(g.topo_positions())
         for cname in self.new_casts:
             cast = g.nodes.get(cname)
             if (cast is None or cast.attr["DstT"].type != FP32
                     or cast.attr["SrcT"].type not in registry.LOW_TYPES):
                 continue
             src = parse_tensor(cast.input[0])[0]
-            if g.nodes[src].op == "Const" or src not in pos or cname not in pos:
+            readers = g.consumers(cname, control=False)
+            if g.nodes[src].op == "Const" or src not in pos or not readers:
                 continue
+            first = min(pos.get(r, -1) for r, _ in readers)
             waits = []
-            for reader, idx in g.consumers(cname, control=False):
+            for reader, idx in readers:
                 for k, inp in enumerate(g.nodes[reader].input):
                     if k == idx or inp.startswith("^"):
                         continue
                     other = parse_tensor(inp)[0]
-                    if (other in waits or other == src or pos.get(other, -1) <= pos[src]
-                            or g.nodes[other].op == "Const"):
-                        continue
-                    if not self._depends_on(other, cname, pos):
+                    if (other not in waits and pos[src] < pos.get(other, -1) < first
+                            and g.nodes[other].op != "Const"):
                         waits.append(other)
             for other in waits:
                 g.add_control_input(cname, other)
             if waits:
+                pos[cname] = first - 0.5
                 self.casts_delayed += 1
                 self.decisions.setdefault(cname, {})["waits_for"] = waits
-                pos = g.topo_positions()
-
-    def _depends_on(self, name, target, pos):
-        """Whether ``name`` is downstream of ``target`` (data or control edges);
-        only nodes after ``target`` in topological order are visited."""
-        g = self.g
-        lo = pos[target]
-        seen, stack = {name}, [name]
-        while stack:
-            n = stack.pop()
-            if n == target:
-                return True
-            for inp in g.nodes[n].input:
-                p = parse_tensor(inp)[0]
-                if p not in seen and pos.get(p, -1) >= lo:
-                    seen.add(p)
-                    stack.append(p)
-        return False
 
     def _fp16_copy_read(self, src, port, dt):
         """``keep_fp16_copies``: instead of casting a read of master variable
