@@ -64,7 +64,8 @@ _ONEDNN = {"Conv2D": {"", "Relu", "Relu6", "Elu", "LeakyRelu"},
 #: activations after BiasAdd + Add (a same-shape side input, e.g. a residual) that a fused
 #: kernel accepts: only oneDNN's (TF's Eigen _FusedConv2D/_FusedMatMul refuse "Add" with
 #: "Fusion is not implemented: [BiasAdd,Add,Relu]").  Measured on TF 2.15.1 and 2.21.0 in FP32
-#: and BF16 (tests/test_fusion_onednn.py, numerics vs the unfused ops); "" = no activation.
+#: and BF16 (benchmarks/onednn_forms.py: numerics vs the unfused ops; tests/test_fusion_onednn.py
+#: on real models); "" = no activation.
 #: MatMul takes no activation after Add: "MklFusedMatMul must have 2 post-arguments at most".
 #: TF's remapper fuses the same (FindContractionWithBiasAddAndAdd / ...AndAddActivation).
 _ONEDNN_SIDE_ADD = {"Conv2D": {"", "Relu", "Relu6", "Elu", "LeakyRelu"},
