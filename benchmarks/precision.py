@@ -195,6 +195,8 @@ class _CastAwareShapes:
     """Shapes of the original graph looked up by name through Casts (and other
     single-input nodes) a rewrite inserted."""
 
+    _dependent = False  # stats.activation_bytes caches the input-dependent nodes here
+
     def __init__(self, orig, out_graph):
         self.orig, self.g = orig, out_graph
 

@@ -19,6 +19,8 @@ from .manager import Pass, register_pass
 
 @register_pass("cleanup")
 class Cleanup(Pass):
+    keeps_deferred = True  # resolves them before its first removal
+
     def run(self, graph, ctx):
         removed = 0
         changed = True
@@ -31,6 +33,8 @@ class Cleanup(Pass):
                 od = registry.op_def(graph.nodes[name].op)
                 if od is not None and od.is_stateful:
                     continue
+                if ctx.report.pending:
+                    ctx.report.resolve()
                 graph.remove_node(name)
                 removed += 1
                 changed = True

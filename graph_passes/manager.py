@@ -42,9 +42,15 @@ def register_pass(name: str):
 
 
 class Pass:
-    """Base class; subclasses implement :meth:`run`."""
+    """Base class; subclasses implement :meth:`run`.
+
+    ``keeps_deferred``: the report's deferred figures (:meth:`Report.defer`,
+    computed from the graph when read) stay true through this pass: it does
+    not change the graph, or resolves them before it does.  Otherwise the
+    manager computes them before the pass runs."""
 
     name = "pass"
+    keeps_deferred = False
 
     def run(self, graph: Graph, ctx: "PassContext") -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -112,6 +118,8 @@ class PassManager:
         before_problems = set(graph.validate()) if self.validate else set()
         for name in self.pass_names:
             ctx.current_pass = name
+            if ctx.report.pending and not PASS_REGISTRY[name].keeps_deferred:
+                ctx.report.resolve()
             repairs = graph.index_repairs
             t0 = time.perf_counter()
             try:

@@ -12,15 +12,66 @@ class Report:
     * ``warnings = [{"pass", "node", "message"}]``
     * ``summary``: totals that passes publish (low-precision FLOP share,
       casts inserted, TransData counts, activation bytes...)
+
+    Figures that cost a graph walk over static shapes (the precision pass's
+    FLOP share and activation/peak estimates) may be *deferred*
+    (:meth:`defer`): they are computed the first time ``summary`` is read
+    (``to_json``, ``dumps``, ``pass_stats``, a test, the CLI), not inside
+    grappler when nobody reads them.  Writers that must not trigger them use
+    :attr:`raw_summary`.
     """
 
     def __init__(self):
         self.decisions: dict[str, dict] = {}
         self.passes: list[dict] = []
         self.warnings: list[dict] = []
-        self.summary: dict = {}
+        self._summary: dict = {}
+        self._pending: list = []
+        #: compute deferred figures at once (the behaviour before deferral)
+        self.eager = False
         self.graph_name: str | None = None
         self.options: dict = {}
+
+    # ------------------------------------------------------ deferred figures
+    @property
+    def summary(self) -> dict:
+        """The summary, with every deferred figure computed."""
+        if self._pending:
+            self.resolve()
+        return self._summary
+
+    @summary.setter
+    def summary(self, value: dict):
+        self._summary = value
+
+    @property
+    def raw_summary(self) -> dict:
+        """The summary as it is now, without computing deferred figures."""
+        return self._summary
+
+    @property
+    def pending(self) -> bool:
+        """Whether some figures are still deferred."""
+        return bool(self._pending)
+
+    def defer(self, fn):
+        """Register ``fn(report)``, run (once, in registration order) the first
+        time the summary is read; it writes its figures into ``raw_summary``."""
+        if self.eager:
+            fn(self)
+        else:
+            self._pending.append(fn)
+
+    def discard_pending(self, why: str):
+        """Forget the deferred figures (and the graphs they hold), noting ``why``."""
+        if self._pending:
+            self._pending.clear()
+            self._summary["deferred_figures_dropped"] = why
+
+    def resolve(self):
+        """Compute every deferred figure now."""
+        while self._pending:
+            self._pending.pop(0)(self)
 
     def decide(self, node: str, **fields):
         self.decisions.setdefault(node, {}).update(fields)
@@ -31,12 +82,16 @@ class Report:
             self.warnings.append(entry)
 
     def pass_stats(self, name: str) -> dict:
+        if self._pending:
+            self.resolve()
         for p in reversed(self.passes):
             if p["name"] == name:
                 return p["stats"]
         return {}
 
     def to_json(self) -> dict:
+        if self._pending:
+            self.resolve()
         return {
             "graph": self.graph_name,
             "options": self.options,
@@ -61,6 +116,8 @@ class Report:
         return r
 
     def __repr__(self):
+        if self._pending:
+            self.resolve()
         return (f"Report({len(self.decisions)} decisions, {len(self.passes)} passes, "
                 f"{len(self.warnings)} warnings, summary={self.summary})")
 

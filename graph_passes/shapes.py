@@ -218,6 +218,7 @@ class ShapeTable:
         self._shapes = {}
         self._source = source
         self._inferred = None
+        self._aliases = {}
         self.error = None
 
     @property
@@ -227,6 +228,10 @@ class ShapeTable:
     def node_shapes(self, name):
         s = self._shapes.get(name)
         if s is not None:
+            return s
+        ref = self._aliases.get(name)
+        if ref is not None:
+            s = self._shapes[name] = [self.get(ref)]
             return s
         node = self._graph.nodes.get(name)
         if node is not None:
@@ -281,8 +286,28 @@ class ShapeTable:
         return outs[port]
 
     def alias(self, new_name, ref):
-        """Record that ``new_name`` (an inserted Cast) has the shape of ``ref``."""
-        self._shapes[new_name] = [self.get(ref)]
+        """Record that ``new_name`` (an inserted Cast) has the shape of ``ref``
+        (looked up when ``new_name`` is: no inference for it now)."""
+        self._shapes.pop(new_name, None)
+        self._aliases[new_name] = ref
+
+    def freeze_source(self, graph_def_fn):
+        """Without a shape source, infer (when first needed) on the GraphDef
+        ``graph_def_fn()`` returns (the graph as it is now) rather than on the
+        graph as it will be at the first lookup."""
+        if self._inferred is None and self._source is None:
+            self._source = lambda: infer_shapes(graph_def_fn())
+
+    def inferred_source(self):
+        """A source for another table over a version of this graph: this
+        table's inference, shared (run once)."""
+        return self._infer
+
+    def swap_source(self, source):
+        """Replace a source that has not run yet (one that is valid only for a
+        while, such as the grappler item's, by a lasting one)."""
+        if self._inferred is None:
+            self._source = source
 
     def as_dict(self) -> dict:
         """Every node's shapes (for passes that walk the whole graph)."""

@@ -171,7 +171,14 @@ def last_reports(n: int | None = None) -> list[dict]:
     "error": message or None}``."""
     with _lock:
         items = list(_reports)
-    return items if n is None else items[-n:]
+    items = items if n is None else items[-n:]
+    for entry in items:
+        rep = entry.get("report")
+        if rep is not None and not isinstance(rep, dict):
+            # the Report object: its deferred figures (FLOP share, activation
+            # bytes) are computed now, when someone reads them, not in grappler
+            entry["report"] = rep.to_json()
+    return items
 
 
 def clear_reports():
@@ -218,11 +225,31 @@ def _shapes_call(fn, *args):
     return LineShapes(text)
 
 
-def item_shape_source(sink):
+class _ItemShapes:
     """Lazy shape source for the graph grappler is optimizing now: runs
     ``GraphProperties::InferStatically`` on the item the C++ side holds, when
-    (and if) a pass first needs a shape.  Only valid inside the callback."""
-    return lambda: _shapes_call(_lib.NpuAmpItemShapes, sink)
+    (and if) a pass first needs a shape.  The item exists only while the
+    callback runs; a report read later (its deferred figures) gets the same
+    C++ inference on the GraphDef the pipeline received (``fallback``)."""
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.fallback = None
+
+    def __call__(self):
+        if self.sink is not None:
+            return _shapes_call(_lib.NpuAmpItemShapes, self.sink)
+        if self.fallback is None:
+            raise RuntimeError("no grappler item: the callback has returned")
+        return self.fallback()
+
+    def expire(self):
+        self.sink = None
+
+
+def item_shape_source(sink):
+    """See :class:`_ItemShapes`."""
+    return _ItemShapes(sink)
 
 
 def graph_shape_source(graph_def):
@@ -238,9 +265,20 @@ def graph_shape_source(graph_def):
     return source
 
 
+#: records whose report keeps its deferred figures (and so its graphs) alive
+_LAZY_REPORTS_MAX = 16
+
+
 def _record(entry: dict):
     with _lock:
         _reports.append(entry)
+        if len(_reports) > _LAZY_REPORTS_MAX:
+            old = _reports[-_LAZY_REPORTS_MAX - 1]
+            rep = old.get("report")
+            if rep is not None and not isinstance(rep, dict):
+                rep.discard_pending(f"more than {_LAZY_REPORTS_MAX} newer graphs; set report_path "
+                                    "to keep every report's figures")
+                old["report"] = rep.to_json()
         _stats["calls"] += 1
         _stats[entry["status"]] += 1
 
@@ -261,13 +299,15 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         if getattr(_tls, "active", False):
             return RC_NOT_NOW  # a pass itself ran a TF function: do not recurse
         _tls.active = True
+        shapes = item_shape_source(sink)
         try:
             graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
                                _split(devices), (item_id or b"").decode("utf-8", "replace"),
-                               shapes=item_shape_source(sink))
+                               shapes=shapes)
         finally:
+            shapes.expire()
             _tls.active = False
         if code == RC_OK:
             _lib.NpuAmpWriteResult(sink, out, len(out))
@@ -429,13 +469,16 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         log.warning("%s; the graph is left unchanged", msg)
         return _finish(entry, "error", t0, msg, gd=gd, code=RC_NOT_NOW)
 
-    rep = report.to_json()
-    entry["report"] = rep
-    failed = rep.get("summary", {}).get("failed_pass")
+    # the Report itself: last_reports() / report_path turn it into JSON, which
+    # computes its deferred shape-based figures only then
+    if isinstance(shapes, _ItemShapes):
+        shapes.fallback = graph_shape_source(gd)
+    entry["report"] = rep = report
+    failed = report.raw_summary.get("failed_pass")
     if failed:
         _write_report_file(options, item_id, rep)
         # pipeline already logged "pass '<p>' at node '<n>': ...; the graph is left unchanged"
-        msg = rep["warnings"][-1]["message"] if rep.get("warnings") else f"pass '{failed}' failed"
+        msg = report.warnings[-1]["message"] if report.warnings else f"pass '{failed}' failed"
         _remember(key, RC_UNCHANGED, b"")
         return _finish(entry, "pass_failed_kept", t0, msg, gd=gd, code=RC_UNCHANGED)
     # byte comparison is useless here: C++ and Python order map keys differently
@@ -475,6 +518,8 @@ def _write_report_file(options, item_id, rep):
     path = options.report_path
     if not path:
         return
+    if not isinstance(rep, dict):
+        rep = rep.to_json()
     try:
         os.makedirs(path, exist_ok=True)
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", item_id or "graph")[:120]

@@ -76,7 +76,7 @@ def summarize(graph: Graph, report: Report):
             counts["casts"] += 1
         elif n.op == "TransData":
             counts["transdata"] += 1
-    report.summary.update(counts)
+    report.raw_summary.update(counts)
 
 
 def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(), devices=(),
@@ -99,11 +99,11 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
     report.graph_name = graph_name
     report.options = options.rewrite_params()
     if options.env_overrides:
-        report.summary["env_overrides"] = dict(options.env_overrides)
+        report.raw_summary["env_overrides"] = dict(options.env_overrides)
     for note in options.notes:
         report.warn(note)
     if options.device_only_keys:
-        report.summary["ge_device_only_keys"] = sorted(options.device_only_keys)
+        report.raw_summary["ge_device_only_keys"] = sorted(options.device_only_keys)
         report.warn("GE option(s) " + ", ".join(sorted(options.device_only_keys))
                     + ": no effect off the NPU")
     t0 = time.perf_counter()
@@ -135,12 +135,12 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
         msg = f"{exc}; the graph is left unchanged"
         log.warning("npu_amp_tf: %s", msg)
         report.warn(msg, node=exc.node, pass_name=exc.pass_name)
-        report.summary["failed_pass"] = exc.pass_name
+        report.raw_summary["failed_pass"] = exc.pass_name
         out = graph_def
     if options.ge.get("enable_dump") or options.ge.get("enable_dump_debug"):
         report.summary["ge_dump"] = _ge_dump(graph_def, out, report, options, graph_name)
-    report.summary["pipeline"] = names
-    report.summary["time_s"] = round(time.perf_counter() - t0, 6)
+    report.raw_summary["pipeline"] = names
+    report.raw_summary["time_s"] = round(time.perf_counter() - t0, 6)
     return out, report
 
 
@@ -154,7 +154,7 @@ def _timed(source, report):
         try:
             return source()
         finally:
-            report.summary["shape_inference_s"] = round(time.perf_counter() - t0, 6)
+            report.raw_summary["shape_inference_s"] = round(time.perf_counter() - t0, 6)
     return run
 
 
@@ -173,9 +173,9 @@ def _opdef_failure(problems, what, options, report: Report):
     node = (quoted[1] if problems[0].startswith("edge") and len(quoted) > 1
             else quoted[0] if quoted else None)
     report.warn(msg, node=node, pass_name="opdef_check")
-    report.summary.setdefault("opdef_check_failed", []).append({"graph": what, "problems": problems[:20]})
+    report.raw_summary.setdefault("opdef_check_failed", []).append({"graph": what, "problems": problems[:20]})
     if what == "main graph":
-        report.summary["failed_pass"] = "opdef_check"
+        report.raw_summary["failed_pass"] = "opdef_check"
 
 
 _RATIO_KEYS = frozenset({"lp_flop_share", "time_s"})
@@ -185,6 +185,7 @@ def _optimize_functions(graph: Graph, mgr, options, devices, report: Report):
     from graph_passes.errors import GraphError
     from graph_passes.functions import function_graph
 
+    subs = []
     for fname in list(graph.functions):
         try:
             fgraph = function_graph(graph, fname)
@@ -207,13 +208,20 @@ def _optimize_functions(graph: Graph, mgr, options, devices, report: Report):
             report.decisions[f"{fname}/{node}"] = dict(dec, function=fname)
         for w in sub.warnings:
             report.warnings.append(dict(w, function=fname))
+        subs.append(sub)
+    # the bodies' totals include their deferred shape figures: summed when read
+    report.defer(lambda rep: _sum_functions(subs, rep))
+
+
+def _sum_functions(subs, report: Report):
+    s = report.raw_summary
+    for sub in subs:
         for k, v in sub.summary.items():
             if k in _RATIO_KEYS:
                 continue  # ratios are recomputed from the summed parts below
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                report.summary.setdefault(f"functions_{k}", 0)
-                report.summary[f"functions_{k}"] += v
-    s = report.summary
+                s.setdefault(f"functions_{k}", 0)
+                s[f"functions_{k}"] += v
     if s.get("functions_matrix_flops"):
         s["functions_lp_flop_share"] = s.get("functions_lp_flops", 0) / s["functions_matrix_flops"]
     total = (s.get("matrix_flops") or 0) + (s.get("functions_matrix_flops") or 0)

@@ -103,8 +103,9 @@ def test_pipeline_infers_shapes_once_and_lazily():
 
     _, rep = pipeline.optimize(gd, npu_amp_tf.Options.from_kwargs(), fetches=["loss", "train"],
                                shapes=counting)
-    assert calls == [1]  # precision's report needs shapes: inferred exactly once
+    assert calls == []  # the report's shape figures wait for a read
     assert rep.summary["lp_flop_share"] == 1.0 and rep.summary["matrix_flops"] > 0
+    assert calls == [1]  # read: inferred exactly once
     # with every shape recorded in _output_shapes, the source is never called
     calls.clear()
     _, rep2 = pipeline.optimize(cnn_graph(add_shapes=True), npu_amp_tf.Options.from_kwargs(),
@@ -199,3 +200,111 @@ def test_corrupt_cached_library_is_rebuilt_with_a_warning(tmp_path):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
     assert "does not load" in proc.stderr and "rebuilding it" in proc.stderr, proc.stderr[-3000:]
     assert corrupt.read_bytes() == open(good, "rb").read()
+
+
+# ------------------------------------------------ report figures on demand
+_SHAPE_KEYS = ("lp_flops", "matrix_flops", "lp_flop_share", "matrix_ops_without_shape",
+               "activation_bytes_before", "activation_bytes_after",
+               "activation_bytes_sum_before", "activation_bytes_sum_after")
+
+
+def test_report_shape_figures_are_computed_when_read_not_in_the_pass():
+    """The precision pass leaves the FLOP share and activation figures (the
+    only reason it needs shapes) to the first read of the report: no shape
+    inference while grappler waits, exactly one when the report is read."""
+    gd = cnn_graph()
+    calls = []
+    cpp = bridge.graph_shape_source(gd)
+
+    def counting():
+        calls.append(1)
+        return cpp()
+
+    out, rep = pipeline.optimize(gd, npu_amp_tf.Options.from_kwargs(graph_level=0),
+                                 fetches=["loss", "train"], shapes=counting)
+    assert calls == [] and rep.pending
+    assert "lp_flop_share" not in rep.raw_summary and rep.raw_summary["casts_inserted"] > 0
+    assert rep.summary["lp_flop_share"] == 1.0  # read: computed now, once
+    assert calls == [1] and not rep.pending
+    # the precision pass's own stats carry them too
+    assert rep.pass_stats("precision")["matrix_flops"] == rep.summary["matrix_flops"] > 0
+
+
+def _keras_resnet_training_graph(k, batch=2, size=32):
+    g = tf.Graph()
+    with g.as_default():
+        k.backend.set_learning_phase(1) if hasattr(k.backend, "set_learning_phase") else None
+        x = tf1.placeholder(tf.float32, [batch, size, size, 3], name="images")
+        y = tf1.placeholder(tf.int32, [batch], name="labels")
+        model = k.applications.ResNet50(weights=None, input_tensor=x, classes=10)
+        logits = model.output.op.inputs[0] if model.output.op.type == "Softmax" else model.output
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        with tf.control_dependencies(model.updates if hasattr(model, "updates") else []):
+            tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, var_list=model.trainable_weights,
+                                                            name="train")
+    return g.as_graph_def()
+
+
+def test_deferred_figures_equal_eager_ones_on_keras_resnet50(k2, tmp_path):
+    """Keras ResNet50 training graph (32x32): the figures computed when the
+    report is read equal those computed inside the pass (``Report.eager``),
+    offline and through grappler (``last_reports()`` after the callback, on the
+    GraphDef, vs the ``report_path`` file written inside it, on grappler's item)."""
+    from graph_passes import manager
+    from graph_passes.report import Report
+
+    gd = _keras_resnet_training_graph(k2)
+    opts = npu_amp_tf.Options.from_kwargs()
+    names = pipeline.pass_names(opts)
+    results = []
+    for eager in (True, False):
+        g = Graph(gd)
+        shapes_mod.attach(g, bridge.graph_shape_source(gd))
+        rep = Report()
+        rep.eager = eager
+        manager.PassManager(names).run(g, manager.PassContext(opts, ["loss", "train"], (), (), rep))
+        assert rep.pending is not eager
+        results.append((g.to_graph_def(), rep))
+    (g_eager, r_eager), (g_lazy, r_lazy) = results
+    assert g_eager == g_lazy
+    s_eager, s_lazy = r_eager.summary, r_lazy.summary
+    for key in _SHAPE_KEYS:
+        assert s_lazy[key] == s_eager[key], key
+    assert s_lazy["matrix_flops"] > 0 and s_lazy["matrix_ops_without_shape"] == 0
+    assert s_lazy["activation_bytes_after"] > 0 and s_lazy["activation_bytes_sum_before"] > 0
+
+    # through grappler: the record read after the callback (shapes of the
+    # GraphDef) vs the report_path file written inside it (grappler's item)
+    import json
+
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from tensorflow.python.grappler import tf_optimizer
+
+    mg = meta_graph_pb2.MetaGraphDef()
+    mg.graph_def.CopyFrom(gd)
+    mg.collection_def["train_op"].node_list.value.extend(["loss", "train"])
+    figures = []
+    for path in (None, tmp_path):
+        bridge.clear_reports()
+        cfg = tf1.ConfigProto()
+        ro = cfg.graph_options.rewrite_options
+        ro.min_graph_nodes = -1
+        ro.meta_optimizer_iterations = ro.ONE
+        co = ro.custom_optimizers.add()
+        co.name = "NpuAmpOptimizer"
+        if path is not None:
+            co.parameter_map["report_path"].s = str(path).encode()
+        tf_optimizer.OptimizeGraph(cfg, mg, graph_id=b"resnet")
+        if path is None:
+            with bridge._lock:
+                rec = [r for r in bridge._reports if r["status"] == "rewritten"][-1]
+            assert rec["report"].pending  # nobody read it inside grappler
+            figures.append(bridge.last_reports()[-1]["report"]["summary"])
+        else:
+            files = list(tmp_path.glob("*.json"))
+            assert len(files) == 1
+            figures.append(json.loads(files[0].read_text())["summary"])
+    for key in _SHAPE_KEYS:
+        assert figures[0][key] == figures[1][key], key
+    assert figures[0]["matrix_flops"] > 0

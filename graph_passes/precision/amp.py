@@ -161,15 +161,16 @@ class PrecisionPass(Pass):
         self.decisions = {}
 
         shapes = _stats.ShapeTable(graph)
-        self._act_nodes = {}
-        act_before = _stats.activation_bytes(graph, shapes, per_node=self._act_nodes)
-        peak_before = _stats.peak_step_bytes(graph, shapes, set(shapes._dependent or ()) or None)
+        # the shape-based figures are deferred (computed when the report is
+        # read): keep the graph as it is now for their "before" half
+        order = self.g.topo_order()
+        before = _Snapshot(graph, list(order))
+        shapes.freeze_source(before.graph_def)
         self.new_casts = []
         self.casts_delayed = 0
 
         changed = 0
         if self.mode != "must_keep_origin_dtype":
-            order = self.g.topo_order()
             changed = self._paint(order)
             if self.mode in ("allow_mix_precision", "allow_mix_precision_bf16"):
                 changed += self._demote(order)
@@ -182,7 +183,7 @@ class PrecisionPass(Pass):
             for name, node in graph.nodes.items():
                 if self.info(node).attrs:
                     self._record(node, "keep", "precision_mode=must_keep_origin_dtype: no change")
-        return self._finish(shapes, act_before, changed, peak_before)
+        return self._finish(shapes, before, changed)
 
     # ------------------------------------------------------- node facts
     def info(self, node) -> _NodeInfo:
@@ -851,11 +852,10 @@ class PrecisionPass(Pass):
         return name
 
     # ------------------------------------------------------------ report
-    def _finish(self, shapes, act_before, changed, peak_before=None):
+    def _finish(self, shapes, before, changed):
         g, rep = self.g, self.ctx.report
         float_nodes = low_nodes = 0
-        lp_flops = total_flops = 0
-        unknown_flops = 0
+        matrix = []  # (node, runs in the low dtype)
         for name, node in g.nodes.items():
             if node.op in ("Const", "Cast"):
                 continue
@@ -863,23 +863,14 @@ class PrecisionPass(Pass):
             if not info.attrs or info.fixed:
                 continue
             float_nodes += 1
-            cur = self.current(node, info)
-            if cur in registry.LOW_TYPES:
+            low = self.current(node, info) in registry.LOW_TYPES
+            if low:
                 low_nodes += 1
             if node.op in _stats.MATRIX_OPS:
-                f = _stats.matmul_flops(node, shapes)
-                if f is None:
-                    unknown_flops += 1
-                    continue
-                total_flops += f
-                if cur in registry.LOW_TYPES:
-                    lp_flops += f
+                matrix.append((node, low))
         redo = [n for n in self.touched if n in g.nodes] + list(self.new_casts)
-        act_after = act_before - sum(self._act_nodes.get(n, 0) for n in redo) + \
-            _stats.activation_bytes(g, shapes, names=redo)
         for n, fields in self.decisions.items():
             rep.decide(n, **fields)
-        share = (lp_flops / total_flops) if total_flops else None
         summary = {
             "precision_mode": self.mode,
             "low_dtype": self.low_name,
@@ -888,22 +879,85 @@ class PrecisionPass(Pass):
             "casts_inserted": self.casts_inserted,
             "casts_delayed": self.casts_delayed,
             "fp16_copy_reads": self.copy_reads,
-            "lp_flops": lp_flops,
-            "matrix_flops": total_flops,
-            "lp_flop_share": share,
-            "matrix_ops_without_shape": unknown_flops,
-            # the step's estimated peak (what `npu-amp profile` measures); the sums over every step tensor
-            # (an upper bound, frees ignored) stay under *_sum
-            "activation_bytes_before": peak_before,
-            "activation_bytes_after": _stats.peak_step_bytes(g, shapes, shapes._dependent),
-            "activation_bytes_sum_before": act_before,
-            "activation_bytes_sum_after": act_after,
         }
-        if shapes.error:
-            summary["shape_inference_error"] = shapes.error
         for k, v in summary.items():
-            rep.summary[k] = v
-        return dict(summary, nodes_changed=changed)
+            rep.raw_summary[k] = v
+        stats = dict(summary, nodes_changed=changed)
+        rep.defer(functools.partial(_shape_figures, g, shapes, before, matrix, redo, stats))
+        return stats
+
+
+class _Snapshot:
+    """The graph as the precision pass received it (NodeDef copies and its
+    topological order), for the deferred "before" figures."""
+
+    def __init__(self, graph, order):
+        from tensorflow.core.framework import graph_pb2
+
+        self._gd = graph_pb2.GraphDef()
+        self._gd.node.extend(graph.nodes.values())
+        self._library = graph.library
+        self._versions = graph.versions
+        self._full = False
+        self.order = order
+        self.has_cycle = bool(graph._topo_cache and graph._topo_cache[1])
+
+    def graph_def(self):
+        if not self._full:  # what Graph.to_graph_def() gave: nodes, library, versions
+            self._full = True
+            self._gd.library.CopyFrom(self._library)
+            self._gd.versions.CopyFrom(self._versions)
+        return self._gd
+
+    def graph(self):
+        from ..graph import Graph
+
+        g = Graph(self.graph_def(), copy=False)
+        g._topo_cache = (self.order, self.has_cycle)
+        return g
+
+
+def _shape_figures(g, shapes, before, matrix, redo, stats, report):
+    """The precision pass's shape-based figures (deferred, see
+    :meth:`Report.defer`): low-precision share of matrix/conv FLOPs, the
+    step's activation bytes and estimated peak, before and after."""
+    from .. import shapes as _shp
+
+    bg = before.graph()
+    bshapes = _shp.ShapeTable(bg, source=shapes.inferred_source())
+    act_nodes = {}
+    act_before = _stats.activation_bytes(bg, bshapes, per_node=act_nodes)
+    peak_before = _stats.peak_step_bytes(bg, bshapes, set(bshapes._dependent or ()) or None)
+    shapes._dependent = bshapes._dependent
+    lp_flops = total_flops = 0
+    unknown_flops = 0
+    for node, low in matrix:
+        f = _stats.matmul_flops(node, shapes)
+        if f is None:
+            unknown_flops += 1
+            continue
+        total_flops += f
+        if low:
+            lp_flops += f
+    act_after = act_before - sum(act_nodes.get(n, 0) for n in redo) + \
+        _stats.activation_bytes(g, shapes, names=redo)
+    summary = {
+        "lp_flops": lp_flops,
+        "matrix_flops": total_flops,
+        "lp_flop_share": (lp_flops / total_flops) if total_flops else None,
+        "matrix_ops_without_shape": unknown_flops,
+        # the step's estimated peak (what `npu-amp profile` measures); the sums over every step tensor
+        # (an upper bound, frees ignored) stay under *_sum
+        "activation_bytes_before": peak_before,
+        "activation_bytes_after": _stats.peak_step_bytes(g, shapes, shapes._dependent),
+        "activation_bytes_sum_before": act_before,
+        "activation_bytes_sum_after": act_after,
+    }
+    error = shapes.error or bshapes.error
+    if error:
+        summary["shape_inference_error"] = error
+    report.raw_summary.update(summary)
+    stats.update(summary)
 
 
 @functools.lru_cache(maxsize=None)
