@@ -151,3 +151,33 @@ def test_no_delay_without_backward_or_inside_v1_loops():
     assert nodes(out)["probs"].attr["T"].type == BF16 and "probs/CastToFp32" in nodes(out)
     assert rep.summary["casts_delayed"] == 0
     assert not any(i.startswith("^") for m in out.node if m.op == "Cast" for i in m.input)
+
+
+def test_delayed_casts_in_grappler_session_keep_the_graph_acyclic():
+    """Inside a Session grappler's dependency optimizer removes the gradient
+    tuples' Identities first, so in a BERT-style block the FP32 copies of the
+    softmax and of its incoming gradient feed ONE Mul: the two new Casts must
+    not wait on each other (grappler rejected the cyclic graph and ran the
+    original FP32 one)."""
+    import npu_amp_tf
+    from _combo_worker import _build_transformer
+
+    g = tf.Graph()
+    with g.as_default():
+        v1.set_random_seed(0)
+        feeds, loss, train = _build_transformer(tf, v1)
+        init = v1.global_variables_initializer()
+    losses, ran = {}, {}
+    for label, cfg in (("bf16", npu_amp_tf.session_config(precision_mode="allow_mix_precision_bf16",
+                                                             graph_level=0)),
+                       ("fp32", v1.ConfigProto())):
+        md = v1.RunMetadata()
+        with v1.Session(graph=g, config=cfg) as s:
+            s.run(init)
+            losses[label] = s.run([loss, train], feeds, options=v1.RunOptions(output_partition_graphs=True),
+                                  run_metadata=md)[0]
+        ran[label] = [n for pg in md.partition_graphs for n in pg.node]
+    mm = {n.attr["T"].type for n in ran["bf16"] if n.op.endswith("MatMul") or "BatchMatMul" in n.op}
+    assert mm == {BF16}, mm
+    assert any(n.op == "Cast" and any(i.startswith("^") for i in n.input) for n in ran["bf16"])
+    np.testing.assert_allclose(losses["bf16"], losses["fp32"], rtol=2.5e-2)

@@ -74,7 +74,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import registry
-from ..errors import OptionError
+from ..errors import GraphError, OptionError
 from ..graph import parse_tensor, tensor_name
 from ..manager import Pass, register_pass
 from . import stats as _stats
@@ -796,14 +796,17 @@ class PrecisionPass(Pass):
         g = self.g
         if not self.new_casts or g.nodes_of_type(("Enter", "RefEnter")):
             return
-        # A Cast depends only on its source, so placing it just before its first reader keeps a
-        # topological order valid; a producer placed before that point cannot depend on the Cast
-        # (no cycle), and one placed after the source is worth waiting for.  Delayed casts take
-        # their new place in `pos`, so the order stays valid for the casts that follow.
+        # A Cast that nothing waits on depends only on its source and feeds only its readers, so
+        # placing it just before its first reader keeps a topological order valid; a producer placed
+        # before that point cannot depend on the Cast (no cycle), and one placed after the source is
+        # worth waiting for.  Delayed casts take their new place in `pos`, so the order stays valid
+        # for the casts that follow; a Cast another one waits on is not moved, and a moved Cast is
+        # not waited on (two casts feeding one reader would otherwise wait on each other).
         pos = dict(g.topo_positions())
+        awaited, delayed = set(), set()
         for cname in self.new_casts:
             cast = g.nodes.get(cname)
-            if (cast is None or cast.attr["DstT"].type != FP32
+            if (cast is None or cname in awaited or cast.attr["DstT"].type != FP32
                     or cast.attr["SrcT"].type not in registry.LOW_TYPES):
                 continue
             src = parse_tensor(cast.input[0])[0]
@@ -817,15 +820,34 @@ class PrecisionPass(Pass):
                     if k == idx or inp.startswith("^"):
                         continue
                     other = parse_tensor(inp)[0]
-                    if (other not in waits and pos[src] < pos.get(other, -1) < first
+                    if (other not in waits and other not in delayed and pos[src] < pos.get(other, -1) < first
                             and g.nodes[other].op != "Const"):
                         waits.append(other)
             for other in waits:
                 g.add_control_input(cname, other)
             if waits:
                 pos[cname] = first - 0.5
+                delayed.add(cname)
+                awaited.update(waits)
                 self.casts_delayed += 1
                 self.decisions.setdefault(cname, {})["waits_for"] = waits
+        if delayed and not self._acyclic():  # never, by the order argument above: a safety net
+            for cname in delayed:
+                node = g.nodes[cname]
+                keep = [i for i in node.input if not i.startswith("^")]
+                del node.input[:]
+                node.input.extend(keep)
+                self.decisions.get(cname, {}).pop("waits_for", None)
+            g.reindex()
+            self.casts_delayed = 0
+            self.ctx.report.warn("delayed casts undone: they closed a cycle", pass_name="precision")
+
+    def _acyclic(self):
+        try:
+            self.g.topo_order(strict=True)
+        except GraphError:
+            return False
+        return True
 
     def _fp16_copy_read(self, src, port, dt):
         """``keep_fp16_copies``: instead of casting a read of master variable
