@@ -125,7 +125,9 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
             _optimize_functions(graph, mgr, options, devices, report)
         summarize(graph, report)
         out = graph.to_graph_def()
-        problems = _opdef_check.new_problems(graph_def, out, ctx.default_device_type())
+        # checked on the indexed graph itself (its nodes are `out`'s, bar the
+        # private `_class` attrs to_graph_def drops): no second index to build
+        problems = _opdef_check.new_problems(graph_def, graph, ctx.default_device_type())
         if problems:
             _opdef_failure(problems, "main graph", options, report)
             out = graph_def
