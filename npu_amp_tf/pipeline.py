@@ -142,6 +142,8 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
     if options.ge.get("enable_dump") or options.ge.get("enable_dump_debug"):
         report.summary["ge_dump"] = _ge_dump(graph_def, out, report, options, graph_name)
     report.raw_summary["pipeline"] = names
+    # whether a pass needed shapes (else they are inferred when the report is read)
+    report.raw_summary["shapes_inferred_in_pipeline"] = "shape_inference_s" in report.raw_summary
     report.raw_summary["time_s"] = round(time.perf_counter() - t0, 6)
     return out, report
 
