@@ -11,9 +11,11 @@ shared 2-core machine mostly measures the neighbours; ``tf_optimizer.OptimizeGra
 MetaGraph, one meta-optimizer iteration unless said otherwise):
   * grappler's AMP pass alone = (only auto_mixed_precision_cpu on) - (every optimizer off);
   * ours end to end = (only the NpuAmpOptimizer plugin on) - (every optimizer off):
-    C++ serialise -> Python parse -> unfuse -> fusion -> precision (shapes from
-    grappler's C++ GraphProperties on the item) -> cleanup -> report -> serialise
-    -> C++ parse; ours per pass from the report of that run;
+    C++ serialise -> Python parse -> unfuse -> fusion -> precision -> cleanup
+    -> serialise -> C++ parse; the report's shape-based figures (FLOP share,
+    activation bytes: grappler's C++ GraphProperties) are computed
+    when the report is read, after the timed run, unless a pass needed shapes;
+    ours per pass from the report of that run;
   * grappler's whole meta-optimizer (default optimizers, 2 iterations) with and
     without the plugin: the start-up cost a user sees.  Remapper is off in every
     run: TF 2.15 + oneDNN has aborted inside it on BERT-style raw-op graphs.
@@ -265,8 +267,10 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
         parts = [f"{p['name']} {_ms(p['time_s'])}" for p in rep["passes"]]
         summ = rep["summary"]
         shp = summ.get("shape_inference_s")
+        where = ("inside the pipeline" if summ.get("shapes_inferred_in_pipeline")
+                 else "when the report was read, after the run (not in the times above)")
         print("  ours per pass: " + ", ".join(parts) +
-              (f" (precision includes grappler shape inference {_ms(shp)})" if shp is not None else "") +
+              (f" (grappler shape inference {_ms(shp)}, {where})" if shp is not None else "") +
               f"; pipeline {_ms(summ.get('time_s', 0))}, bridge parse+serialise "
               f"{_ms(rec.get('bridge_s') or 0)}, whole callback {_ms(rec.get('time_s') or 0)}")
         res["passes"] = {p["name"]: p["time_s"] for p in rep["passes"]}

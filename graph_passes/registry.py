@@ -26,12 +26,21 @@ DTYPE_BY_NAME = {"float32": DT_FLOAT, "float16": DT_HALF, "bfloat16": DT_BFLOAT1
                  "half": DT_HALF, "float": DT_FLOAT, "float64": DT_DOUBLE}
 
 
+_DTYPE_NAMES: dict = {}
+
+
 def dtype_name(dt: int) -> str:
-    import tensorflow as tf
-    try:
-        return tf.as_dtype(dt).name
-    except TypeError:
-        return f"dtype({dt})"
+    """``"float16"`` for DT_HALF... (memoised: the precision pass names a dtype
+    in every decision it records)."""
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        import tensorflow as tf
+        try:
+            name = tf.as_dtype(dt).name
+        except TypeError:
+            name = f"dtype({dt})"
+        _DTYPE_NAMES[dt] = name
+    return name
 
 
 def base_dtype(dt: int) -> int:

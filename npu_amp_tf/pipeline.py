@@ -125,7 +125,9 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
             _optimize_functions(graph, mgr, options, devices, report)
         summarize(graph, report)
         out = graph.to_graph_def()
-        problems = _opdef_check.new_problems(graph_def, out, ctx.default_device_type())
+        # checked on the indexed graph itself (its nodes are `out`'s, bar the
+        # private `_class` attrs to_graph_def drops): no second index to build
+        problems = _opdef_check.new_problems(graph_def, graph, ctx.default_device_type())
         if problems:
             _opdef_failure(problems, "main graph", options, report)
             out = graph_def
@@ -140,6 +142,8 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
     if options.ge.get("enable_dump") or options.ge.get("enable_dump_debug"):
         report.summary["ge_dump"] = _ge_dump(graph_def, out, report, options, graph_name)
     report.raw_summary["pipeline"] = names
+    # whether a pass needed shapes (else they are inferred when the report is read)
+    report.raw_summary["shapes_inferred_in_pipeline"] = "shape_inference_s" in report.raw_summary
     report.raw_summary["time_s"] = round(time.perf_counter() - t0, 6)
     return out, report
 
