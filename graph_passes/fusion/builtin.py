@@ -261,6 +261,8 @@ def _build_bn_act(m, b):
     b.replace(bn.name)
     od = registry.op_def("_FusedBatchNormEx")
     names = {a.name for a in od.attr} if od is not None else set()
+    lost = sorted(k for k in bn.attr if not k.startswith("_") and k not in names | {"U"})
+    b.require(not lost, f"_FusedBatchNormEx has no attr {lost} of '{bn.name}'")
     attrs = {k: v for k, v in bn.attr.items() if k in names}
     attrs["T"] = ("type", t)
     attrs["U"] = ("type", registry.DT_FLOAT)
