@@ -816,23 +816,11 @@ class PrecisionPass(Pass):
                         continue
                     if not self._depends_on(other, cname, pos):
                         waits.append(other)
-            if not waits:
-                continue
-            cache = g._topo_cache  # noqa: SLF001 - (order, has_cycle, positions)
-            # Kahn's order puts the Cast right after its last producer; an edge
-            # from a node placed before that producer leaves the whole order as
-            # it was, so the positions need no recomputation (9k-node graphs:
-            # ~60 ms each, and BERT delays dozens of casts)
-            last = max((pos.get(parse_tensor(i)[0], -1) for i in cast.input), default=-1)
-            same = (cache is not None and not cache[1]
-                    and all(pos[o] < last and "^" + o not in cast.input for o in waits))
             for other in waits:
                 g.add_control_input(cname, other)
-            self.casts_delayed += 1
-            self.decisions.setdefault(cname, {})["waits_for"] = waits
-            if same:
-                g._topo_cache = cache  # noqa: SLF001 - still true, see above
-            else:
+            if waits:
+                self.casts_delayed += 1
+                self.decisions.setdefault(cname, {})["waits_for"] = waits
                 pos = g.topo_positions()
 
     def _depends_on(self, name, target, pos):
