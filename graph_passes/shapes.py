@@ -303,12 +303,6 @@ class ShapeTable:
         table's inference, shared (run once)."""
         return self._infer
 
-    def swap_source(self, source):
-        """Replace a source that has not run yet (one that is valid only for a
-        while, such as the grappler item's, by a lasting one)."""
-        if self._inferred is None:
-            self._source = source
-
     def as_dict(self) -> dict:
         """Every node's shapes (for passes that walk the whole graph)."""
         out = {}
