@@ -120,6 +120,19 @@ def _bias_input(m, b) -> str:
                   {"T": ("type", b.dtype(m["b"])), "Tshape": ("type", registry.types_pb2.DT_INT32)})
 
 
+def _require_onednn_cpu(b, what: str):
+    """The oneDNN-only CPU fusions (``bias_add``, ``bias_add_act``, ``bn_act``):
+    they exist only as oneDNN CPU kernels, and GE's 5HD layout emulation
+    (``format_mode='NC1HWC0'``) works on the plain GE op set, which they are not."""
+    dev = b.device_type()
+    b.require(dev == "CPU" and onednn_enabled(),
+              f"{what} runs only as a oneDNN CPU kernel "
+              f"(device {dev}, oneDNN {'on' if onednn_enabled() else 'off'})")
+    fmt = b.ctx.option("format_mode", "origin") if b.ctx is not None else "origin"
+    b.require(str(fmt).upper() != "NC1HWC0",
+              f"{what}: a oneDNN-only CPU fusion, not done with format_mode=NC1HWC0 (GE's op set)")
+
+
 def _emit_fused(m, b, act: str, extra_attrs=None, side: str | None = None):
     """Emit the fused matrix op for the match (``side``: a same-shape tensor
     added after the bias, fused as ``[BiasAdd, Add, act]`` with a second arg)."""
@@ -130,9 +143,7 @@ def _emit_fused(m, b, act: str, extra_attrs=None, side: str | None = None):
         b.require(act in ok, f"{FUSED_OP[mm.op]} on {dev} (oneDNN {'on' if onednn_enabled() else 'off'}) "
                              f"does not support activation {act or 'none'}")
     else:
-        b.require(dev == "CPU" and onednn_enabled(),
-                  f"{FUSED_OP[mm.op]}[BiasAdd,Add] runs only as a oneDNN CPU kernel "
-                  f"(device {dev}, oneDNN {'on' if onednn_enabled() else 'off'})")
+        _require_onednn_cpu(b, f"{FUSED_OP[mm.op]}[BiasAdd,Add]")
         b.require(act in _ONEDNN_SIDE_ADD.get(mm.op, ()),
                   f"oneDNN's {FUSED_OP[mm.op]} does not fuse BiasAdd+Add+{act or 'none'}")
     dt = mm.attr["T"].type
@@ -241,10 +252,11 @@ def _build_bn_act(m, b):
     (ReluGrad included: it reads the activation output) read its output 0."""
     relu = b.anchor
     bn = b.graph.nodes[parse_tensor(relu.input[0])[0]]
-    dev = b.device_type()
-    b.require(dev == "CPU" and onednn_enabled(),
-              f"_FusedBatchNormEx with an activation runs only as a oneDNN CPU kernel "
-              f"(device {dev}, oneDNN {'on' if onednn_enabled() else 'off'})")
+    _require_onednn_cpu(b, "_FusedBatchNormEx with an activation")
+    plan = _precision_plan(b.ctx)
+    b.require(plan is None or not plan.lowers_matrix_ops or plan.low != registry.DT_HALF,
+              f"not fused: in {plan.mode if plan else ''} the batch norm follows its FP16 producers, "
+              "and oneDNN's fused batch norm takes float or bfloat16 only")
     b.require(b.device == bn.device, "the Relu and the batch norm are placed on different devices")
     readers = [(c, i) for c, i in b.graph.consumers(bn.name)
                if i >= 0 and parse_tensor(b.graph.nodes[c].input[i])[1] == 0]
@@ -270,6 +282,20 @@ def _build_bn_act(m, b):
     attrs["num_side_inputs"] = 0
     b.emit("_FusedBatchNormEx", bn.name, list(bn.input[:5]), attrs)
     return {0: tensor_name(bn.name, 0)}
+
+
+def _precision_plan(ctx):
+    """The precision planner of this pipeline run, or None when no precision
+    pass follows (then every op keeps its dtype)."""
+    from ..manager import PASS_REGISTRY
+
+    if ctx is None or "precision" not in PASS_REGISTRY:
+        return None
+    if ctx.option("precision") is None and ctx.option("precision_mode") is None:
+        return None
+    from ..precision.planner import plan_for
+
+    return plan_for(ctx)
 
 
 def _close(v, want, tol=1e-4):
