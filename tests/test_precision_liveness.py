@@ -122,6 +122,24 @@ def test_fp32_copy_read_by_backward_waits_for_the_gradient():
     assert t["probs/CastToFp32"][0] >= t["ctx"][0]  # after the forward pass's last matmul started
 
 
+def test_delay_fp32_copies_off_leaves_casts_unordered():
+    """``delay_fp32_copies=False``: the same graph as with the delay, minus
+    the control edges (no Cast waits), and the same numbers."""
+    gd = attention_step()
+    on, rep_on = precision(gd, FETCHES, precision_mode="allow_mix_precision_bf16")
+    off, rep_off = precision(gd, FETCHES, precision_mode="allow_mix_precision_bf16",
+                             delay_fp32_copies=False)
+    assert rep_on.summary["casts_delayed"] >= 1 and rep_off.summary["casts_delayed"] == 0
+    assert not any(i.startswith("^") for i in nodes(off)["probs/CastToFp32"].input)
+
+    def strip(g):
+        return {n.name: (n.op, [i for i in n.input if not i.startswith("^")]) for n in g.node}
+
+    assert strip(on) == strip(off)
+    for got, want in zip(run(off), run(on)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_no_delay_without_backward_or_inside_v1_loops():
     # inference: the FP32 copies feed forward readers that have no later input
     g = tf.Graph()

@@ -178,7 +178,8 @@ class PrecisionPass(Pass):
             self._adapt_casts()
             self._convert_consts()
             self._fix_edges(shapes)
-            self._delay_widening_casts()
+            if self.ctx.option("delay_fp32_copies", True):
+                self._delay_widening_casts()
         else:
             for name, node in graph.nodes.items():
                 if self.info(node).attrs:
