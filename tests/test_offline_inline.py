@@ -20,18 +20,24 @@ def _keras_saved_model(k2, path):
     return m
 
 
-def _session_casts(m):
+def session_predict(m, x):
+    """``enable()`` + ``model.predict(x)``: the output and the casts the
+    session path inserted into the predict function (body casts included)."""
     npu_amp_tf.bridge.clear_reports()
     npu_amp_tf.enable()
     try:
-        m.predict(np.zeros((2, 8, 8, 3), np.float32), verbose=0)
+        y = m.predict(x, verbose=0)
     finally:
         npu_amp_tf.disable()
     reps = [r for r in npu_amp_tf.bridge.last_reports()
             if "predict_function" in r["graph"] and r["status"] == "rewritten"]
     assert reps
     s = reps[0]["report"]["summary"]
-    return s["casts_inserted"] + s.get("functions_casts_inserted", 0)
+    return y, s["casts_inserted"] + s.get("functions_casts_inserted", 0)
+
+
+def _session_casts(m):
+    return session_predict(m, np.zeros((2, 8, 8, 3), np.float32))[1]
 
 
 def test_report_on_keras_saved_model_inlines_like_a_session(k2, tmp_path, capsys):

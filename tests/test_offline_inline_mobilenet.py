@@ -28,6 +28,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
 import npu_amp_tf
+from test_offline_inline import session_predict
 from npu_amp_tf import cli
 from conftest import keras2
 
@@ -72,17 +73,7 @@ def _session_path(model, x):
     """The output of Keras's predict function under ``enable()`` and the casts
     the bridge inserted into it (grappler has inlined the layer functions, as
     in any session)."""
-    npu_amp_tf.bridge.clear_reports()
-    npu_amp_tf.enable()
-    try:
-        y = model.predict(x, verbose=0)
-    finally:
-        npu_amp_tf.disable()
-    reps = [r for r in npu_amp_tf.bridge.last_reports()
-            if "predict_function" in r["graph"] and r["status"] == "rewritten"]
-    assert reps
-    s = reps[0]["report"]["summary"]
-    return y, s["casts_inserted"] + s.get("functions_casts_inserted", 0)
+    return session_predict(model, x)
 
 
 def _saved_model(path):

@@ -92,14 +92,21 @@ def test_function_body_shapes_from_grappler():
     assert table.error is None
 
 
-def test_pipeline_infers_shapes_once_and_lazily():
-    gd = cnn_graph()
+def _counting_shape_source(gd):
+    """grappler's C++ shape source for ``gd`` and a list that grows by one per inference."""
     calls = []
     cpp = bridge.graph_shape_source(gd)
 
     def counting():
         calls.append(1)
         return cpp()
+
+    return calls, counting
+
+
+def test_pipeline_infers_shapes_once_and_lazily():
+    gd = cnn_graph()
+    calls, counting = _counting_shape_source(gd)
 
     _, rep = pipeline.optimize(gd, npu_amp_tf.Options.from_kwargs(), fetches=["loss", "train"],
                                shapes=counting)
@@ -213,12 +220,7 @@ def test_report_shape_figures_are_computed_when_read_not_in_the_pass():
     only reason it needs shapes) to the first read of the report: no shape
     inference while grappler waits, exactly one when the report is read."""
     gd = cnn_graph()
-    calls = []
-    cpp = bridge.graph_shape_source(gd)
-
-    def counting():
-        calls.append(1)
-        return cpp()
+    calls, counting = _counting_shape_source(gd)
 
     out, rep = pipeline.optimize(gd, npu_amp_tf.Options.from_kwargs(graph_level=0),
                                  fetches=["loss", "train"], shapes=counting)

@@ -6,6 +6,7 @@ Each builder writes what a TF1 user has after ``saver.save`` /
 step (so checkpoint weights differ from the initializers).  Shapes are tiny:
 FP16 CPU kernels are slow on TF 2.15.
 """
+import contextlib
 import os
 
 import numpy as np
@@ -131,15 +132,24 @@ def amp_overflow(d, checkpoint=False, seed=2, npu=False):
     return meta, ckpt, feed
 
 
-def v1_loop_cond(d):
-    """Control flow v1 (``Enter``/``Exit``/``Switch``/``Merge``, as TF1 and
-    ``disable_control_flow_v2`` scripts build it): a ``while_loop`` of three
-    MatMuls, then a ``cond`` whose false branch never runs, trained by SGD."""
+@contextlib.contextmanager
+def control_flow_v1():
+    """Build v1 ``while_loop`` / ``cond`` (Enter/Exit/Switch/Merge) in this block."""
     from tensorflow.python.ops import control_flow_util
 
     old = control_flow_util.ENABLE_CONTROL_FLOW_V2
     control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
     try:
+        yield
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = old
+
+
+def v1_loop_cond(d):
+    """Control flow v1 (``Enter``/``Exit``/``Switch``/``Merge``, as TF1 and
+    ``disable_control_flow_v2`` scripts build it): a ``while_loop`` of three
+    MatMuls, then a ``cond`` whose false branch never runs, trained by SGD."""
+    with control_flow_v1():
         g = tf.Graph()
         feed = {"x:0": np.full((2, 4), 0.5, np.float32)}
         with g.as_default(), tf1.variable_scope("", use_resource=True):
@@ -153,8 +163,6 @@ def v1_loop_cond(d):
             tf1.train.GradientDescentOptimizer(1e-3).minimize(loss, name="train")
             with tf1.Session(graph=g) as sess:
                 meta, _ = _export(g, sess, d, False, {}, None)
-    finally:
-        control_flow_util.ENABLE_CONTROL_FLOW_V2 = old
     return meta, None, feed
 
 
@@ -162,11 +170,7 @@ def v1_loop_conv(d):
     """A v1 ``while_loop`` whose body is Conv2D + BiasAdd + Relu (oneDNN's
     layout pass fuses the FP32 Conv2D + BiasAdd inside the Session, so the
     debugger sees no Conv2D output), trained by SGD."""
-    from tensorflow.python.ops import control_flow_util
-
-    old = control_flow_util.ENABLE_CONTROL_FLOW_V2
-    control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
-    try:
+    with control_flow_v1():
         g = tf.Graph()
         feed = {"x:0": np.full((1, 8, 8, 4), 0.5, np.float32)}
         with g.as_default(), tf1.variable_scope("", use_resource=True):
@@ -183,6 +187,4 @@ def v1_loop_conv(d):
             tf1.train.GradientDescentOptimizer(1e-3).minimize(loss, name="train")
             with tf1.Session(graph=g) as sess:
                 meta, _ = _export(g, sess, d, False, {}, None)
-    finally:
-        control_flow_util.ENABLE_CONTROL_FLOW_V2 = old
     return meta, None, feed
