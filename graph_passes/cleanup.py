@@ -20,6 +20,7 @@ from .manager import Pass, register_pass
 @register_pass("cleanup")
 class Cleanup(Pass):
     keeps_deferred = True  # resolves them before its first removal
+    tracks_edits = True  # removes nodes only
 
     def run(self, graph, ctx):
         removed = 0

@@ -4,7 +4,10 @@
 * ``graph.consumers(name)``: who reads a node's outputs (data and control);
 * :func:`parse_tensor` is the one helper that understands ``node``,
   ``node:1`` and ``^ctrl``;
-* add / remove / replace-all-uses / insert-on-edge keep the indexes true;
+* add / remove / replace-all-uses / insert-on-edge / :meth:`Graph.set_op`
+  keep the indexes true (consumers, and op type -> nodes for
+  :meth:`Graph.nodes_of_type`); ``graph.version`` counts the mutations made
+  through them;
 * :meth:`Graph.topo_order` handles v1 loops (``NextIteration`` back edges);
 * :meth:`Graph.validate` reports duplicate names, dangling inputs, cycles
   outside loops and edge dtype mismatches;
@@ -13,8 +16,10 @@
 Function bodies (``graph.library``) are edited through
 :func:`graph_passes.functions.function_graph`, which gives a ``Graph`` whose
 inputs are ``_Arg`` nodes and outputs ``_Retval`` nodes, and
-:meth:`Graph.set_function` which writes it back.  Mutate inputs only through the methods here, or call
-:meth:`Graph.reindex` afterwards.
+:meth:`Graph.set_function` which writes it back.  Mutate inputs and op types
+only through the methods here (``set_input``, ``set_op``...), or call
+:meth:`Graph.reindex` afterwards (:meth:`Graph.index_problems` says whether
+the indexes still agree with the nodes).
 """
 from __future__ import annotations
 
@@ -104,23 +109,67 @@ class Graph:
         #: names of the nodes added through this object (by passes): only
         #: these may be removed by ``cleanup`` when dead
         self.created: set[str] = set()
+        #: bumped by every mutation made through this object's methods
+        self.version = 0
+        #: names of the nodes edited in place through this object's methods
+        #: (set_input, add_control_input, set_op) or declared with touch();
+        #: with ``created``, what :meth:`changed_nodes` gives the OpDef guard
+        self.modified: set[str] = set()
+        self._all_modified = False
         self.reindex()
         self._dirty = False
 
     # ------------------------------------------------------------ indexes
     def reindex(self):
-        """Rebuild the consumers index (after editing ``node.input`` by hand)."""
+        """Rebuild the consumers and op-type indexes (after editing
+        ``node.input`` or ``node.op`` by hand)."""
         cons: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        by_op: dict[str, dict[str, None]] = {}
+        seq = {}
         pt = parse_tensor
-        for name, n in self.nodes.items():
+        for k, (name, n) in enumerate(self.nodes.items()):
+            seq[name] = k
+            ops = by_op.get(n.op)
+            if ops is None:
+                ops = by_op[n.op] = {}
+            ops[name] = None
             i = 0
             for inp in n.input:
                 src, _, ctrl = pt(inp)
                 cons[src].append((name, -1 if ctrl else i))
                 i += 1
         self._consumers = cons
+        self._by_op = by_op
+        self._seq = seq  # name -> rank in graph order (new nodes rank last)
+        self._next_seq = len(seq)
         self._dirty = True
         self._topo_cache = None
+        self.version += 1
+
+    def index_problems(self) -> list[str]:
+        """Where the consumers / op-type indexes disagree with the nodes
+        (empty when every edit went through this object's methods)."""
+        out = []
+        for name, n in self.nodes.items():
+            if name not in self._by_op.get(n.op, ()):
+                out.append(f"op index: node '{name}' ({n.op}) is not indexed under its op type "
+                           "(node.op changed without Graph.set_op)")
+        for op, names in self._by_op.items():
+            for name in names:
+                n = self.nodes.get(name)
+                if n is None or n.op != op:
+                    out.append(f"op index: '{name}' is indexed as {op} but is "
+                               f"{'gone' if n is None else n.op}")
+        want = defaultdict(list)
+        for name, n in self.nodes.items():
+            for i, inp in enumerate(n.input):
+                src, _, ctrl = parse_tensor(inp)
+                want[src].append((name, -1 if ctrl else i))
+        for src in set(want) | {k for k, v in self._consumers.items() if v}:
+            if sorted(want.get(src, ())) != sorted(self._consumers.get(src, ())):
+                out.append(f"consumers index: the readers of '{src}' are out of sync "
+                           "(node inputs edited without Graph.reindex())")
+        return out
 
     def consumers(self, name: str, port: int | None = None, control: bool = True):
         """[(consumer_name, input_index)]; index -1 marks a control edge.
@@ -179,8 +228,15 @@ class Graph:
         for i, inp in enumerate(node.input):
             src, _, ctrl = parse_tensor(inp)
             self._consumers[src].append((node.name, -1 if ctrl else i))
+        ops = self._by_op.get(node.op)
+        if ops is None:
+            ops = self._by_op[node.op] = {}
+        ops[node.name] = None
+        self._seq[node.name] = self._next_seq
+        self._next_seq += 1
         self._dirty = True
         self._topo_cache = None
+        self.version += 1
         return node
 
     def new_node(self, op: str, name: str, inputs=(), attrs: dict | None = None,
@@ -224,14 +280,57 @@ class Graph:
         del self.nodes[name]
         self.created.discard(name)
         self._consumers.pop(name, None)
+        ops = self._by_op.get(node.op)
+        if ops is not None:
+            ops.pop(name, None)
+        self._seq.pop(name, None)
         self._dirty = True
         self._topo_cache = None
+        self.version += 1
+
+    def touch(self, *names: str):
+        """Declare nodes edited in place (attrs) outside this object's methods."""
+        self.modified.update(names)
+
+    def touch_all(self):
+        """Declare that any node may have been edited in place (a pass that
+        does not track its edits): :meth:`changed_nodes` then gives None."""
+        self._all_modified = True
+
+    def changed_nodes(self) -> set[str] | None:
+        """Nodes that may differ from the graph this object was built from:
+        created or edited through its methods or declared with :meth:`touch`;
+        None when :meth:`touch_all` was called (anything may have)."""
+        if self._all_modified:
+            return None
+        nodes = self.nodes
+        return {n for n in self.created if n in nodes} | {n for n in self.modified if n in nodes}
+
+    def set_op(self, name: str, op: str):
+        """Change a node's op type in place (keeps :meth:`nodes_of_type` true;
+        the caller fixes the attrs the new op needs)."""
+        node = self.nodes[name]
+        if node.op == op:
+            return
+        ops = self._by_op.get(node.op)
+        if ops is not None:
+            ops.pop(name, None)
+        node.op = op
+        self.modified.add(name)
+        ops = self._by_op.get(op)
+        if ops is None:
+            ops = self._by_op[op] = {}
+        ops[name] = None
+        self._dirty = True
+        self._topo_cache = None  # LOOP_BACK_OPS may have changed
+        self.version += 1
 
     def set_input(self, node_name: str, index: int, new_ref: str):
         node = self.nodes[node_name]
         old = node.input[index]
         if old == new_ref:
             return
+        self.modified.add(node_name)
         osrc, _, octrl = parse_tensor(old)
         lst = self._consumers.get(osrc)
         key = (node_name, -1 if octrl else index)
@@ -244,6 +343,7 @@ class Graph:
                 self._consumers[nsrc].append((node_name, -1 if nctrl else index))
                 self._dirty = True
                 self._topo_cache = None
+                self.version += 1
                 return
             # someone edited node.input by hand without reindex(): the index
             # cannot be trusted anywhere, so rebuild it (and say so)
@@ -259,15 +359,18 @@ class Graph:
         self._consumers[nsrc].append((node_name, -1 if nctrl else index))
         self._dirty = True
         self._topo_cache = None
+        self.version += 1
 
     def add_control_input(self, node_name: str, src: str):
         node = self.nodes[node_name]
         ref = "^" + src
         if ref in node.input:
             return
+        self.modified.add(node_name)
         node.input.append(ref)
         self._consumers[src].append((node_name, -1))
         self._topo_cache = None
+        self.version += 1
 
     def replace_all_uses(self, old_ref: str, new_ref: str, exclude=()) -> int:
         """Point every data consumer of tensor ``old_ref`` at ``new_ref``.
@@ -314,25 +417,38 @@ class Graph:
         return cached[2]
 
     def nodes_of_type(self, ops) -> list[str]:
-        """Names of the nodes whose op is in ``ops``, in graph order."""
-        return [name for name, n in self.nodes.items() if n.op in ops]
+        """Names of the nodes whose op is in ``ops`` (a type name or a
+        collection of them), in graph order; from the op-type index, so the
+        cost is the number of such nodes, not the graph's size."""
+        if isinstance(ops, str):
+            ops = (ops,)
+        by_op = self._by_op
+        found = []
+        for op in ops:
+            names = by_op.get(op)
+            if names:
+                found.extend(names)
+        if len(found) > 1:
+            seq = self._seq
+            found.sort(key=seq.__getitem__)
+        return found
 
     def _compute_topo_order(self, strict: bool) -> list[str]:
         self._has_cycle = False
         nodes = self.nodes
-        pt = parse_tensor
-        back = {name for name, n in nodes.items() if n.op in LOOP_BACK_OPS}
-        indeg = {}
-        for name, n in nodes.items():
-            d = 0
-            for inp in n.input:
-                src = pt(inp)[0]
-                if src in nodes and src not in back:
-                    d += 1
-            indeg[name] = d
+        back = set(self.nodes_of_type(LOOP_BACK_OPS))
+        consumers = self._consumers
+        # in-degree = inputs from nodes of the graph that are not loop back
+        # edges, counted through the consumers index (the same edges)
+        indeg = dict.fromkeys(nodes, 0)
+        for src, lst in consumers.items():
+            if src not in nodes or src in back:
+                continue
+            for cname, _ in lst:
+                if cname in indeg:
+                    indeg[cname] += 1
         ready = deque(n for n, d in indeg.items() if d == 0)
         order = []
-        consumers = self._consumers
         while ready:
             name = ready.popleft()
             order.append(name)
@@ -383,10 +499,14 @@ class Graph:
                     return i
         return len(order)
 
-    def _dtype_problems(self):
+    def _dtype_problems(self, names=None):
+        """Arity and edge-dtype problems of every node (of the nodes in
+        ``names`` only, when given), in graph order."""
         problems = []
         out_cache = {}
         for n in self.nodes.values():
+            if names is not None and n.name not in names:
+                continue
             want = self.input_dtypes(n)
             if want is None:
                 continue

@@ -47,10 +47,16 @@ class Pass:
     ``keeps_deferred``: the report's deferred figures (:meth:`Report.defer`,
     computed from the graph when read) stay true through this pass: it does
     not change the graph, or resolves them before it does.  Otherwise the
-    manager computes them before the pass runs."""
+    manager computes them before the pass runs.
+
+    ``tracks_edits``: see below (the OpDef guard's changed-node set)."""
 
     name = "pass"
     keeps_deferred = False
+    #: every node this pass edits in place is edited through ``Graph`` methods
+    #: or declared with ``graph.touch(name)`` (the OpDef guard then checks
+    #: only those nodes); False: the manager marks every node as changed
+    tracks_edits = False
 
     def run(self, graph: Graph, ctx: "PassContext") -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -130,6 +136,8 @@ class PassManager:
                 raise PassError(name, f"{type(exc).__name__}: {exc}",
                                 node=getattr(exc, "node", None)) from exc
             dt = time.perf_counter() - t0
+            if not PASS_REGISTRY[name].tracks_edits and hasattr(graph, "touch_all"):
+                graph.touch_all()
             if graph.index_repairs > repairs:
                 ctx.warn(f"the graph's consumers index was out of sync {graph.index_repairs - repairs} "
                          "time(s) (node inputs edited without Graph.reindex()); it was rebuilt")

@@ -22,6 +22,14 @@ Checks per node (registered ops; function calls get the arity check only):
 
 Preconditions
     none: any GraphDef / :class:`Graph`.
+Only what changed is checked
+    The pipeline checks the nodes its passes created or edited and their
+    readers (:func:`nodes_to_check`, from :meth:`Graph.changed_nodes`): any
+    other node is the input's, with the input's problems.  Passes edit nodes
+    through ``Graph`` methods or declare in-place edits (``Graph.touch``); a
+    pass that does not (``Pass.tracks_edits = False``) makes the manager
+    mark every node changed, and ``validate_graph=True`` checks every node.
+
 Postconditions
     the graph is not modified.  :func:`new_problems` returns only the
     problems of the rewritten graph that the original graph did not have
@@ -90,26 +98,52 @@ def node_problems(node, library=None, default_device: str = "CPU") -> list[str]:
     return out
 
 
-def graph_problems(graph, default_device: str = "CPU") -> list[str]:
-    """Every OpDef / arity / edge-dtype problem in ``graph`` (a Graph or GraphDef)."""
+def graph_problems(graph, default_device: str = "CPU", names=None) -> list[str]:
+    """Every OpDef / arity / edge-dtype problem in ``graph`` (a Graph or
+    GraphDef); with ``names`` (a set), those of the nodes named there only."""
     if not isinstance(graph, Graph):
         graph = Graph(graph, copy=False)
     lib = graph.functions
     out = []
     for node in graph.nodes.values():
-        out.extend(node_problems(node, lib, default_device))
+        if names is None or node.name in names:
+            out.extend(node_problems(node, lib, default_device))
     # arity and producer dtypes, through the graph's own signature resolution
-    out.extend(graph._dtype_problems())  # noqa: SLF001 - the one place that walks edges
+    out.extend(graph._dtype_problems(names))  # noqa: SLF001 - the one place that walks edges
     return out
 
 
-def new_problems(before, after, default_device: str = "CPU") -> list[str]:
-    """Problems of ``after`` that ``before`` did not have (both Graph or GraphDef)."""
-    now = graph_problems(after, default_device)
+def nodes_to_check(after: Graph, changed) -> set[str]:
+    """The nodes whose problems may differ from the input graph's: the
+    ``changed`` ones (created or edited: :meth:`Graph.changed_nodes`) and
+    their data readers (an edge's dtype depends on its producer).  Every
+    other node is the input's NodeDef, fed by the input's producers, so it
+    has exactly the input's problems, which :func:`new_problems` drops."""
+    names = {n for n in changed if n in after.nodes}
+    for n in list(names):
+        names.update(c for c, idx in after.consumers(n) if idx >= 0)
+    return names
+
+
+def new_problems(before, after, default_device: str = "CPU", changed=None) -> list[str]:
+    """Problems of ``after`` that ``before`` did not have (both Graph or GraphDef).
+
+    ``changed``: the names of the nodes of ``after`` that may differ from
+    ``before`` (``after.changed_nodes()``, ``after`` a Graph built from
+    ``before``); only they and their readers are checked, with the same
+    result as the full check.  None (the default): every node."""
+    names = None
+    if changed is not None:
+        if not isinstance(after, Graph):
+            after = Graph(after, copy=False)
+        names = nodes_to_check(after, changed)
+        if not names:
+            return []
+    now = graph_problems(after, default_device, names)
     if not now:
         return []
-    old = set(graph_problems(before, default_device))
+    old = set(graph_problems(before, default_device, names))
     return [p for p in now if p not in old]
 
 
-__all__ = ["node_problems", "graph_problems", "new_problems"]
+__all__ = ["node_problems", "graph_problems", "new_problems", "nodes_to_check"]

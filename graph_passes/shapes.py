@@ -348,6 +348,204 @@ def tensor_shape(shapes, ref):
     return s[port]
 
 
+# ----------------------------------------------------------- local shapes
+#: one output, the shape of input 0
+_SAME_SHAPE = frozenset({
+    "Identity", "Snapshot", "StopGradient", "Cast", "ReadVariableOp", "BiasAdd",
+    "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus", "Softsign",
+    "Rsqrt", "Sqrt", "Exp", "Log", "Log1p", "Neg", "Square", "Abs", "Reciprocal", "Erf",
+    "Softmax", "LogSoftmax", "ZerosLike", "OnesLike", "Sign", "Floor", "Ceil", "Round"})
+#: elementwise with NumPy broadcasting of inputs 0 and 1
+_BROADCAST = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
+    "SquaredDifference", "Pow", "FloorDiv", "FloorMod", "MulNoNan"})
+_REDUCE = frozenset({"Mean", "Sum", "Max", "Min", "Prod"})
+_BATCH_MATMUL = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+#: producers followed at most this deep before the whole-graph inference is asked
+LOCAL_DEPTH = 256
+
+
+def local_shape(graph, ref, memo=None):
+    """The *fully known* shape of tensor ``ref`` from its producers, walking
+    back through common ops (elementwise, broadcasting binary ops, MatMul /
+    BatchMatMul, Reshape / Transpose with constant operands, reductions with
+    constant axes) down to ``_output_shapes``, constants, placeholders and
+    variables; None when any dim on the way is unknown or an op is not
+    covered (the caller then asks the whole-graph inference, which gives the
+    same answer where this one gives one: the same shape functions).
+    ``memo``: a dict shared between calls on the same graph."""
+    if memo is None:
+        memo = {}
+    try:
+        return _local(graph, ref, memo, 0)
+    except (_TooDeep, RecursionError):
+        return None
+
+
+class _TooDeep(Exception):
+    """The walk went deeper than LOCAL_DEPTH: nothing on its path is memoised."""
+
+
+def _local(graph, ref, memo, depth):
+    if ref in memo:
+        return memo[ref]
+    if depth > LOCAL_DEPTH:
+        raise _TooDeep
+    memo[ref] = None  # (a cycle through a loop answers None)
+    try:
+        sh = _local_compute(graph, ref, memo, depth)
+    except BaseException:
+        del memo[ref]  # a later, shallower walk may answer it
+        raise
+    if sh is not None and any(d < 0 for d in sh):
+        sh = None
+    memo[ref] = sh
+    return sh
+
+
+def _const_ints(graph, ref, memo=None, depth=0):
+    """The int values of a constant operand (a Const behind Identities, or,
+    with ``memo``, the ``Shape`` of a tensor whose shape is fully known)."""
+    v = const_value(graph, ref)
+    if v is None:
+        if memo is not None:
+            src, port, ctrl = parse_tensor(ref)
+            node = graph.nodes.get(src)
+            if node is not None and node.op == "Shape" and port == 0 and not ctrl and node.input:
+                return _local(graph, node.input[0], memo, depth + 1)
+        return None
+    if v.dtype.kind not in "iu":
+        return None
+    return [int(x) for x in v.reshape(-1)]
+
+
+def _local_compute(graph, ref, memo, depth):
+    src, port, ctrl = parse_tensor(ref)
+    node = graph.nodes.get(src)
+    if node is None or ctrl:
+        return None
+    recorded = static_shapes(node)
+    if recorded is not None and port < len(recorded) and recorded[port] is not None:
+        return list(recorded[port])
+    op = node.op
+    if port != 0:
+        return None
+    attr = node.attr
+    if op == "Const":
+        return [d.size for d in attr["value"].tensor.tensor_shape.dim]
+    if op in ("Placeholder", "VarHandleOp", "VariableV2"):
+        s = attr["shape"].shape if "shape" in attr else None
+        return None if s is None or s.unknown_rank else [d.size for d in s.dim]
+    data = [i for i in node.input if not i.startswith("^")]
+    if not data:
+        return None
+    if op in _SAME_SHAPE:
+        return _local(graph, data[0], memo, depth + 1)
+    if op in _BROADCAST and len(data) == 2:
+        a = _local(graph, data[0], memo, depth + 1)
+        b = _local(graph, data[1], memo, depth + 1) if a is not None else None
+        return None if b is None else _broadcast(a, b)
+    if op == "AddN":  # every input has the output's shape
+        for d in data:
+            sh = _local(graph, d, memo, depth + 1)
+            if sh is not None:
+                return sh
+        return None
+    if op in ("MatMul", "_FusedMatMul", "_MklNativeFusedMatMul", "_MklFusedMatMul") and len(data) >= 2:
+        a = _local(graph, data[0], memo, depth + 1)
+        b = _local(graph, data[1], memo, depth + 1) if a is not None else None
+        if b is None or len(a) != 2 or len(b) != 2:
+            return None
+        ta = attr["transpose_a"].b if "transpose_a" in attr else False
+        tb = attr["transpose_b"].b if "transpose_b" in attr else False
+        if (a[0] if ta else a[1]) != (b[1] if tb else b[0]):
+            return None
+        return [a[1] if ta else a[0], b[0] if tb else b[1]]
+    if op in _BATCH_MATMUL and len(data) == 2:
+        a = _local(graph, data[0], memo, depth + 1)
+        b = _local(graph, data[1], memo, depth + 1) if a is not None else None
+        if b is None or len(a) < 2 or len(b) < 2:
+            return None
+        adj_a = attr["adj_x"].b if "adj_x" in attr else False
+        adj_b = attr["adj_y"].b if "adj_y" in attr else False
+        m, ka = (a[-1], a[-2]) if adj_a else (a[-2], a[-1])
+        kb, n = (b[-1], b[-2]) if adj_b else (b[-2], b[-1])
+        if ka != kb:
+            return None
+        if op == "BatchMatMul":  # no broadcasting: equal batch dims
+            if a[:-2] != b[:-2]:
+                return None
+            batch = list(a[:-2])
+        else:
+            batch = _broadcast(a[:-2], b[:-2])
+            if batch is None:
+                return None
+        return batch + [m, n]
+    if op in ("Fill", "BroadcastTo") and len(data) == 2:
+        dims = _const_ints(graph, data[0 if op == "Fill" else 1], memo, depth)
+        return None if dims is None or any(d < 0 for d in dims) else dims
+    if op == "Tile" and len(data) == 2:
+        mult = _const_ints(graph, data[1], memo, depth)
+        x = _local(graph, data[0], memo, depth + 1) if mult is not None else None
+        if x is None or len(mult) != len(x):
+            return None
+        return [a * b for a, b in zip(x, mult)]
+    if op == "Reshape" and len(data) == 2:
+        target = _const_ints(graph, data[1], memo, depth)
+        if target is None or any(d < -1 for d in target) or target.count(-1) > 1:
+            return None
+        if -1 not in target:
+            return target
+        x = _local(graph, data[0], memo, depth + 1)
+        if x is None:
+            return None
+        total = 1
+        for d in x:
+            total *= d
+        rest = 1
+        for d in target:
+            if d != -1:
+                rest *= d
+        if rest == 0 or total % rest:
+            return None
+        return [total // rest if d == -1 else d for d in target]
+    if op == "Transpose" and len(data) == 2:
+        perm = _const_ints(graph, data[1])
+        x = _local(graph, data[0], memo, depth + 1) if perm is not None else None
+        if x is None or sorted(perm) != list(range(len(x))):
+            return None
+        return [x[p] for p in perm]
+    if op in _REDUCE and len(data) == 2:
+        axes = _const_ints(graph, data[1])
+        x = _local(graph, data[0], memo, depth + 1) if axes is not None else None
+        if x is None:
+            return None
+        r = len(x)
+        if any(not -r <= a < r for a in axes):
+            return None
+        axes = {a % r for a in axes} if r else set()
+        keep = attr["keep_dims"].b if "keep_dims" in attr else False
+        return [1 if i in axes else d for i, d in enumerate(x)] if keep else \
+            [d for i, d in enumerate(x) if i not in axes]
+    return None
+
+
+def _broadcast(a, b):
+    """NumPy broadcasting of two fully known shapes, or None if incompatible."""
+    n = max(len(a), len(b))
+    a = [1] * (n - len(a)) + list(a)
+    b = [1] * (n - len(b)) + list(b)
+    out = []
+    for x, y in zip(a, b):
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            return None
+    return out
+
+
 # --------------------------------------------------------------- constants
 def const_node(graph, ref, through=("Identity",), max_depth: int = 8):
     """The Const node behind ``ref`` seen through single-input pass-through ops

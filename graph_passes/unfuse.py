@@ -95,6 +95,7 @@ def _plan(fused_ops):
 
 @register_pass("unfuse")
 class Unfuse(Pass):
+    tracks_edits = True  # creates and removes nodes only
     """Split ``_FusedConv2D``/``_FusedMatMul`` that would block low precision."""
 
     def run(self, graph, ctx):

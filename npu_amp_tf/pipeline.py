@@ -126,8 +126,11 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
         summarize(graph, report)
         out = graph.to_graph_def()
         # checked on the indexed graph itself (its nodes are `out`'s, bar the
-        # private `_class` attrs to_graph_def drops): no second index to build
-        problems = _opdef_check.new_problems(graph_def, graph, ctx.default_device_type())
+        # private `_class` attrs to_graph_def drops): no second index to build;
+        # only the nodes the passes created or edited and their readers
+        # (every node with validate_graph=True, or after an untracked pass)
+        changed = None if options.validate_graph else graph.changed_nodes()
+        problems = _opdef_check.new_problems(graph_def, graph, ctx.default_device_type(), changed)
         if problems:
             _opdef_failure(problems, "main graph", options, report)
             out = graph_def

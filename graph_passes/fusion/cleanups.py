@@ -94,8 +94,10 @@ def merge_duplicate_casts(graph, ctx) -> int:
     graph order).  Fetched/preserved casts and casts with control edges stay."""
     protected = ctx.protected if ctx is not None else frozenset()
     groups: dict[tuple, list] = {}
-    for n in graph.nodes.values():
-        if n.op != "Cast" or not n.input or n.input[0].startswith("^"):
+    nodes = graph.nodes
+    for name in graph.nodes_of_type("Cast"):  # graph order
+        n = nodes[name]
+        if not n.input or n.input[0].startswith("^"):
             continue
         key = (n.input[0], n.attr["DstT"].type, n.attr["Truncate"].b if "Truncate" in n.attr else False,
                n.device)

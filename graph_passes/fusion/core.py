@@ -121,10 +121,13 @@ _PASS_THROUGH = ("Identity", "ReadVariableOp", "Cast", "StopGradient")
 
 class ShapeOracle:
     """Static shapes: ``_output_shapes``, Const/Placeholder/Variable attrs,
+    then a fully known shape from the producers' (:func:`graph_passes.shapes.local_shape`:
+    no whole-graph inference inside the pipeline for the usual questions),
     then the graph's shared table (:func:`graph_passes.shapes.table`)."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
+        self._local = {}
 
     def shape(self, ref: str, depth: int = 0):
         src, port, ctrl = parse_tensor(ref)
@@ -145,6 +148,10 @@ class ShapeOracle:
             v = const_value(self.graph, node.input[1])
             if v is not None and (v >= 0).all():
                 return [int(d) for d in v.reshape(-1)]
+        if not _shapes.table(self.graph).inferred:  # once inferred, the table answers
+            sh = _shapes.local_shape(self.graph, tensor_name(src, port), self._local)
+            if sh is not None:
+                return sh
         return self._infer(src, port)
 
     def _infer(self, src, port):
@@ -412,9 +419,49 @@ def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: 
             else:
                 ctx.report.decide(m.anchor, fusion_skipped=rule.name, fusion_reason=outcome.reason)
         done += outcome.fused
-    if ctx is not None and ctx.protected and (rule.pattern.inputs or rule.pattern.alternatives):
+    if (ctx is not None and ctx.protected and (rule.pattern.inputs or rule.pattern.alternatives)
+            and _may_hold_inner(graph, rule.pattern, ctx.protected)):
         _report_fetched_refusals(graph, rule, ctx, stats)  # root-only patterns: the build reports
     return done
+
+
+def _inner_ops(pat: Pat, root: bool = True):
+    """The op types a node matched *inside* ``pat`` (not at its root) may
+    have, or None when a wildcard position accepts any op."""
+    ops = set()
+    if pat.leaf:
+        return ops
+    if pat.alternatives:
+        for alt in pat.alternatives:
+            sub = _inner_ops(alt, root)
+            if sub is None:
+                return None
+            ops |= sub
+        return ops
+    if not root:
+        if pat.op is None:
+            return None
+        ops |= set(pat.ops())
+    for p in pat.inputs or ():
+        sub = _inner_ops(p, False)
+        if sub is None:
+            return None
+        ops |= sub
+    return ops
+
+
+def _may_hold_inner(graph: Graph, pat: Pat, protected) -> bool:
+    """Could a match of ``pat`` hold a protected node as an inner node?  Only
+    when one has an op type an inner position accepts (else matching without
+    protection finds nothing more to report)."""
+    ops = pat.__dict__.get("_inner_ops_cache", False)
+    if ops is False:  # patterns are not edited once built
+        ops = _inner_ops(pat)
+        ops = pat.__dict__["_inner_ops_cache"] = None if ops is None else frozenset(ops)
+    if ops is None:
+        return True
+    nodes = graph.nodes
+    return any((n := nodes.get(name)) is not None and n.op in ops for name in protected)
 
 
 def _report_fetched_refusals(graph: Graph, rule: FusionRule, ctx, stats: dict):

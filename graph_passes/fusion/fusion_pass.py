@@ -27,10 +27,12 @@ from .core import RULES, ShapeOracle, apply_rule
 #: normally reached in 2-3 sweeps; each sweep that changes anything shrinks the graph)
 MAX_SWEEPS_PER_NODE = 1
 MIN_SWEEP_BOUND = 8
+_MERGE = object()  # merge_duplicate_casts' key among the idle rules
 
 
 @register_pass("fusion")
 class FusionPass(Pass):
+    tracks_edits = True  # every edit through Graph methods (fusion.core)
     def run(self, graph, ctx):
         level = ctx.option("graph_level", 2) if ctx is not None else 2
         level = 2 if level is None else int(level)
@@ -39,16 +41,30 @@ class FusionPass(Pass):
             return stats
         rules = [r for r in RULES.values() if r.graph_level <= level]
         bound = max(MIN_SWEEP_BOUND, MAX_SWEEPS_PER_NODE * len(graph.nodes))
+        # rule -> graph.version after a run of it that changed nothing: while no
+        # other rule changes the graph, running it again would find the same
+        # matches, fuse none and report nothing new (skips are reported once)
+        idle: dict = {}
         for sweep in range(bound):
             changed = 0
             active = []
             for rule in rules:
+                if idle.get(rule.name) == graph.version:
+                    continue
+                v = graph.version
                 n = apply_rule(graph, rule, ctx, ShapeOracle(graph), stats)
                 changed += n
                 if n:
                     active.append(rule.name)
+                elif graph.version == v:
+                    idle[rule.name] = v
             # after the chain rules, which need single-consumer casts
-            merged = merge_duplicate_casts(graph, ctx)
+            merged = 0
+            if idle.get(_MERGE) != graph.version:
+                v = graph.version
+                merged = merge_duplicate_casts(graph, ctx)
+                if not merged and graph.version == v:
+                    idle[_MERGE] = v
             stats["casts_merged"] += merged
             changed += merged
             stats["sweeps"] = sweep + 1

@@ -571,7 +571,7 @@ class LayoutPass(Pass):
                         if cname != t.name:
                             g.set_input(cname, idx, t.name)
             elif node.op == "BiasAdd":
-                node.op = "AddV2"
+                g.set_op(name, "AddV2")
                 if "data_format" in node.attr:
                     del node.attr["data_format"]
             elif node.op in op_lists.PAD:

@@ -139,6 +139,7 @@ class _NodeInfo:
 @register_pass("precision")
 class PrecisionPass(Pass):
     __doc__ = __doc__
+    tracks_edits = True  # in-place re-typing is declared (self.touched -> graph.touch)
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -184,6 +185,7 @@ class PrecisionPass(Pass):
             for name, node in graph.nodes.items():
                 if self.info(node).attrs:
                     self._record(node, "keep", "precision_mode=must_keep_origin_dtype: no change")
+        graph.touch(*self.touched)  # re-typed in place: the OpDef guard checks them
         return self._finish(shapes, before, changed)
 
     # ------------------------------------------------------- node facts
