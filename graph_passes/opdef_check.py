@@ -98,9 +98,10 @@ def node_problems(node, library=None, default_device: str = "CPU") -> list[str]:
     return out
 
 
-def graph_problems(graph, default_device: str = "CPU", names=None) -> list[str]:
+def graph_problems(graph, default_device: str = "CPU", names=None, edge_names=None) -> list[str]:
     """Every OpDef / arity / edge-dtype problem in ``graph`` (a Graph or
-    GraphDef); with ``names`` (a set), those of the nodes named there only."""
+    GraphDef); with ``names`` (a set), the OpDef problems of those nodes only
+    and the arity / edge problems of those in ``edge_names`` (default: ``names``)."""
     if not isinstance(graph, Graph):
         graph = Graph(graph, copy=False)
     lib = graph.functions
@@ -109,20 +110,22 @@ def graph_problems(graph, default_device: str = "CPU", names=None) -> list[str]:
         if names is None or node.name in names:
             out.extend(node_problems(node, lib, default_device))
     # arity and producer dtypes, through the graph's own signature resolution
-    out.extend(graph._dtype_problems(names))  # noqa: SLF001 - the one place that walks edges
+    out.extend(graph._dtype_problems(names if edge_names is None else edge_names))  # noqa: SLF001
     return out
 
 
-def nodes_to_check(after: Graph, changed) -> set[str]:
-    """The nodes whose problems may differ from the input graph's: the
-    ``changed`` ones (created or edited: :meth:`Graph.changed_nodes`) and
-    their data readers (an edge's dtype depends on its producer).  Every
-    other node is the input's NodeDef, fed by the input's producers, so it
-    has exactly the input's problems, which :func:`new_problems` drops."""
+def nodes_to_check(after: Graph, changed) -> tuple[set[str], set[str]]:
+    """The nodes whose problems may differ from the input graph's:
+    (``changed`` ones: created or edited, :meth:`Graph.changed_nodes`, whose
+    own attrs need checking; those and their data readers, whose input edges
+    need checking: an edge's dtype depends on its producer).  Every other
+    node is the input's NodeDef, fed by the input's producers, so it has
+    exactly the input's problems, which :func:`new_problems` drops."""
     names = {n for n in changed if n in after.nodes}
-    for n in list(names):
-        names.update(c for c, idx in after.consumers(n) if idx >= 0)
-    return names
+    edges = set(names)
+    for n in names:
+        edges.update(c for c, idx in after.consumers(n) if idx >= 0)
+    return names, edges
 
 
 def new_problems(before, after, default_device: str = "CPU", changed=None) -> list[str]:
@@ -132,17 +135,17 @@ def new_problems(before, after, default_device: str = "CPU", changed=None) -> li
     ``before`` (``after.changed_nodes()``, ``after`` a Graph built from
     ``before``); only they and their readers are checked, with the same
     result as the full check.  None (the default): every node."""
-    names = None
+    names = edges = None
     if changed is not None:
         if not isinstance(after, Graph):
             after = Graph(after, copy=False)
-        names = nodes_to_check(after, changed)
-        if not names:
+        names, edges = nodes_to_check(after, changed)
+        if not edges:
             return []
-    now = graph_problems(after, default_device, names)
+    now = graph_problems(after, default_device, names, edges)
     if not now:
         return []
-    old = set(graph_problems(before, default_device, names))
+    old = set(graph_problems(before, default_device, names, edges))
     return [p for p in now if p not in old]
 
 

@@ -92,6 +92,8 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
     """Try to match ``pat`` at tensor ``ref``; extends ``state`` (nodes, tensors, matched)."""
     if pat.alternatives:
         for alt in pat.alternatives:
+            if _rejects(graph, alt, ref):
+                continue  # (what _match would answer before touching the state)
             snap = _snapshot(state)
             if _match(graph, alt, ref, state):
                 if pat.name:
@@ -135,11 +137,29 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
                 return False
         return True
     for order in (data, [data[1], data[0]]):
+        if _rejects(graph, pat.inputs[0], order[0]) or _rejects(graph, pat.inputs[1], order[1]):
+            continue
         snap = _snapshot(state)
         if all(_match(graph, p, r, state) for p, r in zip(pat.inputs, order)):
             return True
         _restore(state, snap)
     return False
+
+
+def _rejects(graph: Graph, pat: Pat, ref: str) -> bool:
+    """True when ``_match(graph, pat, ref, ...)`` fails on its first checks
+    (node, port, op type), before it would change the match state: the
+    caller can skip the snapshot/restore of that try."""
+    if pat.leaf or pat.alternatives:
+        return False
+    src, port, ctrl = parse_tensor(ref)
+    node = graph.nodes.get(src)
+    if node is None or ctrl:
+        return True
+    if pat.port is not None and port != pat.port:
+        return True
+    ops = pat._opset()
+    return ops is not None and node.op not in ops
 
 
 def _snapshot(state):
