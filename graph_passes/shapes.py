@@ -351,7 +351,7 @@ def tensor_shape(shapes, ref):
 # ----------------------------------------------------------- local shapes
 #: one output, the shape of input 0
 _SAME_SHAPE = frozenset({
-    "Identity", "Snapshot", "StopGradient", "Cast", "ReadVariableOp", "BiasAdd",
+    "Identity", "Snapshot", "StopGradient", "Cast", "BiasAdd",
     "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus", "Softsign",
     "Rsqrt", "Sqrt", "Exp", "Log", "Log1p", "Neg", "Square", "Abs", "Reciprocal", "Erf",
     "Softmax", "LogSoftmax", "ZerosLike", "OnesLike", "Sign", "Floor", "Ceil", "Round"})
@@ -433,12 +433,16 @@ def _local_compute(graph, ref, memo, depth):
     attr = node.attr
     if op == "Const":
         return [d.size for d in attr["value"].tensor.tensor_shape.dim]
-    if op in ("Placeholder", "VarHandleOp", "VariableV2"):
-        s = attr["shape"].shape if "shape" in attr else None
-        return None if s is None or s.unknown_rank else [d.size for d in s.dim]
+    if op in ("Placeholder", "VariableV2"):
+        return _shape_attr(node)
+    if op == "VarHandleOp":
+        return []  # a resource handle is a scalar
     data = [i for i in node.input if not i.startswith("^")]
     if not data:
         return None
+    if op == "ReadVariableOp":
+        handle = graph.nodes.get(parse_tensor(data[0])[0])
+        return _shape_attr(handle) if handle is not None and handle.op == "VarHandleOp" else None
     if op in _SAME_SHAPE:
         return _local(graph, data[0], memo, depth + 1)
     if op in _BROADCAST and len(data) == 2:
@@ -528,6 +532,11 @@ def _local_compute(graph, ref, memo, depth):
         return [1 if i in axes else d for i, d in enumerate(x)] if keep else \
             [d for i, d in enumerate(x) if i not in axes]
     return None
+
+
+def _shape_attr(node):
+    s = node.attr["shape"].shape if "shape" in node.attr else None
+    return None if s is None or s.unknown_rank else [d.size for d in s.dim]
 
 
 def _broadcast(a, b):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2, types_pb2
+from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 
 from graph_passes import registry
 from graph_passes.errors import GraphError
@@ -267,3 +267,57 @@ def test_out_of_sync_consumers_index_is_repaired_with_a_warning(caplog):
     assert g.consumers(old_src).count(("MatMul", 0)) == 1
     assert ("MatMul", 0) not in g.consumers("probe")
     assert g.validate() == []
+
+
+def test_op_type_index_follows_every_mutation():
+    """``nodes_of_type`` answers from an index kept by add/remove/set_op, in
+    graph order; ``index_problems`` finds an op changed behind the graph's back."""
+    g = Graph(training_graph())
+    scan = lambda ops: [n for n, node in g.nodes.items() if node.op in ops]  # noqa: E731
+    for ops in (("MatMul",), ("Identity", "Const"), ("NoSuchOp",)):
+        assert g.nodes_of_type(ops) == scan(ops)
+    assert g.nodes_of_type("MatMul") == scan(("MatMul",))
+    assert g.nodes_of_type("MatMul")[0] == "MatMul" and len(g.nodes_of_type("MatMul")) == 3
+    v0 = g.version
+    g.new_node("Identity", "extra", ["MatMul"], {"T": g.nodes["MatMul"].attr["T"]})
+    g.set_op("extra", "Snapshot")
+    assert g.nodes_of_type(("Identity", "Snapshot")) == scan(("Identity", "Snapshot"))
+    assert "extra" in g.nodes_of_type("Snapshot") and "extra" not in g.nodes_of_type("Identity")
+    first_const = scan(("Const",))[0]
+    g.set_op(first_const, "Identity")  # keeps its place in graph order
+    assert g.nodes_of_type(("Identity", "Const")) == scan(("Identity", "Const"))
+    g.set_op(first_const, "Const")
+    g.remove_node("extra")
+    assert g.nodes_of_type(("Snapshot",)) == [] and g.version > v0
+    assert g.index_problems() == []
+    assert g.changed_nodes() == {first_const}  # 'extra' was created and removed again
+    g.nodes["MatMul"].op = "BatchMatMulV2"  # behind its back
+    assert any("MatMul" in p for p in g.index_problems())
+    g.reindex()
+    assert g.index_problems() == [] and g.nodes_of_type("BatchMatMulV2") == ["MatMul"]
+    assert "MatMul" not in g.nodes_of_type("MatMul")
+
+
+def test_to_graph_def_after_edits_equals_node_by_node_copy():
+    """The bulk copy (input GraphDef minus removed nodes plus added ones)
+    gives the GraphDef a node-by-node copy of ``nodes`` gives, byte for byte,
+    also when a node is removed and re-added under its own name."""
+    gd = training_graph()
+    g = Graph(gd)
+    mm = g.nodes["MatMul"]
+    g.remove_node("MatMul", force=True)
+    new = node_def_pb2.NodeDef()
+    new.CopyFrom(mm)
+    new.attr["transpose_a"].b = False
+    g.add_node(new)  # re-added: now last in graph order
+    g.new_node("NoOp", "late")
+    g.nodes["x"].attr["_touched"].b = True  # an in-place edit of a surviving node
+    g.touch("x")
+    fast = g.to_graph_def()
+    slow = graph_pb2.GraphDef()
+    slow.node.extend(g.nodes.values())
+    slow.library.CopyFrom(g.library)
+    slow.versions.CopyFrom(g.versions)
+    assert fast.SerializeToString(deterministic=True) == slow.SerializeToString(deterministic=True)
+    assert [n.name for n in fast.node][-2:] == ["MatMul", "late"]
+    assert gd.node[0].attr.get("_touched") is None  # the input is not touched

@@ -310,3 +310,157 @@ def test_deferred_figures_equal_eager_ones_on_keras_resnet50(k2, tmp_path):
     for key in _SHAPE_KEYS:
         assert figures[0][key] == figures[1][key], key
     assert figures[0]["matrix_flops"] > 0
+
+
+# ------------------------------------------------------- issue 17, step 3
+def bert_like_training_graph(layers=2, hidden=16, heads=2, seq=8, batch=2, vocab=50, ffn=32):
+    """A BERT-style encoder from raw ops (embedding, attention, GELU, layer
+    norms from ``tf.nn.moments``) + Adam: the residual adds the fusion pass
+    asks shapes about, and a backward pass full of ``Shape``/``Reshape``."""
+    g = tf.Graph()
+    with g.as_default():
+        init = tf1.truncated_normal_initializer(stddev=0.02)
+        ids = tf1.placeholder(tf.int32, [batch, seq], name="input_ids")
+        labels = tf1.placeholder(tf.int32, [batch], name="labels")
+        emb = tf1.get_variable("emb", [vocab, hidden], initializer=init)
+        pos = tf1.get_variable("pos", [seq, hidden], initializer=init)
+
+        def dense(z, n, name, act=None):
+            with tf1.variable_scope(name):
+                w = tf1.get_variable("kernel", [z.shape[-1], n], initializer=init)
+                b = tf1.get_variable("bias", [n], initializer=tf.zeros_initializer())
+                out = tf.nn.bias_add(tf.matmul(z, w), b)
+                return act(out) if act is not None else out
+
+        def layer_norm(z, name):
+            with tf1.variable_scope(name):
+                gamma = tf1.get_variable("gamma", [hidden], initializer=tf.ones_initializer())
+                beta = tf1.get_variable("beta", [hidden], initializer=tf.zeros_initializer())
+                mean, var = tf.nn.moments(z, axes=[-1], keepdims=True)
+                return (z - mean) * tf.math.rsqrt(var + 1e-12) * gamma + beta
+
+        h = layer_norm(tf.reshape(tf.gather(emb, ids) + pos, [batch * seq, hidden]), "emb_ln")
+        dh = hidden // heads
+        for i in range(layers):
+            with tf1.variable_scope(f"layer_{i}"):
+                def split(z):
+                    return tf.transpose(tf.reshape(z, [batch, seq, heads, dh]), [0, 2, 1, 3])
+                q, k_, v = (split(dense(h, hidden, n)) for n in ("query", "key", "value"))
+                probs = tf.nn.softmax(tf.matmul(q, k_, transpose_b=True) * (1.0 / float(np.sqrt(dh))))
+                ctx = tf.reshape(tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3]), [batch * seq, hidden])
+                h = layer_norm(h + dense(ctx, hidden, "attn_out"), "attn_ln")
+                inter = dense(h, ffn, "intermediate", act=tf.nn.gelu)
+                h = layer_norm(h + dense(inter, hidden, "output"), "out_ln")
+        logits = dense(tf.reshape(h, [batch, seq, hidden])[:, 0], 2, "classifier")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
+                              name="loss")
+        tf1.train.AdamOptimizer(1e-4).minimize(loss, name="train")
+    return g.as_graph_def()
+
+
+def test_local_shapes_agree_with_grappler_and_spare_the_inference():
+    """``shapes.local_shape`` (a tensor's shape from its producers') answers
+    only with fully known shapes, and each equals grappler's whole-graph
+    inference; it answers the fusion pass's questions on a BERT-style
+    training graph (residual adds, gradient AddNs), so the pipeline runs
+    without the whole-graph inference (its source is not called)."""
+    gd = bert_like_training_graph()
+    g = Graph(gd)
+    inferred = shapes_mod.infer_shapes(gd)
+    memo, answered = {}, 0
+    for name, node in g.nodes.items():
+        sh = shapes_mod.local_shape(g, name, memo)
+        if sh is None:
+            continue
+        answered += 1
+        assert all(d >= 0 for d in sh), name
+        assert inferred.get(name)[0] == sh, (name, node.op, sh, inferred.get(name)[0])
+    assert answered > len(g.nodes) // 2
+    for name in ("layer_1/add", "layer_1/add_1"):  # the residual adds bias_add asks about
+        assert shapes_mod.local_shape(g, name) == [16, 16]
+    addn = [n for n, node in g.nodes.items() if node.op == "AddN" and n.startswith("gradients/")]
+    assert addn and all(shapes_mod.local_shape(g, n) is not None for n in addn)
+
+    calls, counting = _counting_shape_source(gd)
+    _, rep = pipeline.optimize(gd, npu_amp_tf.Options.from_kwargs(), fetches=["loss", "train"],
+                               shapes=counting)
+    assert calls == [] and rep.raw_summary["shapes_inferred_in_pipeline"] is False
+    assert rep.pass_stats("fusion")["skipped"].get("bias_add")  # the questions were asked
+    assert rep.summary["lp_flop_share"] == 1.0 and calls == [1]  # the report's figures, when read
+
+
+def test_local_shape_declines_unknown_dims_and_unsupported_ops():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf1.placeholder(tf.float32, [4, 3], name="w")
+        tf.matmul(x, w, name="mm")
+        tf.reshape(w, [-1], name="flat")
+        tf.reshape(x, [-1], name="flat_x")
+        tf.reduce_sum(w, axis=0, keepdims=True, name="sum")
+        tf.transpose(w, name="wt")
+        tf.nn.top_k(w, 2, name="topk")
+    gr = Graph(g.as_graph_def())
+    assert shapes_mod.local_shape(gr, "mm") is None  # batch dim unknown
+    assert shapes_mod.local_shape(gr, "flat") == [12]
+    assert shapes_mod.local_shape(gr, "flat_x") is None
+    assert shapes_mod.local_shape(gr, "sum") == [1, 3]
+    assert shapes_mod.local_shape(gr, "wt") == [3, 4]
+    assert shapes_mod.local_shape(gr, "topk") is None  # not covered: the inference answers
+
+
+def _changed_by_content(gd, g):
+    orig = {n.name: n for n in gd.node}
+    return {name for name, n in g.nodes.items() if orig.get(name) != n}
+
+
+@pytest.mark.parametrize("params", [dict(precision_mode="allow_mix_precision"),
+                                    dict(precision_mode="allow_mix_precision_bf16", graph_level=3)],
+                         ids=["fp16", "bf16-level3"])
+def test_opdef_guard_checks_what_the_passes_changed(k2, params):
+    """The pipeline's OpDef guard checks the nodes the passes created or
+    edited (``Graph.changed_nodes``) and their readers: on real training
+    graphs every node whose NodeDef differs from the input's is in that set,
+    and the restricted check finds what the full check finds, also for a
+    fault planted in a changed node."""
+    from graph_passes import manager, opdef_check, registry
+
+    opts = npu_amp_tf.Options.from_kwargs(**params)
+    for gd in (_keras_resnet_training_graph(k2), bert_like_training_graph()):
+        g = Graph(gd)
+        ctx = manager.PassContext(opts, ["loss", "train"])
+        manager.PassManager(pipeline.pass_names(opts)).run(g, ctx)
+        changed = g.changed_nodes()
+        by_content = _changed_by_content(gd, g)
+        assert by_content and by_content <= changed, sorted(by_content - changed)[:5]
+        assert opdef_check.new_problems(gd, g, "CPU", changed) == opdef_check.new_problems(gd, g, "CPU") == []
+        # a fault in a node the passes edited: a low-precision MatMul fed FP32
+        mm = next(n for n in sorted(changed) if g.nodes[n].op == "MatMul"
+                  and g.nodes[n].attr["T"].type in registry.LOW_TYPES)
+        src = g.nodes[mm].input[0].split(":")[0]
+        while g.nodes[src].op == "Cast":
+            src = g.nodes[src].input[0].split(":")[0]
+        g.set_input(mm, 0, src)
+        full = opdef_check.new_problems(gd, g, "CPU")
+        assert full and any(mm in p for p in full)
+        assert opdef_check.new_problems(gd, g, "CPU", g.changed_nodes()) == full
+
+
+def test_untracked_pass_makes_the_guard_check_everything():
+    from graph_passes import manager
+
+    class _Edits(manager.Pass):  # edits in place without telling the graph
+        def run(self, graph, ctx):
+            graph.nodes["logits"].attr["transpose_a"].b = False
+            return {}
+
+    manager.register_pass("_test_untracked")(_Edits)
+    try:
+        g = Graph(cnn_graph())
+        manager.PassManager(["_test_untracked"]).run(g, manager.PassContext())
+        assert g.changed_nodes() is None
+    finally:
+        del manager.PASS_REGISTRY["_test_untracked"]
+    g = Graph(cnn_graph())
+    manager.PassManager(["cleanup"]).run(g, manager.PassContext())
+    assert g.changed_nodes() == set()
