@@ -561,12 +561,22 @@ class Graph:
         out.versions.CopyFrom(self.versions)
         return out
 
-    def _copy_nodes(self):
-        """A GraphDef holding :attr:`nodes` in order, made by one bulk copy of
-        the GraphDef this object wraps (whose node messages are the ones
-        passes edited in place) minus the nodes removed since, plus the ones
-        added (much cheaper than copying node by node); None when the node
-        order is not "surviving originals, then additions"."""
+    def nodes_graph_def(self) -> graph_pb2.GraphDef:
+        """A GraphDef holding copies of :attr:`nodes` in order and nothing
+        else (no library, no versions; colocation left as it is)."""
+        out = self._copy_nodes(("node",)) if not self.duplicates else None
+        if out is None:
+            out = graph_pb2.GraphDef()
+            out.node.extend(self.nodes.values())
+        return out
+
+    def _copy_nodes(self, keep=("node", "library", "versions")):
+        """A GraphDef holding :attr:`nodes` in order (and the fields in
+        ``keep``), made by one bulk copy of the GraphDef this object wraps
+        (whose node messages are the ones passes edited in place) minus the
+        nodes removed since, plus the ones added (much cheaper than copying
+        node by node); None when the node order is not "surviving originals,
+        then additions"."""
         nodes = self.nodes
         orig = self._gd.node
         drop, kept = [], []
@@ -582,7 +592,7 @@ class Graph:
         out = graph_pb2.GraphDef()
         out.CopyFrom(self._gd)
         for field, _ in out.ListFields():  # what the node-by-node copy gives: nodes, library, versions
-            if field.name not in ("node", "library", "versions"):
+            if field.name not in keep:
                 out.ClearField(field.name)
         for i in reversed(drop):
             del out.node[i]

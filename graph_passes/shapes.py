@@ -353,8 +353,13 @@ def tensor_shape(shapes, ref):
 _SAME_SHAPE = frozenset({
     "Identity", "Snapshot", "StopGradient", "Cast", "BiasAdd",
     "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus", "Softsign",
-    "Rsqrt", "Sqrt", "Exp", "Log", "Log1p", "Neg", "Square", "Abs", "Reciprocal", "Erf",
-    "Softmax", "LogSoftmax", "ZerosLike", "OnesLike", "Sign", "Floor", "Ceil", "Round"})
+    "Rsqrt", "Sqrt", "Exp", "Expm1", "Log", "Log1p", "Neg", "Square", "Abs", "Reciprocal",
+    "Inv", "Erf", "Erfc", "Sin", "Cos", "Atan", "Sinh", "Cosh", "Softmax", "LogSoftmax",
+    "ZerosLike", "OnesLike", "Sign", "Floor", "Ceil", "Round", "Rint", "IsFinite", "IsNan",
+    "IsInf", "LogicalNot",
+    # gradients of elementwise ops: (y or features, dy), both of the output's shape
+    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "TanhGrad",
+    "SigmoidGrad", "RsqrtGrad", "SqrtGrad", "SoftplusGrad", "SoftsignGrad", "ReciprocalGrad"})
 #: elementwise with NumPy broadcasting of inputs 0 and 1
 _BROADCAST = frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
