@@ -55,15 +55,17 @@ def drop_dangling_colocation(nodes) -> int:
     rejects a graph that keeps them (a pass removed X, or grappler inlined it
     away).  Returns how many entries were dropped."""
     nodes = list(nodes)
-    names = {n.name for n in nodes}
+    names = {n.name.encode() for n in nodes}
     dropped = 0
     for n in nodes:
-        if "_class" not in n.attr:
+        a = n.attr.get("_class")
+        if a is None:
             continue
-        vals = list(n.attr["_class"].list.s)
-        keep = [v for v in vals if not v.startswith(b"loc:@") or v[5:].decode() in names]
-        if len(keep) == len(vals):
-            continue
+        vals = a.list.s
+        if all(v[5:] in names for v in vals if v.startswith(b"loc:@")):
+            continue  # (the usual case: nothing to drop)
+        vals = list(vals)
+        keep = [v for v in vals if not v.startswith(b"loc:@") or v[5:] in names]
         dropped += len(vals) - len(keep)
         if keep:
             del n.attr["_class"].list.s[:]
@@ -552,52 +554,11 @@ class Graph:
             out = graph_pb2.GraphDef()
             out.CopyFrom(self._gd)
             return out
-        out = self._copy_nodes() if not self.duplicates else None
-        if out is None:
-            out = graph_pb2.GraphDef()
-            out.node.extend(self.nodes.values())
+        out = graph_pb2.GraphDef()
+        out.node.extend(self.nodes.values())
         drop_dangling_colocation(out.node)  # colocated with a node a pass removed
         out.library.CopyFrom(self.library)
         out.versions.CopyFrom(self.versions)
-        return out
-
-    def nodes_graph_def(self) -> graph_pb2.GraphDef:
-        """A GraphDef holding copies of :attr:`nodes` in order and nothing
-        else (no library, no versions; colocation left as it is)."""
-        out = self._copy_nodes(("node",)) if not self.duplicates else None
-        if out is None:
-            out = graph_pb2.GraphDef()
-            out.node.extend(self.nodes.values())
-        return out
-
-    def _copy_nodes(self, keep=("node", "library", "versions")):
-        """A GraphDef holding :attr:`nodes` in order (and the fields in
-        ``keep``), made by one bulk copy of the GraphDef this object wraps
-        (whose node messages are the ones passes edited in place) minus the
-        nodes removed since, plus the ones added (much cheaper than copying
-        node by node); None when the node order is not "surviving originals,
-        then additions"."""
-        nodes = self.nodes
-        orig = self._gd.node
-        drop, kept = [], []
-        for i, n in enumerate(orig):
-            name = n.name
-            if nodes.get(name) is n:
-                kept.append(name)
-            else:
-                drop.append(i)
-        head = list(nodes)
-        if head[:len(kept)] != kept:
-            return None
-        out = graph_pb2.GraphDef()
-        out.CopyFrom(self._gd)
-        for field, _ in out.ListFields():  # what the node-by-node copy gives: nodes, library, versions
-            if field.name not in keep:
-                out.ClearField(field.name)
-        for i in reversed(drop):
-            del out.node[i]
-        if len(head) > len(kept):
-            out.node.extend(nodes[name] for name in head[len(kept):])
         return out
 
     def __len__(self):

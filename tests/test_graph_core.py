@@ -298,10 +298,11 @@ def test_op_type_index_follows_every_mutation():
     assert "MatMul" not in g.nodes_of_type("MatMul")
 
 
-def test_to_graph_def_after_edits_equals_node_by_node_copy():
-    """The bulk copy (input GraphDef minus removed nodes plus added ones)
-    gives the GraphDef a node-by-node copy of ``nodes`` gives, byte for byte,
-    also when a node is removed and re-added under its own name."""
+def test_to_graph_def_after_edits():
+    """After removals, a node re-added under its own name, additions and
+    in-place edits, ``to_graph_def`` gives the nodes in graph order (the
+    surviving originals, then the additions), library and versions, and drops
+    only the colocation entries naming a node that is gone."""
     gd = training_graph()
     g = Graph(gd)
     mm = g.nodes["MatMul"]
@@ -313,7 +314,10 @@ def test_to_graph_def_after_edits_equals_node_by_node_copy():
     g.new_node("NoOp", "late")
     g.nodes["x"].attr["_touched"].b = True  # an in-place edit of a surviving node
     g.touch("x")
+    g.nodes["w"].attr["_class"].list.s.extend([b"loc:@x", b"loc:@gone", b"other"])
     fast = g.to_graph_def()
+    assert list(fast.node[[n.name for n in fast.node].index("w")].attr["_class"].list.s) == [b"loc:@w", b"loc:@x", b"other"]
+    g.nodes["w"].attr["_class"].list.s.remove(b"loc:@gone")
     slow = graph_pb2.GraphDef()
     slow.node.extend(g.nodes.values())
     slow.library.CopyFrom(g.library)

@@ -917,7 +917,10 @@ class _Snapshot:
     topological order), for the deferred "before" figures."""
 
     def __init__(self, graph, order):
-        self._gd = graph.nodes_graph_def()  # (library and versions: when first read)
+        from tensorflow.core.framework import graph_pb2
+
+        self._gd = graph_pb2.GraphDef()
+        self._gd.node.extend(graph.nodes.values())
         self._library = graph.library
         self._versions = graph.versions
         self._full = False
