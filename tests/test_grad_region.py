@@ -155,6 +155,8 @@ def test_tf2_gradient_tape_region():
     ("gradients/ln/mul_grad/Mul", "ln/mul"),
     ("gradients_1/ln/mul_grad/tuple/control_dependency", "ln/mul"),
     ("gradient_tape/ln/mul/Mul_1", "ln/mul"),
+    ("call/gradient_tape/ln/mul/Mul_1", "call/ln/mul"),  # an inlined function call's scope
+    ("call/gradients/ln/mul_grad/Mul", "call/ln/mul"),
     ("gradients/AddN", None),
     ("ArithmeticOptimizer/AddOpsRewrite_gradients/AddN", None),
     ("ln/mul", None),
@@ -162,6 +164,8 @@ def test_tf2_gradient_tape_region():
 def test_attributed_forward(name, want):
     def f():
         with tf.name_scope("ln"):
+            tf.multiply(tf1.placeholder(tf.float32, [2], name="a"), 2.0, name="mul")
+        with tf.name_scope("call/ln"):
             tf.multiply(tf1.placeholder(tf.float32, [2], name="a"), 2.0, name="mul")
     graph = Graph(build(f)[0])
     assert attributed_forward(graph, name) == want

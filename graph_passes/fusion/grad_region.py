@@ -129,8 +129,8 @@ _STATIC_ARITH = frozenset({
     "Snapshot", "ZerosLike", "OnesLike", "Square", "Pow", "Equal", "Less", "Greater",
 })
 
-_TF1 = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad(?:/|$)")
-_TF2 = re.compile(r"(?:^|/)gradient_tape/(.+)$")
+_TF1 = re.compile(r"^(.*/)?gradients(?:_\d+)?/(.+?)_grad(?:/|$)")
+_TF2 = re.compile(r"^(.*/)?gradient_tape/(.+)$")
 _GRAPPLER = re.compile(r"^(?:ArithmeticOptimizer|ConstantFolding|DependencyOptimizer|LayoutOptimizer|"
                        r"LoopOptimizer|Remapper|MemoryOptimizer|PinToHostOptimizer)/")
 
@@ -186,18 +186,34 @@ def attributed_forward(graph: Graph, name: str) -> str | None:
     else None (aggregations, TF2 scope names, grappler-made names)."""
     if _GRAPPLER.match(name):
         return None
-    m = _TF1.search(name)
+    # nodes an earlier fusion removed (the tensordot Reshape a bias fusion moved)
+    # still name their gradient's ops: look them up among the names the graph had
+    # when the fusion pass started (see fusion_pass.py), too
+    before = getattr(graph, ORIGINAL_NAMES_ATTR, None) or ()
+
+    def known(n):
+        return n in graph.nodes or n in before
+
+    # the scope before "gradients/" (an inlined call: "StatefulPartitionedCall/")
+    # prefixes the forward ops' names too
+    m = _TF1.match(name)
     if m is not None:
-        fwd = m.group(1)
-        return fwd if fwd in graph.nodes else None
-    m = _TF2.search(name)
+        for fwd in ((m.group(1) or "") + m.group(2), m.group(2)):
+            if known(fwd):
+                return fwd
+        return None
+    m = _TF2.match(name)
     if m is not None:
-        parts = m.group(1).split("/")
+        parts = m.group(2).split("/")
         for k in range(len(parts) - 1, 0, -1):
-            cand = "/".join(parts[:k])
-            if cand in graph.nodes:
-                return cand
+            for cand in ((m.group(1) or "") + "/".join(parts[:k]), "/".join(parts[:k])):
+                if known(cand):
+                    return cand
     return None
+
+
+#: attribute of a Graph holding the node names it had when the fusion pass began
+ORIGINAL_NAMES_ATTR = "_names_before_fusion"
 
 
 class _Static:
