@@ -10,7 +10,9 @@ Session cases ``<form>:<mode>:<level>``; forms (tiny shapes, x [2, 6, 16]):
 * ``keras``:   Keras 2 LayerNormalization (tf.keras on TF 2.15, tf_keras on TF >= 2.16)
 * ``moments``: tf.nn.moments + tf.nn.batch_normalization (BERT)
 * ``raw``:     (x - mean) * rsqrt(var + eps) * gamma + beta, mean/var by reduce_mean
+* ``div``:     gamma * (x - mean) / sqrt(reduce_variance + eps) + beta
 * ``rms``:     T5 RMSNorm x * rsqrt(mean(x^2) + eps) * gamma
+* ``llama``:   x / sqrt(mean(x ** 2) + eps) * w
 * ``bert``:    benchmarks/fusion.py's BERT-like encoder (2 layers, tiny), variables + SGD
 
 each followed by a residual add and a weighted sum-of-squares loss;
@@ -37,7 +39,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
 
 B, S, D = 2, 6, 16
 COUNT_OPS = ("LayerNorm", "LayerNormGrad", "RMSNorm", "RMSNormGrad", "Mean", "Rsqrt", "RsqrtGrad",
-             "SquaredDifference", "FusedBatchNormV3", "FusedBatchNormGradV3", "Square", "Cast")
+             "SquaredDifference", "FusedBatchNormV3", "FusedBatchNormGradV3", "_MklNativeFusedBatchNormV3",
+             "_MklNativeFusedBatchNormGradV3", "_MklFusedBatchNormV3", "_MklFusedBatchNormGradV3", "Tile",
+             "Square", "Cast")
 
 
 def _keras(form):
@@ -67,8 +71,14 @@ def _norm(form, h, rng):
         mean = tf.reduce_mean(h, -1, keepdims=True)
         var = tf.reduce_mean(tf.square(h - mean), -1, keepdims=True)
         return (h - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta, [gamma, beta]
-    if form == "rms":
+    if form == "div":  # gamma * (x - mean) / sqrt(var + eps) + beta, variance by reduce_variance
+        mean = tf.reduce_mean(h, -1, keepdims=True)
+        return gamma * (h - mean) / tf.sqrt(tf.math.reduce_variance(h, -1, keepdims=True) + 1e-5) + beta, \
+            [gamma, beta]
+    if form == "rms":  # T5
         return h * tf.math.rsqrt(tf.reduce_mean(tf.square(h), -1, keepdims=True) + 1e-6) * gamma, [gamma]
+    if form == "llama":  # x / sqrt(mean(x^2) + eps) * w
+        return h / tf.sqrt(tf.reduce_mean(tf.pow(h, 2.0), -1, keepdims=True) + 1e-6) * gamma, [gamma]
     raise SystemExit(f"unknown form {form}")
 
 

@@ -867,20 +867,32 @@ def _classify_norm(graph, factors, inner):
 def _would_extend(graph, node) -> bool:
     """True when ``node``'s single consumer also matches a norm (and so is the
     better anchor: it takes gamma or beta in too)."""
-    for cname, idx in graph.consumers(node.name):
-        # training graphs: the gradient reads the node too, so look at every reader
+    from .grad_region import is_autodiff_name
+
+    cons = graph.consumers(node.name)
+    for cname, idx in cons:
+        # training graphs: the gradient reads the node too; any other reader
+        # (forward code) keeps it the output
         c = graph.nodes[cname]
         if idx < 0 or c.op not in _ADDS + ("Mul",):
             continue
+        if any(o != cname and not is_autodiff_name(o) for o, _ in cons):
+            return False
         res = analyze_norm(graph, c)
-        if res is not None and node.name in res["inner"]:
+        if res is not None and node.name in res["inner"] and not (res["kind"] == "rms_norm" and res["beta"]):
             return True
     return False
 
 
 def _norm_predicate(node, graph):
+    from .grad_region import is_autodiff_name
+
+    if is_autodiff_name(node.name):  # a gradient's own Mul chain is no norm
+        return False
     res = analyze_norm(graph, node)
-    return res is not None and not _would_extend(graph, node)
+    if res is None or (res["kind"] == "rms_norm" and res["beta"] is not None):
+        return False  # RMSNorm + a bias: the plain RMSNorm under it is the match
+    return not _would_extend(graph, node)
 
 
 def _build_norm(m, b):
