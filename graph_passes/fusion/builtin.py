@@ -478,6 +478,7 @@ def _emit_layer_norm(m, b, x, gamma, beta, eps):
     else:
         b.require(core[-1] > 1, "x shape unknown and gamma could broadcast")
     b.emit("LayerNorm", m.anchor, [x, gamma, beta], {"T": ("type", dt), "epsilon": float(eps)})
+    _norm_backward(m, b, "layer_norm", x, gamma, beta, gs)
 
 
 def _build_ln_moments(m, b):
@@ -550,6 +551,104 @@ def _ln_keras2_pat():
             Pat("Reshape", name="rs_out", inputs=[fbn, Pat.any("shape_out")]), Pat.any("gamma")]),
         Pat.any("beta")])
 
+
+
+# ------------------------------------------------- the backward of a fused norm
+def _squeeze_lead(shape):
+    s = list(shape)
+    while len(s) > 1 and s[0] == 1:
+        s.pop(0)
+    return s
+
+
+def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=True):
+    """Training graphs: when the backward pass reads the forward's inner
+    tensors, replace that gradient subgraph (``grad_region.find_grad_region``)
+    by ONE ``LayerNormGrad(dy, x, gamma, mean, inv_std) -> dx, dgamma, dbeta``
+    (``RMSNormGrad(dy, x, gamma, inv_rms) -> dx, dgamma``) reading the fused
+    op's statistics.  Every tensor leaving the region must be dx (or partial
+    dx terms that one AddN sums, replaced there by the one dx), dgamma or dbeta
+    (gamma's shape, leading 1s aside; dbeta depends on no forward value), else
+    the match is refused with the reason and the graph is unchanged.
+
+        x, gamma, beta -> [mean, sub, rsqrt, mul, add] -> y       x, gamma, beta -> LayerNorm -> y
+        dy -> [Mul, Sum, Reshape, RsqrtGrad, Tile, ...] ─ dx1 ┐    dy -> LayerNormGrad ─ dx ┐
+                                                          dx2 ┼ AddN       dgamma, dbeta   ├ AddN
+                                            d_residual ───────┘           d_residual ─────┘
+    """
+    from .grad_region import GradRegionRefused, assign_outputs, find_grad_region
+
+    if not b.escaping_readers():
+        return
+    g = b.graph
+    dt = b.dtype(x)
+    xs, gs = b.shape(x), list(gshape) if gshape is not None else None
+    b.require(xs is not None and min(xs, default=0) > 0 and gs is not None,
+              "not fused: the backward pass reads the norm's inner tensors and x's shape is not static")
+    inner = set(b.match.matched) | set(b.absorbed)
+    inputs = [t for t, real in ((x, True), (gamma, has_gamma), (beta, has_beta)) if real and t is not None]
+    protected = b.ctx.protected if b.ctx is not None else frozenset()
+    try:
+        region = find_grad_region(g, inner, [tensor_name(m.anchor, 0)], inputs, shapes=b.shapes,
+                                  protected=protected, dy_shape=list(xs))
+
+        def classify(ref):
+            if b.dtype(ref) != dt or not region.depends_on_dy(ref):
+                return None
+            sh = b.shape(ref)
+            if sh is None or min(sh, default=0) < 0:
+                return None
+            fwd = region.depends_on_forward(ref)
+            if list(sh) == list(xs) and fwd:
+                return "dx"
+            if _squeeze_lead(sh) == _squeeze_lead(gs) and len(sh) < len(xs) + 1:
+                if fwd and has_gamma:
+                    return "dgamma"
+                if not fwd and has_beta and kind == "layer_norm":
+                    return "dbeta"
+            return None
+
+        terms = assign_outputs(region, g, classify, summed=("dx",))
+    except GradRegionRefused as exc:
+        raise Skip(str(exc)) from None
+    b.require("dx" in terms, "not fused: the backward pass reads the norm's inner tensors, but no "
+                             "gradient with respect to x leaves it")
+    b.require(b.dtype(region.dy) == dt, "the incoming gradient's dtype differs from the input's")
+    op = "LayerNormGrad" if kind == "layer_norm" else "RMSNormGrad"
+    gname = f"{m.anchor}/{op}"
+    stats = [tensor_name(m.anchor, 1)] + ([tensor_name(m.anchor, 2)] if kind == "layer_norm" else [])
+    b.emit(op, gname, [region.dy, x, gamma] + stats, {"T": ("type", dt)})
+    ports = {"dx": 0, "dgamma": 1, "dbeta": 2}
+    want_shape = {"dx": list(xs), "dgamma": list(gs), "dbeta": list(gs)}
+    rewire = {}
+    for role, term in terms.items():
+        src = tensor_name(gname, ports[role])
+        if term.aggregator is not None:
+            agg = g.nodes[term.aggregator]
+            b.replace(agg.name, control_ok=True)
+            rest = [i for i in g.data_inputs(agg) if _canon(i) not in term.refs]
+            rest_ctrl = [i for i in agg.input if i.startswith("^")]
+            if not rest:
+                b.emit("Identity", agg.name, [src] + rest_ctrl, {"T": ("type", dt)})
+            elif agg.op == "AddN":
+                b.emit("AddN", agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt), "N": 1 + len(rest)})
+            else:
+                b.emit(agg.op, agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt)})
+            continue
+        for k, ref in enumerate(term.refs):
+            sh = list(b.shape(ref))
+            if sh == want_shape[role]:
+                rewire[ref] = src
+                continue
+            shp = b.const_node(f"{gname}/{role}_shape_{k}", np.asarray(sh, np.int32), registry.DT_INT32)
+            rewire[ref] = b.emit("Reshape", f"{gname}/{role}_{k}", [src, shp],
+                                 {"T": ("type", dt), "Tshape": ("type", registry.DT_INT32)})
+    b.region(region.nodes, rewire, gname)
+
+
+def _canon(ref):
+    n, p, c = parse_tensor(ref)
+    return ("^" + n) if c else (n if p == 0 else f"{n}:{p}")
 
 # ------------------------------------------------- LayerNorm / RMSNorm, any form
 # A functional matcher (the forms are too many for one Pat tree): the rule's Pat
@@ -752,14 +851,15 @@ def _classify_norm(graph, factors, inner):
 def _would_extend(graph, node) -> bool:
     """True when ``node``'s single consumer also matches a norm (and so is the
     better anchor: it takes gamma or beta in too)."""
-    cons = graph.consumers(node.name)
-    if len(cons) != 1 or cons[0][1] < 0:
-        return False
-    c = graph.nodes[cons[0][0]]
-    if c.op not in _ADDS + ("Mul",):
-        return False
-    res = analyze_norm(graph, c)
-    return res is not None and node.name in res["inner"]
+    for cname, idx in graph.consumers(node.name):
+        # training graphs: the gradient reads the node too, so look at every reader
+        c = graph.nodes[cname]
+        if idx < 0 or c.op not in _ADDS + ("Mul",):
+            continue
+        res = analyze_norm(graph, c)
+        if res is not None and node.name in res["inner"]:
+            return True
+    return False
 
 
 def _norm_predicate(node, graph):
@@ -803,12 +903,16 @@ def _build_norm(m, b):
     inner = list(dict.fromkeys(res["inner"]))
     if res["kind"] == "layer_norm":
         beta = param(res["beta"], "beta", 0.0)
-        b.absorb(inner)
+        b.absorb(inner, escapes_ok=True)
         b.emit("LayerNorm", m.anchor, [x, gamma, beta], {"T": ("type", dt), "epsilon": float(eps)})
+        _norm_backward(m, b, "layer_norm", x, gamma, beta, norm,
+                       has_gamma=res["gamma"] is not None, has_beta=res["beta"] is not None)
     else:
         b.require(res["beta"] is None, "RMSNorm takes no beta")
-        b.absorb(inner)
+        b.absorb(inner, escapes_ok=True)
         b.emit("RMSNorm", m.anchor, [x, gamma], {"T": ("type", dt), "epsilon": float(eps)})
+        _norm_backward(m, b, "rms_norm", x, gamma, None, norm, has_gamma=res["gamma"] is not None,
+                       has_beta=False)
 
 
 # ------------------------------------------------------------- attention, any form
@@ -947,11 +1051,11 @@ def register():
         follows_precision=True, reason="matrix op, bias and activation in one kernel pass")
     reg("bias", _bias_pat(), _build_bias, follows_precision=True,
         reason="matrix op and bias in one kernel pass")
-    reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments,
+    reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments, escapes=True,
         reason="10 elementwise/reduction ops become one fp32-accumulating kernel")
-    reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments,
+    reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments, escapes=True,
         reason="Keras 3 LayerNormalization becomes one kernel")
-    reg("layer_norm_keras2", _ln_keras2_pat(), _build_ln_keras2,
+    reg("layer_norm_keras2", _ln_keras2_pat(), _build_ln_keras2, escapes=True,
         reason="Keras 2 LayerNormalization (reshape + FusedBatchNormV3) becomes one kernel")
     reg("layer_norm", Pat(_ADDS + ("Mul", "RealDiv"), predicate=_norm_predicate), _build_norm,
         reason="LayerNorm/RMSNorm written as plain ops (raw, reduce_mean, moments, sqrt/div, "
