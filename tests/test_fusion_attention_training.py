@@ -111,3 +111,151 @@ def test_grad_op_shape_function_and_errors():
     assert not registry.opdef_allows("ScaleMaskSoftmaxGrad", {"T": tf.float64.as_datatype_enum})
     for dt in (tf.float32, tf.float16, tf.bfloat16):
         assert registry.has_kernel("ScaleMaskSoftmaxGrad", "CPU", {"T": dt.as_datatype_enum})
+
+
+# ------------------------------------------------------------------ the training-graph rewrite
+# Every graph below is built the way real code writes it and trained one step in
+# tests/_attention_train_worker.py (a subprocess: FP16/BF16 kernels may abort TF),
+# once fused at graph_level 3 and once unfused, same weights, same feeds, the same
+# dropout mask (its uniform noise is fed to both graphs, or a frozen Keras 3 seed).
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: unit roundoff of the compute dtype
+U = {"fp32": 2.0 ** -24, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+KERAS3 = tf.__version__ >= "2.16"
+
+
+@pytest.fixture(scope="module")
+def worker():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_attention_train_worker.py")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    cases = [ln.split(" ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith("CASE ")]
+    if proc.returncode != 0 or "DONE" not in proc.stdout:
+        last = cases[-1] if cases else "(before the first case)"
+        pytest.fail(f"the attention worker died (rc={proc.returncode}) in case '{last}':\n"
+                    f"{(proc.stderr or '')[-3000:]}")
+    return {r["name"]: r for r in (json.loads(ln[7:]) for ln in proc.stdout.splitlines()
+                                   if ln.startswith("RESULT "))}
+
+
+def _assert_fused(r):
+    c, before = r["counts"], r["before"]
+    assert c.get("ScaleMaskSoftmax") == 1 and c.get("ScaleMaskSoftmaxGrad") == 1, (c, r["decisions"])
+    assert c.get("Softmax", 0) == 0 and before["Softmax"] == 1
+    # TF's softmax gradient (Mul, Sum, Sub, Mul) is gone: its one Sub, its row Sum
+    assert before.get("Sub", 0) - c.get("Sub", 0) == 1
+    assert before["Sum"] - c.get("Sum", 0) >= 1
+    # the dropout stays TF ops (its noise, keep mask and scaling), forward and backward
+    for op in ("RandomUniform", "GreaterEqual"):
+        assert c.get(op, 0) == before.get(op, 0)
+
+
+def _assert_same_step(r, tol_u, kernels):
+    """One-step updates of the fused graph equal the unfused graph's within
+    ``tol_u`` unit roundoffs of the largest update.  ``kernels``: weights whose
+    gradient flows through the fused ops (q/k: through ScaleMaskSoftmaxGrad alone),
+    each with a real update, each within a quarter of its own update too: a zero
+    or wrong gradient there (err = its whole update) fails."""
+    u = U[r["dtype"]]
+    vs = r["vars"]
+    gscale = max(e["scale"] for e in vs.values())
+    assert gscale > 1e-2
+    for name in kernels:
+        assert vs[name]["scale"] >= 0.02 * gscale, (name, vs)
+        assert vs[name]["err"] <= 0.25 * vs[name]["scale"], (name, vs[name])
+    for name, e in vs.items():
+        assert e["err"] <= tol_u * u * gscale, (name, e, tol_u * u * gscale)
+        if "err_fused32" in e:  # fused in FP32 arithmetic: not less accurate than the unfused low-precision graph
+            assert e["err_fused32"] <= e["err_unfused32"] + 2 * u * gscale, (name, e)
+
+
+# FP32: the two graphs differ by the kernels' fp32 reassociation (row sums, the
+# polynomial exp, ~2 ulp) carried through ~4 matmuls: 32 ulp of the largest update.
+# FP16/BF16: each graph rounds every op's result to the dtype; between the loss and
+# the q/k update sit ~8 rounded ops (3 products forward, the softmax, 4 backward), of
+# which the fused graph rounds fewer: 8 unit roundoffs (measured: 1-2).
+@pytest.mark.parametrize("dtype,tol_u", [("fp32", 32), ("fp16", 8), ("bf16", 8)])
+def test_bert_block_tf1_session_one_step(worker, dtype, tol_u):
+    """BERT-style block in TF1 ops (tensordot Dense, heads by reshape/transpose,
+    BatchMatMulV2, scores * 1/sqrt(d), additive mask, softmax, tf.nn.dropout(0.1)),
+    GradientDescentOptimizer.minimize, one Session step."""
+    r = worker[f"bert_{dtype}"]
+    _assert_fused(r)
+    assert r["decisions"]["probs"]["fusion"] == "attention_train"
+    _assert_same_step(r, tol_u, ["wq", "wk", "wv", "wo"])
+
+
+@pytest.mark.parametrize("dtype,tol_u", [("fp32", 32), ("bf16", 8)])
+def test_einsum_division_and_where_mask(worker, dtype, tol_u):
+    """The einsum form (as Keras 3 writes it): scale by division, boolean mask through
+    tf.where, dropout: the RealDiv's and the where's gradients are in the region."""
+    r = worker[f"einsum_{dtype}"]
+    _assert_fused(r)
+    assert r["counts"].get("RealDiv", 0) < r["before"]["RealDiv"]
+    _assert_same_step(r, tol_u, ["wq", "wk", "wv", "wo"])
+
+
+def test_dynamic_batch(worker):
+    r = worker["dynamic_batch"]
+    _assert_fused(r)
+    _assert_same_step(r, 32, ["wq", "wk", "wv", "wo"])
+
+
+def test_keras2_multi_head_attention_tf1(worker):
+    r = worker["keras_tf1"]
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    _assert_fused(r)
+    _assert_same_step(r, 32, ["mha/query/kernel", "mha/key/kernel", "mha/value/kernel"])
+
+
+def test_keras2_multi_head_attention_tf2_tape_frozen(worker):
+    """Keras 2 MultiHeadAttention in a tf.function step with GradientTape (TF2's
+    tape names its gradient ops ``gradient_tape/<scope>/...``), frozen; the dropout's
+    noise fed; gradients compared."""
+    r = worker["keras_tf2"]
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    assert r["deterministic"]
+    _assert_fused(r)
+    names = [n for n in r["vars"] if "kernel" in n]
+    _assert_same_step(r, 32, [n for n in names if "attention_output" not in n])
+
+
+def test_keras_multi_head_attention_under_enable(worker):
+    """The TF2 product path: enable(graph_level=3) rewrites the tf.function step
+    after grappler's own passes (which fold the Keras 3 einsum's Transpose gradient
+    into the product).  Keras 2 on TF 2.15 (dropout off: its dropout is unseeded),
+    Keras 3 on 2.21 (dropout 0.1, the same seed in both layers).  The executed
+    graph holds the fused ops; gradients equal the plain step's."""
+    r = worker["keras_enable"]
+    c = r["counts"]
+    assert c.get("ScaleMaskSoftmax") == 1 and c.get("ScaleMaskSoftmaxGrad") == 1, (c, r["decisions"])
+    assert not any(op.endswith("Softmax") and op != "ScaleMaskSoftmax" for op in c), c
+    if KERAS3:
+        assert r["rate"] > 0 and c.get("GreaterEqual") == 1  # the dropout ran, after the fused softmax
+    kernels = [n for n in r["vars"] if n.split(":")[0].endswith("kernel") and "attention_output" not in n]
+    assert len(kernels) == 3
+    _assert_same_step(r, 32, kernels)
+
+
+def test_mask_that_needs_a_gradient_is_refused(worker):
+    """A mask computed from a variable needs d/dmask: the rewrite is refused (the
+    graph keeps TF's ops, so the step is unchanged) and the report says why."""
+    r = worker["mask_grad"]
+    assert r["counts"].get("ScaleMaskSoftmax", 0) == 0 and r["counts"]["Softmax"] == 1
+    reason = r["decisions"]["probs"]["fusion_reason"]
+    assert reason.startswith("not fused:") and "gradients/mul_grad" in reason, reason
+    assert all(e["err"] == 0.0 for e in r["vars"].values())
+
+
+def test_fetched_probabilities_are_reported(worker):
+    r = worker["probs_fetched"]
+    assert r["counts"].get("ScaleMaskSoftmax", 0) == 0
+    assert r["decisions"]["probs"]["fusion_reason"].startswith("not fused: 'probs' is fetched")
