@@ -285,6 +285,48 @@ def case_keras_enable():
     return res
 
 
+def case_session(mode):
+    """The TF1 product path: session_config(graph_level=3, precision_mode=mode)
+    runs the grappler bridge on the BERT-style block (after grappler's own
+    passes).  The partition graphs TF executed are read back; the updates are
+    compared with the same mode at graph_level 2 (unfused attention) and each
+    with plain TF FP32."""
+    import npu_amp_tf
+    gd = hand_written("fp32")
+    feeds = _feeds(gd, np.random.default_rng(7))
+
+    def step(cfg):
+        g = tf.Graph()
+        with g.as_default():
+            tf.graph_util.import_graph_def(gd, name="")
+        reads = [r + ":0" for _, r in _variables(gd)]
+        with tf1.Session(graph=g, config=cfg) as s:
+            s.run("init")
+            w0 = s.run(reads)
+            md = tf1.RunMetadata()
+            s.run("train", {k + ":0": v for k, v in feeds.items()},
+                  options=tf1.RunOptions(output_partition_graphs=True), run_metadata=md)
+            w1 = s.run(reads)
+        ops = {}
+        for pg in md.partition_graphs:
+            for n in pg.node:
+                ops[n.op] = ops.get(n.op, 0) + 1
+        return {name: (b - a).astype(np.float64) for (name, _), a, b in zip(_variables(gd), w0, w1)}, ops
+
+    ref, _ = step(tf1.ConfigProto())
+    unf, _ = step(npu_amp_tf.session_config(graph_level=2, precision_mode=mode))
+    fus, ops = step(npu_amp_tf.session_config(graph_level=3, precision_mode=mode))
+    kind = {"must_keep_origin_dtype": "fp32", "allow_mix_precision": "fp16", "allow_mix_precision_bf16": "bf16"}[mode]
+    res = {"case": f"session_{mode}", "dtype": kind, "counts": ops, "decisions": {}, "vars": {}}
+    for v in ref:
+        e = {"scale": float(np.abs(unf[v]).max()), "err": float(np.abs(fus[v] - unf[v]).max())}
+        if kind != "fp32":
+            e["err_fused32"] = float(np.abs(fus[v] - ref[v]).max())
+            e["err_unfused32"] = float(np.abs(unf[v] - ref[v]).max())
+        res["vars"][v] = e
+    return res
+
+
 CASES = {
     "bert_fp32": lambda: _compare("bert", hand_written, "fp32"),
     "bert_fp16": lambda: _compare("bert", hand_written, "fp16"),
@@ -300,6 +342,9 @@ CASES = {
     {"case": "keras_tf2", "skipped": "Keras 3's dropout seed state is a variable the function updates: "
                                      "not freezable (keras_enable covers Keras 3)"},
     "keras_enable": case_keras_enable,
+    "session_fp32": lambda: case_session("must_keep_origin_dtype"),
+    "session_fp16": lambda: case_session("allow_mix_precision"),
+    "session_bf16": lambda: case_session("allow_mix_precision_bf16"),
 }
 
 

@@ -245,6 +245,19 @@ def test_keras_multi_head_attention_under_enable(worker):
     _assert_same_step(r, 32, kernels)
 
 
+@pytest.mark.parametrize("dtype,tol_u", [("fp32", 32), ("fp16", 8), ("bf16", 8)])
+def test_session_config_with_precision_modes(worker, dtype, tol_u):
+    """The TF1 product path (session_config -> grappler bridge) on the BERT-style
+    block, FP32 and mixed precision (allow_mix_precision, ..._bf16): the executed
+    graph holds the fused ops (kept FP32 by the precision pass, like their
+    forward), and the step equals the same mode without the attention fusion."""
+    r = worker[f"session_{dtype}"]
+    c = r["counts"]
+    assert c.get("ScaleMaskSoftmax") == 1 and c.get("ScaleMaskSoftmaxGrad") == 1, c
+    assert not any(op.endswith("Softmax") and op != "ScaleMaskSoftmax" for op in c), c
+    _assert_same_step(r, tol_u, ["wq", "wk", "wv", "wo"])
+
+
 def test_mask_that_needs_a_gradient_is_refused(worker):
     """A mask computed from a variable needs d/dmask: the rewrite is refused (the
     graph keeps TF's ops, so the step is unchanged) and the report says why."""
