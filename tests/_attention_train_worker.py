@@ -52,7 +52,7 @@ def hand_written(dtype="fp32", rate=0.1, form="bert", mask_var=False, fetch_prob
     reshape/transpose, scores = q.k^T (BatchMatMulV2) scaled by 1/sqrt(d), additive
     mask, softmax, tf.nn.dropout, probs.v, output projection; SGD one step.
     ``form="einsum"``: the Keras 3 / hand-written einsum form (einsum products,
-    scale by division, boolean mask through tf.where).  Variables FP32, compute in
+    scale by division, boolean mask through tf.where, TF1 ``dropout(keep_prob=)``).  Variables FP32, compute in
     ``dtype`` (Casts), as mixed-precision code does."""
     dt = DT[dtype]
     g = tf.Graph()
@@ -78,7 +78,9 @@ def hand_written(dtype="fp32", rate=0.1, form="bert", mask_var=False, fetch_prob
             s = tf.einsum("bhqd,bhkd->bhqk", q, k) / np.float32(np.sqrt(D))
             s = tf.where(mb, s, tf.cast(-1e4, dt))
         p = tf.nn.softmax(s, name="probs")
-        if rate:
+        if rate and form == "einsum":  # the TF1 spelling (keep_prob), as BERT's own code writes it
+            p = tf1.nn.dropout(p, keep_prob=1.0 - rate, seed=1)
+        elif rate:
             p = tf.nn.dropout(p, rate=rate, seed=1)
         o = tf.einsum("bhqk,bhkd->bhqd", p, v) if form == "einsum" else tf.matmul(p, v)
         o = tf.reshape(tf.transpose(o, [0, 2, 1, 3]), [-1, S, E])

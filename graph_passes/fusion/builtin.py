@@ -578,7 +578,7 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
                                                           dx2 ┼ AddN       dgamma, dbeta   ├ AddN
                                             d_residual ───────┘           d_residual ─────┘
     """
-    from .grad_region import GradRegionRefused, assign_outputs, find_grad_region
+    from .grad_region import GradRegionRefused, assign_outputs, attributed_forward, find_grad_region
 
     if not b.escaping_readers():
         return
@@ -1097,7 +1097,7 @@ def _build_attention_train(m, b):
     ``grad_region.find_grad_region``; every tensor leaving it must be the gradient
     of the raw scores, read by the product's gradient matmuls (a mask or scale
     that needs a gradient refuses the match).  A scale on q or k stays a TF op."""
-    from .grad_region import GradRegionRefused, assign_outputs, find_grad_region
+    from .grad_region import GradRegionRefused, assign_outputs, attributed_forward, find_grad_region
 
     g = b.graph
     sm = b.anchor
@@ -1146,6 +1146,11 @@ def _build_attention_train(m, b):
     except GradRegionRefused as exc:
         if "r" in why:
             ref, cname = why["r"]
+            owner = attributed_forward(g, cname) or ""
+            for what, t in (("mask", mask), ("mask", bool_mask and bool_mask[0]), ("scale", None)):
+                if t and owner and parse_tensor(t)[0] == owner:
+                    raise Skip(f"not fused: the {what} '{t}' needs a gradient ('{ref}' is read by "
+                               f"'{cname}'); ScaleMaskSoftmaxGrad gives the scores' only") from None
             raise Skip(f"not fused: the gradient '{ref}' is read by '{cname}', not by the gradient of "
                        f"the scores' producer '{bmm1.name}' (a mask or scale that needs a gradient?)") from None
         raise Skip(str(exc)) from None
