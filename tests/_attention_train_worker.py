@@ -65,11 +65,23 @@ def hand_written(dtype="fp32", rate=0.1, form="bert", mask_var=False, fetch_prob
         def heads(t):
             return tf.transpose(tf.reshape(t, [-1, S, H, D]), [0, 2, 1, 3])
         q, k, v = (heads(tf.tensordot(xc, wc[n], 1)) for n in ("wq", "wk", "wv"))
-        if form == "bert":
+        if form == "t5":  # T5: no scale, learned relative-position bias [1, H, S, S] + mask
+            m = tf1.placeholder(tf.float32, [batch, 1, 1, S], name="m")
+            bias = np.random.default_rng(8).standard_normal((1, H, S, S)).astype(np.float32)
+            pos = tf.cast(tf1.get_variable("pos_bias", initializer=bias), dt) + tf.cast(m, dt)
+            s = tf.matmul(q, k, transpose_b=True)
+            s += pos
+        elif form == "bert":
             m = tf1.placeholder(tf.float32, [batch, 1, 1, S], name="m")
             mc = tf.cast(m, dt)
-            if mask_var:  # a mask that needs a gradient (a learned bias on the mask)
+            if mask_var == "scale":  # a mask that needs a gradient, of no use (m is 0 or -1e4)
                 mc = mc * tf.cast(tf1.get_variable("mscale", initializer=np.float32(1.0)), dt)
+            elif mask_var == "full":  # a learned mask of the scores' own shape, with a scale
+                full = np.random.default_rng(9).standard_normal((batch, H, S, S)).astype(np.float32)
+                mc = mc + tf.cast(tf1.get_variable("fullmask", initializer=full), dt)
+            elif mask_var == "bias":  # a learned bias on the keys, broadcast over batch, heads, queries
+                bias = np.random.default_rng(9).standard_normal((1, 1, 1, S)).astype(np.float32)
+                mc = mc + tf.cast(tf1.get_variable("kbias", initializer=bias), dt)
             s = tf.matmul(q, k, transpose_b=True)
             s = tf.multiply(s, 1.0 / np.sqrt(float(D)))
             s = s + mc
@@ -335,7 +347,10 @@ CASES = {
     "bert_bf16": lambda: _compare("bert", hand_written, "bf16"),
     "einsum_fp32": lambda: _compare("einsum", hand_written, "fp32", form="einsum"),
     "einsum_bf16": lambda: _compare("einsum", hand_written, "bf16", form="einsum"),
-    "mask_grad": lambda: _compare("mask_grad", hand_written, "fp32", mask_var=True),
+    "mask_grad": lambda: _compare("mask_grad", hand_written, "fp32", mask_var="full"),
+    "mask_bias_fp32": lambda: _compare("mask_bias", hand_written, "fp32", mask_var="bias"),
+    "t5_fp32": lambda: _compare("t5", hand_written, "fp32", form="t5"),
+    "t5_bf16": lambda: _compare("t5", hand_written, "bf16", form="t5"),
     "probs_fetched": lambda: _compare("probs_fetched", hand_written, "fp32", fetches=("train", "loss", "probs")),
     "dynamic_batch": lambda: _compare("dynamic_batch", hand_written, "fp32", batch=None),
     "keras_tf1": lambda: _compare("keras_tf1", keras_mha_tf1, "fp32") if _keras_major() < 3 else

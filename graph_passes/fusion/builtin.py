@@ -1134,12 +1134,28 @@ def _build_attention_train(m, b):
         other = [r for k, r in enumerate(g.data_inputs(c)) if k != idx]
         return c.op in _ATT_OPS and bool(operands.intersection(other))
 
+    # the mask's gradient (T5's learned position bias, a learned mask): d/dlogits
+    # summed over the dims the mask was broadcast along; its static shape is needed
+    ms = b.shape(mask) if mask is not None else None
+    ss = b.shape(s_base)
+    mask_known = ms is not None and min(ms, default=1) >= 0
+    same_shape = mask_known and ss is not None and list(ms) == list(ss)
+
     def classify(ref):
-        for cname, idx in region.outputs[ref]:
-            if not scores_grad_reader(g.nodes[cname], idx):
-                why["r"] = (ref, cname)
-                return None
-        return "dscores" if region.depends_on_dy(ref) else None
+        if not region.depends_on_dy(ref):
+            return None
+        readers = region.outputs[ref]
+        kinds = [scores_grad_reader(g.nodes[c], i) for c, i in readers]
+        if all(kinds):
+            return "dscores"
+        rs = b.shape(ref)
+        if mask_known and rs is not None and list(rs) == list(ms):
+            if not any(kinds) and not (same_shape and scale != 1.0):
+                return "dmask"  # (a full-shape mask with a scale: which one is which is ambiguous)
+            if same_shape and scale == 1.0:
+                return "dscores"  # no scale, full-shape mask: d/dscores == d/dmask, one tensor
+        why["r"] = (ref, readers[kinds.index(False)][0])
+        return None
 
     try:
         terms = assign_outputs(region, g, classify, summed=())
@@ -1147,12 +1163,13 @@ def _build_attention_train(m, b):
         if "r" in why:
             ref, cname = why["r"]
             owner = attributed_forward(g, cname) or ""
-            for what, t in (("mask", mask), ("mask", bool_mask and bool_mask[0]), ("scale", None)):
+            for what, t in (("mask", mask), ("mask", bool_mask and bool_mask[0])):
                 if t and owner and parse_tensor(t)[0] == owner:
                     raise Skip(f"not fused: the {what} '{t}' needs a gradient ('{ref}' is read by "
-                               f"'{cname}'); ScaleMaskSoftmaxGrad gives the scores' only") from None
-            raise Skip(f"not fused: the gradient '{ref}' is read by '{cname}', not by the gradient of "
-                       f"the scores' producer '{bmm1.name}' (a mask or scale that needs a gradient?)") from None
+                               f"'{cname}') and its shape {ms} is not static, or is the scores' shape "
+                               f"with a scale {scale}") from None
+            raise Skip(f"not fused: the gradient '{ref}' is read by '{cname}', neither the gradient of "
+                       f"the scores' producer '{bmm1.name}' nor of the mask") from None
         raise Skip(str(exc)) from None
     b.require("dscores" in terms, "not fused: the backward region yields no gradient for the scores")
     b.require(b.dtype(region.dy) == dt, "the incoming gradient's dtype differs from the scores")
@@ -1163,7 +1180,33 @@ def _build_attention_train(m, b):
     first = region.nodes[0]
     gname = (first.rsplit("/", 1)[0] + "/" if "/" in first else "") + "ScaleMaskSoftmaxGrad"
     b.emit("ScaleMaskSoftmaxGrad", gname, [region.dy, base], {"T": ("type", dt), "scale": float(scale)})
-    b.region(region.nodes, {ref: gname for ref in terms["dscores"].refs}, target=gname)
+    rewire = {ref: gname for ref in terms["dscores"].refs}
+    if "dmask" in terms:
+        dmask = _mask_gradient(b, gname, region.dy, base, dt, ms, ss, scale)
+        rewire.update({ref: dmask for ref in terms["dmask"].refs})
+    b.region(region.nodes, rewire, target=gname)
+
+
+def _mask_gradient(b, gname, dy, probs, dt, ms, ss, scale):
+    """d/dmask = ScaleMaskSoftmaxGrad(dy, probs; scale=1) (the scores' own op when
+    the scale is 1) summed over the dims the mask broadcast along, reshaped to
+    the mask's (static) shape."""
+    dl = gname if scale == 1.0 else b.emit("ScaleMaskSoftmaxGrad", gname + "_mask", [dy, probs],
+                                           {"T": ("type", dt), "scale": 1.0})
+    r = len(ss)
+    md = [1] * (r - len(ms)) + list(ms)
+    axes = [i for i in range(r) if md[i] == 1 and ss[i] != 1]
+    b.require(all(md[i] in (1, ss[i]) or ss[i] < 0 for i in range(r)),
+              f"the mask of shape {ms} does not broadcast to the scores {ss}")
+    if not axes and len(ms) == r:
+        return dl
+    out = dl
+    if axes:
+        ax = b.const_node(gname + "_mask/axes", np.asarray(axes, np.int32), 3)  # DT_INT32
+        out = b.emit("Sum", gname + "_mask/Sum", [dl, ax],
+                     {"T": ("type", dt), "Tidx": ("type", 3), "keep_dims": True})
+    shape = b.const_node(gname + "_mask/shape", np.asarray(ms, np.int32), 3)
+    return b.emit("Reshape", gname + "_mask/Reshape", [out, shape], {"T": ("type", dt), "Tshape": ("type", 3)})
 
 
 def register():
