@@ -319,7 +319,9 @@ def const_eval(b, ref, depth=0):
         return None
     if node.op == "Const":
         v = b.const(ref)
-        return None if v is None or v.dtype.kind not in "fiub" else v.astype(np.float64)
+        if v is None or (v.dtype.kind not in "fiub" and v.dtype.name != "bfloat16"):  # ml_dtypes: kind "V"
+            return None
+        return v.astype(np.float32).astype(np.float64)
     data = b.graph.data_inputs(node)
     if node.op in _CONST_UNARY and data:
         v = const_eval(b, data[0], depth + 1)
@@ -592,7 +594,7 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
                                                           dx2 ┼ AddN       dgamma, dbeta   ├ AddN
                                             d_residual ───────┘           d_residual ─────┘
     """
-    from .grad_region import GradRegionRefused, assign_outputs, find_grad_region
+    from .grad_region import GradRegionRefused, assign_outputs, attributed_forward, find_grad_region
 
     if not b.escaping_readers():
         return
@@ -985,6 +987,65 @@ def _scale_chain(b, ref, inner, max_ops=2):
     return ref, scale
 
 
+def _is_product(node, graph, transposed=False) -> bool:
+    """A q.k product (BatchMatMul/Einsum); with ``transposed`` also a Transpose
+    of one (Keras 3 lowers its einsum to BatchMatMulV2 + Transpose)."""
+    if node is None:
+        return False
+    if node.op in _ATT_OPS:
+        return True
+    return transposed and node.op == "Transpose" and _is_product(_src(graph, node.input[0]), graph)
+
+
+def _softmax_front(b, sm, inner, transposed=False):
+    """What feeds Softmax ``sm``: ``[scale *] scores [+ mask | where(mask, ., fill)]``
+    with the scores a q.k product.  Appends the mask/scale nodes to ``inner``;
+    returns (scores_ref, scale, mask, bool_mask) or raises Skip."""
+    g = b.graph
+    logits = sm.input[0]
+    mask, bool_mask = None, None
+    node = _src(g, logits)
+    scores_ref = logits
+    if node is not None and node.op in _ADDS:
+        a, c = g.data_inputs(node)
+        for s_ref, mk in ((a, c), (c, a)):
+            bn = _src(g, _scale_chain(b, s_ref, [])[0])
+            if _is_product(bn, g, transposed):
+                inner.append(node.name)
+                scores_ref, mask = s_ref, mk
+                break
+    elif node is not None and node.op in ("Select", "SelectV2"):
+        cond, then, other = g.data_inputs(node)
+        for s_ref, fill, keep in ((then, other, True), (other, then, False)):
+            bn = _src(g, _scale_chain(b, s_ref, [])[0])
+            if _is_product(bn, g, transposed):
+                fv = const_scalar(b, fill)
+                b.require(fv is not None, "the masked fill value is not a constant")
+                inner.append(node.name)
+                scores_ref, bool_mask = s_ref, (cond, fv, keep)
+                break
+    s_base, scale = _scale_chain(b, scores_ref, inner)
+    bmm1 = _src(g, s_base)
+    b.require(_is_product(bmm1, g, transposed), "softmax input is not a scaled q.k product")
+    return s_base, scale, mask, bool_mask
+
+
+def _softmax_inputs(b, base, s_base, mask, bool_mask, dt):
+    """The ScaleMaskSoftmax inputs (scores, mask); a boolean mask becomes the
+    additive ``SelectV2(mask, 0, fill)`` named ``<base>/mask``."""
+    inputs = [s_base]
+    if mask is not None:
+        b.require(b.dtype(mask) == dt, "the mask dtype differs from the scores")
+        inputs.append(mask)
+    elif bool_mask is not None:
+        cond, fill, keep = bool_mask
+        zero = b.const_node(f"{base}/mask_keep", 0.0, dt)
+        drop = b.const_node(f"{base}/mask_fill", fill, dt)
+        inputs.append(b.emit("SelectV2", f"{base}/mask", [cond] + ([zero, drop] if keep else [drop, zero]),
+                             {"T": ("type", dt)}))
+    return inputs
+
+
 def _build_attention_any(m, b):
     """softmax(q.k * scale [+ mask | where(mask, ., fill)]) . v  =>  the two products
     stay (TF's oneDNN GEMMs), scale + mask + softmax become one ScaleMaskSoftmax.
@@ -999,31 +1060,8 @@ def _build_attention_any(m, b):
     p_in = g.data_inputs(bmm2)[0]
     _, sm = _through_identity(g, p_in, inner)
     inner.append(sm.name)
-    logits = sm.input[0]
-    mask, bool_mask = None, None
-    node = _src(g, logits)
-    scores_ref = logits
-    if node is not None and node.op in _ADDS:
-        a, c = g.data_inputs(node)
-        for s_ref, mk in ((a, c), (c, a)):
-            bn = _src(g, _scale_chain(b, s_ref, [])[0])
-            if bn is not None and bn.op in _ATT_OPS:
-                inner.append(node.name)
-                scores_ref, mask = s_ref, mk
-                break
-    elif node is not None and node.op in ("Select", "SelectV2"):
-        cond, then, other = g.data_inputs(node)
-        for s_ref, fill, keep in ((then, other, True), (other, then, False)):
-            bn = _src(g, _scale_chain(b, s_ref, [])[0])
-            if bn is not None and bn.op in _ATT_OPS:
-                fv = const_scalar(b, fill)
-                b.require(fv is not None, "the masked fill value is not a constant")
-                inner.append(node.name)
-                scores_ref, bool_mask = s_ref, (cond, fv, keep)
-                break
-    s_base, scale = _scale_chain(b, scores_ref, inner)
+    s_base, scale, mask, bool_mask = _softmax_front(b, sm, inner)
     bmm1 = _src(g, s_base)
-    b.require(bmm1 is not None and bmm1.op in _ATT_OPS, "softmax input is not a scaled q.k product")
     ops_in = g.data_inputs(bmm1)
     new_in = list(ops_in)
     for i, ref in enumerate(ops_in):  # a scale on q or k moves into the softmax op
@@ -1045,20 +1083,159 @@ def _build_attention_any(m, b):
     copy = lambda n: {k: v for k, v in n.attr.items() if k != "_output_shapes"}  # noqa: E731
     if reemit:
         b.emit(bmm1.op, bmm1.name, new_in, copy(bmm1))
-    inputs = [s_base]
     base = sm.name
-    if mask is not None:
-        b.require(b.dtype(mask) == dt, "the mask dtype differs from the scores")
-        inputs.append(mask)
-    elif bool_mask is not None:
-        cond, fill, keep = bool_mask
-        zero = b.const_node(f"{base}/mask_keep", 0.0, dt)
-        drop = b.const_node(f"{base}/mask_fill", fill, dt)
-        inputs.append(b.emit("SelectV2", f"{base}/mask", [cond] + ([zero, drop] if keep else [drop, zero]),
-                             {"T": ("type", dt)}))
+    inputs = _softmax_inputs(b, base, s_base, mask, bool_mask, dt)
     b.emit("ScaleMaskSoftmax", base, inputs,
            {"T": ("type", dt), "num_masks": len(inputs) - 1, "scale": float(scale)})
     b.emit(bmm2.op, bmm2.name, [base, g.data_inputs(bmm2)[1]], copy(bmm2))
+
+
+# ------------------------------------------------------ attention, training graphs
+def _softmax_grad_signature(node, graph):
+    """Softmax whose output autodiff differentiated: a reader ``Mul(dp, probs)``
+    summed by a ``Sum`` that a ``Sub(dp, .)`` reads (TF's _SoftmaxGrad:
+    ``(dp - sum(dp * p, -1)) * p``).  Inference graphs never show it."""
+    for cname, idx in graph.consumers(node.name):
+        c = graph.nodes[cname]
+        if idx < 0 or c.op != "Mul":
+            continue
+        d = graph.data_inputs(c)
+        if len(d) != 2:
+            continue
+        dp = d[1] if parse_tensor(d[0])[0] == node.name else d[0]
+        sums = [graph.nodes[s] for s, i in graph.consumers(cname) if i >= 0 and graph.nodes[s].op == "Sum"]
+        for sm in sums:
+            for sub, i in graph.consumers(sm.name):
+                sn = graph.nodes[sub]
+                if i >= 0 and sn.op == "Sub" and graph.data_inputs(sn)[0] == dp:
+                    return True
+    return False
+
+
+def _build_attention_train(m, b):
+    """Training graph: softmax(scale * q.k [+ mask]) [-> dropout] ... and the backward
+    region autodiff built for it (softmax grad Mul/Sum/Sub/Mul reading the probs,
+    the mask Add's and the scale Mul's gradients) =>
+
+        scores --ScaleMaskSoftmax(scale)--> probs --> (dropout, TF ops) --> probs . v
+        dprobs, probs --ScaleMaskSoftmaxGrad(scale)--> dscores --> the q.k product's gradient
+
+    ScaleMaskSoftmax keeps the Softmax's name (the dropout and the gradient of the
+    second product read it unchanged).  The backward region is delimited by
+    ``grad_region.find_grad_region``; every tensor leaving it must be the gradient
+    of the raw scores, read by the product's gradient matmuls (a mask or scale
+    that needs a gradient refuses the match).  A scale on q or k stays a TF op."""
+    from .grad_region import GradRegionRefused, assign_outputs, attributed_forward, find_grad_region
+
+    g = b.graph
+    sm = b.anchor
+    inner = []
+    s_base, scale, mask, bool_mask = _softmax_front(b, sm, inner, transposed=True)
+    dt = b.dtype(s_base)
+    b.require(dt in registry.FLOAT_TYPES, f"scores dtype {registry.dtype_name(dt)}")
+    inner = list(dict.fromkeys(inner))
+    b.absorb(inner, escapes_ok=True)
+    fwd = [sm.name] + inner
+    outside = []
+    for n in inner:
+        for ref in g.data_inputs(g.nodes[n]):
+            if parse_tensor(ref)[0] not in fwd and ref not in outside:
+                outside.append(ref)
+    protected = b.ctx.protected if b.ctx is not None else frozenset()
+    try:
+        region = find_grad_region(g, fwd, [sm.name], outside, shapes=b.shapes, protected=protected,
+                                  grad_reads_output=True)
+    except GradRegionRefused as exc:
+        raise Skip(str(exc)) from None
+    bmm1 = _src(g, s_base)
+    product = _src(g, bmm1.input[0]) if bmm1.op == "Transpose" else bmm1
+    operands = set(g.data_inputs(product))
+    why = {}
+
+    def scores_grad_reader(c, idx):
+        """``c`` is the gradient of the scores' producer: of the q.k product (a
+        BatchMatMul/Einsum with q or k as its other operand; grappler may have
+        folded the gradient of a Transpose after it into that product) or of
+        that Transpose (a Transpose)."""
+        if bmm1.op == "Transpose" and c.op == "Transpose" and idx == 0:
+            return True
+        other = [r for k, r in enumerate(g.data_inputs(c)) if k != idx]
+        return c.op in _ATT_OPS and bool(operands.intersection(other))
+
+    # the mask's gradient (T5's learned position bias, a learned mask): d/dlogits
+    # summed over the dims the mask was broadcast along; its static shape is needed
+    ms = b.shape(mask) if mask is not None else None
+    ss = b.shape(s_base)
+    mask_known = ms is not None and min(ms, default=1) >= 0
+    same_shape = mask_known and ss is not None and list(ms) == list(ss)
+
+    def classify(ref):
+        if not region.depends_on_dy(ref):
+            return None
+        readers = region.outputs[ref]
+        kinds = [scores_grad_reader(g.nodes[c], i) for c, i in readers]
+        if all(kinds):
+            return "dscores"
+        rs = b.shape(ref)
+        if mask_known and rs is not None and list(rs) == list(ms):
+            if not any(kinds) and not (same_shape and scale != 1.0):
+                return "dmask"  # (a full-shape mask with a scale: which one is which is ambiguous)
+            if same_shape and scale == 1.0:
+                return "dscores"  # no scale, full-shape mask: d/dscores == d/dmask, one tensor
+        why["r"] = (ref, readers[kinds.index(False)][0])
+        return None
+
+    try:
+        terms = assign_outputs(region, g, classify, summed=())
+    except GradRegionRefused as exc:
+        if "r" in why:
+            ref, cname = why["r"]
+            owner = attributed_forward(g, cname) or ""
+            for what, t in (("mask", mask), ("mask", bool_mask and bool_mask[0])):
+                if t and owner and parse_tensor(t)[0] == owner:
+                    raise Skip(f"not fused: the {what} '{t}' needs a gradient ('{ref}' is read by "
+                               f"'{cname}') and its shape {ms} is not static, or is the scores' shape "
+                               f"with a scale {scale}") from None
+            raise Skip(f"not fused: the gradient '{ref}' is read by '{cname}', neither the gradient of "
+                       f"the scores' producer '{bmm1.name}' nor of the mask") from None
+        raise Skip(str(exc)) from None
+    b.require("dscores" in terms, "not fused: the backward region yields no gradient for the scores")
+    b.require(b.dtype(region.dy) == dt, "the incoming gradient's dtype differs from the scores")
+    base = sm.name
+    inputs = _softmax_inputs(b, base, s_base, mask, bool_mask, dt)
+    b.emit("ScaleMaskSoftmax", base, inputs,
+           {"T": ("type", dt), "num_masks": len(inputs) - 1, "scale": float(scale)})
+    first = region.nodes[0]
+    gname = (first.rsplit("/", 1)[0] + "/" if "/" in first else "") + "ScaleMaskSoftmaxGrad"
+    b.emit("ScaleMaskSoftmaxGrad", gname, [region.dy, base], {"T": ("type", dt), "scale": float(scale)})
+    rewire = {ref: gname for ref in terms["dscores"].refs}
+    if "dmask" in terms:
+        dmask = _mask_gradient(b, gname, region.dy, base, dt, ms, ss, scale)
+        rewire.update({ref: dmask for ref in terms["dmask"].refs})
+    b.region(region.nodes, rewire, target=gname)
+
+
+def _mask_gradient(b, gname, dy, probs, dt, ms, ss, scale):
+    """d/dmask = ScaleMaskSoftmaxGrad(dy, probs; scale=1) (the scores' own op when
+    the scale is 1) summed over the dims the mask broadcast along, reshaped to
+    the mask's (static) shape."""
+    dl = gname if scale == 1.0 else b.emit("ScaleMaskSoftmaxGrad", gname + "_mask", [dy, probs],
+                                           {"T": ("type", dt), "scale": 1.0})
+    r = len(ss)
+    md = [1] * (r - len(ms)) + list(ms)
+    axes = [i for i in range(r) if md[i] == 1 and ss[i] != 1]
+    b.require(all(md[i] in (1, ss[i]) or ss[i] < 0 for i in range(r)),
+              f"the mask of shape {ms} does not broadcast to the scores {ss}")
+    if not axes and len(ms) == r:
+        return dl
+    out = dl
+    if axes:
+        ax = b.const_node(gname + "_mask/axes", np.asarray(axes, np.int32), 3)  # DT_INT32
+        out = b.emit("Sum", gname + "_mask/Sum", [dl, ax],
+                     {"T": ("type", dt), "Tidx": ("type", 3), "keep_dims": True})
+    shape = b.const_node(gname + "_mask/shape", np.asarray(ms, np.int32), 3)
+    return b.emit("Reshape", gname + "_mask/Reshape", [out, shape], {"T": ("type", dt), "Tshape": ("type", 3)})
+
 
 def register():
     reg = lambda *a, **kw: register_fusion_rule(*a, _builtin=True, **kw)  # noqa: E731
@@ -1088,6 +1265,10 @@ def register():
     reg("layer_norm", Pat(_ADDS + ("Mul", "RealDiv"), predicate=_norm_predicate), _build_norm,
         reason="LayerNorm/RMSNorm written as plain ops (raw, reduce_mean, moments, sqrt/div, "
                "reduce_variance) becomes one fp32-accumulating kernel")
+    reg("attention_train", Pat("Softmax", predicate=_softmax_grad_signature), _build_attention_train,
+        graph_level=3, escapes=True,
+        reason="training graph: scale + mask + softmax and their backward region become "
+               "ScaleMaskSoftmax / ScaleMaskSoftmaxGrad (rounding changes)")
     reg("attention", Pat(_ATT_OPS, predicate=_att_predicate), _build_attention_any, graph_level=3,
         reason="scores never leave cache; softmax fused (rounding changes)")
 

@@ -545,7 +545,8 @@ def _report_fetched_refusals(graph: Graph, rule: FusionRule, ctx, stats: dict):
 
 def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle) -> Outcome:
     if m.anchor in (ctx.protected if ctx is not None else ()):
-        return Outcome(False, "the anchor is fetched or preserved; its outputs must keep their form")
+        what = "fetched" if m.anchor in ctx.fetches else "preserved"
+        return Outcome(False, f"not fused: '{m.anchor}' is {what} (the anchor's outputs must keep their form)")
     b = Builder(graph, m, rule, ctx, shapes)
     try:
         result = rule.build(m, b)

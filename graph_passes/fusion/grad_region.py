@@ -11,12 +11,15 @@ graph.
 API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
 
     region = find_grad_region(graph, forward, outputs, inputs,
-                              shapes=None, protected=frozenset(), dy_shape=None)
+                              shapes=None, protected=frozenset(), dy_shape=None,
+                              grad_reads_output=False)
         # forward:  names of the forward nodes the rule replaces (anchor included)
         # outputs:  the forward tensors the fused op keeps producing (y = "anchor:0");
         #           G may not read them (a reader of y is not part of F's gradient)
         # inputs:   the forward region's input tensors (x, gamma, beta): G may read them
         # dy_shape: dy's static shape when outputs[0]'s is unknown (e.g. [B, S, E])
+        # grad_reads_output: the gradient reads y (softmax); G's readers of y must
+        #           also read dy (or a tensor derived from it)
         # -> GradRegion, or raises GradRegionRefused(reason)
 
     region.nodes          # G, topological order
@@ -237,6 +240,21 @@ def is_autodiff_name(name: str) -> bool:
     return _AUTODIFF.search(name) is not None
 
 
+def _tf2_scope_owner(name: str, fwd) -> str | None:
+    """A TF2 tape gradient ``gradient_tape/<scope>/<op>`` whose scope is an F
+    node's own scope (``.../softmax/mul`` for ``.../softmax/Softmax``) or name
+    (``.../softmax/add/Shape``): that F node, else None."""
+    m = _TF2.search(name)
+    if m is None:
+        return None
+    rest = m.group(1)
+    scope = rest.rsplit("/", 1)[0] if "/" in rest else ""
+    for f in sorted(fwd):
+        if rest.startswith(f + "/") or (scope and f.rsplit("/", 1)[0] == scope):
+            return f
+    return None
+
+
 class _Static:
     """Memoised "does this tensor's value depend on data?" (False = static)."""
 
@@ -268,11 +286,16 @@ def _shape_eq(a, b) -> bool:
 # ------------------------------------------------------------------ the search
 def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str], inputs: Iterable[str],
                      shapes=None, protected=frozenset(), max_nodes: int = MAX_NODES,
-                     dy_shape=None) -> GradRegion:
+                     dy_shape=None, grad_reads_output: bool = False) -> GradRegion:
     """See the module docstring.  ``shapes``: an object with ``shape(ref)``
     (:class:`graph_passes.fusion.core.ShapeOracle`); built when None.
     ``dy_shape``: the incoming gradient's static shape when the shape of
-    ``outputs[0]`` is not known statically (a norm's output has x's shape)."""
+    ``outputs[0]`` is not known statically (a norm's output has x's shape).
+    ``grad_reads_output``: the fused op's gradient is a function of its output
+    (softmax: ``(dy - sum(dy * y)) * y``), so a node of G may read ``outputs``
+    when it also reads ``dy`` or a tensor derived from it (a forward reader of y,
+    such as a dropout, never does), and a non-aggregating node may combine ``dy``
+    with a term derived from it (``Sub(dy, sum(dy * y))``)."""
     if shapes is None:
         from .core import ShapeOracle
         shapes = ShapeOracle(graph)
@@ -377,6 +400,8 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         if owner is not None and owner not in fwd:
             why_not[name] = f"its name makes it part of the gradient of '{owner}'"
             return False
+        if owner is None:
+            owner = _tf2_scope_owner(name, fwd)
         kinds = []
         new_dy = None
         for inp in node.input:
@@ -399,7 +424,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                 else:
                     why_not[name] = f"it reads '{inp}', which is neither the gradient nor the fused region's"
                     return False
-            if k == "out":
+            if k == "out" and not grad_reads_output:
                 why_not[name] = f"it reads the fused op's output '{inp}'"
                 return False
             kinds.append((k, inp))
@@ -411,12 +436,19 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         if node.op in AGGREGATIONS and reads_dy:
             why_not[name] = "it sums the incoming gradient with another gradient (a residual path)"
             return False
-        if reads_dy and any(k == "g" and dy_dep.get(parse_tensor(r)[0]) for k, r in kinds):
+        if "out" in data_kinds and not (reads_dy or new_dy is not None or any(
+                k == "g" and dy_dep.get(parse_tensor(r)[0]) for k, r in kinds)):
+            why_not[name] = "it reads the fused op's output but no gradient (a forward reader)"
+            return False
+        if reads_dy and not grad_reads_output and any(k == "g" and dy_dep.get(parse_tensor(r)[0])
+                                                      for k, r in kinds):
             why_not[name] = "it combines the incoming gradient with a gradient already derived from it"
             return False
         if not node.input:
             return False
-        if not any(k in ("g", "f", "dy") for k in data_kinds) and not any(
+        helper = owner is not None and owner in fwd and bool(data_kinds) and all(
+            k in ("in", "static") for k in data_kinds)  # e.g. RealDiv's gradient: Neg(x), x an F input
+        if not helper and not any(k in ("g", "f", "dy") for k in data_kinds) and not any(
                 parse_tensor(i)[0] in region for i in node.input):
             return False
         via_dy = not any(k in ("g", "f") for k in data_kinds) and not any(
@@ -446,6 +478,10 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     for f in fwd:
         for cname, _ in graph.consumers(f):
             if cname not in fwd:
+                seeds.append(cname)
+    for ref in ins:  # gradient helpers computed from F's inputs alone, named after an F node
+        for cname, idx in graph.consumers(parse_tensor(ref)[0]):
+            if idx >= 0 and cname not in fwd and attributed_forward(graph, cname) in fwd:
                 seeds.append(cname)
     pos = graph.topo_positions()
     _grow(graph, seeds, try_add, pos, region)

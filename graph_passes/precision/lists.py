@@ -67,6 +67,8 @@ BLACK = {
     "RMSNorm": "fused RMSNorm, like LayerNorm: its statistics need FP32",
     "RMSNormGrad": "fused RMSNorm gradient, like LayerNormGrad",
     "ScaleMaskSoftmax": "fused scale + mask + softmax: exp/sum over a row overflows FP16",
+    "ScaleMaskSoftmaxGrad": "fused softmax gradient: reads ScaleMaskSoftmax's FP32 probabilities, "
+                            "row sum(dp * p) in FP32",
 }
 
 #: black ops whose only reason is FP16's range: gray (follow their producers)
