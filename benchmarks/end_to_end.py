@@ -20,7 +20,9 @@ Configurations:
   keras     Keras ``mixed_bfloat16`` policy (keras_fit only);
   ours      ``npu_amp_tf`` ``precision_mode="allow_mix_precision_bf16"``,
             ``graph_level=2`` (``session_config`` / ``enable``);
-  ours_nodelay  the same with ``delay_fp32_copies=False`` (``--configs``).
+  ours_nodelay  the same with ``delay_fp32_copies=False`` (``--configs``);
+  fp32_again    a second FP32 session (sessions only): FP32's own run-to-run
+                spread, the yardstick for the loss differences.
 
 Every configuration of a model is built first, then timed steps are
 interleaved round-robin in this one process (median step time per
@@ -79,7 +81,7 @@ OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False}}
 def session_configs(names):
     g = config_pb2.ConfigProto()
     g.graph_options.rewrite_options.auto_mixed_precision_onednn_bfloat16 = rewriter_config_pb2.RewriterConfig.ON
-    cfgs = {"fp32": config_pb2.ConfigProto(), "grappler": g}
+    cfgs = {"fp32": config_pb2.ConfigProto(), "fp32_again": config_pb2.ConfigProto(), "grappler": g}
     for name, extra in OURS.items():
         cfgs[name] = npu_amp_tf.session_config(precision_mode=MODE, graph_level=2, **extra)
     return {n: cfgs[n] for n in names if n in cfgs}
@@ -332,7 +334,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="slim_resnet50,keras_resnet50,keras_fit,bert")
     ap.add_argument("--configs", default="fp32,grappler,keras,ours",
-                    help="subset of fp32,grappler,keras,ours,ours_nodelay (ours with delay_fp32_copies=False)")
+                    help="subset of fp32,fp32_again,grappler,keras,ours,ours_nodelay")
     ap.add_argument("--data", choices=("fixed", "teacher"), default="fixed",
                     help="fixed: one synthetic batch (timing); teacher: a fresh seeded batch per step "
                          "labelled by a fixed random teacher (the loss comparison)")
