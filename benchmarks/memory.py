@@ -22,6 +22,9 @@ session config (remapper off, as the tools run):
   grappler-bf16   rewrite_options.auto_mixed_precision_onednn_bfloat16
   keras-fp16      Keras mixed_float16 policy (ResNet-50 only: built with Keras)
   keras-bf16      Keras mixed_bfloat16 policy
+  ours-bf16-nodelay
+                  ours-bf16 with delay_fp32_copies=False (FP32 copies for the
+                  backward made as soon as their input is ready)
   ours-bf16+recompute / +scheduling
                   ours-bf16 with grappler's memory optimizer set to
                   RECOMPUTATION_HEURISTICS / SCHEDULING_HEURISTICS (the CPU-side
@@ -160,7 +163,7 @@ def config_for(name):
 
 
 CONFIGS = ("fp32", "ours-fp16", "ours-bf16", "grappler-fp16", "grappler-bf16", "keras-fp16", "keras-bf16",
-           "ours-bf16+recompute", "ours-bf16+scheduling")
+           "ours-bf16+recompute", "ours-bf16+scheduling", "ours-bf16-nodelay")
 
 
 def run_model(label, build, configs, keras_ok):
@@ -180,7 +183,8 @@ def run_model(label, build, configs, keras_ok):
         if name.startswith("ours"):
             mode = "allow_mix_precision_bf16" if "bf16" in name else "allow_mix_precision"
             gd, rep = npu_amp_tf.rewrite_graph(gd, fetches=[train.split(":")[0], init],
-                                               precision_mode=mode, graph_level=0)
+                                               precision_mode=mode, graph_level=0,
+                                               delay_fp32_copies="nodelay" not in name)
             est = rep.summary.get("activation_bytes_after")
         elif name == "fp32":
             _, rep = npu_amp_tf.rewrite_graph(gd, fetches=[train.split(":")[0], init],
