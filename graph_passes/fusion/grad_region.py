@@ -244,14 +244,15 @@ def _tf2_scope_owner(name: str, fwd) -> str | None:
     """A TF2 tape gradient ``gradient_tape/<scope>/<op>`` whose scope is an F
     node's own scope (``.../softmax/mul`` for ``.../softmax/Softmax``) or name
     (``.../softmax/add/Shape``): that F node, else None."""
-    m = _TF2.search(name)
+    m = _TF2.match(name)
     if m is None:
         return None
-    rest = m.group(1)
-    scope = rest.rsplit("/", 1)[0] if "/" in rest else ""
-    for f in sorted(fwd):
-        if rest.startswith(f + "/") or (scope and f.rsplit("/", 1)[0] == scope):
-            return f
+    # the scope before "gradient_tape/" (an inlined call's) prefixes F's names too
+    for rest in ((m.group(1) or "") + m.group(2), m.group(2)):
+        scope = rest.rsplit("/", 1)[0] if "/" in rest else ""
+        for f in sorted(fwd):
+            if rest.startswith(f + "/") or (scope and f.rsplit("/", 1)[0] == scope):
+                return f
     return None
 
 
