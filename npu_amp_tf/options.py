@@ -768,7 +768,8 @@ def add_cli_arguments(parser, keys: Iterable[str] = REWRITE_KEYS):
     for key in keys:
         opt = OPTIONS[key]
         flag = "--" + key.replace("_", "-")
-        kw = dict(dest=key, default=None, help=f"{opt.doc} Default: {opt.default!r}.")
+        # argparse %-formats help texts: a literal "%" in a doc must be doubled
+        kw = dict(dest=key, default=None, help=f"{opt.doc} Default: {opt.default!r}.".replace("%", "%%"))
         if opt.choices:
             kw["choices"] = opt.choices
         parser.add_argument(flag, **kw)
