@@ -584,11 +584,11 @@ def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
     while seen < 16:
         n, p, _ = parse_tensor(ref)
         node = graph.nodes.get(n)
-        if node is None or n not in region.nodes_set or p != 0:
+        if node is None or n not in members or p != 0:
             return ref
         if node.op in ("Identity", "Snapshot", "Reshape", "StopGradient"):
             src = graph.data_inputs(node)[0]
-            if parse_tensor(src)[0] not in region.nodes_set:
+            if parse_tensor(src)[0] not in members:
                 return ref
             ref = _canon(src)
             seen += 1
@@ -600,7 +600,6 @@ def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
 def assign_outputs(region: GradRegion, graph: Graph, classify: Callable[[str], str | None],
                    summed=("dx",)) -> dict:
     """Give every tensor leaving G a role (see the module docstring)."""
-    region.nodes_set = set(region.nodes)  # type: ignore[attr-defined]
     roles: dict[str, list] = {}
     for ref in region.outputs:
         role = classify(ref)
