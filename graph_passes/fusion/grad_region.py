@@ -451,8 +451,9 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     _grow(graph, seeds, try_add, pos, region)
     found = dy[0]
     if found is None:
-        raise GradRegionRefused("not fused: the fused region's inner tensors are read outside it, and no "
-                                "incoming gradient (a float tensor shaped like its output) was found")
+        f, c = next(((f, c) for f in sorted(fwd) for c, _ in graph.consumers(f) if c not in fwd), ("?", "?"))
+        raise GradRegionRefused(f"not fused: '{f}' is also read by '{c}', and no incoming gradient (a float "
+                                f"tensor shaped like the output) was found", why_not)
     region.clear(); fwd_dep.clear(); dy_dep.clear(); why_not.clear(); val_static.clear()
     dsrc, dport, _ = parse_tensor(found)
     dy_readers = [c for c, _ in graph.consumers(dsrc, port=dport)] + \
