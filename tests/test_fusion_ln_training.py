@@ -111,10 +111,16 @@ def test_offline_forward_and_backward_fused(form):
         assert _rel(y, x) <= 1e-5, (k, _rel(y, x))
 
 
-def test_offline_report_names_the_fusion():
+def test_offline_report_names_the_fusion_and_is_idempotent():
     g, feeds, grads, weights, train, loss = worker._build("moments")
     new, rep = rewrite(g.as_graph_def(), ["train", loss.op.name])
     assert rep.pass_stats("fusion")["fused"].get("layer_norm_moments") == 1
+    fused = [d for d in rep.decisions.values() if d.get("fusion") == "layer_norm_moments"]
+    assert len(fused) == 1 and all(n.startswith("gradients/") for n in fused[0]["fused_gradient_nodes"])
+    again, rep2 = rewrite(new, ["train", loss.op.name])  # grappler calls the plugin repeatedly
+    assert not rep2.pass_stats("fusion")["fused"].get("layer_norm_moments")
+    assert sorted((n.name, n.op, tuple(n.input)) for n in again.node) == \
+        sorted((n.name, n.op, tuple(n.input)) for n in new.node)
     grad_nodes = [n for n in new.node if n.op == "LayerNormGrad"]
     assert len(grad_nodes) == 1
     ln = grad_nodes[0]

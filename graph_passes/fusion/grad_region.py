@@ -488,8 +488,9 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     _grow(graph, seeds, try_add, pos, region)
     found = dy[0]
     if found is None:
-        raise GradRegionRefused("not fused: the fused region's inner tensors are read outside it, and no "
-                                "incoming gradient (a float tensor shaped like its output) was found")
+        f, c = next(((f, c) for f in sorted(fwd) for c, _ in graph.consumers(f) if c not in fwd), ("?", "?"))
+        raise GradRegionRefused(f"not fused: '{f}' is also read by '{c}', and no incoming gradient (a float "
+                                f"tensor shaped like the output) was found", why_not)
     region.clear(); fwd_dep.clear(); dy_dep.clear(); why_not.clear(); val_static.clear()
     dsrc, dport, _ = parse_tensor(found)
     dy_readers = [c for c, _ in graph.consumers(dsrc, port=dport)] + \
@@ -621,11 +622,11 @@ def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
     while seen < 16:
         n, p, _ = parse_tensor(ref)
         node = graph.nodes.get(n)
-        if node is None or n not in region.nodes_set or p != 0:
+        if node is None or n not in members or p != 0:
             return ref
         if node.op in ("Identity", "Snapshot", "Reshape", "StopGradient"):
             src = graph.data_inputs(node)[0]
-            if parse_tensor(src)[0] not in region.nodes_set:
+            if parse_tensor(src)[0] not in members:
                 return ref
             ref = _canon(src)
             seen += 1
@@ -637,7 +638,6 @@ def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
 def assign_outputs(region: GradRegion, graph: Graph, classify: Callable[[str], str | None],
                    summed=("dx",)) -> dict:
     """Give every tensor leaving G a role (see the module docstring)."""
-    region.nodes_set = set(region.nodes)  # type: ignore[attr-defined]
     roles: dict[str, list] = {}
     for ref in region.outputs:
         role = classify(ref)
