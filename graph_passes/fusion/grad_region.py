@@ -12,7 +12,7 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
 
     region = find_grad_region(graph, forward, outputs, inputs,
                               shapes=None, protected=frozenset(), dy_shape=None,
-                              grad_reads_output=False)
+                              grad_reads_output=False, partial_shapes=False)
         # forward:  names of the forward nodes the rule replaces (anchor included)
         # outputs:  the forward tensors the fused op keeps producing (y = "anchor:0");
         #           G may not read them (a reader of y is not part of F's gradient)
@@ -20,6 +20,7 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
         # dy_shape: dy's static shape when outputs[0]'s is unknown (e.g. [B, S, E])
         # grad_reads_output: the gradient reads y (softmax); G's readers of y must
         #           also read dy (or a tensor derived from it)
+        # partial_shapes: dy's shape may be partial, identical to y's ([-1, H, S, T])
         # -> GradRegion, or raises GradRegionRefused(reason)
 
     region.nodes          # G, topological order
@@ -242,14 +243,19 @@ class _Static:
         return res
 
 
-def _shape_eq(a, b) -> bool:
-    return a is not None and b is not None and list(a) == list(b) and min(a, default=0) >= 0
+def _shape_eq(a, b, partial: bool = False) -> bool:
+    """Equal static shapes; with ``partial``, unknown dims (-1) count when both
+    shapes have them at the same places (``[-1, 12, 128, 128]``: a dynamic batch)."""
+    if a is None or b is None or list(a) != list(b):
+        return False
+    return min(a, default=0) >= 0 or (partial and max(a, default=0) > 0)
 
 
 # ------------------------------------------------------------------ the search
 def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str], inputs: Iterable[str],
                      shapes=None, protected=frozenset(), max_nodes: int = MAX_NODES,
-                     dy_shape=None, grad_reads_output: bool = False) -> GradRegion:
+                     dy_shape=None, grad_reads_output: bool = False,
+                     partial_shapes: bool = False) -> GradRegion:
     """See the module docstring.  ``shapes``: an object with ``shape(ref)``
     (:class:`graph_passes.fusion.core.ShapeOracle`); built when None.
     ``dy_shape``: the incoming gradient's static shape when the shape of
@@ -258,7 +264,9 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     (softmax: ``(dy - sum(dy * y)) * y``), so a node of G may read ``outputs``
     when it also reads ``dy`` or a tensor derived from it (a forward reader of y,
     such as a dropout, never does), and a non-aggregating node may combine ``dy``
-    with a term derived from it (``Sub(dy, sum(dy * y))``)."""
+    with a term derived from it (``Sub(dy, sum(dy * y))``).
+    ``partial_shapes``: ``dy`` may have a partially known shape identical to
+    ``outputs[0]``'s (unknown dims at the same places: a dynamic batch)."""
     if shapes is None:
         from .core import ShapeOracle
         shapes = ShapeOracle(graph)
@@ -269,7 +277,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     ins = {_canon(i) for i in inputs}
     is_static = _Static(graph)
     y_shape = shapes.shape(next(iter(outputs)))
-    if y_shape is None or min(y_shape, default=0) < 0:
+    if y_shape is None or (min(y_shape, default=0) < 0 and (dy_shape is not None or not partial_shapes)):
         y_shape = dy_shape
     nodes = graph.nodes
 
@@ -335,7 +343,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                 dt = graph.tensor_dtype(inp)
                 from .. import registry
                 if dy[0] is None and new_dy is None and dt in registry.FLOAT_TYPES \
-                        and _shape_eq(shapes.shape(inp), y_shape):
+                        and _shape_eq(shapes.shape(inp), y_shape, partial_shapes):
                     new_dy = _identity_root(graph, inp)
                     k = "dy"
                 else:
