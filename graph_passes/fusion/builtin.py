@@ -502,9 +502,11 @@ def _build_ln_moments(m, b):
 
 def _moments():
     mean = Pat("Mean", name="mean", inputs=[Pat.any("x"), Pat.any("axes")])
+    # grappler's arithmetic optimizer removes the StopGradient (a no-op when running)
     var = Pat("Mean", name="var", inputs=[
         Pat("SquaredDifference", name="sqd", inputs=[
-            Pat.any("x"), Pat("StopGradient", name="sg", inputs=[Pat.any("@mean")])]),
+            Pat.any("x"), Pat.one_of(Pat("StopGradient", name="sg", inputs=[Pat.any("@mean")]),
+                                     Pat.any("@mean"))]),
         Pat.any("axes2")])
     inv = Pat("Mul", name="inv", commutative=True, inputs=[
         Pat("Rsqrt", name="rsqrt", inputs=[
@@ -523,12 +525,22 @@ def _ln_moments_pat():
 
 def _ln_keras3_pat():
     mean, inv = _moments()
-    return Pat(("AddV2", "Add"), commutative=True, inputs=[
+    keras3 = Pat(("AddV2", "Add"), commutative=True, inputs=[
         Pat("Mul", name="xinv", commutative=True, inputs=[Pat.any("x"), inv]),
         Pat(("AddV2", "Add"), name="shift", commutative=True, inputs=[
             Pat("Mul", name="minv", commutative=True, inputs=[
                 Pat("Neg", name="neg", inputs=[mean]), Pat.any("@inv")]),
             Pat.any("beta")])])
+    # the same after grappler's AddOpsRewrite (the inner add has one reader):
+    # AddV2(beta, AddN(x*inv, -mean*inv))
+    mean2, inv2 = _moments()
+    rewritten = Pat(("AddV2", "Add"), commutative=True, inputs=[
+        Pat("AddN", name="shift", commutative=True, inputs=[
+            Pat("Mul", name="xinv", commutative=True, inputs=[Pat.any("x"), inv2]),
+            Pat("Mul", name="minv", commutative=True, inputs=[
+                Pat("Neg", name="neg", inputs=[mean2]), Pat.any("@inv")])]),
+        Pat.any("beta")])
+    return Pat.one_of(keras3, rewritten)
 
 
 def _build_ln_keras2(m, b):
@@ -537,8 +549,12 @@ def _build_ln_keras2(m, b):
               "FusedBatchNorm is not the Keras layer-norm form (training, NCHW)")
     for k, want in (("scale", 1.0), ("offset", 0.0)):
         node = b.graph.nodes.get(parse_tensor(m[k])[0])
-        b.require(node is not None and node.op == "Fill" and _close(b.scalar(node.input[1]), want),
-                  f"FusedBatchNorm {k} is not a fill of {want}")
+        if node is not None and node.op == "Fill":
+            ok = _close(b.scalar(node.input[1]), want)
+        else:  # grappler's constant folding turned the Fill into a Const
+            v = b.const(m[k])
+            ok = v is not None and v.size > 0 and bool(np.all(np.abs(v - want) <= 1e-6))
+        b.require(ok, f"FusedBatchNorm {k} is not a fill of {want}")
     xs = b.shape(m["x"])
     b.require(xs is not None, "input shape unknown")
     _emit_layer_norm(m, b, m["x"], m["gamma"], m["beta"], fbn.attr["epsilon"].f)
@@ -642,9 +658,9 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
             if sh == want_shape[role]:
                 rewire[ref] = src
                 continue
-            shp = b.const_node(f"{gname}/{role}_shape_{k}", np.asarray(sh, np.int32), registry.DT_INT32)
+            shp = b.const_node(f"{gname}/{role}_shape_{k}", np.asarray(sh, np.int32), registry.types_pb2.DT_INT32)
             rewire[ref] = b.emit("Reshape", f"{gname}/{role}_{k}", [src, shp],
-                                 {"T": ("type", dt), "Tshape": ("type", registry.DT_INT32)})
+                                 {"T": ("type", dt), "Tshape": ("type", registry.types_pb2.DT_INT32)})
     b.region(region.nodes, rewire, gname)
 
 
@@ -853,20 +869,32 @@ def _classify_norm(graph, factors, inner):
 def _would_extend(graph, node) -> bool:
     """True when ``node``'s single consumer also matches a norm (and so is the
     better anchor: it takes gamma or beta in too)."""
-    for cname, idx in graph.consumers(node.name):
-        # training graphs: the gradient reads the node too, so look at every reader
+    from .grad_region import is_autodiff_name
+
+    cons = graph.consumers(node.name)
+    for cname, idx in cons:
+        # training graphs: the gradient reads the node too; any other reader
+        # (forward code) keeps it the output
         c = graph.nodes[cname]
         if idx < 0 or c.op not in _ADDS + ("Mul",):
             continue
+        if any(o != cname and not is_autodiff_name(o) for o, _ in cons):
+            return False
         res = analyze_norm(graph, c)
-        if res is not None and node.name in res["inner"]:
+        if res is not None and node.name in res["inner"] and not (res["kind"] == "rms_norm" and res["beta"]):
             return True
     return False
 
 
 def _norm_predicate(node, graph):
+    from .grad_region import is_autodiff_name
+
+    if is_autodiff_name(node.name):  # a gradient's own Mul chain is no norm
+        return False
     res = analyze_norm(graph, node)
-    return res is not None and not _would_extend(graph, node)
+    if res is None or (res["kind"] == "rms_norm" and res["beta"] is not None):
+        return False  # RMSNorm + a bias: the plain RMSNorm under it is the match
+    return not _would_extend(graph, node)
 
 
 def _build_norm(m, b):

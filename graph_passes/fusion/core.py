@@ -143,6 +143,14 @@ class ShapeOracle:
         if node.op in ("Placeholder", "VarHandleOp") and "shape" in node.attr:
             s = node.attr["shape"].shape
             return None if s.unknown_rank else [d.size for d in s.dim]
+        if node.op == "ReadVariableOp" and node.input:
+            # a function's resource _Arg records its variable's shape in _handle_shapes
+            hsrc = self.graph.nodes.get(parse_tensor(node.input[0])[0])
+            hs = hsrc.attr.get("_handle_shapes") if hsrc is not None else None
+            if hs is not None and len(hs.list.shape) == 1 and not hs.list.shape[0].unknown_rank:
+                dims = [d.size for d in hs.list.shape[0].dim]
+                if min(dims, default=0) >= 0:
+                    return dims
         if node.op in _PASS_THROUGH and node.input:
             return self.shape(node.input[0], depth + 1)
         if node.op == "Reshape":

@@ -62,7 +62,11 @@ readers of F's inner tensors, then from the readers of ``dy``):
 * a node that reads ``dy`` reads no other dy-dependent tensor (``AddN(dy, dx)``
   sums a residual path's gradient with F's: it is outside G), and an
   aggregation (AddN/Add/AddV2) reading ``dy`` is never in G;
-* names: autodiff names its ops after the forward op (TF1
+* names: only autodiff's ops (a ``gradients[_N]/`` or ``gradient_tape/`` scope,
+  also under a grappler prefix) join G, and sums (AddN/Add/AddV2) of G tensors
+  only (TF2 names its aggregations ``AddN_3``): an optimizer's ``Neg(grad)`` or
+  a user's ``Mul(grad, clip)`` never does (it would be taken for dgamma);
+  autodiff names its ops after the forward op (TF1
   ``gradients[_N]/<fwd>_grad/...``, TF2 ``gradient_tape/<fwd>/...``).  A node
   whose name attributes it to an existing forward node *outside* F (the
   gradient of the op that produced x, or of a sibling) is never in G; a node
@@ -78,10 +82,11 @@ Then: every reader (data or control) of an F inner tensor must be in F or G
 node that depends on G refuses (moving it would make a cycle).
 
 Residual assumption: a gradient op of the op *upstream* of x that keeps x's
-shape, depends only on the complete dx and constants, has a name that
-attributes to no forward node and is in GRAD_OPS (e.g. a grappler-renamed
-``Mul(dx, 2.0)``) would be taken for a part of dx.  TF's own names attribute
-such ops to their forward op, so this needs a renamed graph.
+shape, depends only on the complete dx and constants, is in an autodiff scope
+but whose name attributes to no forward node (the forward node renamed by
+something other than the fusion pass) and is in GRAD_OPS, would be taken for a
+part of dx.  TF's own names attribute such ops to their forward op, and the
+names the graph had when the fusion pass began are remembered.
 
 Before/after (LayerNorm; the rule's part)::
 
@@ -133,10 +138,21 @@ _STATIC_ARITH = frozenset({
     "Snapshot", "ZerosLike", "OnesLike", "Square", "Pow", "Equal", "Less", "Greater",
 })
 
-_TF1 = re.compile(r"(?:^|/)gradients(?:_\d+)?/(.+?)_grad(?:/|$)")
-_TF2 = re.compile(r"(?:^|/)gradient_tape/(.+)$")
+_TF1 = re.compile(r"^(.*/)?gradients(?:_\d+)?/(.+?)_grad(?:/|$)")
+_TF2 = re.compile(r"^(.*/)?gradient_tape/(.+)$")
+#: a name autodiff gave (TF1 tf.gradients, TF2 GradientTape), also under a
+#: grappler prefix ("ConstantFolding/gradients/...")
+_AUTODIFF = re.compile(r"(?:^|/)(?:gradients(?:_\d+)?|gradient_tape)/")
 _GRAPPLER = re.compile(r"^(?:ArithmeticOptimizer|ConstantFolding|DependencyOptimizer|LayoutOptimizer|"
                        r"LoopOptimizer|Remapper|MemoryOptimizer|PinToHostOptimizer)/")
+
+#: pure elementwise ops a gradient may apply to the region's inputs themselves
+#: (Pow's gradient takes log(x) where x > 0, RealDiv's -x / y**2): such a value
+#: is computed from x, gamma, beta and constants alone, so it is never the incoming gradient
+_FROM_INPUT_OPS = frozenset({"Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "Log",
+                             "ZerosLike", "OnesLike", "Select", "SelectV2", "Cast", "Identity", "Abs",
+                             "Sign", "Neg", "Mul", "RealDiv", "Div", "Sub", "Add", "AddV2", "Square",
+                             "Sqrt", "Rsqrt", "Reciprocal", "Pow", "Exp", "Maximum", "Minimum"})
 
 #: safety bound on the region's size
 MAX_NODES = 4000
@@ -190,17 +206,29 @@ def attributed_forward(graph: Graph, name: str) -> str | None:
     else None (aggregations, TF2 scope names, grappler-made names)."""
     if _GRAPPLER.match(name):
         return None
-    m = _TF1.search(name)
+    # nodes an earlier fusion removed (the tensordot Reshape a bias fusion moved)
+    # still name their gradient's ops: look them up among the names the graph had
+    # when the fusion pass started (see fusion_pass.py), too
+    before = getattr(graph, ORIGINAL_NAMES_ATTR, None) or ()
+
+    def known(n):
+        return n in graph.nodes or n in before
+
+    # the scope before "gradients/" (an inlined call: "StatefulPartitionedCall/")
+    # prefixes the forward ops' names too
+    m = _TF1.match(name)
     if m is not None:
-        fwd = m.group(1)
-        return fwd if fwd in graph.nodes else None
-    m = _TF2.search(name)
+        for fwd in ((m.group(1) or "") + m.group(2), m.group(2)):
+            if known(fwd):
+                return fwd
+        return None
+    m = _TF2.match(name)
     if m is not None:
-        parts = m.group(1).split("/")
+        parts = m.group(2).split("/")
         for k in range(len(parts) - 1, 0, -1):
-            cand = "/".join(parts[:k])
-            if cand in graph.nodes:
-                return cand
+            for cand in ((m.group(1) or "") + "/".join(parts[:k]), "/".join(parts[:k])):
+                if known(cand):
+                    return cand
     return None
 
 
@@ -208,15 +236,24 @@ def _tf2_scope_owner(name: str, fwd) -> str | None:
     """A TF2 tape gradient ``gradient_tape/<scope>/<op>`` whose scope is an F
     node's own scope (``.../softmax/mul`` for ``.../softmax/Softmax``) or name
     (``.../softmax/add/Shape``): that F node, else None."""
-    m = _TF2.search(name)
+    m = _TF2.match(name)
     if m is None:
         return None
-    rest = m.group(1)
-    scope = rest.rsplit("/", 1)[0] if "/" in rest else ""
-    for f in sorted(fwd):
-        if rest.startswith(f + "/") or (scope and f.rsplit("/", 1)[0] == scope):
-            return f
+    for rest in ((m.group(1) or "") + m.group(2), m.group(2)):  # under an inlined call's scope, or not
+        scope = rest.rsplit("/", 1)[0] if "/" in rest else ""
+        for f in sorted(fwd):
+            if rest.startswith(f + "/") or (scope and f.rsplit("/", 1)[0] == scope):
+                return f
     return None
+
+
+#: attribute of a Graph holding the node names it had when the fusion pass began
+ORIGINAL_NAMES_ATTR = "_names_before_fusion"
+
+
+def is_autodiff_name(name: str) -> bool:
+    """Whether ``name`` is in an autodiff scope (``gradients[_N]/``, ``gradient_tape/``)."""
+    return _AUTODIFF.search(name) is not None
 
 
 class _Static:
@@ -301,13 +338,55 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             return "out"
         if n in fwd:
             return "f"
-        if _canon(ref) in ins:
+        if _canon(ref) in ins or from_inputs(n):
             return "in"
         if dy[0] is not None and _identity_root(graph, ref) == dy[0]:
             return "dy"
         if is_static(n):
             return "static"
         return "ext"
+
+    in_memo: dict[str, bool] = {}
+
+    def from_inputs(name, depth=0) -> bool:
+        """A value computed only from the region's inputs and constants by a
+        pure elementwise op (Pow's gradient takes log(x) where x > 0)."""
+        if name in in_memo:
+            return in_memo[name]
+        node = nodes.get(name)
+        res = False
+        if node is not None and node.op in _FROM_INPUT_OPS and depth < 8 and name not in fwd:
+            data = graph.data_inputs(node)
+            res = bool(data) and all(_canon(d) in ins or is_static(parse_tensor(d)[0])
+                                     or from_inputs(parse_tensor(d)[0], depth + 1) for d in data)
+        in_memo[name] = res
+        return res
+
+    anc_memo: dict[str, bool] = {}
+
+    def after_forward(ref) -> bool:
+        """Whether ``ref`` depends on F's inner tensors (then it is not the
+        incoming gradient: that comes from downstream, through y at most)."""
+        start = parse_tensor(ref)[0]
+        if start in anc_memo:
+            return anc_memo[start]
+        inner = fwd - {n for n, _ in out_nodes_ports}
+        seen, stack, hit = {start}, [start], False
+        while stack and not hit:
+            node = nodes.get(stack.pop())
+            if node is None:
+                continue
+            for inp in node.input:
+                src = parse_tensor(inp)[0]
+                if src in inner:
+                    hit = True
+                    break
+                if src in seen or (src, 0) in out_nodes_ports:
+                    continue
+                seen.add(src)
+                stack.append(src)
+        anc_memo[start] = hit
+        return hit
 
     def try_add(name) -> bool:
         if name in region or name in fwd:
@@ -320,6 +399,10 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             return False
         if name in protected:
             why_not[name] = "it is fetched or preserved"
+            return False
+        if not _AUTODIFF.search(name) and node.op not in AGGREGATIONS:
+            # an optimizer's Neg(grad) or Mul(grad, lr), a user's clip: not autodiff's
+            why_not[name] = "its name is not in an autodiff scope (gradients/, gradient_tape/)"
             return False
         owner = attributed_forward(graph, name)
         if owner is not None and owner not in fwd:
@@ -343,7 +426,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                 dt = graph.tensor_dtype(inp)
                 from .. import registry
                 if dy[0] is None and new_dy is None and dt in registry.FLOAT_TYPES \
-                        and _shape_eq(shapes.shape(inp), y_shape, partial_shapes):
+                        and _shape_eq(shapes.shape(inp), y_shape, partial_shapes) and not after_forward(inp):
                     new_dy = _identity_root(graph, inp)
                     k = "dy"
                 else:
@@ -355,6 +438,9 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             kinds.append((k, inp))
         data_kinds = [k for k, _ in kinds if k != "ctrl_ext"]
         reads_dy = "dy" in data_kinds
+        if not _AUTODIFF.search(name) and any(k != "g" for k in data_kinds):
+            why_not[name] = "a sum outside an autodiff scope that reads more than the region"
+            return False
         if node.op in AGGREGATIONS and reads_dy:
             why_not[name] = "it sums the incoming gradient with another gradient (a residual path)"
             return False
@@ -368,9 +454,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             return False
         if not node.input:
             return False
-        helper = owner is not None and owner in fwd and bool(data_kinds) and all(
-            k in ("in", "static") for k in data_kinds)  # e.g. RealDiv's gradient: Neg(x), x an F input
-        if not helper and not any(k in ("g", "f", "dy") for k in data_kinds) and not any(
+        if not any(k in ("g", "f", "dy") for k in data_kinds) and not any(
                 parse_tensor(i)[0] in region for i in node.input):
             return False
         via_dy = not any(k in ("g", "f") for k in data_kinds) and not any(
@@ -400,10 +484,6 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     for f in fwd:
         for cname, _ in graph.consumers(f):
             if cname not in fwd:
-                seeds.append(cname)
-    for ref in ins:  # gradient helpers computed from F's inputs alone, named after an F node
-        for cname, idx in graph.consumers(parse_tensor(ref)[0]):
-            if idx >= 0 and cname not in fwd and attributed_forward(graph, cname) in fwd:
                 seeds.append(cname)
     pos = graph.topo_positions()
     _grow(graph, seeds, try_add, pos, region)
@@ -596,5 +676,5 @@ def assign_outputs(region: GradRegion, graph: Graph, classify: Callable[[str], s
     return terms
 
 
-__all__ = ["find_grad_region", "assign_outputs", "attributed_forward", "GradRegion", "Term",
+__all__ = ["find_grad_region", "assign_outputs", "attributed_forward", "is_autodiff_name", "GradRegion", "Term",
            "GradRegionRefused", "GRAD_OPS", "AGGREGATIONS", "SHAPE_OPS"]
