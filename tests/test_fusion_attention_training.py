@@ -92,6 +92,26 @@ def test_gradient_matches_softmax_autodiff(dtype):
         assert (err <= tol).all(), (k, (err - tol).max(), err.max())
 
 
+@pytest.mark.parametrize("n", [3, 8, 16, 37])  # tail only, one block, two blocks, blocks + tail
+def test_forward_rows_with_masked_entries(n):
+    """The fp32 one-pass row (scale + mask + max in one AVX2 pass) on rows with
+    -1e9 and -inf mask entries, against tf.nn.softmax (FP32): probabilities of
+    masked entries are (practically) zero, the rest renormalised; their gradient too."""
+    s = tf.constant(RNG.standard_normal((3, 4, n)) * 5, tf.float32)
+    m = np.zeros((3, 1, n), np.float32)
+    m[0, 0, : n // 2] = -1e9
+    m[1, 0, -1] = -np.inf
+    m = tf.constant(m)
+    dp = tf.constant(RNG.standard_normal((3, 4, n)), tf.float32)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(s)
+        got = fused_ops.scale_mask_softmax(s, m, scale=0.5)
+        want = tf.nn.softmax(s * 0.5 + m)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(tape.gradient(got, s, output_gradients=dp).numpy(),
+                               tape.gradient(want, s, output_gradients=dp).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_without_mask_and_finite_differences():
     s = tf.constant(RNG.standard_normal((3, 7)), tf.float32)
     theo, num = tf.test.compute_gradient(lambda x: fused_ops.scale_mask_softmax(x, None, 0.7), [s])
