@@ -1122,9 +1122,13 @@ def _build_attention_train(m, b):
 
     ScaleMaskSoftmax keeps the Softmax's name (the dropout and the gradient of the
     second product read it unchanged).  The backward region is delimited by
-    ``grad_region.find_grad_region``; every tensor leaving it must be the gradient
-    of the raw scores, read by the product's gradient matmuls (a mask or scale
-    that needs a gradient refuses the match).  A scale on q or k stays a TF op."""
+    ``grad_region.find_grad_region`` (``grad_reads_output``: the softmax gradient
+    reads the probabilities); every tensor leaving it must be the gradient of the
+    raw scores, read by the product's (or its Transpose's) gradient, or the
+    gradient of a learned mask of static shape (then
+    ``ScaleMaskSoftmaxGrad(scale=1)`` summed over the mask's broadcast dims);
+    anything else refuses the match with the reason.  A scale on q or k stays a
+    TF op."""
     from .grad_region import GradRegionRefused, assign_outputs, attributed_forward, find_grad_region
 
     g = b.graph
