@@ -144,7 +144,71 @@ __attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* z, int64_t n) {
 }
 #endif
 
+#ifdef NPU_AMP_X86
+// fp32 rows with a contiguous (or no) mask row: z = in * scale + mask and its max
+// in one pass, then exp/sum, then the normalisation (3 passes over the row
+// instead of the generic path's 5).
+__attribute__((target("avx2,fma"))) void ScaleMaskSoftmaxRowAvx2(const float* in, const float* m, float* z,
+                                                                  int64_t n, float scale) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  if (m != nullptr) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(in + i), vs, _mm256_loadu_ps(m + i));
+      _mm256_storeu_ps(z + i, v);
+      vmax = _mm256_max_ps(vmax, v);
+    }
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(in + i), vs);
+      _mm256_storeu_ps(z + i, v);
+      vmax = _mm256_max_ps(vmax, v);
+    }
+  }
+  float buf[8];
+  _mm256_storeu_ps(buf, vmax);
+  float mx = -INFINITY;
+  for (float b : buf) mx = std::max(mx, b);
+  for (; i < n; ++i) {
+    z[i] = in[i] * scale + (m != nullptr ? m[i] : 0.f);
+    mx = std::max(mx, z[i]);
+  }
+  if (!std::isfinite(mx)) {  // -inf everywhere or NaN/inf: the exact reference path
+    SoftmaxRowBase(z, n);
+    return;
+  }
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 ex = Exp8(_mm256_sub_ps(_mm256_loadu_ps(z + i), vm));
+    _mm256_storeu_ps(z + i, ex);
+    vsum = _mm256_add_ps(vsum, ex);
+  }
+  _mm256_storeu_ps(buf, vsum);
+  float sum = 0.f;
+  for (float b : buf) sum += b;
+  for (; i < n; ++i) {
+    z[i] = std::exp(z[i] - mx);
+    sum += z[i];
+  }
+  const float invs = 1.0f / sum;
+  const __m256 inv = _mm256_set1_ps(invs);
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(z + i, _mm256_mul_ps(_mm256_loadu_ps(z + i), inv));
+  for (; i < n; ++i) z[i] *= invs;
+}
+#endif
+
 using RowFn = void (*)(float*, int64_t);
+using FusedRowFn = void (*)(const float*, const float*, float*, int64_t, float);
+
+FusedRowFn PickFusedRow() {
+#ifdef NPU_AMP_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &ScaleMaskSoftmaxRowAvx2;
+#endif
+  return nullptr;
+}
 
 RowFn PickRow() {
 #ifdef NPU_AMP_X86
@@ -157,7 +221,8 @@ RowFn PickRow() {
 template <typename T>
 class ScaleMaskSoftmaxOp : public OpKernel {
  public:
-  explicit ScaleMaskSoftmaxOp(OpKernelConstruction* ctx) : OpKernel(ctx), row_fn_(PickRow()) {
+  explicit ScaleMaskSoftmaxOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx), row_fn_(PickRow()), fused_fn_(PickFusedRow()) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
   }
 
@@ -197,10 +262,26 @@ class ScaleMaskSoftmaxOp : public OpKernel {
     const float scale = scale_;
     const int64_t col_stride = mstride[r - 1];
     RowFn row_fn = row_fn_;
+    FusedRowFn fused_fn = fused_fn_;
     auto work = [&](int64_t begin, int64_t end) {
       std::vector<float> buf(std::is_same<T, float>::value ? 0 : NC);
       for (int64_t row = begin; row < end; ++row) {
         const T* in = sp + row * NC;
+        if constexpr (std::is_same<T, float>::value) {
+          if (fused_fn != nullptr && (mp == nullptr || col_stride == 1)) {
+            const float* mrow = nullptr;
+            if (mp != nullptr) {
+              int64_t rem = row, off = 0;
+              for (int i = r - 2; i >= 0; --i) {
+                off += (rem % dims[i]) * mstride[i];
+                rem /= dims[i];
+              }
+              mrow = mp + off;
+            }
+            fused_fn(in, mrow, op + row * NC, NC, scale);
+            continue;
+          }
+        }
         float* zp;  // fp32 works in the output row itself
         if constexpr (std::is_same<T, float>::value) {
           zp = op + row * NC;
@@ -243,6 +324,7 @@ class ScaleMaskSoftmaxOp : public OpKernel {
  private:
   float scale_;
   RowFn row_fn_;
+  FusedRowFn fused_fn_;
 };
 
 // ------------------------------------------------------------------ gradient

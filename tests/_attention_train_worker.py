@@ -167,6 +167,8 @@ def _softmax_decisions(rep):
 
 
 def _compare(name, make, dtype, fetches=("train", "loss"), batch=B, **kw):
+    if batch != B:
+        kw["batch"] = batch
     gd = make(dtype=dtype, **kw)
     new, rep = rewrite(gd, list(fetches), level=3)
     feeds = _feeds(gd, np.random.default_rng(7), batch)
@@ -347,7 +349,8 @@ CASES = {
     "bert_bf16": lambda: _compare("bert", hand_written, "bf16"),
     "einsum_fp32": lambda: _compare("einsum", hand_written, "fp32", form="einsum"),
     "einsum_bf16": lambda: _compare("einsum", hand_written, "bf16", form="einsum"),
-    "mask_grad": lambda: _compare("mask_grad", hand_written, "fp32", mask_var="full"),
+    "mask_full_fp32": lambda: _compare("mask_full", hand_written, "fp32", mask_var="full"),
+    "mask_grad": lambda: _compare("mask_grad", hand_written, "fp32", mask_var="scale", batch=None),
     "mask_bias_fp32": lambda: _compare("mask_bias", hand_written, "fp32", mask_var="bias"),
     "t5_fp32": lambda: _compare("t5", hand_written, "fp32", form="t5"),
     "t5_bf16": lambda: _compare("t5", hand_written, "bf16", form="t5"),

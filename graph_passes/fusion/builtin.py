@@ -1125,9 +1125,13 @@ def _build_attention_train(m, b):
 
     ScaleMaskSoftmax keeps the Softmax's name (the dropout and the gradient of the
     second product read it unchanged).  The backward region is delimited by
-    ``grad_region.find_grad_region``; every tensor leaving it must be the gradient
-    of the raw scores, read by the product's gradient matmuls (a mask or scale
-    that needs a gradient refuses the match).  A scale on q or k stays a TF op."""
+    ``grad_region.find_grad_region`` (``grad_reads_output``: the softmax gradient
+    reads the probabilities); every tensor leaving it must be the gradient of the
+    raw scores, read by the product's (or its Transpose's) gradient, or the
+    gradient of a learned mask of static shape (then
+    ``ScaleMaskSoftmaxGrad(scale=1)`` summed over the mask's broadcast dims);
+    anything else refuses the match with the reason.  A scale on q or k stays a
+    TF op."""
     from .grad_region import GradRegionRefused, assign_outputs, attributed_forward, find_grad_region
 
     g = b.graph
@@ -1147,7 +1151,7 @@ def _build_attention_train(m, b):
     protected = b.ctx.protected if b.ctx is not None else frozenset()
     try:
         region = find_grad_region(g, fwd, [sm.name], outside, shapes=b.shapes, protected=protected,
-                                  grad_reads_output=True)
+                                  grad_reads_output=True, partial_shapes=True)
     except GradRegionRefused as exc:
         raise Skip(str(exc)) from None
     bmm1 = _src(g, s_base)
@@ -1181,8 +1185,13 @@ def _build_attention_train(m, b):
             return "dscores"
         rs = b.shape(ref)
         if mask_known and rs is not None and list(rs) == list(ms):
-            if not any(kinds) and not (same_shape and scale != 1.0):
-                return "dmask"  # (a full-shape mask with a scale: which one is which is ambiguous)
+            # the region's outputs are the gradients of F's inputs: scores, mask, and the
+            # scale/fill constants (scalars, unread); a mask-shaped one not read by the
+            # scores' gradient is the mask's.  (Were the scores' gradient read by
+            # something else, "dscores" would be missing, or two different tensors would
+            # claim "dmask": assign_outputs and the require below refuse both.)
+            if not any(kinds):
+                return "dmask"
             if same_shape and scale == 1.0:
                 return "dscores"  # no scale, full-shape mask: d/dscores == d/dmask, one tensor
         why["r"] = (ref, readers[kinds.index(False)][0])
@@ -1197,8 +1206,7 @@ def _build_attention_train(m, b):
             for what, t in (("mask", mask), ("mask", bool_mask and bool_mask[0])):
                 if t and owner and parse_tensor(t)[0] == owner:
                     raise Skip(f"not fused: the {what} '{t}' needs a gradient ('{ref}' is read by "
-                               f"'{cname}') and its shape {ms} is not static, or is the scores' shape "
-                               f"with a scale {scale}") from None
+                               f"'{cname}') and its shape {ms} is not static") from None
             raise Skip(f"not fused: the gradient '{ref}' is read by '{cname}', neither the gradient of "
                        f"the scores' producer '{bmm1.name}' nor of the mask") from None
         raise Skip(str(exc)) from None

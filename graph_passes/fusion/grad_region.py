@@ -12,7 +12,7 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
 
     region = find_grad_region(graph, forward, outputs, inputs,
                               shapes=None, protected=frozenset(), dy_shape=None,
-                              grad_reads_output=False)
+                              grad_reads_output=False, partial_shapes=False)
         # forward:  names of the forward nodes the rule replaces (anchor included)
         # outputs:  the forward tensors the fused op keeps producing (y = "anchor:0");
         #           G may not read them (a reader of y is not part of F's gradient)
@@ -20,6 +20,7 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
         # dy_shape: dy's static shape when outputs[0]'s is unknown (e.g. [B, S, E])
         # grad_reads_output: the gradient reads y (softmax); G's readers of y must
         #           also read dy (or a tensor derived from it)
+        # partial_shapes: dy's shape may be partial, identical to y's ([-1, H, S, T])
         # -> GradRegion, or raises GradRegionRefused(reason)
 
     region.nodes          # G, topological order
@@ -231,15 +232,6 @@ def attributed_forward(graph: Graph, name: str) -> str | None:
     return None
 
 
-#: attribute of a Graph holding the node names it had when the fusion pass began
-ORIGINAL_NAMES_ATTR = "_names_before_fusion"
-
-
-def is_autodiff_name(name: str) -> bool:
-    """Whether ``name`` is in an autodiff scope (``gradients[_N]/``, ``gradient_tape/``)."""
-    return _AUTODIFF.search(name) is not None
-
-
 def _tf2_scope_owner(name: str, fwd) -> str | None:
     """A TF2 tape gradient ``gradient_tape/<scope>/<op>`` whose scope is an F
     node's own scope (``.../softmax/mul`` for ``.../softmax/Softmax``) or name
@@ -247,13 +239,21 @@ def _tf2_scope_owner(name: str, fwd) -> str | None:
     m = _TF2.match(name)
     if m is None:
         return None
-    # the scope before "gradient_tape/" (an inlined call's) prefixes F's names too
-    for rest in ((m.group(1) or "") + m.group(2), m.group(2)):
+    for rest in ((m.group(1) or "") + m.group(2), m.group(2)):  # under an inlined call's scope, or not
         scope = rest.rsplit("/", 1)[0] if "/" in rest else ""
         for f in sorted(fwd):
             if rest.startswith(f + "/") or (scope and f.rsplit("/", 1)[0] == scope):
                 return f
     return None
+
+
+#: attribute of a Graph holding the node names it had when the fusion pass began
+ORIGINAL_NAMES_ATTR = "_names_before_fusion"
+
+
+def is_autodiff_name(name: str) -> bool:
+    """Whether ``name`` is in an autodiff scope (``gradients[_N]/``, ``gradient_tape/``)."""
+    return _AUTODIFF.search(name) is not None
 
 
 class _Static:
@@ -280,14 +280,19 @@ class _Static:
         return res
 
 
-def _shape_eq(a, b) -> bool:
-    return a is not None and b is not None and list(a) == list(b) and min(a, default=0) >= 0
+def _shape_eq(a, b, partial: bool = False) -> bool:
+    """Equal static shapes; with ``partial``, unknown dims (-1) count when both
+    shapes have them at the same places (``[-1, 12, 128, 128]``: a dynamic batch)."""
+    if a is None or b is None or list(a) != list(b):
+        return False
+    return min(a, default=0) >= 0 or (partial and max(a, default=0) > 0)
 
 
 # ------------------------------------------------------------------ the search
 def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str], inputs: Iterable[str],
                      shapes=None, protected=frozenset(), max_nodes: int = MAX_NODES,
-                     dy_shape=None, grad_reads_output: bool = False) -> GradRegion:
+                     dy_shape=None, grad_reads_output: bool = False,
+                     partial_shapes: bool = False) -> GradRegion:
     """See the module docstring.  ``shapes``: an object with ``shape(ref)``
     (:class:`graph_passes.fusion.core.ShapeOracle`); built when None.
     ``dy_shape``: the incoming gradient's static shape when the shape of
@@ -296,7 +301,9 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     (softmax: ``(dy - sum(dy * y)) * y``), so a node of G may read ``outputs``
     when it also reads ``dy`` or a tensor derived from it (a forward reader of y,
     such as a dropout, never does), and a non-aggregating node may combine ``dy``
-    with a term derived from it (``Sub(dy, sum(dy * y))``)."""
+    with a term derived from it (``Sub(dy, sum(dy * y))``).
+    ``partial_shapes``: ``dy`` may have a partially known shape identical to
+    ``outputs[0]``'s (unknown dims at the same places: a dynamic batch)."""
     if shapes is None:
         from .core import ShapeOracle
         shapes = ShapeOracle(graph)
@@ -307,7 +314,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     ins = {_canon(i) for i in inputs}
     is_static = _Static(graph)
     y_shape = shapes.shape(next(iter(outputs)))
-    if y_shape is None or min(y_shape, default=0) < 0:
+    if y_shape is None or (min(y_shape, default=0) < 0 and (dy_shape is not None or not partial_shapes)):
         y_shape = dy_shape
     nodes = graph.nodes
 
@@ -419,7 +426,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                 dt = graph.tensor_dtype(inp)
                 from .. import registry
                 if dy[0] is None and new_dy is None and dt in registry.FLOAT_TYPES \
-                        and _shape_eq(shapes.shape(inp), y_shape) and not after_forward(inp):
+                        and _shape_eq(shapes.shape(inp), y_shape, partial_shapes) and not after_forward(inp):
                     new_dy = _identity_root(graph, inp)
                     k = "dy"
                 else:
@@ -447,9 +454,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             return False
         if not node.input:
             return False
-        helper = owner is not None and owner in fwd and bool(data_kinds) and all(
-            k in ("in", "static") for k in data_kinds)  # e.g. RealDiv's gradient: Neg(x), x an F input
-        if not helper and not any(k in ("g", "f", "dy") for k in data_kinds) and not any(
+        if not any(k in ("g", "f", "dy") for k in data_kinds) and not any(
                 parse_tensor(i)[0] in region for i in node.input):
             return False
         via_dy = not any(k in ("g", "f") for k in data_kinds) and not any(
@@ -480,17 +485,12 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         for cname, _ in graph.consumers(f):
             if cname not in fwd:
                 seeds.append(cname)
-    for ref in ins:  # gradient helpers computed from F's inputs alone, named after an F node
-        for cname, idx in graph.consumers(parse_tensor(ref)[0]):
-            if idx >= 0 and cname not in fwd and attributed_forward(graph, cname) in fwd:
-                seeds.append(cname)
     pos = graph.topo_positions()
     _grow(graph, seeds, try_add, pos, region)
     found = dy[0]
     if found is None:
-        f, c = next(((f, c) for f in sorted(fwd) for c, _ in graph.consumers(f) if c not in fwd), ("?", "?"))
-        raise GradRegionRefused(f"not fused: '{f}' is also read by '{c}', and no incoming gradient (a float "
-                                f"tensor shaped like the output) was found", why_not)
+        raise GradRegionRefused("not fused: the fused region's inner tensors are read outside it, and no "
+                                "incoming gradient (a float tensor shaped like its output) was found")
     region.clear(); fwd_dep.clear(); dy_dep.clear(); why_not.clear(); val_static.clear()
     dsrc, dport, _ = parse_tensor(found)
     dy_readers = [c for c, _ in graph.consumers(dsrc, port=dport)] + \
@@ -622,11 +622,11 @@ def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
     while seen < 16:
         n, p, _ = parse_tensor(ref)
         node = graph.nodes.get(n)
-        if node is None or n not in members or p != 0:
+        if node is None or n not in region.nodes_set or p != 0:
             return ref
         if node.op in ("Identity", "Snapshot", "Reshape", "StopGradient"):
             src = graph.data_inputs(node)[0]
-            if parse_tensor(src)[0] not in members:
+            if parse_tensor(src)[0] not in region.nodes_set:
                 return ref
             ref = _canon(src)
             seen += 1
@@ -638,6 +638,7 @@ def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
 def assign_outputs(region: GradRegion, graph: Graph, classify: Callable[[str], str | None],
                    summed=("dx",)) -> dict:
     """Give every tensor leaving G a role (see the module docstring)."""
+    region.nodes_set = set(region.nodes)  # type: ignore[attr-defined]
     roles: dict[str, list] = {}
     for ref in region.outputs:
         role = classify(ref)
