@@ -62,6 +62,7 @@ from npu_amp_tf.tools import profile as _profile  # noqa: E402
 
 tf1 = tf.compat.v1
 MODE = "allow_mix_precision_bf16"
+LR_SCALE = 1.0  # --lr-scale: every optimizer's learning rate times this
 
 
 def cpu_flags() -> list[str]:
@@ -101,7 +102,7 @@ def build_slim_resnet(batch, size, classes):
     loss = tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     upd = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
     with tf.control_dependencies(upd):
-        train = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+        train = tf1.train.MomentumOptimizer(0.01 * LR_SCALE, 0.9).minimize(loss)
     return x, y, loss, train
 
 
@@ -121,7 +122,7 @@ def build_keras_resnet(batch, size, classes):
     logits = model.output
     loss = tf.reduce_mean(K.losses.sparse_categorical_crossentropy(y, logits))
     with tf.control_dependencies(model.updates):
-        train = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, var_list=model.trainable_weights)
+        train = tf1.train.MomentumOptimizer(0.01 * LR_SCALE, 0.9).minimize(loss, var_list=model.trainable_weights)
     return x, y, loss, train
 
 
@@ -159,7 +160,7 @@ def build_bert(batch, seq, layers, hidden=768, heads=12, ffn=3072, classes=2):
     pooled = tf.reshape(h, [batch, seq, hidden])[:, 0]
     logits = dense(pooled, classes, "cls")
     loss = tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-    train = tf1.train.AdamOptimizer(1e-4).minimize(loss)
+    train = tf1.train.AdamOptimizer(1e-4 * LR_SCALE).minimize(loss)
     return x, y, loss, train
 
 
@@ -222,7 +223,7 @@ class FitRunner:
                     w0 = m.get_weights()
                 else:
                     m.set_weights(w0)
-                m.compile(K.optimizers.SGD(0.01, momentum=0.9), "sparse_categorical_crossentropy")
+                m.compile(K.optimizers.SGD(0.01 * LR_SCALE, momentum=0.9), "sparse_categorical_crossentropy")
                 # instantiate the train function in this config (on a throw-away copy of the
                 # weights' start: every configuration then trains from w0 on the same batches)
                 m.train_on_batch(*data.batch(0))
@@ -340,6 +341,8 @@ def main(argv=None):
                          "labelled by a fixed random teacher (the loss comparison)")
     ap.add_argument("--loss-window", type=int, default=10,
                     help="the loss compared is the mean training loss of the last N steps")
+    ap.add_argument("--lr-scale", type=float, default=1.0,
+                    help="multiply every learning rate (Momentum 0.01, Adam 1e-4) by this")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--classes", type=int, default=100)
@@ -352,6 +355,8 @@ def main(argv=None):
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
+    global LR_SCALE
+    LR_SCALE = args.lr_scale
 
     flags = cpu_flags()
     bf16_units = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
