@@ -581,6 +581,7 @@ def _check_no_cycle(graph: Graph, region, ctrl_in):
 def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
     """Follow Identity/Snapshot/Reshape-by-static-shape inside G to the tensor
     this one is a copy (or reshape) of."""
+    members = set(region.nodes)
     seen = 0
     while seen < 16:
         n, p, _ = parse_tensor(ref)
