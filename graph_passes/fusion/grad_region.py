@@ -70,6 +70,10 @@ readers of F's inner tensors, then from the readers of ``dy``):
   attributed to a node *in* F.  Names that attribute to nothing (TF2 scopes,
   aggregations such as ``AddN_3``, grappler's ``ArithmeticOptimizer/...``) are
   judged by the structural rules alone;
+* an autodiff op whose name attributes to NO node must lie under F's common
+  name scope (when F has one): in a Keras 2 transformer block grappler had
+  renamed the attention output's bias add, and its gradient (gamma-shaped,
+  computed from the complete dx) would otherwise have joined G;
 * control-only nodes (``tuple/group_deps`` NoOps, Consts anchored by a control
   edge) whose inputs are all in G (or ``dy``'s producer) join G.
 
@@ -282,6 +286,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     out_refs = {o if ":" in o else o for o in outputs}
     ins = {_canon(i) for i in inputs}
     is_static = _Static(graph)
+    fscope = _common_scope(fwd)
     y_shape = shapes.shape(next(iter(outputs)))
     if y_shape is None or min(y_shape, default=0) < 0:
         y_shape = dy_shape
@@ -377,6 +382,11 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         if owner is not None and owner not in fwd:
             why_not[name] = f"its name makes it part of the gradient of '{owner}'"
             return False
+        # an autodiff op attributed to no node (TF2 names ops after the forward op's
+        # scope; grappler may have renamed the forward op) must lie under F's own
+        # scope: the gradient of a renamed op upstream of x does not
+        outside_scope = (owner is None and fscope and _AUTODIFF.search(name) is not None
+                         and not _under_scope(name, fscope))
         kinds = []
         new_dy = None
         for inp in node.input:
@@ -405,6 +415,11 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             kinds.append((k, inp))
         data_kinds = [k for k, _ in kinds if k != "ctrl_ext"]
         reads_dy = "dy" in data_kinds
+        if outside_scope and not (node.op in AGGREGATIONS and data_kinds and all(k == "g" for k in data_kinds)) \
+                and not (node.op in VALUE_STATIC_OPS and data_kinds and all(k in ("f", "static") for k in data_kinds)) \
+                and node.op not in ("NoOp", "Const"):
+            why_not[name] = f"its name is outside the fused ops' scope '{fscope}'"
+            return False
         if not _AUTODIFF.search(name) and any(k != "g" for k in data_kinds):
             why_not[name] = "a sum outside an autodiff scope that reads more than the region"
             return False
@@ -516,6 +531,29 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     if ctrl_in:
         _check_no_cycle(graph, region, ctrl_in)
     return GradRegion(fwd, order, dy[0], outputs_map, ctrl_in, ctrl_out, fwd_dep, dy_dep, graph)
+
+
+def _common_scope(names) -> str:
+    """The longest common name scope ('a/b/') of the forward nodes, '' if none."""
+    parts = [n.split("/")[:-1] for n in names]
+    if not parts:
+        return ""
+    common = []
+    for segs in zip(*parts):
+        if len(set(segs)) != 1:
+            break
+        common.append(segs[0])
+    return "/".join(common) + "/" if common else ""
+
+
+def _under_scope(name: str, scope: str) -> bool:
+    """Whether autodiff op ``name``'s forward path (``gradient_tape/<path>``,
+    ``gradients/<path>_grad``, after any call scope) starts with ``scope``."""
+    for rx in (_TF2, _TF1):
+        m = rx.match(name)
+        if m is not None:
+            return ((m.group(1) or "") + m.group(2)).startswith(scope) or m.group(2).startswith(scope)
+    return True
 
 
 def _identity_root(graph: Graph, ref: str) -> str:
