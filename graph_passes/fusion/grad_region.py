@@ -31,6 +31,8 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
     region.depends_on_forward(ref)  # data-depends on a forward inner tensor's value
     region.depends_on_dy(ref)
     GradRegionRefused(msg).why_not  # {node: why the search left it out} (debugging)
+    attributed_forward(graph, name)  # the forward node autodiff named op `name` after, or None
+    is_autodiff_name(name)           # in a gradients[_N]/ or gradient_tape/ scope
 
     Wiring it into a rule: register it with ``escapes=True`` (or call
     ``b.absorb(inner, escapes_ok=True)``), emit the gradient op, re-emit an
@@ -58,7 +60,10 @@ readers of F's inner tensors, then from the readers of ``dy``):
   *static* tensors (Const, Shape/Size/Rank and int arithmetic on them: values
   that do not depend on data) or ``dy``; never from ``outputs``;
 * ``dy`` is one tensor: the first external, non-static float tensor with the
-  shape of ``outputs[0]`` that a grown node reads; a second such tensor refuses;
+  shape of ``outputs[0]`` (or ``dy_shape``) that a grown node reads and that
+  depends on no inner tensor of F (TF1's tuple ``Identity(dy)`` aliases count
+  as dy); a second such tensor refuses; values computed from ``inputs`` and
+  constants alone (Pow's ``log(x)``, RealDiv's ``-x``) count as inputs;
 * a node that reads ``dy`` reads no other dy-dependent tensor (``AddN(dy, dx)``
   sums a residual path's gradient with F's: it is outside G), and an
   aggregation (AddN/Add/AddV2) reading ``dy`` is never in G;
@@ -74,6 +79,10 @@ readers of F's inner tensors, then from the readers of ``dy``):
   attributed to a node *in* F.  Names that attribute to nothing (TF2 scopes,
   aggregations such as ``AddN_3``, grappler's ``ArithmeticOptimizer/...``) are
   judged by the structural rules alone;
+* an autodiff op whose name attributes to NO node must lie under F's common
+  name scope (when F has one): in a Keras 2 transformer block grappler had
+  renamed the attention output's bias add, and its gradient (gamma-shaped,
+  computed from the complete dx) would otherwise have joined G;
 * control-only nodes (``tuple/group_deps`` NoOps, Consts anchored by a control
   edge) whose inputs are all in G (or ``dy``'s producer) join G.
 
@@ -85,8 +94,9 @@ Residual assumption: a gradient op of the op *upstream* of x that keeps x's
 shape, depends only on the complete dx and constants, is in an autodiff scope
 but whose name attributes to no forward node (the forward node renamed by
 something other than the fusion pass) and is in GRAD_OPS, would be taken for a
-part of dx.  TF's own names attribute such ops to their forward op, and the
-names the graph had when the fusion pass began are remembered.
+part of dx when F has no common name scope (plain ops at the graph's root).
+TF's own names attribute such ops to their forward op, and the names the graph
+had when the fusion pass began are remembered.
 
 Before/after (LayerNorm; the rule's part)::
 
@@ -313,6 +323,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     out_refs = {o if ":" in o else o for o in outputs}
     ins = {_canon(i) for i in inputs}
     is_static = _Static(graph)
+    fscope = _common_scope(fwd)
     y_shape = shapes.shape(next(iter(outputs)))
     if y_shape is None or (min(y_shape, default=0) < 0 and (dy_shape is not None or not partial_shapes)):
         y_shape = dy_shape
@@ -410,6 +421,11 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             return False
         if owner is None:
             owner = _tf2_scope_owner(name, fwd)
+        # an autodiff op attributed to no node (TF2 names ops after the forward op's
+        # scope; grappler may have renamed the forward op) must lie under F's own
+        # scope: the gradient of a renamed op upstream of x does not
+        outside_scope = (owner is None and fscope and _AUTODIFF.search(name) is not None
+                         and not _under_scope(name, fscope))
         kinds = []
         new_dy = None
         for inp in node.input:
@@ -438,6 +454,11 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             kinds.append((k, inp))
         data_kinds = [k for k, _ in kinds if k != "ctrl_ext"]
         reads_dy = "dy" in data_kinds
+        if outside_scope and not (node.op in AGGREGATIONS and data_kinds and all(k == "g" for k in data_kinds)) \
+                and not (node.op in VALUE_STATIC_OPS and data_kinds and all(k in ("f", "static") for k in data_kinds)) \
+                and node.op not in ("NoOp", "Const"):
+            why_not[name] = f"its name is outside the fused ops' scope '{fscope}'"
+            return False
         if not _AUTODIFF.search(name) and any(k != "g" for k in data_kinds):
             why_not[name] = "a sum outside an autodiff scope that reads more than the region"
             return False
@@ -555,6 +576,29 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     return GradRegion(fwd, order, dy[0], outputs_map, ctrl_in, ctrl_out, fwd_dep, dy_dep, graph)
 
 
+def _common_scope(names) -> str:
+    """The longest common name scope ('a/b/') of the forward nodes, '' if none."""
+    parts = [n.split("/")[:-1] for n in names]
+    if not parts:
+        return ""
+    common = []
+    for segs in zip(*parts):
+        if len(set(segs)) != 1:
+            break
+        common.append(segs[0])
+    return "/".join(common) + "/" if common else ""
+
+
+def _under_scope(name: str, scope: str) -> bool:
+    """Whether autodiff op ``name``'s forward path (``gradient_tape/<path>``,
+    ``gradients/<path>_grad``, after any call scope) starts with ``scope``."""
+    for rx in (_TF2, _TF1):
+        m = rx.match(name)
+        if m is not None:
+            return ((m.group(1) or "") + m.group(2)).startswith(scope) or m.group(2).startswith(scope)
+    return True
+
+
 def _identity_root(graph: Graph, ref: str) -> str:
     """The tensor an Identity/Snapshot chain copies (TF1's gradient tuples make
     several ``Identity(dy, ^group_deps)`` aliases of one incoming gradient)."""
@@ -618,6 +662,7 @@ def _check_no_cycle(graph: Graph, region, ctrl_in):
 def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
     """Follow Identity/Snapshot/Reshape-by-static-shape inside G to the tensor
     this one is a copy (or reshape) of."""
+    members = set(region.nodes)
     seen = 0
     while seen < 16:
         n, p, _ = parse_tensor(ref)
