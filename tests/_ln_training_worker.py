@@ -24,7 +24,8 @@ the weights after the step.
 
 ``fit:<mode>:<level>``: Keras Dense -> LayerNormalization -> Dense, ``fit`` one
 batch under ``enable()`` (``plain``: ``disable()``), the executed function
-graphs' op counts and the weights after the step.
+graphs' op counts and the weights after the step; ``fitmha``: a post-LN
+transformer block (MultiHeadAttention, GELU FFN, two LayerNormalization).
 """
 import json
 import os
@@ -175,7 +176,7 @@ def _session_case(form, mode, level):
             "after": {k: np.asarray(v, np.float64).tolist() for k, v in after.items()}}
 
 
-def _fit_case(mode, level):
+def _fit_case(mode, level, mha=False):
     import tensorflow as tf
     from tensorflow.python.eager import context
 
@@ -184,12 +185,17 @@ def _fit_case(mode, level):
     K = tf.keras
     tf.random.set_seed(0)
     rng = np.random.default_rng(5)
-    model = K.Sequential([K.layers.Input((S, D)), K.layers.Dense(D), K.layers.LayerNormalization(),
-                          K.layers.Dense(D)])
+    if mha:  # a post-LN transformer block: LN(x + attention(x)), LN(h + FFN(h))
+        inp = K.Input((S, D))
+        h = K.layers.LayerNormalization()(inp + K.layers.MultiHeadAttention(4, 4)(inp, inp))
+        f = K.layers.Dense(D)(K.layers.Dense(2 * D, activation="gelu")(h))
+        model = K.Model(inp, K.layers.Dense(D)(K.layers.LayerNormalization()(h + f)))
+    else:
+        model = K.Sequential([K.layers.Input((S, D)), K.layers.Dense(D), K.layers.LayerNormalization(),
+                              K.layers.Dense(D)])
     rng_w = np.random.default_rng(11)
-    model.set_weights([rng_w.standard_normal(w.shape).astype(np.float32) * 0.3 + (1.0 if w.ndim == 1 and i == 2
-                                                                                      else 0.0)
-                       for i, w in enumerate(model.get_weights())])
+    model.set_weights([rng_w.standard_normal(w.shape).astype(np.float32) * 0.3
+                       + (1.0 if "gamma" in v.name else 0.0) for w, v in zip(model.get_weights(), model.weights)])
     model.compile(optimizer=K.optimizers.SGD(0.1), loss="mse")
     x = rng.standard_normal((B, S, D)).astype(np.float32)
     y = rng.standard_normal((B, S, D)).astype(np.float32)
@@ -219,8 +225,8 @@ def main():
     for case in sys.argv[1].split(","):
         print("CASE", case, flush=True)
         form, mode, level = case.split(":")
-        if form == "fit":
-            res = _fit_case(mode, int(level))
+        if form in ("fit", "fitmha"):
+            res = _fit_case(mode, int(level), mha=form == "fitmha")
         else:
             res = _session_case(form, mode, int(level))
         res["case"] = case

@@ -111,10 +111,16 @@ def test_offline_forward_and_backward_fused(form):
         assert _rel(y, x) <= 1e-5, (k, _rel(y, x))
 
 
-def test_offline_report_names_the_fusion():
+def test_offline_report_names_the_fusion_and_is_idempotent():
     g, feeds, grads, weights, train, loss = worker._build("moments")
     new, rep = rewrite(g.as_graph_def(), ["train", loss.op.name])
     assert rep.pass_stats("fusion")["fused"].get("layer_norm_moments") == 1
+    fused = [d for d in rep.decisions.values() if d.get("fusion") == "layer_norm_moments"]
+    assert len(fused) == 1 and all(n.startswith("gradients/") for n in fused[0]["fused_gradient_nodes"])
+    again, rep2 = rewrite(new, ["train", loss.op.name])  # grappler calls the plugin repeatedly
+    assert not rep2.pass_stats("fusion")["fused"].get("layer_norm_moments")
+    assert sorted((n.name, n.op, tuple(n.input)) for n in again.node) == \
+        sorted((n.name, n.op, tuple(n.input)) for n in new.node)
     grad_nodes = [n for n in new.node if n.op == "LayerNormGrad"]
     assert len(grad_nodes) == 1
     ln = grad_nodes[0]
@@ -169,7 +175,7 @@ def _cases():
     for form in ("moments", "rms"):
         for mode in ("allow_mix_precision", "allow_mix_precision_bf16"):
             cases += [f"{form}:{mode}:0", f"{form}:{mode}:2", f"{form}:{mode}+lngray:2"]
-    cases += ["fit:plain:0", "fit:must_keep_origin_dtype:2"]
+    cases += ["fit:plain:0", "fit:must_keep_origin_dtype:2", "fitmha:plain:0", "fitmha:must_keep_origin_dtype:2"]
     return cases
 
 
@@ -268,4 +274,20 @@ def test_keras_fit_under_enable(results):
     assert len(plain["delta"]) == 6  # kernels, biases, gamma, beta
     for a, b in zip(fused["delta"], plain["delta"]):
         assert np.linalg.norm(b) > 1e-4  # every weight moved
+        assert _rel(a, b) <= 1e-5
+
+
+def test_keras_transformer_block_fit_under_enable(results):
+    """A post-LN transformer block (MultiHeadAttention, GELU FFN, 2 LayerNormalization)
+    under ``fit``: both norms fuse forward and backward; every weight moves as
+    without the plugin (the attention-output bias's gradient, gamma-shaped and
+    computed from dx, must not be taken for dgamma: it has another scope)."""
+    plain = _get(results, "fitmha:plain:0")
+    fused = _get(results, "fitmha:must_keep_origin_dtype:2")
+    assert fused["counts"]["LayerNorm"] == 2 and fused["counts"]["LayerNormGrad"] == 2, fused["counts"]
+    assert fused["counts"]["Rsqrt"] == 0 and fused["counts"]["RsqrtGrad"] == 0
+    top = max(np.linalg.norm(b) for b in plain["delta"])
+    moved = [(a, b) for a, b in zip(fused["delta"], plain["delta"]) if np.linalg.norm(b) > 1e-6 * top]
+    assert len(moved) >= len(plain["delta"]) - 1  # the key bias's gradient is zero in exact arithmetic
+    for a, b in moved:
         assert _rel(a, b) <= 1e-5

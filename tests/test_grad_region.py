@@ -122,6 +122,25 @@ def test_optimizer_ops_not_absorbed():
     assert any(c.startswith("SGD/") for cons in region.outputs.values() for c, _ in cons)
 
 
+def test_aliases_of_one_gradient_are_one_term():
+    """dgamma read outside the region twice, through autodiff's tuple Identity
+    (the optimizer) and raw (user code): one role, two refs, one root."""
+    graph, fwd, ins, h = _tf1_graph()
+    region = find_grad_region(graph, fwd, ["ln/y"], ins)
+    terms = assign_outputs(region, graph, _classify(graph, region, h))
+    ref = terms["dgamma"].refs[0]
+    # the same graph plus a user op reading the tensor under the tuple Identity
+    node = graph.nodes[ref]
+    raw = graph.data_inputs(node)[0] if node.op == "Identity" else ref
+    from tensorflow.core.framework import node_def_pb2
+    watch = node_def_pb2.NodeDef(op="Identity", name="watch", input=[raw])
+    watch.attr["T"].type = 1
+    graph.add_node(watch)
+    region = find_grad_region(graph, fwd, ["ln/y"], ins)
+    terms = assign_outputs(region, graph, _classify(graph, region, h))
+    assert len(terms["dgamma"].refs) == 2 and terms["dgamma"].aggregator is None
+
+
 def test_inner_tensor_read_by_forward_code_refused():
     graph, fwd, ins, _ = _tf1_graph(extra_reader=True)
     with pytest.raises(GradRegionRefused, match="not fused"):

@@ -603,6 +603,8 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
     xs, gs = b.shape(x), list(gshape) if gshape is not None else None
     b.require(xs is not None and min(xs, default=0) > 0 and gs is not None,
               "not fused: the backward pass reads the norm's inner tensors and x's shape is not static")
+    b.require(_squeeze_lead(xs) != _squeeze_lead(gs),
+              f"not fused: x {xs} has one normalised row, so dx and dgamma cannot be told apart by shape")
     inner = set(b.match.matched) | set(b.absorbed)
     inputs = [t for t, real in ((x, True), (gamma, has_gamma), (beta, has_beta)) if real and t is not None]
     protected = b.ctx.protected if b.ctx is not None else frozenset()
@@ -619,7 +621,7 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
             fwd = region.depends_on_forward(ref)
             if list(sh) == list(xs) and fwd:
                 return "dx"
-            if _squeeze_lead(sh) == _squeeze_lead(gs) and len(sh) < len(xs) + 1:
+            if _squeeze_lead(sh) == _squeeze_lead(gs):
                 if fwd and has_gamma:
                     return "dgamma"
                 if not fwd and has_beta and kind == "layer_norm":
@@ -652,6 +654,7 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
                 b.emit("AddN", agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt), "N": 1 + len(rest)})
             else:
                 b.emit(agg.op, agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt)})
+            b.emitted[-1].device = agg.device  # the sum stays where it was placed
             continue
         for k, ref in enumerate(term.refs):
             sh = list(b.shape(ref))

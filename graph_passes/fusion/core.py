@@ -375,6 +375,8 @@ class Builder:
 class Outcome:
     fused: bool
     reason: str = ""
+    #: the gradient region removed with the match (Builder.region), for the report
+    region: tuple = ()
 
 
 def _select_forms(b: Builder):
@@ -470,6 +472,8 @@ def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: 
         if ctx is not None:
             if outcome.fused:
                 ctx.report.decide(m.anchor, fusion=rule.name, fused_nodes=list(m.matched))
+                if outcome.region:  # the backward replaced by one gradient op
+                    ctx.report.decide(m.anchor, fused_gradient_nodes=list(outcome.region))
             else:
                 ctx.report.decide(m.anchor, fusion_skipped=rule.name, fusion_reason=outcome.reason)
         done += outcome.fused
@@ -614,7 +618,7 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
         if c in graph.nodes and c != rt:
             graph.add_control_input(rt, c)
     _remove_dead(graph, upstream, ctx)
-    return Outcome(True)
+    return Outcome(True, region=tuple(b.region_nodes))
 
 
 def _canon_ref(ref: str) -> str:

@@ -74,6 +74,10 @@ readers of F's inner tensors, then from the readers of ``dy``):
   attributed to a node *in* F.  Names that attribute to nothing (TF2 scopes,
   aggregations such as ``AddN_3``, grappler's ``ArithmeticOptimizer/...``) are
   judged by the structural rules alone;
+* an autodiff op whose name attributes to NO node must lie under F's common
+  name scope (when F has one): in a Keras 2 transformer block grappler had
+  renamed the attention output's bias add, and its gradient (gamma-shaped,
+  computed from the complete dx) would otherwise have joined G;
 * control-only nodes (``tuple/group_deps`` NoOps, Consts anchored by a control
   edge) whose inputs are all in G (or ``dy``'s producer) join G.
 
@@ -313,6 +317,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     out_refs = {o if ":" in o else o for o in outputs}
     ins = {_canon(i) for i in inputs}
     is_static = _Static(graph)
+    fscope = _common_scope(fwd)
     y_shape = shapes.shape(next(iter(outputs)))
     if y_shape is None or (min(y_shape, default=0) < 0 and (dy_shape is not None or not partial_shapes)):
         y_shape = dy_shape
@@ -408,6 +413,11 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         if owner is not None and owner not in fwd:
             why_not[name] = f"its name makes it part of the gradient of '{owner}'"
             return False
+        # an autodiff op attributed to no node (TF2 names ops after the forward op's
+        # scope; grappler may have renamed the forward op) must lie under F's own
+        # scope: the gradient of a renamed op upstream of x does not
+        outside_scope = (owner is None and fscope and _AUTODIFF.search(name) is not None
+                         and not _under_scope(name, fscope))
         if owner is None:
             owner = _tf2_scope_owner(name, fwd)
         kinds = []
@@ -438,6 +448,11 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             kinds.append((k, inp))
         data_kinds = [k for k, _ in kinds if k != "ctrl_ext"]
         reads_dy = "dy" in data_kinds
+        if outside_scope and not (node.op in AGGREGATIONS and data_kinds and all(k == "g" for k in data_kinds)) \
+                and not (node.op in VALUE_STATIC_OPS and data_kinds and all(k in ("f", "static") for k in data_kinds)) \
+                and node.op not in ("NoOp", "Const"):
+            why_not[name] = f"its name is outside the fused ops' scope '{fscope}'"
+            return False
         if not _AUTODIFF.search(name) and any(k != "g" for k in data_kinds):
             why_not[name] = "a sum outside an autodiff scope that reads more than the region"
             return False
@@ -489,8 +504,9 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     _grow(graph, seeds, try_add, pos, region)
     found = dy[0]
     if found is None:
-        raise GradRegionRefused("not fused: the fused region's inner tensors are read outside it, and no "
-                                "incoming gradient (a float tensor shaped like its output) was found")
+        f, c = next(((f, c) for f in sorted(fwd) for c, _ in graph.consumers(f) if c not in fwd), ("?", "?"))
+        raise GradRegionRefused(f"not fused: '{f}' is also read by '{c}', and no incoming gradient (a float "
+                                f"tensor shaped like the output) was found", why_not)
     region.clear(); fwd_dep.clear(); dy_dep.clear(); why_not.clear(); val_static.clear()
     dsrc, dport, _ = parse_tensor(found)
     dy_readers = [c for c, _ in graph.consumers(dsrc, port=dport)] + \
@@ -553,6 +569,29 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     if ctrl_in:
         _check_no_cycle(graph, region, ctrl_in)
     return GradRegion(fwd, order, dy[0], outputs_map, ctrl_in, ctrl_out, fwd_dep, dy_dep, graph)
+
+
+def _common_scope(names) -> str:
+    """The longest common name scope ('a/b/') of the forward nodes, '' if none."""
+    parts = [n.split("/")[:-1] for n in names]
+    if not parts:
+        return ""
+    common = []
+    for segs in zip(*parts):
+        if len(set(segs)) != 1:
+            break
+        common.append(segs[0])
+    return "/".join(common) + "/" if common else ""
+
+
+def _under_scope(name: str, scope: str) -> bool:
+    """Whether autodiff op ``name``'s forward path (``gradient_tape/<path>``,
+    ``gradients/<path>_grad``, after any call scope) starts with ``scope``."""
+    for rx in (_TF2, _TF1):
+        m = rx.match(name)
+        if m is not None:
+            return ((m.group(1) or "") + m.group(2)).startswith(scope) or m.group(2).startswith(scope)
+    return True
 
 
 def _identity_root(graph: Graph, ref: str) -> str:
@@ -618,15 +657,16 @@ def _check_no_cycle(graph: Graph, region, ctrl_in):
 def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
     """Follow Identity/Snapshot/Reshape-by-static-shape inside G to the tensor
     this one is a copy (or reshape) of."""
+    members = set(region.nodes)
     seen = 0
     while seen < 16:
         n, p, _ = parse_tensor(ref)
         node = graph.nodes.get(n)
-        if node is None or n not in region.nodes_set or p != 0:
+        if node is None or n not in members or p != 0:
             return ref
         if node.op in ("Identity", "Snapshot", "Reshape", "StopGradient"):
             src = graph.data_inputs(node)[0]
-            if parse_tensor(src)[0] not in region.nodes_set:
+            if parse_tensor(src)[0] not in members:
                 return ref
             ref = _canon(src)
             seen += 1
@@ -638,7 +678,6 @@ def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
 def assign_outputs(region: GradRegion, graph: Graph, classify: Callable[[str], str | None],
                    summed=("dx",)) -> dict:
     """Give every tensor leaving G a role (see the module docstring)."""
-    region.nodes_set = set(region.nodes)  # type: ignore[attr-defined]
     roles: dict[str, list] = {}
     for ref in region.outputs:
         role = classify(ref)
