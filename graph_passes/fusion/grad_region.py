@@ -31,8 +31,6 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
     region.depends_on_forward(ref)  # data-depends on a forward inner tensor's value
     region.depends_on_dy(ref)
     GradRegionRefused(msg).why_not  # {node: why the search left it out} (debugging)
-    attributed_forward(graph, name)  # the forward node autodiff named op `name` after, or None
-    is_autodiff_name(name)           # in a gradients[_N]/ or gradient_tape/ scope
 
     Wiring it into a rule: register it with ``escapes=True`` (or call
     ``b.absorb(inner, escapes_ok=True)``), emit the gradient op, re-emit an
@@ -60,10 +58,7 @@ readers of F's inner tensors, then from the readers of ``dy``):
   *static* tensors (Const, Shape/Size/Rank and int arithmetic on them: values
   that do not depend on data) or ``dy``; never from ``outputs``;
 * ``dy`` is one tensor: the first external, non-static float tensor with the
-  shape of ``outputs[0]`` (or ``dy_shape``) that a grown node reads and that
-  depends on no inner tensor of F (TF1's tuple ``Identity(dy)`` aliases count
-  as dy); a second such tensor refuses; values computed from ``inputs`` and
-  constants alone (Pow's ``log(x)``, RealDiv's ``-x``) count as inputs;
+  shape of ``outputs[0]`` that a grown node reads; a second such tensor refuses;
 * a node that reads ``dy`` reads no other dy-dependent tensor (``AddN(dy, dx)``
   sums a residual path's gradient with F's: it is outside G), and an
   aggregation (AddN/Add/AddV2) reading ``dy`` is never in G;
@@ -94,9 +89,8 @@ Residual assumption: a gradient op of the op *upstream* of x that keeps x's
 shape, depends only on the complete dx and constants, is in an autodiff scope
 but whose name attributes to no forward node (the forward node renamed by
 something other than the fusion pass) and is in GRAD_OPS, would be taken for a
-part of dx when F has no common name scope (plain ops at the graph's root).
-TF's own names attribute such ops to their forward op, and the names the graph
-had when the fusion pass began are remembered.
+part of dx.  TF's own names attribute such ops to their forward op, and the
+names the graph had when the fusion pass began are remembered.
 
 Before/after (LayerNorm; the rule's part)::
 
@@ -419,13 +413,13 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         if owner is not None and owner not in fwd:
             why_not[name] = f"its name makes it part of the gradient of '{owner}'"
             return False
-        if owner is None:
-            owner = _tf2_scope_owner(name, fwd)
         # an autodiff op attributed to no node (TF2 names ops after the forward op's
         # scope; grappler may have renamed the forward op) must lie under F's own
         # scope: the gradient of a renamed op upstream of x does not
         outside_scope = (owner is None and fscope and _AUTODIFF.search(name) is not None
                          and not _under_scope(name, fscope))
+        if owner is None:
+            owner = _tf2_scope_owner(name, fwd)
         kinds = []
         new_dy = None
         for inp in node.input:
@@ -510,8 +504,9 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     _grow(graph, seeds, try_add, pos, region)
     found = dy[0]
     if found is None:
-        raise GradRegionRefused("not fused: the fused region's inner tensors are read outside it, and no "
-                                "incoming gradient (a float tensor shaped like its output) was found")
+        f, c = next(((f, c) for f in sorted(fwd) for c, _ in graph.consumers(f) if c not in fwd), ("?", "?"))
+        raise GradRegionRefused(f"not fused: '{f}' is also read by '{c}', and no incoming gradient (a float "
+                                f"tensor shaped like the output) was found", why_not)
     region.clear(); fwd_dep.clear(); dy_dep.clear(); why_not.clear(); val_static.clear()
     dsrc, dport, _ = parse_tensor(found)
     dy_readers = [c for c, _ in graph.consumers(dsrc, port=dport)] + \
@@ -667,11 +662,11 @@ def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
     while seen < 16:
         n, p, _ = parse_tensor(ref)
         node = graph.nodes.get(n)
-        if node is None or n not in region.nodes_set or p != 0:
+        if node is None or n not in members or p != 0:
             return ref
         if node.op in ("Identity", "Snapshot", "Reshape", "StopGradient"):
             src = graph.data_inputs(node)[0]
-            if parse_tensor(src)[0] not in region.nodes_set:
+            if parse_tensor(src)[0] not in members:
                 return ref
             ref = _canon(src)
             seen += 1
@@ -683,7 +678,6 @@ def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
 def assign_outputs(region: GradRegion, graph: Graph, classify: Callable[[str], str | None],
                    summed=("dx",)) -> dict:
     """Give every tensor leaving G a role (see the module docstring)."""
-    region.nodes_set = set(region.nodes)  # type: ignore[attr-defined]
     roles: dict[str, list] = {}
     for ref in region.outputs:
         role = classify(ref)
