@@ -1,7 +1,9 @@
 """End-to-end BF16 training throughput: this plugin vs TF's own mixed precision.
 
-Models (training steps, synthetic fixed batch, same initial weights in every
-configuration):
+Models (training steps, synthetic data: ``--data fixed`` one batch for every
+step, ``--data teacher`` a fresh seeded batch per step labelled by a fixed
+random teacher (see ``Data``); same initial weights and the same batch
+sequence in every configuration):
   slim_resnet50     TF-Slim ``resnet_v1_50`` in a TF1 Session, Momentum;
   keras_resnet50    ``keras.applications.ResNet50(weights=None)`` called in a
                     TF1 graph (Keras 2: tf.keras on 2.15, tf_keras on 2.21), Momentum;
@@ -17,13 +19,18 @@ Configurations:
             (TF2: ``tf.config.optimizer.set_experimental_options``);
   keras     Keras ``mixed_bfloat16`` policy (keras_fit only);
   ours      ``npu_amp_tf`` ``precision_mode="allow_mix_precision_bf16"``,
-            ``graph_level=2`` (``session_config`` / ``enable``).
+            ``graph_level=2`` (``session_config`` / ``enable``);
+  ours_nodelay  the same with ``delay_fp32_copies=False`` (``--configs``);
+  fp32_again    a second FP32 session (sessions only): FP32's own run-to-run
+                spread, the yardstick for the loss differences.
 
 Every configuration of a model is built first, then timed steps are
 interleaved round-robin in this one process (median step time per
-configuration), so machine load hits them alike.  The loss after the last
-step (``warmup + rounds*steps`` steps from the same start) is compared with
-FP32's.  One extra step per session configuration is traced and summarized
+configuration); ratios are medians over rounds of same-round ratios, so
+machine load hits them alike, and the 1-minute load average before and after
+the timed steps is printed with every figure.  The loss compared with FP32's
+is the mean training loss of the last ``--loss-window`` of the
+``warmup + rounds*steps`` steps from the same start.  One extra step per session configuration is traced and summarized
 by ``npu_amp_tf.tools.profile.summarize`` (the ``npu-amp profile`` code):
 BF16 compute share and Cast share of op time.
 
@@ -55,6 +62,7 @@ from npu_amp_tf.tools import profile as _profile  # noqa: E402
 
 tf1 = tf.compat.v1
 MODE = "allow_mix_precision_bf16"
+LR_SCALE = 1.0  # --lr-scale: every optimizer's learning rate times this
 
 
 def cpu_flags() -> list[str]:
@@ -67,11 +75,17 @@ def cpu_flags() -> list[str]:
     return [f for f in want if re.search(rf"\b{f}\b", text)]
 
 
-def session_configs():
+#: our configurations: name -> extra options (``ours_nodelay``: ``delay_fp32_copies=False``)
+OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False}}
+
+
+def session_configs(names):
     g = config_pb2.ConfigProto()
     g.graph_options.rewrite_options.auto_mixed_precision_onednn_bfloat16 = rewriter_config_pb2.RewriterConfig.ON
-    return {"fp32": config_pb2.ConfigProto(), "grappler": g,
-            "ours": npu_amp_tf.session_config(precision_mode=MODE, graph_level=2)}
+    cfgs = {"fp32": config_pb2.ConfigProto(), "fp32_again": config_pb2.ConfigProto(), "grappler": g}
+    for name, extra in OURS.items():
+        cfgs[name] = npu_amp_tf.session_config(precision_mode=MODE, graph_level=2, **extra)
+    return {n: cfgs[n] for n in names if n in cfgs}
 
 
 # ------------------------------------------------------------------ models (TF1 graphs)
@@ -88,7 +102,7 @@ def build_slim_resnet(batch, size, classes):
     loss = tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     upd = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
     with tf.control_dependencies(upd):
-        train = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+        train = tf1.train.MomentumOptimizer(0.01 * LR_SCALE, 0.9).minimize(loss)
     return x, y, loss, train
 
 
@@ -108,7 +122,7 @@ def build_keras_resnet(batch, size, classes):
     logits = model.output
     loss = tf.reduce_mean(K.losses.sparse_categorical_crossentropy(y, logits))
     with tf.control_dependencies(model.updates):
-        train = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, var_list=model.trainable_weights)
+        train = tf1.train.MomentumOptimizer(0.01 * LR_SCALE, 0.9).minimize(loss, var_list=model.trainable_weights)
     return x, y, loss, train
 
 
@@ -146,7 +160,7 @@ def build_bert(batch, seq, layers, hidden=768, heads=12, ffn=3072, classes=2):
     pooled = tf.reshape(h, [batch, seq, hidden])[:, 0]
     logits = dense(pooled, classes, "cls")
     loss = tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-    train = tf1.train.AdamOptimizer(1e-4).minimize(loss)
+    train = tf1.train.AdamOptimizer(1e-4 * LR_SCALE).minimize(loss)
     return x, y, loss, train
 
 
@@ -154,27 +168,29 @@ def build_bert(batch, seq, layers, hidden=768, heads=12, ffn=3072, classes=2):
 class SessionRunner:
     """One TF1 graph, one Session per configuration (same seed: same init)."""
 
-    def __init__(self, build, args, feeds_fn, cfgs):
+    def __init__(self, build, args, data, cfgs):
         self.graph = tf.Graph()
         with self.graph.as_default():
             tf1.set_random_seed(1)
             self.x, self.y, self.loss, self.train = build()
             init = tf1.global_variables_initializer()
-        self.feeds = feeds_fn(self.x, self.y)
+        self.data = data  # data.batch(i) -> (x, y): step i's batch, the same for every configuration
         self.sessions = {}
         for name, cfg in cfgs.items():
             s = tf1.Session(graph=self.graph, config=cfg)
             s.run(init)
             self.sessions[name] = s
-        self.last_loss = {}
+        self.losses = {n: [] for n in self.sessions}
 
     def step(self, name):
-        lv, _ = self.sessions[name].run([self.loss, self.train], self.feeds)
-        self.last_loss[name] = float(lv)
+        xb, yb = self.data.batch(len(self.losses[name]))
+        lv, _ = self.sessions[name].run([self.loss, self.train], {self.x: xb, self.y: yb})
+        self.losses[name].append(float(lv))
 
     def profile(self, name):
         md = tf1.RunMetadata()
-        self.sessions[name].run(self.train, self.feeds,
+        xb, yb = self.data.batch(0)
+        self.sessions[name].run(self.train, {self.x: xb, self.y: yb},
                                 options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE),
                                 run_metadata=md)
         return _profile.summarize([md.step_stats])
@@ -187,21 +203,19 @@ class SessionRunner:
 class FitRunner:
     """Keras ResNet-50 ``train_on_batch`` per configuration (TF2 functions)."""
 
-    def __init__(self, args):
+    def __init__(self, args, data, names):
         K = tf.keras
-        rng = np.random.RandomState(0)
-        self.xb = rng.uniform(-1, 1, [args.batch, args.size, args.size, 3]).astype(np.float32)
-        self.yb = rng.randint(0, args.classes, [args.batch]).astype(np.int32)
-        self.models, self.last_loss, self.notes = {}, {}, {}
+        self.data = data
+        self.models, self.notes = {}, {}
         w0 = None
-        for name in ("fp32", "grappler", "keras", "ours"):
+        for name in names:
             try:
                 if name == "grappler":
                     tf.config.optimizer.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": True})
                 elif name == "keras":
                     K.mixed_precision.set_global_policy("mixed_bfloat16")
-                elif name == "ours":
-                    npu_amp_tf.enable(precision_mode=MODE, graph_level=2)
+                elif name in OURS:
+                    npu_amp_tf.enable(precision_mode=MODE, graph_level=2, **OURS[name])
                 tf.random.set_seed(1)
                 m = K.applications.ResNet50(weights=None, input_shape=(args.size, args.size, 3),
                                             classes=args.classes)
@@ -209,8 +223,11 @@ class FitRunner:
                     w0 = m.get_weights()
                 else:
                     m.set_weights(w0)
-                m.compile(K.optimizers.SGD(0.01, momentum=0.9), "sparse_categorical_crossentropy")
-                m.train_on_batch(self.xb, self.yb)  # instantiates the train function in this config
+                m.compile(K.optimizers.SGD(0.01 * LR_SCALE, momentum=0.9), "sparse_categorical_crossentropy")
+                # instantiate the train function in this config (on a throw-away copy of the
+                # weights' start: every configuration then trains from w0 on the same batches)
+                m.train_on_batch(*data.batch(0))
+                m.set_weights(w0)
                 self.models[name] = m
             except Exception as exc:  # noqa: BLE001 - report a configuration that TF refuses
                 self.notes[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
@@ -219,24 +236,25 @@ class FitRunner:
                     tf.config.optimizer.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": False})
                 elif name == "keras":
                     K.mixed_precision.set_global_policy("float32")
-                elif name == "ours":
+                elif name in OURS:
                     npu_amp_tf.disable()
         self.sessions = self.models
+        self.losses = {n: [] for n in self.models}
 
     @staticmethod
     def activate(name):
         """TF instantiates a function per call-time config: keep each config's
         rewrite options active for its own steps, not only while building."""
         tf.config.optimizer.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": name == "grappler"})
-        if name == "ours":
-            npu_amp_tf.enable(precision_mode=MODE, graph_level=2)
+        if name in OURS:
+            npu_amp_tf.enable(precision_mode=MODE, graph_level=2, **OURS[name])
         else:
             npu_amp_tf.disable()
 
     def step(self, name):
         self.activate(name)
-        out = self.models[name].train_on_batch(self.xb, self.yb)
-        self.last_loss[name] = float(out[0] if isinstance(out, (list, tuple)) else out)
+        out = self.models[name].train_on_batch(*self.data.batch(len(self.losses[name])))
+        self.losses[name].append(float(out[0] if isinstance(out, (list, tuple)) else out))
 
     def profile(self, name):
         return None
@@ -245,7 +263,55 @@ class FitRunner:
         pass
 
 
+class Data:
+    """Step ``i``'s batch, the same for every configuration (cached by index).
+
+    ``fixed``: one batch for every step (what the timing needs; a net memorises
+    it, so its loss says nothing about precision).  ``teacher``: a fresh seeded
+    batch per step, labelled by a fixed random teacher, learnable but not
+    memorisable: images are a random low-frequency field (4x4x3, upsampled)
+    plus noise, the label the argmax of a fixed random linear map of the
+    field; for BERT the embeddings are Gaussian, the label the argmax of a
+    fixed linear map of the first token (the one the classifier pools)."""
+
+    def __init__(self, kind, x_shape, classes, mode, seed=0):
+        self.kind, self.x_shape, self.classes, self.mode, self.seed = kind, x_shape, classes, mode, seed
+        trng = np.random.RandomState(seed + 7919)
+        if kind == "image":
+            self.teacher = trng.standard_normal((4 * 4 * 3, classes)).astype(np.float32)
+        else:
+            self.teacher = trng.standard_normal((x_shape[-1], classes)).astype(np.float32)
+        self._cache = {}
+
+    def batch(self, i):
+        key = 0 if self.mode == "fixed" else i
+        if key not in self._cache:
+            self._cache[key] = self._make(np.random.RandomState(self.seed * 1000003 + key))
+        return self._cache[key]
+
+    def _make(self, rng):
+        shape = self.x_shape
+        if self.mode == "fixed":
+            if self.kind == "image":
+                return (rng.uniform(-1, 1, shape).astype(np.float32),
+                        rng.randint(0, self.classes, shape[:1]).astype(np.int32))
+            return (rng.normal(0, 1, shape).astype(np.float32),
+                    rng.randint(0, self.classes, shape[:1]).astype(np.int32))
+        if self.kind == "image":
+            b, h, w, c = shape
+            z = rng.standard_normal((b, 4, 4, c)).astype(np.float32)
+            up = np.repeat(np.repeat(z, -(-h // 4), axis=1), -(-w // 4), axis=2)[:, :h, :w]
+            x = 0.5 * up + 0.25 * rng.standard_normal(shape).astype(np.float32)
+            y = np.argmax(z.reshape(b, -1) @ self.teacher, axis=1).astype(np.int32)
+            return x.astype(np.float32), y
+        x = rng.normal(0, 1, shape).astype(np.float32)
+        y = np.argmax(x[:, 0] @ self.teacher, axis=1).astype(np.int32)
+        return x, y
+
+
 def measure(runner, warmup, rounds, steps):
+    """Per-configuration step times, one entry per round (configurations
+    interleaved round-robin within each round)."""
     names = list(runner.sessions)
     for name in names:
         for _ in range(warmup):
@@ -257,12 +323,26 @@ def measure(runner, warmup, rounds, steps):
             for _ in range(steps):
                 runner.step(name)
             times[name].append((time.perf_counter() - t0) / steps)
-    return {n: statistics.median(v) for n, v in times.items()}
+    return times
+
+
+def median_ratio(num, den):
+    """Median over rounds of num[r] / den[r] (same-round pairs: load hits both)."""
+    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="slim_resnet50,keras_resnet50,keras_fit,bert")
+    ap.add_argument("--configs", default="fp32,grappler,keras,ours",
+                    help="subset of fp32,fp32_again,grappler,keras,ours,ours_nodelay")
+    ap.add_argument("--data", choices=("fixed", "teacher"), default="fixed",
+                    help="fixed: one synthetic batch (timing); teacher: a fresh seeded batch per step "
+                         "labelled by a fixed random teacher (the loss comparison)")
+    ap.add_argument("--loss-window", type=int, default=10,
+                    help="the loss compared is the mean training loss of the last N steps")
+    ap.add_argument("--lr-scale", type=float, default=1.0,
+                    help="multiply every learning rate (Momentum 0.01, Adam 1e-4) by this")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--classes", type=int, default=100)
@@ -274,71 +354,78 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
+    names = [n for n in args.configs.split(",") if n]
+    global LR_SCALE
+    LR_SCALE = args.lr_scale
 
     flags = cpu_flags()
     bf16_units = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
-    print(f"TF {tf.__version__}; CPU flags: {', '.join(flags) or 'none'}")
+    print(f"TF {tf.__version__}; CPU flags: {', '.join(flags) or 'none'}; data: {args.data}")
     if not bf16_units:
         print("this CPU has no BF16 units (avx512_bf16 / amx_bf16): the speed goals do not apply here")
-    rng = np.random.RandomState(0)
-
-    def img_feeds(x, y):
-        return {x: rng.uniform(-1, 1, x.shape.as_list()).astype(np.float32),
-                y: rng.randint(0, args.classes, y.shape.as_list()).astype(np.int32)}
-
-    def bert_feeds(x, y):
-        return {x: rng.normal(0, 1, x.shape.as_list()).astype(np.float32),
-                y: rng.randint(0, 2, y.shape.as_list()).astype(np.int32)}
 
     rows = []
     for model in args.models.split(","):
         t0 = time.perf_counter()
+        load0 = os.getloadavg()
+        img = Data("image", [args.batch, args.size, args.size, 3], args.classes, args.data)
         if model == "slim_resnet50":
-            r = SessionRunner(lambda: build_slim_resnet(args.batch, args.size, args.classes), args, img_feeds,
-                              session_configs())
+            r = SessionRunner(lambda: build_slim_resnet(args.batch, args.size, args.classes), args, img,
+                              session_configs(names))
         elif model == "keras_resnet50":
-            r = SessionRunner(lambda: build_keras_resnet(args.batch, args.size, args.classes), args, img_feeds,
-                              session_configs())
+            r = SessionRunner(lambda: build_keras_resnet(args.batch, args.size, args.classes), args, img,
+                              session_configs(names))
         elif model == "keras_fit":
-            r = FitRunner(args)
+            r = FitRunner(args, img, names)
         elif model == "bert":
-            r = SessionRunner(lambda: build_bert(args.bert_batch, args.seq, args.bert_layers), args, bert_feeds,
-                              session_configs())
+            r = SessionRunner(lambda: build_bert(args.bert_batch, args.seq, args.bert_layers), args,
+                              Data("bert", [args.bert_batch, args.seq, 768], 2, args.data),
+                              session_configs(names))
         else:
             raise SystemExit(f"unknown model {model!r}")
-        med = measure(r, args.warmup, args.rounds, args.steps)
+        load1 = os.getloadavg()
+        times = measure(r, args.warmup, args.rounds, args.steps)
+        load2 = os.getloadavg()
         n_steps = args.warmup + args.rounds * args.steps
         prof = {n: r.profile(n) for n in ("grappler", "ours") if n in r.sessions}
-        base = med.get("fp32")
-        peers = [med[n] for n in ("grappler", "keras") if n in med]
-        for name, sec in med.items():
+        base = times.get("fp32")
+        peer_names = [n for n in ("grappler", "keras") if n in times]
+        best_peer = [min(ts) for ts in zip(*(times[n] for n in peer_names))] if peer_names else None
+        window = lambda v: statistics.mean(v[-args.loss_window:]) if v else None  # noqa: E731
+        ref = window(r.losses.get("fp32", []))
+        for name, ts in times.items():
             p = prof.get(name) or {}
+            lv = window(r.losses[name])
             rows.append({
-                "model": model, "config": name, "step_s": sec,
-                "speedup_vs_fp32": base / sec if base else None,
-                "ours_vs_best_peer": (min(peers) / sec) if name == "ours" and peers else None,
-                "loss": r.last_loss.get(name), "loss_steps": n_steps,
-                "loss_rel_diff": (abs(r.last_loss[name] - r.last_loss["fp32"]) / abs(r.last_loss["fp32"])
-                                  if "fp32" in r.last_loss and name in r.last_loss else None),
+                "model": model, "config": name, "step_s": statistics.median(ts), "round_s": ts,
+                "speedup_vs_fp32": median_ratio(base, ts) if base else None,
+                "ours_vs_best_peer": (median_ratio(best_peer, ts) if name in OURS and best_peer else None),
+                "loss": lv, "loss_steps": n_steps, "loss_window": min(args.loss_window, n_steps),
+                "loss_rel_diff": (abs(lv - ref) / abs(ref) if ref and lv is not None else None),
                 "bf16_share": p.get("lp_compute_share"), "cast_share": p.get("cast_transdata_share"),
+                "loadavg_1m": [round(load1[0], 2), round(load2[0], 2)], "loadavg_before_build": round(load0[0], 2),
             })
         for name, note in getattr(r, "notes", {}).items():
             rows.append({"model": model, "config": name, "error": note})
         r.close()
-        print(f"[{model}: {time.perf_counter() - t0:.0f} s]", flush=True)
+        print(f"[{model}: {time.perf_counter() - t0:.0f} s; load average (1 min) before/after timing "
+              f"{load1[0]:.2f} / {load2[0]:.2f}]", flush=True)
 
-    print(f"\n{'model':15s} {'config':9s} {'step ms':>8s} {'x FP32':>7s} {'x best peer':>11s} "
-          f"{'loss':>8s} {'dloss':>7s} {'BF16 share':>10s} {'Cast share':>10s}")
+    print(f"\n{'model':15s} {'config':12s} {'step ms':>8s} {'x FP32':>7s} {'x best peer':>11s} "
+          f"{'loss':>8s} {'dloss':>7s} {'BF16 share':>10s} {'Cast share':>10s} {'load 1m':>11s}")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for row in rows:
         if "error" in row:
-            print(f"{row['model']:15s} {row['config']:9s} not run: {row['error']}")
+            print(f"{row['model']:15s} {row['config']:12s} not run: {row['error']}")
             continue
-        print(f"{row['model']:15s} {row['config']:9s} {row['step_s'] * 1e3:8.0f} "
+        print(f"{row['model']:15s} {row['config']:12s} {row['step_s'] * 1e3:8.0f} "
               f"{fmt(row['speedup_vs_fp32'], '7.2f')} {fmt(row['ours_vs_best_peer'], '11.2f')} "
               f"{fmt(row['loss'], '8.4f')} {fmt(row['loss_rel_diff'], '7.2%')} "
-              f"{fmt(row['bf16_share'], '10.1%')} {fmt(row['cast_share'], '10.1%')}")
-    print(f"(loss after {args.warmup + args.rounds * args.steps} steps from the same start; "
+              f"{fmt(row['bf16_share'], '10.1%')} {fmt(row['cast_share'], '10.1%')} "
+              f"{row['loadavg_1m'][0]:5.2f}/{row['loadavg_1m'][1]:5.2f}")
+    print(f"(ratios: median over {args.rounds} rounds of same-round ratios; loss: mean training loss of the "
+          f"last {min(args.loss_window, args.warmup + args.rounds * args.steps)} of "
+          f"{args.warmup + args.rounds * args.steps} steps from the same start, data={args.data}; "
           f"goals: ours >= 1.8x FP32 and >= 1.0x best peer on BF16 CPUs, |dloss| <= 2%, Cast share < 15%)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

@@ -13,6 +13,10 @@ Both are frozen (weights are constants), as an inference deployment is.
     ([8, 12, 128, 64], additive mask): TF's BatchMatMul + Mul + AddV2 +
     Softmax + BatchMatMul vs our ``FusedAttention`` kernel vs what the
     level-3 rule emits (TF's matmuls around one ``ScaleMaskSoftmax``).
+  * ``attention_train``: the same core forward *and* backward (tf.gradients
+    w.r.t. q, k, v, dropout 0.1 on the probabilities with its noise fed):
+    TF's ops vs the level-3 ``attention_train`` rewrite (``ScaleMaskSoftmax`` +
+    ``ScaleMaskSoftmaxGrad``, TF's matmuls and dropout), remapper off in both.
 
 Configurations, measured side by side in this process
   (a) TF, grappler remapping OFF
@@ -209,6 +213,30 @@ def attention_row(steps, batch=8, heads=12, seq=128, dh=64):
             {n: float(np.max(np.abs(vals[n] - vals["tf_ops"]))) for n in names})
 
 
+def attention_train_row(steps, batch=8, heads=12, seq=128, dh=64, rate=0.1):
+    """Attention core forward + backward: unfused TF ops vs the level-3 rewrite."""
+    rng = np.random.default_rng(0)
+    g = tf.Graph()
+    with g.as_default():
+        q, k, v = (tf1.placeholder(tf.float32, [batch, heads, seq, dh], name=n) for n in "qkv")
+        mask = tf1.placeholder(tf.float32, [batch, 1, 1, seq], name="m")
+        s = tf.matmul(q, k, transpose_b=True) * (1.0 / np.sqrt(dh))
+        p = tf.nn.dropout(tf.nn.softmax(s + mask), rate=rate, seed=1)
+        out = tf.matmul(p, v)
+        dy = tf1.placeholder(tf.float32, [batch, heads, seq, dh], name="dy")
+        grads = tf.gradients(out, [q, k, v], grad_ys=dy)
+        fetches = [tf.identity(t, name=f"d{n}").name for t, n in zip(grads, "qkv")]
+    gd = g.as_graph_def()
+    fused, stats = fuse(gd, [f.split(":")[0] for f in fetches], 3)
+    feeds = {f"{n}:0": rng.standard_normal((batch, heads, seq, dh)).astype(np.float32) for n in ("q", "k", "v", "dy")}
+    feeds["m:0"] = np.where(rng.random((batch, 1, 1, seq)) > 0.1, 0.0, -10000.0).astype(np.float32)
+    noise = [n.name for n in gd.node if n.op == "RandomUniform"]
+    feeds[noise[0] + ":0"] = rng.random((batch, heads, seq, seq)).astype(np.float32)
+    m = measure_interleaved({"unfused": (gd, False), "fused": (fused, False)}, feeds, fetches, steps)
+    err = max(float(np.max(np.abs(a - b))) for a, b in zip(m["unfused"][2], m["fused"][2]))
+    return m, stats, err
+
+
 def probe(name, layers):
     """Run config (b) once in a child process; returns (ok, returncode, tail of stderr)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--probe", name, "--layers", str(layers)]
@@ -221,7 +249,7 @@ def main():
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--train-layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--only", choices=("bert", "resnet", "train", "attention"))
+    ap.add_argument("--only", choices=("bert", "resnet", "train", "attention", "attention_train"))
     ap.add_argument("--probe", choices=("bert", "resnet"))
     args = ap.parse_args()
     builders = {"bert": lambda: bert_graph(args.layers), "resnet": resnet_graph}
@@ -239,6 +267,12 @@ def main():
                      "matmuls + ScaleMaskSoftmax {:.1f} ({:.2f}x); max abs diff {:.1e} / {:.1e}".format(
                          t["tf_ops"] * 1e3, t["fused_attention"] * 1e3, t["fused_attention"] / t["tf_ops"],
                          t["sms"] * 1e3, t["sms"] / t["tf_ops"], err["fused_attention"], err["sms"]))
+    if args.only in (None, "attention_train"):
+        m, stats, err = attention_train_row(max(args.steps, 20))
+        extra.append(f"attention core forward + backward [8,12,128,64] + mask + dropout 0.1, ms: TF ops "
+                     f"{m['unfused'][1] * 1e3:.1f} ({m['unfused'][0]} ops) / ScaleMaskSoftmax + ScaleMaskSoftmaxGrad "
+                     f"{m['fused'][1] * 1e3:.1f} ({m['fused'][0]} ops) -> {m['fused'][1] / m['unfused'][1]:.2f}x; "
+                     f"max abs diff of dq/dk/dv {err:.1e}; fused {stats.get('fused')}")
     if args.only in (None, "train"):
         m, stats = train_row(args.train_layers, args.steps)
         extra.append(f"training step, BERT-like x{args.train_layers} b8 s128, ms: unfused {m['unfused'][1] * 1e3:.1f} "
@@ -277,6 +311,7 @@ def main():
             print(f"  (b) probe: rc {rc}: {tail}")
     for line in extra:
         print(line)
+    print(f"load average {os.getloadavg()}")
     print("goals: (c)/(b) <= 0.8 on the BERT-like encoder, <= 1.0 on ResNet-50; training step fused <= 0.9x "
           "unfused; attention kernel >= TF's ops")
 

@@ -9,6 +9,18 @@
 //   scores [B..., S, T]      float, half or bfloat16 (arithmetic in fp32)
 //   mask   (0 or 1 tensors)  same dtype, broadcastable to scores, added
 //   out    [B..., S, T]      in the scores dtype
+//
+// ScaleMaskSoftmaxGrad(dprobs, probs; scale) -> dscores, its gradient with
+// respect to the scores (the mask's gradient is dscores / scale, summed over
+// the mask's broadcast dims; the fusion pass keeps the graph's own ops where a
+// mask needs one):
+//
+//   dscores = scale * (dprobs - sum(dprobs * probs, last axis)) * probs
+//
+// one pass per row, the dot product and arithmetic in fp32.  Registered as the
+// gradient of ScaleMaskSoftmax (npu_amp_tf/fused_ops.py) and emitted by the
+// attention fusion in training graphs in place of the softmax / scale / mask
+// backward ops autodiff built.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
@@ -49,6 +61,23 @@ REGISTER_OP("ScaleMaskSoftmax")
       return ::tensorflow::OkStatus();
     })
     .Doc("softmax(scores * scale + mask) over the last axis; fp32 arithmetic.");
+
+REGISTER_OP("ScaleMaskSoftmaxGrad")
+    .Input("dprobs: T")
+    .Input("probs: T")
+    .Output("dscores: T")
+    .Attr("T: {half, bfloat16, float}")
+    .Attr("scale: float = 1.0")
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      ::tensorflow::shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->Merge(c->input(0), c->input(1), &out));
+      c->set_output(0, out);
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+Gradient of ScaleMaskSoftmax with respect to its scores:
+scale * (dprobs - sum(dprobs * probs, last axis)) * probs, fp32 arithmetic.
+)doc");
 
 // One row, in place: z <- exp(z - max(z)) / sum.  The file is built with TF's
 // flags (no -mavx), so Eigen would use SSE; this AVX2/FMA version (exp by a
@@ -115,7 +144,71 @@ __attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* z, int64_t n) {
 }
 #endif
 
+#ifdef NPU_AMP_X86
+// fp32 rows with a contiguous (or no) mask row: z = in * scale + mask and its max
+// in one pass, then exp/sum, then the normalisation (3 passes over the row
+// instead of the generic path's 5).
+__attribute__((target("avx2,fma"))) void ScaleMaskSoftmaxRowAvx2(const float* in, const float* m, float* z,
+                                                                  int64_t n, float scale) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  if (m != nullptr) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(in + i), vs, _mm256_loadu_ps(m + i));
+      _mm256_storeu_ps(z + i, v);
+      vmax = _mm256_max_ps(vmax, v);
+    }
+  } else {
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(in + i), vs);
+      _mm256_storeu_ps(z + i, v);
+      vmax = _mm256_max_ps(vmax, v);
+    }
+  }
+  float buf[8];
+  _mm256_storeu_ps(buf, vmax);
+  float mx = -INFINITY;
+  for (float b : buf) mx = std::max(mx, b);
+  for (; i < n; ++i) {
+    z[i] = in[i] * scale + (m != nullptr ? m[i] : 0.f);
+    mx = std::max(mx, z[i]);
+  }
+  if (!std::isfinite(mx)) {  // -inf everywhere or NaN/inf: the exact reference path
+    SoftmaxRowBase(z, n);
+    return;
+  }
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 ex = Exp8(_mm256_sub_ps(_mm256_loadu_ps(z + i), vm));
+    _mm256_storeu_ps(z + i, ex);
+    vsum = _mm256_add_ps(vsum, ex);
+  }
+  _mm256_storeu_ps(buf, vsum);
+  float sum = 0.f;
+  for (float b : buf) sum += b;
+  for (; i < n; ++i) {
+    z[i] = std::exp(z[i] - mx);
+    sum += z[i];
+  }
+  const float invs = 1.0f / sum;
+  const __m256 inv = _mm256_set1_ps(invs);
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(z + i, _mm256_mul_ps(_mm256_loadu_ps(z + i), inv));
+  for (; i < n; ++i) z[i] *= invs;
+}
+#endif
+
 using RowFn = void (*)(float*, int64_t);
+using FusedRowFn = void (*)(const float*, const float*, float*, int64_t, float);
+
+FusedRowFn PickFusedRow() {
+#ifdef NPU_AMP_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &ScaleMaskSoftmaxRowAvx2;
+#endif
+  return nullptr;
+}
 
 RowFn PickRow() {
 #ifdef NPU_AMP_X86
@@ -128,7 +221,8 @@ RowFn PickRow() {
 template <typename T>
 class ScaleMaskSoftmaxOp : public OpKernel {
  public:
-  explicit ScaleMaskSoftmaxOp(OpKernelConstruction* ctx) : OpKernel(ctx), row_fn_(PickRow()) {
+  explicit ScaleMaskSoftmaxOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx), row_fn_(PickRow()), fused_fn_(PickFusedRow()) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
   }
 
@@ -168,10 +262,26 @@ class ScaleMaskSoftmaxOp : public OpKernel {
     const float scale = scale_;
     const int64_t col_stride = mstride[r - 1];
     RowFn row_fn = row_fn_;
+    FusedRowFn fused_fn = fused_fn_;
     auto work = [&](int64_t begin, int64_t end) {
       std::vector<float> buf(std::is_same<T, float>::value ? 0 : NC);
       for (int64_t row = begin; row < end; ++row) {
         const T* in = sp + row * NC;
+        if constexpr (std::is_same<T, float>::value) {
+          if (fused_fn != nullptr && (mp == nullptr || col_stride == 1)) {
+            const float* mrow = nullptr;
+            if (mp != nullptr) {
+              int64_t rem = row, off = 0;
+              for (int i = r - 2; i >= 0; --i) {
+                off += (rem % dims[i]) * mstride[i];
+                rem /= dims[i];
+              }
+              mrow = mp + off;
+            }
+            fused_fn(in, mrow, op + row * NC, NC, scale);
+            continue;
+          }
+        }
         float* zp;  // fp32 works in the output row itself
         if constexpr (std::is_same<T, float>::value) {
           zp = op + row * NC;
@@ -214,11 +324,105 @@ class ScaleMaskSoftmaxOp : public OpKernel {
  private:
   float scale_;
   RowFn row_fn_;
+  FusedRowFn fused_fn_;
+};
+
+// ------------------------------------------------------------------ gradient
+// One row: out = (dp - sum(dp * p)) * (scale * p), everything fp32.
+void SoftmaxGradRowBase(const float* dp, const float* p, float* out, int64_t n, float scale) {
+  Eigen::Map<const Eigen::ArrayXf> a(dp, n), b(p, n);
+  const float dot = (a * b).sum();
+  Eigen::Map<Eigen::ArrayXf>(out, n) = (a - dot) * b * scale;
+}
+
+#ifdef NPU_AMP_X86
+__attribute__((target("avx2,fma"))) void SoftmaxGradRowAvx2(const float* dp, const float* p, float* out,
+                                                             int64_t n, float scale) {
+  int64_t i = 0;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(dp + i), _mm256_loadu_ps(p + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(dp + i + 8), _mm256_loadu_ps(p + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(dp + i), _mm256_loadu_ps(p + i), acc0);
+  float buf[8];
+  _mm256_storeu_ps(buf, _mm256_add_ps(acc0, acc1));
+  float dot = 0.f;
+  for (float v : buf) dot += v;
+  for (; i < n; ++i) dot += dp[i] * p[i];
+  const __m256 vd = _mm256_set1_ps(dot), vs = _mm256_set1_ps(scale);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 sp = _mm256_mul_ps(_mm256_loadu_ps(p + i), vs);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(dp + i), vd), sp));
+  }
+  for (; i < n; ++i) out[i] = (dp[i] - dot) * (p[i] * scale);
+}
+#endif
+
+using GradRowFn = void (*)(const float*, const float*, float*, int64_t, float);
+
+GradRowFn PickGradRow() {
+#ifdef NPU_AMP_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &SoftmaxGradRowAvx2;
+#endif
+  return &SoftmaxGradRowBase;
+}
+
+template <typename T>
+class ScaleMaskSoftmaxGradOp : public OpKernel {
+ public:
+  explicit ScaleMaskSoftmaxGradOp(OpKernelConstruction* ctx) : OpKernel(ctx), row_fn_(PickGradRow()) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& dy = ctx->input(0);
+    const Tensor& y = ctx->input(1);
+    OP_REQUIRES(ctx, dy.shape() == y.shape(),
+                InvalidArgument("ScaleMaskSoftmaxGrad: dprobs ", dy.shape().DebugString(), " and probs ",
+                                y.shape().DebugString(), " must have the same shape"));
+    OP_REQUIRES(ctx, y.dims() >= 1, InvalidArgument("ScaleMaskSoftmaxGrad: probs must have rank >= 1"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y.shape(), &out));
+    const int64_t NC = y.dim_size(y.dims() - 1);
+    const int64_t rows = NC == 0 ? 0 : y.NumElements() / NC;
+    if (rows == 0) return;
+    const T* dyp = dy.flat<T>().data();
+    const T* yp = y.flat<T>().data();
+    T* op = out->flat<T>().data();
+    const float scale = scale_;
+    GradRowFn row_fn = row_fn_;
+    auto work = [&](int64_t begin, int64_t end) {
+      constexpr bool kF32 = std::is_same<T, float>::value;
+      std::vector<float> a(kF32 ? 0 : NC), b(kF32 ? 0 : NC), c(kF32 ? 0 : NC);
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t off = row * NC;
+        if constexpr (kF32) {
+          row_fn(dyp + off, yp + off, op + off, NC, scale);
+        } else {
+          for (int64_t j = 0; j < NC; ++j) a[j] = static_cast<float>(dyp[off + j]);
+          for (int64_t j = 0; j < NC; ++j) b[j] = static_cast<float>(yp[off + j]);
+          row_fn(a.data(), b.data(), c.data(), NC, scale);
+          for (int64_t j = 0; j < NC; ++j) op[off + j] = static_cast<T>(c[j]);
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    pool->ParallelFor(rows, /*cost_per_unit=*/NC * 8, work);
+  }
+
+ private:
+  float scale_;
+  GradRowFn row_fn_;
 };
 
 #define REGISTER(T)                                                                        \
   REGISTER_KERNEL_BUILDER(Name("ScaleMaskSoftmax").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-                          ScaleMaskSoftmaxOp<T>);
+                          ScaleMaskSoftmaxOp<T>);                                          \
+  REGISTER_KERNEL_BUILDER(                                                                 \
+      Name("ScaleMaskSoftmaxGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"),              \
+      ScaleMaskSoftmaxGradOp<T>);
 REGISTER(float);
 REGISTER(Eigen::half);
 REGISTER(Eigen::bfloat16);

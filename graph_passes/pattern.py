@@ -173,8 +173,12 @@ def _restore(state, snap):
     del state[3][snap[3]:]
 
 
-def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Match | None:
-    """Match ``pat`` with its root at node ``anchor``, or None."""
+def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset(),
+             escapes_ok: bool = False) -> Match | None:
+    """Match ``pat`` with its root at node ``anchor``, or None.  With
+    ``escapes_ok`` an inner tensor may be read outside the match (a training
+    graph's gradient reads them); the caller must then handle every such reader
+    (the fusion framework refuses the match otherwise)."""
     state = ({}, {}, [], [])  # captured nodes, captured tensors, inner names, leaf refs
     if not _match(graph, pat._as_root(), anchor, state):
         return None
@@ -192,6 +196,8 @@ def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset()) -> Matc
     for name in matched[1:]:
         if name in protected:
             return None
+        if escapes_ok:
+            continue
         for cname, idx in graph.consumers(name):
             if cname not in inner:  # inner tensor escapes, or a control edge leaves it
                 return None
@@ -214,7 +220,8 @@ def _anchor_ops(pat: Pat):
     return pat._opset()
 
 
-def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None) -> list[Match]:
+def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
+                 escapes_ok: bool = False) -> list[Match]:
     """All non-overlapping matches, anchors visited in topological order."""
     used: set[str] = set()
     out = []
@@ -235,7 +242,7 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None) -> l
             continue
         if first_ops is not None and nodes[name].op not in first_ops:
             continue
-        m = match_at(graph, pat, name, protected)
+        m = match_at(graph, pat, name, protected, escapes_ok)
         if m is None or used.intersection(m.matched):
             continue
         used.update(m.matched)

@@ -14,6 +14,10 @@ graphs that contain them can run.
   the input dtype.  Differentiable (C++ ``RMSNormGrad``).
 * :func:`scale_mask_softmax` -- ``softmax(scores * scale + mask)`` over the last
   axis in one pass; what the attention fusion emits between TF's own matmuls.
+  Differentiable: the registered gradient runs the C++ ``ScaleMaskSoftmaxGrad``
+  (``scale * (dp - sum(dp * p)) * p``, fp32 arithmetic) for the scores and, when
+  the mask needs a gradient, once more with scale 1 for the mask (summed over
+  its broadcast dims).
 * :func:`fused_attention` -- ``softmax(q . k^T * scale + mask) . v`` (fp32,
   inference only: no gradient is registered, asking for one raises).
 """
@@ -45,7 +49,7 @@ def rms_norm(x, gamma, epsilon: float = 1e-6, name=None):
 
 def scale_mask_softmax(scores, mask=None, scale: float = 1.0, name=None):
     """``softmax(scores * scale + mask)`` over the last axis in one pass (fp32
-    arithmetic; float32/float16/bfloat16).  Inference op: no gradient."""
+    arithmetic; float32/float16/bfloat16).  Differentiable w.r.t. scores and mask."""
     masks = [] if mask is None else [mask]
     return _lib.scale_mask_softmax(scores, masks, scale=float(scale), name=name)
 
@@ -68,6 +72,24 @@ def _layer_norm_grad(op, dy, _dmean, _dinv):
 def _rms_norm_grad(op, dy, _dinv):
     x, gamma = op.inputs
     return tuple(_lib.rms_norm_grad(dy, x, gamma, op.outputs[1]))
+
+
+@tf.RegisterGradient("ScaleMaskSoftmax")
+def _scale_mask_softmax_grad(op, dprobs):
+    probs = op.outputs[0]
+    scale = op.get_attr("scale")
+    dscores = _lib.scale_mask_softmax_grad(dprobs, probs, scale=scale)
+    if len(op.inputs) == 1:
+        return [dscores]
+    skip = getattr(op, "skip_input_indices", None)  # set by the TF2 tape for unwatched inputs
+    if skip is not None and 1 in skip:
+        return [dscores, None]
+    # d/dmask = d/dlogits summed over the dims the mask was broadcast along
+    dlogits = _lib.scale_mask_softmax_grad(dprobs, probs, scale=1.0)
+    mask = op.inputs[1]
+    _, rm = tf.raw_ops.BroadcastGradientArgs(s0=tf.shape(probs), s1=tf.shape(mask))
+    dmask = tf.reshape(tf.reduce_sum(dlogits, rm), tf.shape(mask))
+    return [dscores, dmask]
 
 
 __all__ = ["layer_norm", "rms_norm", "scale_mask_softmax", "fused_attention"]

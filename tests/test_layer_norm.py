@@ -152,16 +152,20 @@ def test_keras_layer_normalization_fused():
     np.testing.assert_allclose(a, b, atol=1e-4)
 
 
-def test_training_graph_layer_norm_left_alone():
-    """Policy: the backward pass reads the pattern's inner tensors, so the
-    matcher refuses; the training step is unchanged."""
+def test_training_graph_layer_norm_and_gradient_fused():
+    """Policy (issue 14): the backward pass that reads the pattern's inner
+    tensors becomes one LayerNormGrad; one SGD step gives the same weights
+    (tests/test_fusion_ln_training.py has the full matrix)."""
     gd = _keras_ln_graph(training=True)
     new, rep = rewrite(gd, ["train", "loss"])
-    assert op_counts(new)["LayerNorm"] == 0
-    fetch = ["d/kernel/Read/ReadVariableOp", "loss"]
+    c = op_counts(new)
+    assert c["LayerNorm"] == 1 and c["LayerNormGrad"] == 1 and c["FusedBatchNormGradV3"] == 0
+    fetch = ["d/kernel/Read/ReadVariableOp", "ln/gamma/Read/ReadVariableOp", "loss"]
+    a0 = run_gd(gd, fetch, FEED, init="init")
     a = run_gd(gd, fetch, FEED, init="init", steps=("train", 1))
     b = run_gd(new, fetch, FEED, init="init", steps=("train", 1))
-    for x, y in zip(a, b):
+    for w0, x, y in zip(a0, a, b):
+        assert np.abs(x - w0).max() > 1e-6  # the step moved it (a zero gradient would fail)
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 

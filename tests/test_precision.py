@@ -508,3 +508,73 @@ def test_keep_fp16_copies_are_read_instead_of_casting_the_master():
             master, copy = sess.run([master_read + ":0", w_in.name + ":0"])
     assert l3 < l0
     np.testing.assert_array_equal(copy, master.astype(np.float16))
+
+
+def _bf16_mean_is_accurate():
+    """Measured here, independently of the registry: does this TF's BF16
+    Mean accumulate in FP32?  Mean over 32768 BF16 values in [0.5, 1.5]
+    against the exact mean of the same values; a BF16 accumulator loses
+    most digits (0.94 relative on TF 2.15.1), an FP32 one rounds only the
+    result (<= one BF16 ulp, 2^-7 relative)."""
+    x = np.random.RandomState(0).uniform(0.5, 1.5, [8, 64, 64, 64]).astype(np.float32)
+    xb = tf.cast(tf.constant(x), tf.bfloat16)
+    got = tf.function(lambda t: tf.reduce_mean(t, [0, 1, 2]))(xb)
+    got = tf.cast(got, tf.float32).numpy().astype(np.float64)
+    exact = tf.cast(xb, tf.float32).numpy().astype(np.float64).mean(axis=(0, 1, 2))
+    return float(np.max(np.abs(got - exact) / exact)) <= 2.0 ** -7
+
+
+def _global_pool_step():
+    """conv -> relu -> global average pool (Mean over H, W) -> dense -> loss,
+    with the gradients: Keras ResNet-50's head in a tf.compat.v1 graph."""
+    def fn():
+        rng = np.random.RandomState(1)
+        x = ph("x", (2, 8, 8, 3))
+        k = tf.constant(rng.standard_normal((3, 3, 3, 16)).astype(np.float32) * 0.3, name="k")
+        w = tf.constant(rng.standard_normal((16, 4)).astype(np.float32) * 0.3, name="w")
+        h = tf.nn.relu(tf.nn.conv2d(x, k, 1, "SAME"), name="act")
+        pooled = tf.reduce_mean(h, [1, 2], name="pool")
+        logits = tf.matmul(pooled, w, name="logits")
+        loss = tf.reduce_sum(tf.square(logits), name="loss")
+        g = tf.gradients(loss, [k, w], name="grads")
+        tf.identity(g[0], name="gk")
+        tf.identity(g[1], name="gw")
+    return build(fn)
+
+
+def test_bf16_mean_follows_producers_only_where_its_kernel_accumulates_in_fp32():
+    """Keras ResNet-50 under fit on TF 2.21: ours ran 220 casts, grappler's
+    oneDNN BF16 AMP 218 -- the global average pool's Mean, black for us,
+    BF16 for grappler (an FP32 round trip: Relu -> CastToFp32 -> Mean ->
+    CastToBf16 -> MatMul).  Mean is black for FP16's range; with BF16 it now
+    follows its producers where TF's BF16 Mean accumulates in FP32 (measured
+    above, not read from the registry), and stays FP32 where it does not."""
+    gd = _global_pool_step()
+    fetches = ["loss", "gk", "gw"]
+    accurate = _bf16_mean_is_accurate()
+    assert bool(registry.bf16_accumulates_in_fp32("Mean")) == accurate
+    out, rep = precision(gd, fetches, precision_mode="allow_mix_precision_bf16")
+    assert dtype_of(out, "act") == BF16 and dtype_of(out, "logits") == BF16
+    readers_of_act = [n for n in out.node if "act" in n.input]
+    if accurate:
+        assert dtype_of(out, "pool") == BF16
+        assert rep.decisions["pool"]["list"] == "gray"
+        # no FP32 round trip around the pool: the Mean reads the Relu, the MatMul reads the Mean
+        assert any(n.name == "pool" for n in readers_of_act)
+        assert "pool" in next(n for n in out.node if n.name == "logits").input
+        assert not [c for c in casts(out) if c.startswith(("act/", "pool/"))]
+    else:
+        assert dtype_of(out, "pool") == F32
+        assert rep.decisions["pool"]["list"] == "black"
+        assert "act/CastToFp32" in casts(out) and "pool/CastToBf16" in casts(out)
+    assert len(casts(out)) == rep.summary["casts_inserted"]
+    # FP16 keeps Mean black on every TF (the range reason stands)
+    out16, _ = precision(gd, fetches, precision_mode="allow_mix_precision")
+    assert dtype_of(out16, "pool") == F32
+    # a user's black entry wins
+    outb, _ = precision(gd, fetches, precision_mode="allow_mix_precision_bf16", custom_black_list=["Mean"])
+    assert dtype_of(outb, "pool") == F32
+    feeds = {"x:0": np.random.RandomState(2).standard_normal((2, 8, 8, 3)).astype(np.float32)}
+    ref = run_graph(gd, [f + ":0" for f in fetches], feeds)
+    for got, want in zip(run_graph(out, [f + ":0" for f in fetches], feeds), ref):
+        np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2 * np.abs(want).max())

@@ -199,3 +199,60 @@ def test_delayed_casts_in_grappler_session_keep_the_graph_acyclic():
     assert mm == {BF16}, mm
     assert any(n.op == "Cast" and any(i.startswith("^") for i in n.input) for n in ran["bf16"])
     np.testing.assert_allclose(losses["bf16"], losses["fp32"], rtol=2.5e-2)
+
+
+def two_attention_step(big_rows):
+    """Two softmax branches feeding one loss: a big one ([big_rows, 256]) and
+    a tiny one ([2, 2]); each softmax backward reads an FP32 copy of its
+    BF16 softmax.  ``big_rows=None`` leaves the big branch's rows unknown."""
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(0)
+        x = v1.placeholder(tf.float32, [big_rows, 256], name="x")
+        t = v1.placeholder(tf.float32, [2, 2], name="t")
+        w = tf.constant(rng.standard_normal((256, 256)).astype(np.float32) * 0.1, name="w")
+        u = tf.constant(rng.standard_normal((2, 2)).astype(np.float32), name="u")
+        big = tf.nn.softmax(tf.matmul(x, w, name="big_scores"), name="big")
+        tiny = tf.nn.softmax(tf.matmul(t, u, name="tiny_scores"), name="tiny")
+        loss = tf.add(tf.reduce_sum(tf.square(tf.matmul(big, w, name="big_out"))),
+                      tf.reduce_sum(tf.square(tf.matmul(tiny, u, name="tiny_out"))), name="loss")
+        grads = tf.gradients(loss, [w, u], name="gradients")
+        tf.identity(grads[0], name="g_w")
+        tf.identity(grads[1], name="g_u")
+    return g.as_graph_def()
+
+
+def test_small_fp32_copies_run_when_ready_large_ones_wait():
+    """Only copies whose bytes matter wait: the tiny softmax's FP32 copy
+    (16 bytes, far below 1% of the delayed copies' bytes) gets no control
+    edge, the big one ([64, 256], 64 KiB) waits for its gradient; a copy of
+    unknown size counts as large."""
+    fetches = ["loss", "g_w", "g_u"]
+    out, rep = precision(two_attention_step(64), fetches, precision_mode="allow_mix_precision_bf16")
+    n = nodes(out)
+    assert n["big"].attr["T"].type == BF16 and n["tiny"].attr["T"].type == BF16
+    big_waits = [i for i in n["big/CastToFp32"].input if i.startswith("^")]
+    assert big_waits and all(w[1:].startswith("gradients/") for w in big_waits)
+    assert not [i for i in n["tiny/CastToFp32"].input if i.startswith("^")]
+    assert rep.summary["casts_delayed"] == 1
+    assert "16 bytes" in rep.decisions["tiny/CastToFp32"]["not_delayed"]
+    assert "waits_for" not in rep.decisions["tiny/CastToFp32"]
+    feeds = {"x:0": np.random.RandomState(1).standard_normal((64, 256)).astype(np.float32),
+             "t:0": np.random.RandomState(2).standard_normal((2, 2)).astype(np.float32)}
+
+    def run_it(gd):
+        g = tf.Graph()
+        with g.as_default():
+            tf.graph_util.import_graph_def(gd, name="")
+        with v1.Session(graph=g) as s:
+            return s.run([f + ":0" for f in fetches], feeds)
+
+    for got, want in zip(run_it(out), run_it(two_attention_step(64))):
+        np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2 * np.abs(want).max())
+    # rows unknown: the big copy's size is unknown, so it is never "small"; the tiny one is
+    # then the only sized copy, and a lone copy is not compared with anything: both wait
+    out_u, rep_u = precision(two_attention_step(None), fetches, precision_mode="allow_mix_precision_bf16")
+    nu = nodes(out_u)
+    assert [i for i in nu["big/CastToFp32"].input if i.startswith("^")]
+    assert [i for i in nu["tiny/CastToFp32"].input if i.startswith("^")]
+    assert rep_u.summary["casts_delayed"] == 2

@@ -319,7 +319,9 @@ def const_eval(b, ref, depth=0):
         return None
     if node.op == "Const":
         v = b.const(ref)
-        return None if v is None or v.dtype.kind not in "fiub" else v.astype(np.float64)
+        if v is None or (v.dtype.kind not in "fiub" and v.dtype.name != "bfloat16"):  # ml_dtypes: kind "V"
+            return None
+        return v.astype(np.float32).astype(np.float64)
     data = b.graph.data_inputs(node)
     if node.op in _CONST_UNARY and data:
         v = const_eval(b, data[0], depth + 1)
@@ -478,6 +480,7 @@ def _emit_layer_norm(m, b, x, gamma, beta, eps):
     else:
         b.require(core[-1] > 1, "x shape unknown and gamma could broadcast")
     b.emit("LayerNorm", m.anchor, [x, gamma, beta], {"T": ("type", dt), "epsilon": float(eps)})
+    _norm_backward(m, b, "layer_norm", x, gamma, beta, gs)
 
 
 def _build_ln_moments(m, b):
@@ -499,9 +502,11 @@ def _build_ln_moments(m, b):
 
 def _moments():
     mean = Pat("Mean", name="mean", inputs=[Pat.any("x"), Pat.any("axes")])
+    # grappler's arithmetic optimizer removes the StopGradient (a no-op when running)
     var = Pat("Mean", name="var", inputs=[
         Pat("SquaredDifference", name="sqd", inputs=[
-            Pat.any("x"), Pat("StopGradient", name="sg", inputs=[Pat.any("@mean")])]),
+            Pat.any("x"), Pat.one_of(Pat("StopGradient", name="sg", inputs=[Pat.any("@mean")]),
+                                     Pat.any("@mean"))]),
         Pat.any("axes2")])
     inv = Pat("Mul", name="inv", commutative=True, inputs=[
         Pat("Rsqrt", name="rsqrt", inputs=[
@@ -520,12 +525,22 @@ def _ln_moments_pat():
 
 def _ln_keras3_pat():
     mean, inv = _moments()
-    return Pat(("AddV2", "Add"), commutative=True, inputs=[
+    keras3 = Pat(("AddV2", "Add"), commutative=True, inputs=[
         Pat("Mul", name="xinv", commutative=True, inputs=[Pat.any("x"), inv]),
         Pat(("AddV2", "Add"), name="shift", commutative=True, inputs=[
             Pat("Mul", name="minv", commutative=True, inputs=[
                 Pat("Neg", name="neg", inputs=[mean]), Pat.any("@inv")]),
             Pat.any("beta")])])
+    # the same after grappler's AddOpsRewrite (the inner add has one reader):
+    # AddV2(beta, AddN(x*inv, -mean*inv))
+    mean2, inv2 = _moments()
+    rewritten = Pat(("AddV2", "Add"), commutative=True, inputs=[
+        Pat("AddN", name="shift", commutative=True, inputs=[
+            Pat("Mul", name="xinv", commutative=True, inputs=[Pat.any("x"), inv2]),
+            Pat("Mul", name="minv", commutative=True, inputs=[
+                Pat("Neg", name="neg", inputs=[mean2]), Pat.any("@inv")])]),
+        Pat.any("beta")])
+    return Pat.one_of(keras3, rewritten)
 
 
 def _build_ln_keras2(m, b):
@@ -534,8 +549,12 @@ def _build_ln_keras2(m, b):
               "FusedBatchNorm is not the Keras layer-norm form (training, NCHW)")
     for k, want in (("scale", 1.0), ("offset", 0.0)):
         node = b.graph.nodes.get(parse_tensor(m[k])[0])
-        b.require(node is not None and node.op == "Fill" and _close(b.scalar(node.input[1]), want),
-                  f"FusedBatchNorm {k} is not a fill of {want}")
+        if node is not None and node.op == "Fill":
+            ok = _close(b.scalar(node.input[1]), want)
+        else:  # grappler's constant folding turned the Fill into a Const
+            v = b.const(m[k])
+            ok = v is not None and v.size > 0 and bool(np.all(np.abs(v - want) <= 1e-6))
+        b.require(ok, f"FusedBatchNorm {k} is not a fill of {want}")
     xs = b.shape(m["x"])
     b.require(xs is not None, "input shape unknown")
     _emit_layer_norm(m, b, m["x"], m["gamma"], m["beta"], fbn.attr["epsilon"].f)
@@ -550,6 +569,107 @@ def _ln_keras2_pat():
             Pat("Reshape", name="rs_out", inputs=[fbn, Pat.any("shape_out")]), Pat.any("gamma")]),
         Pat.any("beta")])
 
+
+
+# ------------------------------------------------- the backward of a fused norm
+def _squeeze_lead(shape):
+    s = list(shape)
+    while len(s) > 1 and s[0] == 1:
+        s.pop(0)
+    return s
+
+
+def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=True):
+    """Training graphs: when the backward pass reads the forward's inner
+    tensors, replace that gradient subgraph (``grad_region.find_grad_region``)
+    by ONE ``LayerNormGrad(dy, x, gamma, mean, inv_std) -> dx, dgamma, dbeta``
+    (``RMSNormGrad(dy, x, gamma, inv_rms) -> dx, dgamma``) reading the fused
+    op's statistics.  Every tensor leaving the region must be dx (or partial
+    dx terms that one AddN sums, replaced there by the one dx), dgamma or dbeta
+    (gamma's shape, leading 1s aside; dbeta depends on no forward value), else
+    the match is refused with the reason and the graph is unchanged.
+
+        x, gamma, beta -> [mean, sub, rsqrt, mul, add] -> y       x, gamma, beta -> LayerNorm -> y
+        dy -> [Mul, Sum, Reshape, RsqrtGrad, Tile, ...] ─ dx1 ┐    dy -> LayerNormGrad ─ dx ┐
+                                                          dx2 ┼ AddN       dgamma, dbeta   ├ AddN
+                                            d_residual ───────┘           d_residual ─────┘
+    """
+    from .grad_region import GradRegionRefused, assign_outputs, attributed_forward, find_grad_region
+
+    if not b.escaping_readers():
+        return
+    g = b.graph
+    dt = b.dtype(x)
+    xs, gs = b.shape(x), list(gshape) if gshape is not None else None
+    b.require(xs is not None and min(xs, default=0) > 0 and gs is not None,
+              "not fused: the backward pass reads the norm's inner tensors and x's shape is not static")
+    b.require(_squeeze_lead(xs) != _squeeze_lead(gs),
+              f"not fused: x {xs} has one normalised row, so dx and dgamma cannot be told apart by shape")
+    inner = set(b.match.matched) | set(b.absorbed)
+    inputs = [t for t, real in ((x, True), (gamma, has_gamma), (beta, has_beta)) if real and t is not None]
+    protected = b.ctx.protected if b.ctx is not None else frozenset()
+    try:
+        region = find_grad_region(g, inner, [tensor_name(m.anchor, 0)], inputs, shapes=b.shapes,
+                                  protected=protected, dy_shape=list(xs))
+
+        def classify(ref):
+            if b.dtype(ref) != dt or not region.depends_on_dy(ref):
+                return None
+            sh = b.shape(ref)
+            if sh is None or min(sh, default=0) < 0:
+                return None
+            fwd = region.depends_on_forward(ref)
+            if list(sh) == list(xs) and fwd:
+                return "dx"
+            if _squeeze_lead(sh) == _squeeze_lead(gs):
+                if fwd and has_gamma:
+                    return "dgamma"
+                if not fwd and has_beta and kind == "layer_norm":
+                    return "dbeta"
+            return None
+
+        terms = assign_outputs(region, g, classify, summed=("dx",))
+    except GradRegionRefused as exc:
+        raise Skip(str(exc)) from None
+    b.require("dx" in terms, "not fused: the backward pass reads the norm's inner tensors, but no "
+                             "gradient with respect to x leaves it")
+    b.require(b.dtype(region.dy) == dt, "the incoming gradient's dtype differs from the input's")
+    op = "LayerNormGrad" if kind == "layer_norm" else "RMSNormGrad"
+    gname = f"{m.anchor}/{op}"
+    stats = [tensor_name(m.anchor, 1)] + ([tensor_name(m.anchor, 2)] if kind == "layer_norm" else [])
+    b.emit(op, gname, [region.dy, x, gamma] + stats, {"T": ("type", dt)})
+    ports = {"dx": 0, "dgamma": 1, "dbeta": 2}
+    want_shape = {"dx": list(xs), "dgamma": list(gs), "dbeta": list(gs)}
+    rewire = {}
+    for role, term in terms.items():
+        src = tensor_name(gname, ports[role])
+        if term.aggregator is not None:
+            agg = g.nodes[term.aggregator]
+            b.replace(agg.name, control_ok=True)
+            rest = [i for i in g.data_inputs(agg) if _canon(i) not in term.refs]
+            rest_ctrl = [i for i in agg.input if i.startswith("^")]
+            if not rest:
+                b.emit("Identity", agg.name, [src] + rest_ctrl, {"T": ("type", dt)})
+            elif agg.op == "AddN":
+                b.emit("AddN", agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt), "N": 1 + len(rest)})
+            else:
+                b.emit(agg.op, agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt)})
+            b.emitted[-1].device = agg.device  # the sum stays where it was placed
+            continue
+        for k, ref in enumerate(term.refs):
+            sh = list(b.shape(ref))
+            if sh == want_shape[role]:
+                rewire[ref] = src
+                continue
+            shp = b.const_node(f"{gname}/{role}_shape_{k}", np.asarray(sh, np.int32), registry.types_pb2.DT_INT32)
+            rewire[ref] = b.emit("Reshape", f"{gname}/{role}_{k}", [src, shp],
+                                 {"T": ("type", dt), "Tshape": ("type", registry.types_pb2.DT_INT32)})
+    b.region(region.nodes, rewire, gname)
+
+
+def _canon(ref):
+    n, p, c = parse_tensor(ref)
+    return ("^" + n) if c else (n if p == 0 else f"{n}:{p}")
 
 # ------------------------------------------------- LayerNorm / RMSNorm, any form
 # A functional matcher (the forms are too many for one Pat tree): the rule's Pat
@@ -752,19 +872,32 @@ def _classify_norm(graph, factors, inner):
 def _would_extend(graph, node) -> bool:
     """True when ``node``'s single consumer also matches a norm (and so is the
     better anchor: it takes gamma or beta in too)."""
+    from .grad_region import is_autodiff_name
+
     cons = graph.consumers(node.name)
-    if len(cons) != 1 or cons[0][1] < 0:
-        return False
-    c = graph.nodes[cons[0][0]]
-    if c.op not in _ADDS + ("Mul",):
-        return False
-    res = analyze_norm(graph, c)
-    return res is not None and node.name in res["inner"]
+    for cname, idx in cons:
+        # training graphs: the gradient reads the node too; any other reader
+        # (forward code) keeps it the output
+        c = graph.nodes[cname]
+        if idx < 0 or c.op not in _ADDS + ("Mul",):
+            continue
+        if any(o != cname and not is_autodiff_name(o) for o, _ in cons):
+            return False
+        res = analyze_norm(graph, c)
+        if res is not None and node.name in res["inner"] and not (res["kind"] == "rms_norm" and res["beta"]):
+            return True
+    return False
 
 
 def _norm_predicate(node, graph):
+    from .grad_region import is_autodiff_name
+
+    if is_autodiff_name(node.name):  # a gradient's own Mul chain is no norm
+        return False
     res = analyze_norm(graph, node)
-    return res is not None and not _would_extend(graph, node)
+    if res is None or (res["kind"] == "rms_norm" and res["beta"] is not None):
+        return False  # RMSNorm + a bias: the plain RMSNorm under it is the match
+    return not _would_extend(graph, node)
 
 
 def _build_norm(m, b):
@@ -803,12 +936,16 @@ def _build_norm(m, b):
     inner = list(dict.fromkeys(res["inner"]))
     if res["kind"] == "layer_norm":
         beta = param(res["beta"], "beta", 0.0)
-        b.absorb(inner)
+        b.absorb(inner, escapes_ok=True)
         b.emit("LayerNorm", m.anchor, [x, gamma, beta], {"T": ("type", dt), "epsilon": float(eps)})
+        _norm_backward(m, b, "layer_norm", x, gamma, beta, norm,
+                       has_gamma=res["gamma"] is not None, has_beta=res["beta"] is not None)
     else:
         b.require(res["beta"] is None, "RMSNorm takes no beta")
-        b.absorb(inner)
+        b.absorb(inner, escapes_ok=True)
         b.emit("RMSNorm", m.anchor, [x, gamma], {"T": ("type", dt), "epsilon": float(eps)})
+        _norm_backward(m, b, "rms_norm", x, gamma, None, norm, has_gamma=res["gamma"] is not None,
+                       has_beta=False)
 
 
 # ------------------------------------------------------------- attention, any form
@@ -853,6 +990,65 @@ def _scale_chain(b, ref, inner, max_ops=2):
     return ref, scale
 
 
+def _is_product(node, graph, transposed=False) -> bool:
+    """A q.k product (BatchMatMul/Einsum); with ``transposed`` also a Transpose
+    of one (Keras 3 lowers its einsum to BatchMatMulV2 + Transpose)."""
+    if node is None:
+        return False
+    if node.op in _ATT_OPS:
+        return True
+    return transposed and node.op == "Transpose" and _is_product(_src(graph, node.input[0]), graph)
+
+
+def _softmax_front(b, sm, inner, transposed=False):
+    """What feeds Softmax ``sm``: ``[scale *] scores [+ mask | where(mask, ., fill)]``
+    with the scores a q.k product.  Appends the mask/scale nodes to ``inner``;
+    returns (scores_ref, scale, mask, bool_mask) or raises Skip."""
+    g = b.graph
+    logits = sm.input[0]
+    mask, bool_mask = None, None
+    node = _src(g, logits)
+    scores_ref = logits
+    if node is not None and node.op in _ADDS:
+        a, c = g.data_inputs(node)
+        for s_ref, mk in ((a, c), (c, a)):
+            bn = _src(g, _scale_chain(b, s_ref, [])[0])
+            if _is_product(bn, g, transposed):
+                inner.append(node.name)
+                scores_ref, mask = s_ref, mk
+                break
+    elif node is not None and node.op in ("Select", "SelectV2"):
+        cond, then, other = g.data_inputs(node)
+        for s_ref, fill, keep in ((then, other, True), (other, then, False)):
+            bn = _src(g, _scale_chain(b, s_ref, [])[0])
+            if _is_product(bn, g, transposed):
+                fv = const_scalar(b, fill)
+                b.require(fv is not None, "the masked fill value is not a constant")
+                inner.append(node.name)
+                scores_ref, bool_mask = s_ref, (cond, fv, keep)
+                break
+    s_base, scale = _scale_chain(b, scores_ref, inner)
+    bmm1 = _src(g, s_base)
+    b.require(_is_product(bmm1, g, transposed), "softmax input is not a scaled q.k product")
+    return s_base, scale, mask, bool_mask
+
+
+def _softmax_inputs(b, base, s_base, mask, bool_mask, dt):
+    """The ScaleMaskSoftmax inputs (scores, mask); a boolean mask becomes the
+    additive ``SelectV2(mask, 0, fill)`` named ``<base>/mask``."""
+    inputs = [s_base]
+    if mask is not None:
+        b.require(b.dtype(mask) == dt, "the mask dtype differs from the scores")
+        inputs.append(mask)
+    elif bool_mask is not None:
+        cond, fill, keep = bool_mask
+        zero = b.const_node(f"{base}/mask_keep", 0.0, dt)
+        drop = b.const_node(f"{base}/mask_fill", fill, dt)
+        inputs.append(b.emit("SelectV2", f"{base}/mask", [cond] + ([zero, drop] if keep else [drop, zero]),
+                             {"T": ("type", dt)}))
+    return inputs
+
+
 def _build_attention_any(m, b):
     """softmax(q.k * scale [+ mask | where(mask, ., fill)]) . v  =>  the two products
     stay (TF's oneDNN GEMMs), scale + mask + softmax become one ScaleMaskSoftmax.
@@ -867,31 +1063,8 @@ def _build_attention_any(m, b):
     p_in = g.data_inputs(bmm2)[0]
     _, sm = _through_identity(g, p_in, inner)
     inner.append(sm.name)
-    logits = sm.input[0]
-    mask, bool_mask = None, None
-    node = _src(g, logits)
-    scores_ref = logits
-    if node is not None and node.op in _ADDS:
-        a, c = g.data_inputs(node)
-        for s_ref, mk in ((a, c), (c, a)):
-            bn = _src(g, _scale_chain(b, s_ref, [])[0])
-            if bn is not None and bn.op in _ATT_OPS:
-                inner.append(node.name)
-                scores_ref, mask = s_ref, mk
-                break
-    elif node is not None and node.op in ("Select", "SelectV2"):
-        cond, then, other = g.data_inputs(node)
-        for s_ref, fill, keep in ((then, other, True), (other, then, False)):
-            bn = _src(g, _scale_chain(b, s_ref, [])[0])
-            if bn is not None and bn.op in _ATT_OPS:
-                fv = const_scalar(b, fill)
-                b.require(fv is not None, "the masked fill value is not a constant")
-                inner.append(node.name)
-                scores_ref, bool_mask = s_ref, (cond, fv, keep)
-                break
-    s_base, scale = _scale_chain(b, scores_ref, inner)
+    s_base, scale, mask, bool_mask = _softmax_front(b, sm, inner)
     bmm1 = _src(g, s_base)
-    b.require(bmm1 is not None and bmm1.op in _ATT_OPS, "softmax input is not a scaled q.k product")
     ops_in = g.data_inputs(bmm1)
     new_in = list(ops_in)
     for i, ref in enumerate(ops_in):  # a scale on q or k moves into the softmax op
@@ -913,20 +1086,167 @@ def _build_attention_any(m, b):
     copy = lambda n: {k: v for k, v in n.attr.items() if k != "_output_shapes"}  # noqa: E731
     if reemit:
         b.emit(bmm1.op, bmm1.name, new_in, copy(bmm1))
-    inputs = [s_base]
     base = sm.name
-    if mask is not None:
-        b.require(b.dtype(mask) == dt, "the mask dtype differs from the scores")
-        inputs.append(mask)
-    elif bool_mask is not None:
-        cond, fill, keep = bool_mask
-        zero = b.const_node(f"{base}/mask_keep", 0.0, dt)
-        drop = b.const_node(f"{base}/mask_fill", fill, dt)
-        inputs.append(b.emit("SelectV2", f"{base}/mask", [cond] + ([zero, drop] if keep else [drop, zero]),
-                             {"T": ("type", dt)}))
+    inputs = _softmax_inputs(b, base, s_base, mask, bool_mask, dt)
     b.emit("ScaleMaskSoftmax", base, inputs,
            {"T": ("type", dt), "num_masks": len(inputs) - 1, "scale": float(scale)})
     b.emit(bmm2.op, bmm2.name, [base, g.data_inputs(bmm2)[1]], copy(bmm2))
+
+
+# ------------------------------------------------------ attention, training graphs
+def _softmax_grad_signature(node, graph):
+    """Softmax whose output autodiff differentiated: a reader ``Mul(dp, probs)``
+    summed by a ``Sum`` that a ``Sub(dp, .)`` reads (TF's _SoftmaxGrad:
+    ``(dp - sum(dp * p, -1)) * p``).  Inference graphs never show it."""
+    for cname, idx in graph.consumers(node.name):
+        c = graph.nodes[cname]
+        if idx < 0 or c.op != "Mul":
+            continue
+        d = graph.data_inputs(c)
+        if len(d) != 2:
+            continue
+        dp = d[1] if parse_tensor(d[0])[0] == node.name else d[0]
+        sums = [graph.nodes[s] for s, i in graph.consumers(cname) if i >= 0 and graph.nodes[s].op == "Sum"]
+        for sm in sums:
+            for sub, i in graph.consumers(sm.name):
+                sn = graph.nodes[sub]
+                if i >= 0 and sn.op == "Sub" and graph.data_inputs(sn)[0] == dp:
+                    return True
+    return False
+
+
+def _build_attention_train(m, b):
+    """Training graph: softmax(scale * q.k [+ mask]) [-> dropout] ... and the backward
+    region autodiff built for it (softmax grad Mul/Sum/Sub/Mul reading the probs,
+    the mask Add's and the scale Mul's gradients) =>
+
+        scores --ScaleMaskSoftmax(scale)--> probs --> (dropout, TF ops) --> probs . v
+        dprobs, probs --ScaleMaskSoftmaxGrad(scale)--> dscores --> the q.k product's gradient
+
+    ScaleMaskSoftmax keeps the Softmax's name (the dropout and the gradient of the
+    second product read it unchanged).  The backward region is delimited by
+    ``grad_region.find_grad_region`` (``grad_reads_output``: the softmax gradient
+    reads the probabilities); every tensor leaving it must be the gradient of the
+    raw scores, read by the product's (or its Transpose's) gradient, or the
+    gradient of a learned mask of static shape (then
+    ``ScaleMaskSoftmaxGrad(scale=1)`` summed over the mask's broadcast dims);
+    anything else refuses the match with the reason.  A scale on q or k stays a
+    TF op."""
+    from .grad_region import GradRegionRefused, assign_outputs, attributed_forward, find_grad_region
+
+    g = b.graph
+    sm = b.anchor
+    inner = []
+    s_base, scale, mask, bool_mask = _softmax_front(b, sm, inner, transposed=True)
+    dt = b.dtype(s_base)
+    b.require(dt in registry.FLOAT_TYPES, f"scores dtype {registry.dtype_name(dt)}")
+    inner = list(dict.fromkeys(inner))
+    b.absorb(inner, escapes_ok=True)
+    fwd = [sm.name] + inner
+    outside = []
+    for n in inner:
+        for ref in g.data_inputs(g.nodes[n]):
+            if parse_tensor(ref)[0] not in fwd and ref not in outside:
+                outside.append(ref)
+    protected = b.ctx.protected if b.ctx is not None else frozenset()
+    try:
+        region = find_grad_region(g, fwd, [sm.name], outside, shapes=b.shapes, protected=protected,
+                                  grad_reads_output=True, partial_shapes=True)
+    except GradRegionRefused as exc:
+        raise Skip(str(exc)) from None
+    bmm1 = _src(g, s_base)
+    product = _src(g, bmm1.input[0]) if bmm1.op == "Transpose" else bmm1
+    operands = set(g.data_inputs(product))
+    why = {}
+
+    def scores_grad_reader(c, idx):
+        """``c`` is the gradient of the scores' producer: of the q.k product (a
+        BatchMatMul/Einsum with q or k as its other operand; grappler may have
+        folded the gradient of a Transpose after it into that product) or of
+        that Transpose (a Transpose)."""
+        if bmm1.op == "Transpose" and c.op == "Transpose" and idx == 0:
+            return True
+        other = [r for k, r in enumerate(g.data_inputs(c)) if k != idx]
+        return c.op in _ATT_OPS and bool(operands.intersection(other))
+
+    # the mask's gradient (T5's learned position bias, a learned mask): d/dlogits
+    # summed over the dims the mask was broadcast along; its static shape is needed
+    ms = b.shape(mask) if mask is not None else None
+    ss = b.shape(s_base)
+    mask_known = ms is not None and min(ms, default=1) >= 0
+    same_shape = mask_known and ss is not None and list(ms) == list(ss)
+
+    def classify(ref):
+        if not region.depends_on_dy(ref):
+            return None
+        readers = region.outputs[ref]
+        kinds = [scores_grad_reader(g.nodes[c], i) for c, i in readers]
+        if all(kinds):
+            return "dscores"
+        rs = b.shape(ref)
+        if mask_known and rs is not None and list(rs) == list(ms):
+            # the region's outputs are the gradients of F's inputs: scores, mask, and the
+            # scale/fill constants (scalars, unread); a mask-shaped one not read by the
+            # scores' gradient is the mask's.  (Were the scores' gradient read by
+            # something else, "dscores" would be missing, or two different tensors would
+            # claim "dmask": assign_outputs and the require below refuse both.)
+            if not any(kinds):
+                return "dmask"
+            if same_shape and scale == 1.0:
+                return "dscores"  # no scale, full-shape mask: d/dscores == d/dmask, one tensor
+        why["r"] = (ref, readers[kinds.index(False)][0])
+        return None
+
+    try:
+        terms = assign_outputs(region, g, classify, summed=())
+    except GradRegionRefused as exc:
+        if "r" in why:
+            ref, cname = why["r"]
+            owner = attributed_forward(g, cname) or ""
+            for what, t in (("mask", mask), ("mask", bool_mask and bool_mask[0])):
+                if t and owner and parse_tensor(t)[0] == owner:
+                    raise Skip(f"not fused: the {what} '{t}' needs a gradient ('{ref}' is read by "
+                               f"'{cname}') and its shape {ms} is not static") from None
+            raise Skip(f"not fused: the gradient '{ref}' is read by '{cname}', neither the gradient of "
+                       f"the scores' producer '{bmm1.name}' nor of the mask") from None
+        raise Skip(str(exc)) from None
+    b.require("dscores" in terms, "not fused: the backward region yields no gradient for the scores")
+    b.require(b.dtype(region.dy) == dt, "the incoming gradient's dtype differs from the scores")
+    base = sm.name
+    inputs = _softmax_inputs(b, base, s_base, mask, bool_mask, dt)
+    b.emit("ScaleMaskSoftmax", base, inputs,
+           {"T": ("type", dt), "num_masks": len(inputs) - 1, "scale": float(scale)})
+    first = region.nodes[0]
+    gname = (first.rsplit("/", 1)[0] + "/" if "/" in first else "") + "ScaleMaskSoftmaxGrad"
+    b.emit("ScaleMaskSoftmaxGrad", gname, [region.dy, base], {"T": ("type", dt), "scale": float(scale)})
+    rewire = {ref: gname for ref in terms["dscores"].refs}
+    if "dmask" in terms:
+        dmask = _mask_gradient(b, gname, region.dy, base, dt, ms, ss, scale)
+        rewire.update({ref: dmask for ref in terms["dmask"].refs})
+    b.region(region.nodes, rewire, target=gname)
+
+
+def _mask_gradient(b, gname, dy, probs, dt, ms, ss, scale):
+    """d/dmask = ScaleMaskSoftmaxGrad(dy, probs; scale=1) (the scores' own op when
+    the scale is 1) summed over the dims the mask broadcast along, reshaped to
+    the mask's (static) shape."""
+    dl = gname if scale == 1.0 else b.emit("ScaleMaskSoftmaxGrad", gname + "_mask", [dy, probs],
+                                           {"T": ("type", dt), "scale": 1.0})
+    r = len(ss)
+    md = [1] * (r - len(ms)) + list(ms)
+    axes = [i for i in range(r) if md[i] == 1 and ss[i] != 1]
+    b.require(all(md[i] in (1, ss[i]) or ss[i] < 0 for i in range(r)),
+              f"the mask of shape {ms} does not broadcast to the scores {ss}")
+    if not axes and len(ms) == r:
+        return dl
+    out = dl
+    if axes:
+        ax = b.const_node(gname + "_mask/axes", np.asarray(axes, np.int32), 3)  # DT_INT32
+        out = b.emit("Sum", gname + "_mask/Sum", [dl, ax],
+                     {"T": ("type", dt), "Tidx": ("type", 3), "keep_dims": True})
+    shape = b.const_node(gname + "_mask/shape", np.asarray(ms, np.int32), 3)
+    return b.emit("Reshape", gname + "_mask/Reshape", [out, shape], {"T": ("type", dt), "Tshape": ("type", 3)})
+
 
 def register():
     reg = lambda *a, **kw: register_fusion_rule(*a, _builtin=True, **kw)  # noqa: E731
@@ -947,15 +1267,19 @@ def register():
         follows_precision=True, reason="matrix op, bias and activation in one kernel pass")
     reg("bias", _bias_pat(), _build_bias, follows_precision=True,
         reason="matrix op and bias in one kernel pass")
-    reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments,
+    reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments, escapes=True,
         reason="10 elementwise/reduction ops become one fp32-accumulating kernel")
-    reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments,
+    reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments, escapes=True,
         reason="Keras 3 LayerNormalization becomes one kernel")
-    reg("layer_norm_keras2", _ln_keras2_pat(), _build_ln_keras2,
+    reg("layer_norm_keras2", _ln_keras2_pat(), _build_ln_keras2, escapes=True,
         reason="Keras 2 LayerNormalization (reshape + FusedBatchNormV3) becomes one kernel")
     reg("layer_norm", Pat(_ADDS + ("Mul", "RealDiv"), predicate=_norm_predicate), _build_norm,
         reason="LayerNorm/RMSNorm written as plain ops (raw, reduce_mean, moments, sqrt/div, "
                "reduce_variance) becomes one fp32-accumulating kernel")
+    reg("attention_train", Pat("Softmax", predicate=_softmax_grad_signature), _build_attention_train,
+        graph_level=3, escapes=True,
+        reason="training graph: scale + mask + softmax and their backward region become "
+               "ScaleMaskSoftmax / ScaleMaskSoftmaxGrad (rounding changes)")
     reg("attention", Pat(_ATT_OPS, predicate=_att_predicate), _build_attention_any, graph_level=3,
         reason="scores never leave cache; softmax fused (rounding changes)")
 

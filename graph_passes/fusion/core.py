@@ -62,6 +62,10 @@ class FusionRule:
     follows_precision: bool = False
     reason: str = ""
     builtin: bool = False
+    #: the build handles inner tensors read outside the pattern (a training
+    #: graph's gradient, see ``grad_region.py`` and :meth:`Builder.region`); the
+    #: framework refuses the match if any such reader is left unhandled
+    escapes: bool = False
 
 
 #: name -> FusionRule, applied in registration order
@@ -70,7 +74,7 @@ RULES: dict[str, FusionRule] = {}
 
 def register_fusion_rule(name: str, pattern: Pat, build: Callable, graph_level: int = 2,
                          follows_precision: bool = False, reason: str = "",
-                         replace: bool = False, _builtin: bool = False) -> FusionRule:
+                         replace: bool = False, _builtin: bool = False, escapes: bool = False) -> FusionRule:
     """Register a fusion rule (see the module docstring).  ``graph_level`` is the
     lowest level (1..3) at which it runs.  Re-registering a name raises unless
     ``replace=True``."""
@@ -88,7 +92,7 @@ def register_fusion_rule(name: str, pattern: Pat, build: Callable, graph_level: 
     if name in RULES and not replace:
         raise FusionRuleError(f"a fusion rule named '{name}' is already registered; "
                               f"pass replace=True to override it")
-    rule = FusionRule(name, pattern, build, graph_level, follows_precision, reason, _builtin)
+    rule = FusionRule(name, pattern, build, graph_level, follows_precision, reason, _builtin, escapes)
     RULES[name] = rule
     return rule
 
@@ -148,6 +152,14 @@ class ShapeOracle:
         if node.op in ("Placeholder", "VarHandleOp") and "shape" in node.attr:
             s = node.attr["shape"].shape
             return None if s.unknown_rank else [d.size for d in s.dim]
+        if node.op == "ReadVariableOp" and node.input:
+            # a function's resource _Arg records its variable's shape in _handle_shapes
+            hsrc = self.graph.nodes.get(parse_tensor(node.input[0])[0])
+            hs = hsrc.attr.get("_handle_shapes") if hsrc is not None else None
+            if hs is not None and len(hs.list.shape) == 1 and not hs.list.shape[0].unknown_rank:
+                dims = [d.size for d in hs.list.shape[0].dim]
+                if min(dims, default=0) >= 0:
+                    return dims
         if node.op in _PASS_THROUGH and node.input:
             return self.shape(node.input[0], depth + 1)
         if node.op == "Reshape":
@@ -218,6 +230,10 @@ class Builder:
         self.absorbed: list[str] = []
         #: nodes re-emitted under their own name (see :meth:`replace`)
         self.replaced: list[str] = []
+        #: a backward region removed with the match (see :meth:`region`)
+        self.region_nodes: list[str] = []
+        self.rewired: dict[str, str] = {}
+        self.region_target: str | None = None
 
     # reading --------------------------------------------------------------
     def node(self, capture: str):
@@ -251,12 +267,14 @@ class Builder:
     def require_kernel(self, op: str, type_attrs: dict, why: str = ""):
         self.requirements.append((op, dict(type_attrs), why))
 
-    def absorb(self, names):
+    def absorb(self, names, escapes_ok: bool = False):
         """Add nodes that a build function matched by itself (beyond the Pat
         tree) to the match: they are removed with it.  Each must be read only
         by matched nodes, carry no control consumers and not be fetched or
         preserved; otherwise the match is skipped with the reason
-        ("not fused: 'x' is fetched", "... is also read by 'y'")."""
+        ("not fused: 'x' is fetched", "... is also read by 'y'").
+        ``escapes_ok``: readers outside the match are allowed here; the build
+        must then remove them with :meth:`region` (else the match is refused)."""
         inner = set(self.match.matched) | set(self.absorbed) | set(names)
         protected = self.ctx.protected if self.ctx is not None else frozenset()
         for name in names:
@@ -264,6 +282,8 @@ class Builder:
                 continue
             if name in protected:
                 raise Skip(f"not fused: '{name}' is fetched or preserved")
+            if escapes_ok:
+                continue
             for cname, idx in self.graph.consumers(name):
                 if idx < 0:
                     raise Skip(f"not fused: '{name}' has a control consumer '{cname}'")
@@ -273,24 +293,55 @@ class Builder:
             if name not in self.absorbed and name not in self.match.matched:
                 self.absorbed.append(name)
 
-    def replace(self, name: str):
+    def replace(self, name: str, control_ok: bool = False):
         """Declare that the build re-emits node ``name`` (outside the pattern,
         e.g. the FusedBatchNorm under a Relu) under its own name, with the same
         outputs on the same ports: its other consumers (the gradient, the
         moving-average updates) keep reading it.  Refused (Skip) when it is
-        fetched or preserved or has control edges, as grappler's remapper refuses."""
+        fetched or preserved or has control edges, as grappler's remapper refuses.
+        ``control_ok``: control edges are allowed (the build re-emits the node's
+        control inputs; its control consumers keep waiting on it by name)."""
         protected = self.ctx.protected if self.ctx is not None else frozenset()
         node = self.graph.nodes.get(name)
         if node is None:
             raise Skip(f"'{name}' is not in the graph")
         if name in protected:
             raise Skip(f"not fused: '{name}' is fetched or preserved")
-        if any(i.startswith("^") for i in node.input):
+        if not control_ok and any(i.startswith("^") for i in node.input):
             raise Skip(f"not fused: '{name}' has control inputs")
-        if any(idx < 0 for _, idx in self.graph.consumers(name)):
+        if not control_ok and any(idx < 0 for _, idx in self.graph.consumers(name)):
             raise Skip(f"not fused: '{name}' has a control consumer")
         if name not in self.replaced:
             self.replaced.append(name)
+
+    def escaping_readers(self) -> list[tuple[str, str]]:
+        """(inner node, reader) pairs: readers outside the match (absorbed
+        nodes included) of the match's inner nodes (the anchor excluded)."""
+        inner = set(self.match.matched) | set(self.absorbed)
+        out = []
+        for name in inner:
+            if name == self.match.anchor:
+                continue
+            for cname, _ in self.graph.consumers(name):
+                if cname not in inner:
+                    out.append((name, cname))
+        return out
+
+    def region(self, names, rewire: dict, target: str):
+        """Declare a region outside the match (a gradient subgraph, see
+        ``grad_region.py``) removed with it: every data reader outside it of a
+        tensor in ``rewire`` (``{old ref: new ref}``) reads the new tensor; its
+        control edges (in and out) move onto node ``target`` (an emitted node).
+        The framework refuses the match if a region tensor read outside is not
+        in ``rewire`` (or read by a node re-emitted with :meth:`replace`)."""
+        protected = self.ctx.protected if self.ctx is not None else frozenset()
+        for name in names:
+            if name in protected:
+                raise Skip(f"not fused: '{name}' is fetched or preserved")
+            if name not in self.region_nodes:
+                self.region_nodes.append(name)
+        self.rewired.update(rewire)
+        self.region_target = target
 
     # writing --------------------------------------------------------------
     def emit(self, op: str, name: str, inputs, attrs: dict | None = None) -> str:
@@ -337,6 +388,8 @@ class Builder:
 class Outcome:
     fused: bool
     reason: str = ""
+    #: the gradient region removed with the match (Builder.region), for the report
+    region: tuple = ()
 
 
 def _select_forms(b: Builder):
@@ -409,8 +462,18 @@ def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: 
     """Apply one rule everywhere it matches.  Returns the number of fusions."""
     protected = ctx.protected if ctx is not None else frozenset()
     done = 0
-    for m in find_matches(graph, rule.pattern, protected):
+    from ..pattern import match_at
+
+    changed = False
+    for m in find_matches(graph, rule.pattern, protected, escapes_ok=rule.escapes):
+        if changed:  # an earlier fusion (and its gradient region) may have removed or rewired it
+            if m.anchor not in graph.nodes:
+                continue
+            m = match_at(graph, rule.pattern, m.anchor, protected, rule.escapes)
+            if m is None:
+                continue
         outcome = _apply_one(graph, rule, m, ctx, shapes)
+        changed = changed or outcome.fused
         key = "fused" if outcome.fused else "skipped"
         seen = stats.setdefault("_skips_seen", set())  # a skip repeats every sweep: count it once
         if not outcome.fused:
@@ -422,6 +485,8 @@ def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: 
         if ctx is not None:
             if outcome.fused:
                 ctx.report.decide(m.anchor, fusion=rule.name, fused_nodes=list(m.matched))
+                if outcome.region:  # the backward replaced by one gradient op
+                    ctx.report.decide(m.anchor, fused_gradient_nodes=list(outcome.region))
             else:
                 ctx.report.decide(m.anchor, fusion_skipped=rule.name, fusion_reason=outcome.reason)
         done += outcome.fused
@@ -490,7 +555,8 @@ def _report_fetched_refusals(graph: Graph, rule: FusionRule, ctx, stats: dict):
 
 def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle) -> Outcome:
     if m.anchor in (ctx.protected if ctx is not None else ()):
-        return Outcome(False, "the anchor is fetched or preserved; its outputs must keep their form")
+        what = "fetched" if m.anchor in ctx.fetches else "preserved"
+        return Outcome(False, f"not fused: '{m.anchor}' is {what} (the anchor's outputs must keep their form)")
     b = Builder(graph, m, rule, ctx, shapes)
     try:
         result = rule.build(m, b)
@@ -520,6 +586,9 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
         if port not in out_map:
             return Outcome(False, f"output {port} of '{m.anchor}' is read by '{cname}', and the "
                                   f"fused op does not produce it")
+    problem = _unhandled_readers(graph, b, m, matched)
+    if problem:
+        return Outcome(False, problem)
     _select_forms(b)
     problems = _kernel_problems(b)
     if problems:
@@ -533,13 +602,32 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
         for inp in graph.nodes[name].input:
             src, _, is_ctrl = parse_tensor(inp)
             if is_ctrl:
-                if src not in matched and src not in ctrl:
+                if src not in matched and src not in ctrl and src not in b.region_nodes:
                     ctrl.append(src)
             elif src not in matched:
                 upstream.append(src)
     keep_name = m.anchor in emitted_names
     # consumers of replaced nodes outside the match keep reading them by name
     kept = {r: [(c, i) for c, i in graph.consumers(r) if c not in matched] for r in b.replaced}
+    region = set(b.region_nodes)
+    rewires, ctrl_moves, region_ctrl_in = [], [], []
+    gone = matched | region | set(b.replaced)
+    for name in b.region_nodes:
+        for inp in graph.nodes[name].input:
+            src, _, is_ctrl = parse_tensor(inp)
+            if is_ctrl and src not in gone and src not in region_ctrl_in:
+                region_ctrl_in.append(src)
+            elif not is_ctrl and src not in gone:
+                upstream.append(src)
+        for cname, idx in graph.consumers(name):
+            if cname in gone:
+                continue
+            if idx < 0:
+                ctrl_moves.append((cname, name))
+            else:
+                rewires.append((cname, idx, b.rewired[_canon_ref(graph.nodes[cname].input[idx])]))
+    for name in b.region_nodes:
+        graph.remove_node(name, force=True)
     for name in m.matched:
         graph.remove_node(name, force=True)
     for name in b.replaced:
@@ -552,7 +640,8 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
     # the replacement named like the anchor inherits its consumers; others are rewired
     if keep_name:
         for cname, idx in anchor_cons:
-            graph._consumers[m.anchor].append((cname, idx))  # noqa: SLF001 - index repair
+            if cname in graph.nodes:
+                graph._consumers[m.anchor].append((cname, idx))  # noqa: SLF001 - index repair
     for cname, idx in anchor_cons:
         if cname not in graph.nodes:
             continue
@@ -571,8 +660,59 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
     for c in ctrl:
         if c in graph.nodes and c != target:
             graph.add_control_input(target, c)
+    for cname, idx, new_ref in rewires:
+        if cname in graph.nodes:
+            graph.set_input(cname, idx, new_ref)
+    rt = b.region_target
+    for cname, old in ctrl_moves:
+        if cname in graph.nodes:
+            _move_control_input(graph, cname, old, rt)
+    for c in region_ctrl_in:
+        if c in graph.nodes and c != rt:
+            graph.add_control_input(rt, c)
     _remove_dead(graph, upstream, ctx)
-    return Outcome(True)
+    return Outcome(True, region=tuple(b.region_nodes))
+
+
+def _canon_ref(ref: str) -> str:
+    n, p, c = parse_tensor(ref)
+    return ("^" + n) if c else (n if p == 0 else f"{n}:{p}")
+
+
+def _move_control_input(graph: Graph, cname: str, old: str, new: str):
+    """``^old`` on node ``cname`` becomes ``^new`` (dropped if already there)."""
+    node = graph.nodes[cname]
+    inputs = list(node.input)
+    i = inputs.index("^" + old) if "^" + old in inputs else -1
+    if i < 0:
+        return
+    if "^" + new in inputs or new == cname:
+        del node.input[i]  # control inputs come last: no data index shifts
+        graph.reindex()
+        return
+    graph.set_input(cname, i, "^" + new)
+
+
+def _unhandled_readers(graph: Graph, b: "Builder", m: Match, matched: set) -> str | None:
+    """A reader of a removed node (not the anchor) that nothing rewires."""
+    region = set(b.region_nodes)
+    gone = matched | region
+    replaced = set(b.replaced)
+    for name in list(m.matched) + b.region_nodes:
+        if name == m.anchor:
+            continue
+        for cname, idx in graph.consumers(name):
+            if cname in gone or cname in replaced:
+                continue
+            if name in region:
+                if idx < 0 and b.region_target:
+                    continue
+                if idx >= 0 and _canon_ref(graph.nodes[cname].input[idx]) in b.rewired:
+                    continue
+            return f"not fused: '{name}' is also read by '{cname}'"
+    if region and b.region_target not in {n.name for n in b.emitted}:
+        return "the region's control target is not an emitted node"
+    return None
 
 
 def _remove_dead(graph: Graph, names, ctx):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from ..manager import Pass, register_pass
 from .cleanups import merge_duplicate_casts
 from .core import RULES, ShapeOracle, apply_rule
+from .grad_region import ORIGINAL_NAMES_ATTR
 
 #: safety bound on sweeps: this many per node of the input graph (a fix-point is
 #: normally reached in 2-3 sweeps; each sweep that changes anything shrinks the graph)
@@ -40,6 +41,9 @@ class FusionPass(Pass):
         if level <= 0:
             return stats
         rules = [r for r in RULES.values() if r.graph_level <= level]
+        # the gradient-region search names autodiff's ops after forward nodes,
+        # some of which earlier fusions remove (grad_region.attributed_forward)
+        setattr(graph, ORIGINAL_NAMES_ATTR, frozenset(graph.nodes))
         bound = max(MIN_SWEEP_BOUND, MAX_SWEEPS_PER_NODE * len(graph.nodes))
         # rule -> graph.version after a run of it that changed nothing: while no
         # other rule changes the graph, running it again would find the same

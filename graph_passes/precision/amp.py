@@ -180,7 +180,7 @@ class PrecisionPass(Pass):
             self._convert_consts()
             self._fix_edges(shapes)
             if self.ctx.option("delay_fp32_copies", True):
-                self._delay_widening_casts()
+                self._delay_widening_casts(shapes)
         else:
             for name, node in graph.nodes.items():
                 if self.info(node).attrs:
@@ -778,7 +778,11 @@ class PrecisionPass(Pass):
         self._cast_cache[key] = cname
         return cname
 
-    def _delay_widening_casts(self):
+    #: the smallest delayed copies that together hold at most this share of
+    #: the delayed copies' bytes are not delayed (see _delay_widening_casts)
+    DELAY_SMALL_SHARE = 0.01
+
+    def _delay_widening_casts(self, shapes=None):
         """A Cast low -> FP32 inserted by this run waits for the other inputs
         of its readers: it gets a control edge from each producer that is
         later in the graph than the Cast's source and does not depend on the
@@ -794,6 +798,14 @@ class PrecisionPass(Pass):
             softmax16 ─► Cast32 ─► Mul32         (Cast32 has ^grad: made when grad is)
                 grad ─^──┘   grad ─┘
 
+        Only copies whose bytes matter wait: an edge costs TF scheduling
+        freedom, so the smallest copies that together hold at most
+        ``DELAY_SMALL_SHARE`` (1%) of the would-be delayed copies' bytes run
+        as soon as their input is ready (e.g. the FP32 copies of a layer
+        norm's [tokens, 1] mean and rsqrt next to its [tokens, hidden] ones).
+        Shapes are looked up only when some copy would wait; a copy of
+        unknown size counts as large.
+
         Not done in graphs with v1 loops (a control edge may not cross a
         frame) nor for casts of constants; no edge that would close a cycle."""
         g = self.g
@@ -805,8 +817,10 @@ class PrecisionPass(Pass):
         # worth waiting for.  Delayed casts take their new place in `pos`, so the order stays valid
         # for the casts that follow; a Cast another one waits on is not moved, and a moved Cast is
         # not waited on (two casts feeding one reader would otherwise wait on each other).
+        # Leaving out some of the edges found this way (the small copies) keeps the graph acyclic.
         pos = dict(g.topo_positions())
         awaited, delayed = set(), set()
+        plan = []  # (cast, producers it waits for), in the order found
         for cname in self.new_casts:
             cast = g.nodes.get(cname)
             if (cast is None or cname in awaited or cast.attr["DstT"].type != FP32
@@ -826,14 +840,23 @@ class PrecisionPass(Pass):
                     if (other not in waits and other not in delayed and pos[src] < pos.get(other, -1) < first
                             and g.nodes[other].op != "Const"):
                         waits.append(other)
-            for other in waits:
-                g.add_control_input(cname, other)
             if waits:
                 pos[cname] = first - 0.5
                 delayed.add(cname)
                 awaited.update(waits)
-                self.casts_delayed += 1
-                self.decisions.setdefault(cname, {})["waits_for"] = waits
+                plan.append((cname, waits))
+        small = self._small_copies([c for c, _ in plan], shapes)
+        for cname, waits in plan:
+            if cname in small:
+                self.decisions.setdefault(cname, {})["not_delayed"] = (
+                    f"FP32 copy of {small[cname]} bytes: with the other small ones at most "
+                    f"{self.DELAY_SMALL_SHARE:.0%} of the delayed copies' bytes")
+                continue
+            for other in waits:
+                g.add_control_input(cname, other)
+            self.casts_delayed += 1
+            self.decisions.setdefault(cname, {})["waits_for"] = waits
+        delayed = {c for c, _ in plan if c not in small}
         if delayed and not self._acyclic():  # never, by the order argument above: a safety net
             for cname in delayed:
                 node = g.nodes[cname]
@@ -844,6 +867,26 @@ class PrecisionPass(Pass):
             g.reindex()
             self.casts_delayed = 0
             self.ctx.report.warn("delayed casts undone: they closed a cycle", pass_name="precision")
+
+    def _small_copies(self, cnames, shapes):
+        """{cast: FP32 bytes} for the smallest of ``cnames`` whose copies
+        together hold at most ``DELAY_SMALL_SHARE`` of their known bytes
+        (copies of unknown size are never small)."""
+        if len(cnames) < 2 or shapes is None:
+            return {}
+        sized = []
+        for cname in cnames:
+            shape = shapes.get(self.g.nodes[cname].input[0])
+            if shape is not None and all(d >= 0 for d in shape):
+                sized.append((4 * int(np.prod(shape, dtype=np.int64)), cname))
+        total = sum(b for b, _ in sized)
+        small, acc = {}, 0
+        for b, cname in sorted(sized):
+            acc += b
+            if acc > self.DELAY_SMALL_SHARE * total:
+                break
+            small[cname] = b
+        return small
 
     def _acyclic(self):
         try:

@@ -47,7 +47,7 @@ GE_TO_TF: dict[str, tuple[str, ...]] = {
     # softmax family
     "SoftmaxV2": ("Softmax",),                    # parser: Softmax -> SoftmaxV2 (axes attr)
     "LogSoftmaxV2": ("LogSoftmax",),
-    "SoftmaxGrad": (),                            # GE's backward kernel; TF builds it from Mul/Sum/Sub
+    "SoftmaxGrad": ("ScaleMaskSoftmaxGrad",),     # GE's backward kernel; TF builds it from Mul/Sum/Sub
     # reductions: the *D forms carry the axes as an attribute
     "ReduceSum": ("Sum",),
     "ReduceSumD": ("Sum",),

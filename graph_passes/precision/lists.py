@@ -67,6 +67,8 @@ BLACK = {
     "RMSNorm": "fused RMSNorm, like LayerNorm: its statistics need FP32",
     "RMSNormGrad": "fused RMSNorm gradient, like LayerNormGrad",
     "ScaleMaskSoftmax": "fused scale + mask + softmax: exp/sum over a row overflows FP16",
+    "ScaleMaskSoftmaxGrad": "fused softmax gradient: reads ScaleMaskSoftmax's FP32 probabilities, "
+                            "row sum(dp * p) in FP32",
 }
 
 #: black ops whose only reason is FP16's range: gray (follow their producers)
@@ -79,6 +81,16 @@ BF16_GRAY = {
     "Exp": "overflows FP16 above ~11, BF16 only above ~88 like FP32; in FP32 it keeps the GELU/Erf "
            "backward's elementwise chain in FP32 (FP32 copies of BF16 gradients)",
     "Expm1": "as Exp",
+}
+
+#: black ops whose reason is FP16's range AND the precision of a BF16
+#: accumulator: gray with BF16 only where TF's BF16 kernel accumulates in
+#: FP32 (``registry.bf16_accumulates_in_fp32``: TF >= 2.21 for Mean; TF
+#: 2.15's BF16 Mean loses most digits over large reductions, so it stays black)
+BF16_GRAY_IF_FP32_ACCUMULATION = {
+    "Mean": "BF16 has FP32's range and this TF's BF16 Mean accumulates in FP32, so only the result "
+            "is rounded (grappler's oneDNN BF16 AMP on TF 2.21 runs it in BF16: a global average "
+            "pool then needs no FP32 round trip)",
 }
 
 GRAY = {

@@ -1,0 +1,680 @@
+"""Find the gradient subgraph TF's autodiff built for a matched forward region.
+
+A fusion rule that replaces a forward subgraph ``F`` (LayerNorm, RMSNorm,
+attention's scale+mask+softmax...) by one op cannot do so in a training graph
+unless the backward ops that read ``F``'s inner tensors are replaced too, by
+one gradient op (``LayerNormGrad``...).  This module finds that backward
+region ``G`` and says, for every tensor leaving it, what it is; the rule then
+emits its gradient op and rewires (``Builder.region``).  It never edits the
+graph.
+
+API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
+
+    region = find_grad_region(graph, forward, outputs, inputs,
+                              shapes=None, protected=frozenset(), dy_shape=None,
+                              grad_reads_output=False, partial_shapes=False)
+        # forward:  names of the forward nodes the rule replaces (anchor included)
+        # outputs:  the forward tensors the fused op keeps producing (y = "anchor:0");
+        #           G may not read them (a reader of y is not part of F's gradient)
+        # inputs:   the forward region's input tensors (x, gamma, beta): G may read them
+        # dy_shape: dy's static shape when outputs[0]'s is unknown (e.g. [B, S, E])
+        # grad_reads_output: the gradient reads y (softmax); G's readers of y must
+        #           also read dy (or a tensor derived from it)
+        # partial_shapes: dy's shape may be partial, identical to y's ([-1, H, S, T])
+        # -> GradRegion, or raises GradRegionRefused(reason)
+
+    region.nodes          # G, topological order
+    region.dy             # the ONE external float tensor G reads: the incoming gradient
+    region.outputs        # {G tensor read outside G: [(consumer, input index), ...]}
+    region.ctrl_inputs    # nodes outside G that G nodes wait on (control edges)
+    region.ctrl_consumers # nodes outside G that wait on G nodes (control edges)
+    region.depends_on_forward(ref)  # data-depends on a forward inner tensor's value
+    region.depends_on_dy(ref)
+    GradRegionRefused(msg).why_not  # {node: why the search left it out} (debugging)
+
+    Wiring it into a rule: register it with ``escapes=True`` (or call
+    ``b.absorb(inner, escapes_ok=True)``), emit the gradient op, re-emit an
+    aggregator with ``b.replace(name, control_ok=True)``, and hand the region to
+    ``b.region(region.nodes, {old ref: new ref}, grad_op_name)``; the framework
+    refuses the match if any reader of a removed node is left unhandled.  See
+    ``builtin._norm_backward``.
+
+    terms = assign_outputs(region, graph, classify, summed=("dx",))
+        # classify(ref) -> role name or None, for every tensor in region.outputs;
+        # any None -> GradRegionRefused.  Roles in ``summed`` may come as several
+        # partial terms that ONE aggregator outside G (AddN / Add / AddV2) sums
+        # together with other, external terms; other roles are one tensor
+        # (several Identity/Reshape aliases of it allowed).
+        # -> {role: Term(role, refs, aggregator)}
+
+What G is (all conditions, checked per node; the closure is grown from the
+readers of F's inner tensors, then from the readers of ``dy``):
+
+* not in F, not fetched/preserved, op in :data:`GRAD_OPS` (the ops TF's
+  gradient functions of elementwise/reduction/reshape/batch-norm ops emit:
+  Mul, Sum, Reshape, Tile, RsqrtGrad, FusedBatchNormGradV3, AddN,
+  BroadcastGradientArgs, Shape..., Identity, NoOp);
+* every data input comes from G, F's inner tensors, the region ``inputs``,
+  *static* tensors (Const, Shape/Size/Rank and int arithmetic on them: values
+  that do not depend on data) or ``dy``; never from ``outputs``;
+* ``dy`` is one tensor: the first external, non-static float tensor with the
+  shape of ``outputs[0]`` that a grown node reads; a second such tensor refuses;
+* a node that reads ``dy`` reads no other dy-dependent tensor (``AddN(dy, dx)``
+  sums a residual path's gradient with F's: it is outside G), and an
+  aggregation (AddN/Add/AddV2) reading ``dy`` is never in G;
+* names: only autodiff's ops (a ``gradients[_N]/`` or ``gradient_tape/`` scope,
+  also under a grappler prefix) join G, and sums (AddN/Add/AddV2) of G tensors
+  only (TF2 names its aggregations ``AddN_3``): an optimizer's ``Neg(grad)`` or
+  a user's ``Mul(grad, clip)`` never does (it would be taken for dgamma);
+  autodiff names its ops after the forward op (TF1
+  ``gradients[_N]/<fwd>_grad/...``, TF2 ``gradient_tape/<fwd>/...``).  A node
+  whose name attributes it to an existing forward node *outside* F (the
+  gradient of the op that produced x, or of a sibling) is never in G; a node
+  reached only through ``dy`` (not through F's inner tensors) must be
+  attributed to a node *in* F.  Names that attribute to nothing (TF2 scopes,
+  aggregations such as ``AddN_3``, grappler's ``ArithmeticOptimizer/...``) are
+  judged by the structural rules alone;
+* control-only nodes (``tuple/group_deps`` NoOps, Consts anchored by a control
+  edge) whose inputs are all in G (or ``dy``'s producer) join G.
+
+Then: every reader (data or control) of an F inner tensor must be in F or G
+(else GradRegionRefused "'m' is also read by 'n'"); a control input of G from a
+node that depends on G refuses (moving it would make a cycle).
+
+Residual assumption: a gradient op of the op *upstream* of x that keeps x's
+shape, depends only on the complete dx and constants, is in an autodiff scope
+but whose name attributes to no forward node (the forward node renamed by
+something other than the fusion pass) and is in GRAD_OPS, would be taken for a
+part of dx.  TF's own names attribute such ops to their forward op, and the
+names the graph had when the fusion pass began are remembered.
+
+Before/after (LayerNorm; the rule's part)::
+
+    x,gamma,beta -> [F: mean, sub, rsqrt, mul, add] -> y -> ...      x,gamma,beta -> LayerNorm -> y
+    dy -> [G: Mul, Sum, Reshape, RsqrtGrad, Tile, ...] -> dx1 ─┐       dy -> LayerNormGrad -> dx ─┐
+                                                   dx2 ─┼─ AddN                 dgamma, dbeta  ├─ AddN
+                                       d_residual ───────┘                   d_residual ────┘
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Iterable
+
+from ..graph import Graph, parse_tensor
+
+#: op types TF's gradient functions emit for the forward ops these rules fuse
+#: (and the plumbing TF1/TF2 autodiff and grappler put between them)
+GRAD_OPS = frozenset({
+    # arithmetic
+    "Mul", "RealDiv", "Div", "DivNoNan", "Neg", "Sub", "Add", "AddV2", "AddN", "Square", "Sqrt",
+    "Rsqrt", "Reciprocal", "Pow", "Maximum", "Minimum", "FloorDiv", "SquaredDifference",
+    "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "SoftmaxGrad", "Exp", "Log",
+    # reductions and broadcasting
+    "Sum", "Mean", "Prod", "Tile", "BroadcastTo", "BroadcastGradientArgs",
+    # shape plumbing
+    "Reshape", "ExpandDims", "Squeeze", "Shape", "ShapeN", "Size", "Rank", "Fill", "ZerosLike",
+    "OnesLike", "StridedSlice", "Pack", "ConcatV2", "Range", "DynamicStitch", "Gather", "GatherV2",
+    "Transpose", "Cast", "Select", "SelectV2", "Where",
+    # batch norm (Keras 2 LayerNormalization)
+    "FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3",
+    # tuples, grouping
+    "Identity", "IdentityN", "Snapshot", "NoOp", "Const", "StopGradient", "PreventGradient",
+})
+
+#: ops whose output is a sum of their inputs (gradient aggregation)
+AGGREGATIONS = frozenset({"AddN", "Add", "AddV2"})
+
+#: ops whose value depends only on input *shapes*
+SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+VALUE_STATIC_OPS = SHAPE_OPS | {"ZerosLike", "OnesLike", "Const"}
+
+#: ops that keep a value static when every data input is static
+_STATIC_ARITH = frozenset({
+    "Identity", "StridedSlice", "Pack", "ConcatV2", "Prod", "Sum", "BroadcastGradientArgs",
+    "Range", "FloorDiv", "FloorMod", "Maximum", "Minimum", "Cast", "Reshape", "Fill", "Gather",
+    "GatherV2", "DynamicStitch", "ExpandDims", "Squeeze", "Mul", "Sub", "Add", "AddV2", "RealDiv",
+    "Div", "Neg", "Sqrt", "Rsqrt", "Reciprocal", "Size", "Shape", "Slice", "Tile", "Unpack",
+    "Snapshot", "ZerosLike", "OnesLike", "Square", "Pow", "Equal", "Less", "Greater",
+})
+
+_TF1 = re.compile(r"^(.*/)?gradients(?:_\d+)?/(.+?)_grad(?:/|$)")
+_TF2 = re.compile(r"^(.*/)?gradient_tape/(.+)$")
+#: a name autodiff gave (TF1 tf.gradients, TF2 GradientTape), also under a
+#: grappler prefix ("ConstantFolding/gradients/...")
+_AUTODIFF = re.compile(r"(?:^|/)(?:gradients(?:_\d+)?|gradient_tape)/")
+_GRAPPLER = re.compile(r"^(?:ArithmeticOptimizer|ConstantFolding|DependencyOptimizer|LayoutOptimizer|"
+                       r"LoopOptimizer|Remapper|MemoryOptimizer|PinToHostOptimizer)/")
+
+#: pure elementwise ops a gradient may apply to the region's inputs themselves
+#: (Pow's gradient takes log(x) where x > 0, RealDiv's -x / y**2): such a value
+#: is computed from x, gamma, beta and constants alone, so it is never the incoming gradient
+_FROM_INPUT_OPS = frozenset({"Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "Log",
+                             "ZerosLike", "OnesLike", "Select", "SelectV2", "Cast", "Identity", "Abs",
+                             "Sign", "Neg", "Mul", "RealDiv", "Div", "Sub", "Add", "AddV2", "Square",
+                             "Sqrt", "Rsqrt", "Reciprocal", "Pow", "Exp", "Maximum", "Minimum"})
+
+#: safety bound on the region's size
+MAX_NODES = 4000
+
+
+class GradRegionRefused(Exception):
+    """The backward region could not be delimited or classified; the message is
+    the reason the fusion report records.  ``why_not``: {node: why it is not
+    in the region} for the nodes the search looked at (for debugging)."""
+
+    def __init__(self, msg, why_not=None):
+        super().__init__(msg)
+        self.why_not = dict(why_not or {})
+
+
+@dataclasses.dataclass
+class GradRegion:
+    forward: frozenset
+    nodes: list
+    dy: str
+    outputs: dict
+    ctrl_inputs: list
+    ctrl_consumers: list
+    _fwd_dep: dict
+    _dy_dep: dict
+    graph: Graph = dataclasses.field(repr=False, default=None)
+
+    def depends_on_forward(self, ref: str) -> bool:
+        """Whether tensor ``ref`` of G depends (through G's data edges) on the
+        *value* of a forward inner tensor (not only on its shape)."""
+        return self._fwd_dep.get(parse_tensor(ref)[0], False)
+
+    def depends_on_dy(self, ref: str) -> bool:
+        return self._dy_dep.get(parse_tensor(ref)[0], False)
+
+
+@dataclasses.dataclass
+class Term:
+    role: str
+    #: the output tensors of G that carry this role (partial terms, or aliases)
+    refs: list
+    #: the node outside G summing the partial terms (``summed`` roles with >1 ref)
+    aggregator: str | None = None
+
+
+# ------------------------------------------------------------------ helpers
+def attributed_forward(graph: Graph, name: str) -> str | None:
+    """The forward node autodiff named ``name`` after, when that node exists:
+    TF1 ``gradients/<fwd>_grad/...`` -> ``<fwd>``; TF2
+    ``gradient_tape/<a>/<b>/<op>`` -> the longest existing ``<a>/<b>``...;
+    else None (aggregations, TF2 scope names, grappler-made names)."""
+    if _GRAPPLER.match(name):
+        return None
+    # nodes an earlier fusion removed (the tensordot Reshape a bias fusion moved)
+    # still name their gradient's ops: look them up among the names the graph had
+    # when the fusion pass started (see fusion_pass.py), too
+    before = getattr(graph, ORIGINAL_NAMES_ATTR, None) or ()
+
+    def known(n):
+        return n in graph.nodes or n in before
+
+    # the scope before "gradients/" (an inlined call: "StatefulPartitionedCall/")
+    # prefixes the forward ops' names too
+    m = _TF1.match(name)
+    if m is not None:
+        for fwd in ((m.group(1) or "") + m.group(2), m.group(2)):
+            if known(fwd):
+                return fwd
+        return None
+    m = _TF2.match(name)
+    if m is not None:
+        parts = m.group(2).split("/")
+        for k in range(len(parts) - 1, 0, -1):
+            for cand in ((m.group(1) or "") + "/".join(parts[:k]), "/".join(parts[:k])):
+                if known(cand):
+                    return cand
+    return None
+
+
+def _tf2_scope_owner(name: str, fwd) -> str | None:
+    """A TF2 tape gradient ``gradient_tape/<scope>/<op>`` whose scope is an F
+    node's own scope (``.../softmax/mul`` for ``.../softmax/Softmax``) or name
+    (``.../softmax/add/Shape``): that F node, else None."""
+    m = _TF2.match(name)
+    if m is None:
+        return None
+    for rest in ((m.group(1) or "") + m.group(2), m.group(2)):  # under an inlined call's scope, or not
+        scope = rest.rsplit("/", 1)[0] if "/" in rest else ""
+        for f in sorted(fwd):
+            if rest.startswith(f + "/") or (scope and f.rsplit("/", 1)[0] == scope):
+                return f
+    return None
+
+
+#: attribute of a Graph holding the node names it had when the fusion pass began
+ORIGINAL_NAMES_ATTR = "_names_before_fusion"
+
+
+def is_autodiff_name(name: str) -> bool:
+    """Whether ``name`` is in an autodiff scope (``gradients[_N]/``, ``gradient_tape/``)."""
+    return _AUTODIFF.search(name) is not None
+
+
+class _Static:
+    """Memoised "does this tensor's value depend on data?" (False = static)."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.memo: dict[str, bool] = {}
+
+    def __call__(self, name: str, depth: int = 0) -> bool:
+        if name in self.memo:
+            return self.memo[name]
+        node = self.graph.nodes.get(name)
+        if node is None or depth > 32:
+            return False
+        if node.op == "Const" or node.op in SHAPE_OPS:
+            res = True
+        elif node.op in _STATIC_ARITH:
+            data = self.graph.data_inputs(node)
+            res = bool(data) and all(self(parse_tensor(i)[0], depth + 1) for i in data)
+        else:
+            res = False
+        self.memo[name] = res
+        return res
+
+
+def _shape_eq(a, b, partial: bool = False) -> bool:
+    """Equal static shapes; with ``partial``, unknown dims (-1) count when both
+    shapes have them at the same places (``[-1, 12, 128, 128]``: a dynamic batch)."""
+    if a is None or b is None or list(a) != list(b):
+        return False
+    return min(a, default=0) >= 0 or (partial and max(a, default=0) > 0)
+
+
+# ------------------------------------------------------------------ the search
+def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str], inputs: Iterable[str],
+                     shapes=None, protected=frozenset(), max_nodes: int = MAX_NODES,
+                     dy_shape=None, grad_reads_output: bool = False,
+                     partial_shapes: bool = False) -> GradRegion:
+    """See the module docstring.  ``shapes``: an object with ``shape(ref)``
+    (:class:`graph_passes.fusion.core.ShapeOracle`); built when None.
+    ``dy_shape``: the incoming gradient's static shape when the shape of
+    ``outputs[0]`` is not known statically (a norm's output has x's shape).
+    ``grad_reads_output``: the fused op's gradient is a function of its output
+    (softmax: ``(dy - sum(dy * y)) * y``), so a node of G may read ``outputs``
+    when it also reads ``dy`` or a tensor derived from it (a forward reader of y,
+    such as a dropout, never does), and a non-aggregating node may combine ``dy``
+    with a term derived from it (``Sub(dy, sum(dy * y))``).
+    ``partial_shapes``: ``dy`` may have a partially known shape identical to
+    ``outputs[0]``'s (unknown dims at the same places: a dynamic batch)."""
+    if shapes is None:
+        from .core import ShapeOracle
+        shapes = ShapeOracle(graph)
+    fwd = frozenset(forward)
+    outs = [parse_tensor(o)[:2] for o in outputs]
+    out_nodes_ports = {(n, p) for n, p in outs}
+    out_refs = {o if ":" in o else o for o in outputs}
+    ins = {_canon(i) for i in inputs}
+    is_static = _Static(graph)
+    y_shape = shapes.shape(next(iter(outputs)))
+    if y_shape is None or (min(y_shape, default=0) < 0 and (dy_shape is not None or not partial_shapes)):
+        y_shape = dy_shape
+    nodes = graph.nodes
+
+    region: dict[str, None] = {}  # insertion-ordered set
+    val_static: dict[str, bool] = {}
+    fwd_dep: dict[str, bool] = {}
+    dy_dep: dict[str, bool] = {}
+    dy = [None]
+    why_not: dict[str, str] = {}
+
+    def fwd_inner_ref(ref):
+        n, p, _ = parse_tensor(ref)
+        return n in fwd and (n, p) not in out_nodes_ports
+
+    def classify_input(ref):
+        """'g' (region), 'f' (forward inner), 'in', 'static', 'dy', 'out', or 'ext'."""
+        n, p, ctrl = parse_tensor(ref)
+        if n in region:
+            return "g"
+        if (n, p) in out_nodes_ports:
+            return "out"
+        if n in fwd:
+            return "f"
+        if _canon(ref) in ins or from_inputs(n):
+            return "in"
+        if dy[0] is not None and _identity_root(graph, ref) == dy[0]:
+            return "dy"
+        if is_static(n):
+            return "static"
+        return "ext"
+
+    in_memo: dict[str, bool] = {}
+
+    def from_inputs(name, depth=0) -> bool:
+        """A value computed only from the region's inputs and constants by a
+        pure elementwise op (Pow's gradient takes log(x) where x > 0)."""
+        if name in in_memo:
+            return in_memo[name]
+        node = nodes.get(name)
+        res = False
+        if node is not None and node.op in _FROM_INPUT_OPS and depth < 8 and name not in fwd:
+            data = graph.data_inputs(node)
+            res = bool(data) and all(_canon(d) in ins or is_static(parse_tensor(d)[0])
+                                     or from_inputs(parse_tensor(d)[0], depth + 1) for d in data)
+        in_memo[name] = res
+        return res
+
+    anc_memo: dict[str, bool] = {}
+
+    def after_forward(ref) -> bool:
+        """Whether ``ref`` depends on F's inner tensors (then it is not the
+        incoming gradient: that comes from downstream, through y at most)."""
+        start = parse_tensor(ref)[0]
+        if start in anc_memo:
+            return anc_memo[start]
+        inner = fwd - {n for n, _ in out_nodes_ports}
+        seen, stack, hit = {start}, [start], False
+        while stack and not hit:
+            node = nodes.get(stack.pop())
+            if node is None:
+                continue
+            for inp in node.input:
+                src = parse_tensor(inp)[0]
+                if src in inner:
+                    hit = True
+                    break
+                if src in seen or (src, 0) in out_nodes_ports:
+                    continue
+                seen.add(src)
+                stack.append(src)
+        anc_memo[start] = hit
+        return hit
+
+    def try_add(name) -> bool:
+        if name in region or name in fwd:
+            return False
+        node = nodes.get(name)
+        if node is None:
+            return False
+        if node.op not in GRAD_OPS:
+            why_not[name] = f"op {node.op} is not a gradient op"
+            return False
+        if name in protected:
+            why_not[name] = "it is fetched or preserved"
+            return False
+        if not _AUTODIFF.search(name) and node.op not in AGGREGATIONS:
+            # an optimizer's Neg(grad) or Mul(grad, lr), a user's clip: not autodiff's
+            why_not[name] = "its name is not in an autodiff scope (gradients/, gradient_tape/)"
+            return False
+        owner = attributed_forward(graph, name)
+        if owner is not None and owner not in fwd:
+            why_not[name] = f"its name makes it part of the gradient of '{owner}'"
+            return False
+        if owner is None:
+            owner = _tf2_scope_owner(name, fwd)
+        kinds = []
+        new_dy = None
+        for inp in node.input:
+            src, _, ctrl = parse_tensor(inp)
+            if ctrl:
+                if src in region or src in fwd or (dy[0] is not None and src == parse_tensor(dy[0])[0]):
+                    continue
+                if is_static(src):
+                    continue
+                kinds.append(("ctrl_ext", inp))
+                continue
+            k = classify_input(inp)
+            if k == "ext":
+                dt = graph.tensor_dtype(inp)
+                from .. import registry
+                if dy[0] is None and new_dy is None and dt in registry.FLOAT_TYPES \
+                        and _shape_eq(shapes.shape(inp), y_shape, partial_shapes) and not after_forward(inp):
+                    new_dy = _identity_root(graph, inp)
+                    k = "dy"
+                else:
+                    why_not[name] = f"it reads '{inp}', which is neither the gradient nor the fused region's"
+                    return False
+            if k == "out" and not grad_reads_output:
+                why_not[name] = f"it reads the fused op's output '{inp}'"
+                return False
+            kinds.append((k, inp))
+        data_kinds = [k for k, _ in kinds if k != "ctrl_ext"]
+        reads_dy = "dy" in data_kinds
+        if not _AUTODIFF.search(name) and any(k != "g" for k in data_kinds):
+            why_not[name] = "a sum outside an autodiff scope that reads more than the region"
+            return False
+        if node.op in AGGREGATIONS and reads_dy:
+            why_not[name] = "it sums the incoming gradient with another gradient (a residual path)"
+            return False
+        if "out" in data_kinds and not (reads_dy or new_dy is not None or any(
+                k == "g" and dy_dep.get(parse_tensor(r)[0]) for k, r in kinds)):
+            why_not[name] = "it reads the fused op's output but no gradient (a forward reader)"
+            return False
+        if reads_dy and not grad_reads_output and any(k == "g" and dy_dep.get(parse_tensor(r)[0])
+                                                      for k, r in kinds):
+            why_not[name] = "it combines the incoming gradient with a gradient already derived from it"
+            return False
+        if not node.input:
+            return False
+        if not any(k in ("g", "f", "dy") for k in data_kinds) and not any(
+                parse_tensor(i)[0] in region for i in node.input):
+            return False
+        via_dy = not any(k in ("g", "f") for k in data_kinds) and not any(
+            parse_tensor(i)[0] in region for i in node.input)
+        if via_dy and (owner is None or node.op in AGGREGATIONS):
+            why_not[name] = "it reads only the incoming gradient and its name ties it to no fused op"
+            return False
+        if new_dy is not None:
+            dy[0] = new_dy
+        region[name] = None
+        fwd_dep[name] = any((k == "f" and node.op not in VALUE_STATIC_OPS)
+                            or (k == "g" and fwd_dep.get(parse_tensor(r)[0])) for k, r in kinds)
+        dy_dep[name] = reads_dy or any(k == "g" and dy_dep.get(parse_tensor(r)[0]) for k, r in kinds)
+        # the value depends on no data (only shapes): Shape(inner), ZerosLike(inner), int math on them
+        val_static[name] = node.op in VALUE_STATIC_OPS or (
+            node.op in _STATIC_ARITH and all(k == "static" or (k == "g" and val_static.get(parse_tensor(r)[0]))
+                                             for k, r in kinds if k != "ctrl_ext"))
+        if len(region) > max_nodes:
+            raise GradRegionRefused(f"the gradient region grew beyond {max_nodes} nodes")
+        return True
+
+    # ---- pass A finds dy (the first external tensor shaped like the output that a
+    #      would-be gradient node reads, in topological order); pass B grows G
+    #      from the readers of F's inner tensors and of dy, in topological order,
+    #      so every input a node may take from G is decided before the node is
+    seeds = []
+    for f in fwd:
+        for cname, _ in graph.consumers(f):
+            if cname not in fwd:
+                seeds.append(cname)
+    pos = graph.topo_positions()
+    _grow(graph, seeds, try_add, pos, region)
+    found = dy[0]
+    if found is None:
+        raise GradRegionRefused("not fused: the fused region's inner tensors are read outside it, and no "
+                                "incoming gradient (a float tensor shaped like its output) was found")
+    region.clear(); fwd_dep.clear(); dy_dep.clear(); why_not.clear(); val_static.clear()
+    dsrc, dport, _ = parse_tensor(found)
+    dy_readers = [c for c, _ in graph.consumers(dsrc, port=dport)] + \
+                 [c for c, i in graph.consumers(dsrc) if i < 0]
+    # and the readers of its Identity aliases (TF1 tuples: Identity(dy, ^group_deps))
+    stack = [c for c in dy_readers if nodes[c].op in ("Identity", "Snapshot")]
+    seen_alias = set()
+    while stack:
+        a = stack.pop()
+        if a in seen_alias or _identity_root(graph, a) != found:
+            continue
+        seen_alias.add(a)
+        for c, i in graph.consumers(a):
+            dy_readers.append(c)
+            if i >= 0 and nodes[c].op in ("Identity", "Snapshot"):
+                stack.append(c)
+    _grow(graph, seeds + dy_readers, try_add, pos, region)
+    if dy[0] != found:
+        raise GradRegionRefused("not fused: the incoming gradient is not one tensor")
+    # ---- every reader of an inner tensor is in F or G
+    for f in sorted(fwd):
+        for cname, idx in graph.consumers(f):
+            if cname in fwd or cname in region:
+                continue
+            if (f, parse_tensor(nodes[cname].input[idx])[1] if idx >= 0 else -1) in out_nodes_ports:
+                continue  # reads the fused op's output: stays valid
+            if idx < 0 and (f, 0) in out_nodes_ports:
+                continue  # control edge on the anchor: the fused op keeps its name
+            extra = f" ({why_not[cname]})" if cname in why_not else ""
+            raise GradRegionRefused(f"not fused: '{f}' is also read by '{cname}'{extra}", why_not)
+
+    # a gradient is linear in dy: a tensor leaving G that is computed from F's values
+    # without dy is forward code (the gradient's own forward-only helpers, such as
+    # Square's 2*x, stay inside G)
+    for name in region:
+        if nodes[name].op == "NoOp" or dy_dep.get(name) or val_static.get(name) or not fwd_dep.get(name):
+            continue
+        if any(c not in region and i >= 0 for c, i in graph.consumers(name)):
+            raise GradRegionRefused(f"not fused: '{name}' reads the fused region's inner tensors and does not "
+                                    f"depend on the incoming gradient (it is not part of the gradient)", why_not)
+
+    order = sorted(region, key=lambda n: pos.get(n, 0))
+    outputs_map: dict[str, list] = {}
+    ctrl_in, ctrl_out = [], []
+    for name in order:
+        node = nodes[name]
+        for inp in node.input:
+            src, _, ctrl = parse_tensor(inp)
+            if ctrl and src not in region and src not in fwd and src not in ctrl_in:
+                ctrl_in.append(src)
+        for cname, idx in graph.consumers(name):
+            if cname in region:
+                continue
+            if idx < 0:
+                if cname not in ctrl_out:
+                    ctrl_out.append(cname)
+                continue
+            ref = _canon(nodes[cname].input[idx])
+            outputs_map.setdefault(ref, []).append((cname, idx))
+    if ctrl_in:
+        _check_no_cycle(graph, region, ctrl_in)
+    return GradRegion(fwd, order, dy[0], outputs_map, ctrl_in, ctrl_out, fwd_dep, dy_dep, graph)
+
+
+def _identity_root(graph: Graph, ref: str) -> str:
+    """The tensor an Identity/Snapshot chain copies (TF1's gradient tuples make
+    several ``Identity(dy, ^group_deps)`` aliases of one incoming gradient)."""
+    for _ in range(32):
+        n, p, c = parse_tensor(ref)
+        node = graph.nodes.get(n)
+        if node is None or c or p != 0 or node.op not in ("Identity", "Snapshot"):
+            break
+        data = graph.data_inputs(node)
+        if not data:
+            break
+        ref = data[0]
+    return _canon(ref)
+
+
+def _canon(ref: str) -> str:
+    n, p, c = parse_tensor(ref)
+    return ("^" + n) if c else (n if p == 0 else f"{n}:{p}")
+
+
+def _grow(graph, seeds, try_add, pos, region):
+    """Try nodes in topological order (a heap on the position), each once;
+    the readers of every node that joins are queued."""
+    import heapq
+
+    heap = [(pos.get(n, 0), n) for n in set(seeds)]
+    heapq.heapify(heap)
+    done = set()
+    while heap:
+        _, name = heapq.heappop(heap)
+        if name in done:
+            continue
+        done.add(name)
+        if try_add(name):
+            for cname, _ in graph.consumers(name):
+                if cname not in region and cname not in done:
+                    heapq.heappush(heap, (pos.get(cname, 0), cname))
+
+
+def _check_no_cycle(graph: Graph, region, ctrl_in):
+    """G's external control inputs move onto the replacement: none may depend on G."""
+    targets = set(ctrl_in)
+    seen = set(region)
+    stack = list(region)
+    steps = 0
+    while stack:
+        name = stack.pop()
+        for cname, _ in graph.consumers(name):
+            if cname in seen:
+                continue
+            if cname in targets:
+                raise GradRegionRefused(f"the gradient region waits on '{cname}', which depends on it")
+            seen.add(cname)
+            stack.append(cname)
+            steps += 1
+            if steps > 200000:
+                raise GradRegionRefused("control-dependency check too large")
+
+
+# ------------------------------------------------------------------ outputs
+def _alias_root(graph: Graph, region: GradRegion, ref: str) -> str:
+    """Follow Identity/Snapshot/Reshape-by-static-shape inside G to the tensor
+    this one is a copy (or reshape) of."""
+    seen = 0
+    while seen < 16:
+        n, p, _ = parse_tensor(ref)
+        node = graph.nodes.get(n)
+        if node is None or n not in region.nodes_set or p != 0:
+            return ref
+        if node.op in ("Identity", "Snapshot", "Reshape", "StopGradient"):
+            src = graph.data_inputs(node)[0]
+            if parse_tensor(src)[0] not in region.nodes_set:
+                return ref
+            ref = _canon(src)
+            seen += 1
+            continue
+        return ref
+    return ref
+
+
+def assign_outputs(region: GradRegion, graph: Graph, classify: Callable[[str], str | None],
+                   summed=("dx",)) -> dict:
+    """Give every tensor leaving G a role (see the module docstring)."""
+    region.nodes_set = set(region.nodes)  # type: ignore[attr-defined]
+    roles: dict[str, list] = {}
+    for ref in region.outputs:
+        role = classify(ref)
+        if role is None:
+            from .. import registry
+            dt = graph.tensor_dtype(ref)
+            raise GradRegionRefused(
+                f"not fused: the gradient tensor '{ref}' ({registry.dtype_name(dt) if dt is not None else '?'}) "
+                f"read by '{region.outputs[ref][0][0]}' is none of the fused gradient's outputs")
+        roles.setdefault(role, []).append(ref)
+    terms = {}
+    for role, refs in roles.items():
+        if role in summed and len(refs) > 1:
+            aggs = {c for r in refs for c, _ in region.outputs[r]}
+            if len(aggs) != 1:
+                raise GradRegionRefused(f"not fused: the partial {role} terms {refs} are read by "
+                                        f"{sorted(aggs)}, not summed by one node")
+            agg = aggs.pop()
+            node = graph.nodes[agg]
+            if node.op not in AGGREGATIONS:
+                raise GradRegionRefused(f"not fused: the partial {role} terms meet in '{agg}' ({node.op}), "
+                                        f"not in a sum")
+            ins = [_canon(i) for i in graph.data_inputs(node)]
+            for r in refs:
+                if ins.count(r) != 1:
+                    raise GradRegionRefused(f"not fused: '{agg}' reads the {role} term '{r}' "
+                                            f"{ins.count(r)} times")
+            terms[role] = Term(role, refs, agg)
+            continue
+        if len(refs) > 1:
+            roots = {_alias_root(graph, region, r) for r in refs}
+            if len(roots) != 1:
+                raise GradRegionRefused(f"not fused: {len(refs)} different tensors {refs} look like {role}")
+        terms[role] = Term(role, refs, None)
+    return terms
+
+
+__all__ = ["find_grad_region", "assign_outputs", "attributed_forward", "is_autodiff_name", "GradRegion", "Term",
+           "GradRegionRefused", "GRAD_OPS", "AGGREGATIONS", "SHAPE_OPS"]

@@ -1,0 +1,190 @@
+"""graph_passes.fusion.grad_region on real autodiff graphs (TF1 tf.gradients and
+TF2 GradientTape): which nodes form the backward region of a forward subgraph,
+what dy is, how the tensors leaving it are assigned, and the refusals."""
+import numpy as np
+import pytest
+
+from _fusion_util import build, tf, tf1
+from graph_passes.fusion.core import ShapeOracle
+from graph_passes.fusion.grad_region import (GradRegionRefused, assign_outputs, attributed_forward,
+                                             find_grad_region)
+from graph_passes.graph import Graph
+
+RNG = np.random.default_rng(3)
+
+
+def _ln(h, gamma, beta):
+    """Raw LayerNorm in name scope 'ln' (the forward region F), output 'ln/y'."""
+    with tf.name_scope("ln"):
+        mean = tf.reduce_mean(h, -1, keepdims=True)
+        var = tf.reduce_mean(tf.square(h - mean), -1, keepdims=True)
+        return tf.add((h - mean) * tf.math.rsqrt(var + 1e-6) * gamma, beta, name="y")
+
+
+def _tf1_graph(residual=False, upstream_scale=False, extra_reader=False):
+    def f():
+        x = tf1.placeholder(tf.float32, [6, 8], name="x")
+        w = tf1.get_variable("w", initializer=RNG.standard_normal((8, 8)).astype(np.float32) * 0.3)
+        h = tf.matmul(x, w, name="h")
+        if upstream_scale:
+            h = tf.multiply(h, 2.0, name="scaled")
+        gamma = tf1.get_variable("gamma", initializer=RNG.uniform(0.5, 1.5, 8).astype(np.float32))
+        beta = tf1.get_variable("beta", initializer=RNG.standard_normal(8).astype(np.float32))
+        y = _ln(h, tf.identity(gamma, name="gamma_read"), tf.identity(beta, name="beta_read"))
+        out = y + h if residual else y
+        if extra_reader:
+            out = out + tf.reduce_sum(tf1.get_default_graph().get_tensor_by_name("ln/Mean:0"))
+        loss = tf.reduce_sum(tf.square(out) * tf.range(8, dtype=tf.float32), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        return h.op.name, gamma.op.name, beta.op.name
+    gd, (h, g, b) = build(f)
+    graph = Graph(gd)
+    fwd = [n for n in graph.nodes if n.startswith("ln/")]
+    return graph, fwd, [h, "gamma_read", "beta_read"], h
+
+
+def _classify(graph, region, x):
+    shapes = ShapeOracle(graph)
+    xs = shapes.shape(x)
+
+    def classify(ref):
+        sh = shapes.shape(ref)
+        if not region.depends_on_dy(ref):
+            return None
+        if sh == xs and region.depends_on_forward(ref):
+            return "dx"
+        if sh == [8]:
+            return "dgamma" if region.depends_on_forward(ref) else "dbeta"
+        return None
+    return classify
+
+
+def test_tf1_region_dy_and_outputs():
+    graph, fwd, ins, h = _tf1_graph()
+    region = find_grad_region(graph, fwd, ["ln/y"], ins)
+    # every region node is autodiff's, for an op of F (or an unattributed aggregation)
+    assert region.nodes and all(n.startswith("gradients/") for n in region.nodes)
+    owners = {attributed_forward(graph, n) for n in region.nodes} - {None}
+    assert owners and owners <= set(fwd)
+    # dy: the gradient of loss w.r.t. y (autodiff names it after the consumer Square)
+    assert region.dy.startswith("gradients/Square_grad/")
+    assert not any(n.startswith("gradients/h_grad") for n in region.nodes)  # MatMul's gradient is not ours
+    terms = assign_outputs(region, graph, _classify(graph, region, h))
+    assert set(terms) == {"dx", "dgamma", "dbeta"}
+    # h is read by F only: autodiff's AddN of the partial terms (x - mean, mean and
+    # variance paths) reads nothing else, so it is in the region and is the one dx
+    assert terms["dx"].aggregator is None and len(terms["dx"].refs) == 1
+    dx = graph.nodes[terms["dx"].refs[0]]
+    assert dx.op == "AddN" and dx.name in region.nodes and len(graph.data_inputs(dx)) == 3
+    # and what reads it is the MatMul's gradient
+    assert {graph.nodes[c].op for c, _ in region.outputs[dx.name]} == {"MatMul"}
+
+
+def test_tf1_residual_sum_stays_outside():
+    """out = LN(h) + h: the AddN of the residual gradient and LN's dx terms reads
+    an external term, so it is the aggregator, never part of the region."""
+    graph, fwd, ins, h = _tf1_graph(residual=True)
+    region = find_grad_region(graph, fwd, ["ln/y"], ins)
+    terms = assign_outputs(region, graph, _classify(graph, region, h))
+    agg = graph.nodes[terms["dx"].aggregator]
+    assert terms["dx"].aggregator not in region.nodes and len(terms["dx"].refs) == 3
+    assert len(graph.data_inputs(agg)) == len(terms["dx"].refs) + 1  # + the residual term
+    assert region.dy in [graph.data_inputs(agg)[i] for i in range(4)] or any(
+        graph.nodes[i.split(":")[0]].op == "Identity" for i in graph.data_inputs(agg))
+
+
+def test_upstream_gradient_not_absorbed():
+    """h = matmul * 2: the gradient of the Mul (x's producer) reads only dx and
+    a constant, but its name ties it to 'scaled', outside F."""
+    graph, fwd, ins, h = _tf1_graph(upstream_scale=True)
+    region = find_grad_region(graph, fwd, ["ln/y"], ins)
+    assert not any("scaled_grad" in n for n in region.nodes)
+    terms = assign_outputs(region, graph, _classify(graph, region, h))
+    assert "dx" in terms
+
+
+def test_optimizer_ops_not_absorbed():
+    """An optimizer's Neg(grad) * lr reads only the region's dgamma and a
+    constant, but it is not autodiff's (found in Keras 2's SGD under fit:
+    taking it for dgamma flipped the update's sign)."""
+    def f():
+        x = tf1.placeholder(tf.float32, [6, 8], name="x")
+        gamma = tf1.get_variable("gamma", initializer=np.ones(8, np.float32))
+        y = _ln(x, tf.identity(gamma, name="gamma_read"), tf.zeros([8]))
+        loss = tf.reduce_sum(tf.square(y) * tf.range(8, dtype=tf.float32), name="loss")
+        dgamma = tf.gradients(loss, gamma)[0]
+        with tf.name_scope("SGD"):
+            tf1.assign_add(gamma, tf.negative(dgamma) * 0.1, name="update")
+    graph = Graph(build(f)[0])
+    fwd = [n for n in graph.nodes if n.startswith("ln/")]
+    region = find_grad_region(graph, fwd, ["ln/y"], ["x", "gamma_read"])
+    assert not any(n.startswith("SGD/") for n in region.nodes)
+    assert any(c.startswith("SGD/") for cons in region.outputs.values() for c, _ in cons)
+
+
+def test_inner_tensor_read_by_forward_code_refused():
+    graph, fwd, ins, _ = _tf1_graph(extra_reader=True)
+    with pytest.raises(GradRegionRefused, match="not fused"):
+        find_grad_region(graph, fwd, ["ln/y"], ins)
+
+
+def test_unclassified_output_refused():
+    graph, fwd, ins, h = _tf1_graph()
+    region = find_grad_region(graph, fwd, ["ln/y"], ins)
+    with pytest.raises(GradRegionRefused, match="none of the fused gradient's outputs"):
+        assign_outputs(region, graph, lambda ref: None)
+
+
+def test_no_gradient_refused():
+    """An inference graph whose inner tensor is read by forward code: no dy."""
+    def f():
+        x = tf1.placeholder(tf.float32, [6, 8], name="x")
+        y = _ln(x, tf.ones([8]), tf.zeros([8]))
+        tf.identity(y + tf.reduce_sum(tf1.get_default_graph().get_tensor_by_name("ln/Mean:0")), name="out")
+    graph = Graph(build(f)[0])
+    fwd = [n for n in graph.nodes if n.startswith("ln/")]
+    with pytest.raises(GradRegionRefused):
+        find_grad_region(graph, fwd, ["ln/y"], ["x"])
+
+
+def test_tf2_gradient_tape_region():
+    @tf.function
+    def step(x, gamma, beta):
+        with tf.GradientTape() as tape:
+            tape.watch([x, gamma, beta])
+            y = _ln(x, gamma, beta)
+            loss = tf.reduce_sum(tf.square(y) * tf.range(8, dtype=tf.float32))
+        return tape.gradient(loss, [x, gamma, beta])
+
+    gd = step.get_concrete_function(tf.TensorSpec([6, 8], tf.float32, name="x"),
+                                    tf.TensorSpec([8], tf.float32, name="gamma"),
+                                    tf.TensorSpec([8], tf.float32, name="beta")).graph.as_graph_def()
+    graph = Graph(gd)
+    fwd = [n for n in graph.nodes if n.startswith("ln/")]
+    returned = {n for n in graph.nodes if n.startswith("Identity")}  # what the function returns
+    region = find_grad_region(graph, fwd, ["ln/y"], ["x", "gamma", "beta"], protected=returned)
+    # autodiff's ops and its unnamed aggregations
+    assert all(n.startswith(("gradient_tape/", "AddN")) for n in region.nodes)
+    assert region.dy.startswith("gradient_tape/")
+    terms = assign_outputs(region, graph, _classify(graph, region, "x"))
+    assert set(terms) == {"dx", "dgamma", "dbeta"}
+
+
+@pytest.mark.parametrize("name,want", [
+    ("gradients/ln/mul_grad/Mul", "ln/mul"),
+    ("gradients_1/ln/mul_grad/tuple/control_dependency", "ln/mul"),
+    ("gradient_tape/ln/mul/Mul_1", "ln/mul"),
+    ("call/gradient_tape/ln/mul/Mul_1", "call/ln/mul"),  # an inlined function call's scope
+    ("call/gradients/ln/mul_grad/Mul", "call/ln/mul"),
+    ("gradients/AddN", None),
+    ("ArithmeticOptimizer/AddOpsRewrite_gradients/AddN", None),
+    ("ln/mul", None),
+])
+def test_attributed_forward(name, want):
+    def f():
+        with tf.name_scope("ln"):
+            tf.multiply(tf1.placeholder(tf.float32, [2], name="a"), 2.0, name="mul")
+        with tf.name_scope("call/ln"):
+            tf.multiply(tf1.placeholder(tf.float32, [2], name="a"), 2.0, name="mul")
+    graph = Graph(build(f)[0])
+    assert attributed_forward(graph, name) == want
