@@ -688,6 +688,7 @@ def _move_control_input(graph: Graph, cname: str, old: str, new: str):
         return
     if "^" + new in inputs or new == cname:
         del node.input[i]  # control inputs come last: no data index shifts
+        graph.touch(cname)  # edited in place (the OpDef guard's changed set)
         graph.reindex()
         return
     graph.set_input(cname, i, "^" + new)
