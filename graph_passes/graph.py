@@ -148,6 +148,19 @@ class Graph:
         self._topo_cache = None
         self.version += 1
 
+    def reindex_ops(self):
+        """Rebuild the op-type index alone (after ``node.op`` edits made
+        without :meth:`set_op`; the manager does it after a pass that does
+        not declare ``tracks_edits``)."""
+        by_op: dict[str, dict[str, None]] = {}
+        for name, n in self.nodes.items():
+            ops = by_op.get(n.op)
+            if ops is None:
+                ops = by_op[n.op] = {}
+            ops[name] = None
+        self._by_op = by_op
+        self._topo_cache = None  # LOOP_BACK_OPS may have changed
+
     def index_problems(self) -> list[str]:
         """Where the consumers / op-type indexes disagree with the nodes
         (empty when every edit went through this object's methods)."""

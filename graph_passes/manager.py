@@ -54,8 +54,9 @@ class Pass:
     name = "pass"
     keeps_deferred = False
     #: every node this pass edits in place is edited through ``Graph`` methods
-    #: or declared with ``graph.touch(name)`` (the OpDef guard then checks
-    #: only those nodes); False: the manager marks every node as changed
+    #: (op types through ``set_op``) or declared with ``graph.touch(name)``
+    #: (the OpDef guard then checks only those nodes); False: the manager
+    #: marks every node as changed and rebuilds the op-type index after it
     tracks_edits = False
 
     def run(self, graph: Graph, ctx: "PassContext") -> dict:  # pragma: no cover - abstract
@@ -137,7 +138,8 @@ class PassManager:
                                 node=getattr(exc, "node", None)) from exc
             dt = time.perf_counter() - t0
             if not PASS_REGISTRY[name].tracks_edits and hasattr(graph, "touch_all"):
-                graph.touch_all()
+                graph.touch_all()  # anything may have been edited in place,
+                graph.reindex_ops()  # node.op included
             if graph.index_repairs > repairs:
                 ctx.warn(f"the graph's consumers index was out of sync {graph.index_repairs - repairs} "
                          "time(s) (node inputs edited without Graph.reindex()); it was rebuilt")
@@ -151,6 +153,8 @@ class PassManager:
                                           f"from {dts} to {after[node_name]}", node=node_name)
             if self.validate:
                 problems = [p for p in graph.validate() if p not in before_problems]
+                if hasattr(graph, "index_problems"):  # node.op / inputs edited behind its back
+                    problems += graph.index_problems()
                 if problems:
                     raise PassError(name, "left an invalid graph: " + "; ".join(problems[:10]))
         ctx.current_pass = None

@@ -451,7 +451,7 @@ def test_opdef_guard_checks_what_the_passes_changed(k2, params):
 
 
 def test_untracked_pass_makes_the_guard_check_everything():
-    from graph_passes import manager
+    from graph_passes import cleanup, manager  # noqa: F401  (cleanup registers itself)
 
     class _Edits(manager.Pass):  # edits in place without telling the graph
         def run(self, graph, ctx):
@@ -468,3 +468,44 @@ def test_untracked_pass_makes_the_guard_check_everything():
     g = Graph(cnn_graph())
     manager.PassManager(["cleanup"]).run(g, manager.PassContext())
     assert g.changed_nodes() == set()
+
+
+def test_validate_names_a_pass_that_changes_an_op_behind_the_graph():
+    """``validate_graph``'s per-pass check also finds an op type changed in
+    place (``node.op = ...`` instead of ``Graph.set_op``) by a pass that
+    declares ``tracks_edits``: the op-type index that ``nodes_of_type`` and
+    the fusion matcher use would be stale.  After a pass that does not
+    declare it, the manager rebuilds the index."""
+    from graph_passes import manager
+    from graph_passes.errors import PassError
+
+    class _Renames(manager.Pass):
+        tracks_edits = True
+
+        def run(self, graph, ctx):
+            graph.nodes["logits"].op = "BatchMatMulV2"
+            return {}
+
+    class _RenamesRight(_Renames):
+        def run(self, graph, ctx):
+            graph.set_op("logits", "BatchMatMulV2")
+            return {}
+
+    class _RenamesUntracked(_Renames):
+        tracks_edits = False  # the manager rebuilds the op index after it
+
+    manager.register_pass("_test_op_in_place")(_Renames)
+    manager.register_pass("_test_set_op")(_RenamesRight)
+    manager.register_pass("_test_op_untracked")(_RenamesUntracked)
+    try:
+        g = Graph(cnn_graph())
+        manager.PassManager(["_test_op_untracked"], validate=True).run(g, manager.PassContext())
+        assert g.nodes_of_type("BatchMatMulV2") == ["logits"] and g.changed_nodes() is None
+        with pytest.raises(PassError, match="set_op"):
+            manager.PassManager(["_test_op_in_place"], validate=True).run(Graph(cnn_graph()), manager.PassContext())
+        g = Graph(cnn_graph())
+        manager.PassManager(["_test_set_op"], validate=True).run(g, manager.PassContext())
+        assert g.nodes_of_type("BatchMatMulV2") == ["logits"] and g.changed_nodes() == {"logits"}
+    finally:
+        for name in ("_test_op_in_place", "_test_set_op", "_test_op_untracked"):
+            del manager.PASS_REGISTRY[name]

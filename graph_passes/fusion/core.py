@@ -22,6 +22,12 @@ The framework (:func:`apply_rule`) then
    removed nodes onto the replacement, and deletes producers that became dead
    (stateless ops only, never fetched/preserved ones).
 
+A build function never edits a graph node in place (it emits replacements,
+``Builder.replace`` re-emits a node under its own name): the fusion pass
+declares ``tracks_edits`` (the OpDef guard checks only the nodes the passes
+created or edited) and skips a rule while ``graph.version`` is unchanged, and
+both rely on every change going through ``Graph`` methods.
+
 Leaf captures whose name starts with ``@`` are *references*: ``Pat.any("@mean")``
 must be the output 0 of the inner node captured as ``mean``.  That is how a
 DAG (a tensor read twice inside the pattern) is written with a tree matcher.
@@ -682,6 +688,7 @@ def _move_control_input(graph: Graph, cname: str, old: str, new: str):
         return
     if "^" + new in inputs or new == cname:
         del node.input[i]  # control inputs come last: no data index shifts
+        graph.touch(cname)  # edited in place (the OpDef guard's changed set)
         graph.reindex()
         return
     graph.set_input(cname, i, "^" + new)
