@@ -288,29 +288,6 @@ def fused_ops_broken(op_type: str, device_type: str, dtype, fused_ops) -> str | 
     return None
 
 
-#: reductions whose BF16 CPU kernel accumulates in FP32, so that in BF16 only
-#: the result is rounded: op -> (first TF version measured so, evidence).
-#: Versions before it are treated as accumulating in BF16.  Measured with
-#: ``tf.reduce_mean`` of BF16 U(0.5, 1.5) tensors, relative error of the
-#: result against the exact mean of the same BF16 values (half a BF16 ulp is
-#: 2e-3): TF 2.15.1 [8,64,64,64] over axes 0-2: 0.94, [16,4,4,2048] over 1-2
-#: (a global average pool): 1.1e-2; TF 2.21.0: at most 3.9e-3 in every case.
-#: TF 2.16-2.20 were not measured.  ``Sum`` is not listed: not measured.
-BF16_FP32_ACCUMULATION = {
-    "Mean": ((2, 21), "TF 2.21.0's BF16 Mean accumulates in FP32 (error <= one BF16 rounding of the "
-                      "result over 32768 elements); TF 2.15.1's loses most digits (0.94 relative)"),
-}
-
-
-def bf16_accumulates_in_fp32(op_type: str) -> str | None:
-    """Why ``op_type``'s BF16 CPU kernel in this TensorFlow accumulates in
-    FP32 (see :data:`BF16_FP32_ACCUMULATION`), or None if it may not."""
-    entry = BF16_FP32_ACCUMULATION.get(op_type)
-    if entry is None or _tf_version() < entry[0]:
-        return None
-    return entry[1]
-
-
 def _install_conditional_broken():
     if onednn_enabled():
         return

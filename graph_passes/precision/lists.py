@@ -83,16 +83,6 @@ BF16_GRAY = {
     "Expm1": "as Exp",
 }
 
-#: black ops whose reason is FP16's range AND the precision of a BF16
-#: accumulator: gray with BF16 only where TF's BF16 kernel accumulates in
-#: FP32 (``registry.bf16_accumulates_in_fp32``: TF >= 2.21 for Mean; TF
-#: 2.15's BF16 Mean loses most digits over large reductions, so it stays black)
-BF16_GRAY_IF_FP32_ACCUMULATION = {
-    "Mean": "BF16 has FP32's range and this TF's BF16 Mean accumulates in FP32, so only the result "
-            "is rounded (grappler's oneDNN BF16 AMP on TF 2.21 runs it in BF16: a global average "
-            "pool then needs no FP32 round trip)",
-}
-
 GRAY = {
     "Add": "elementwise arithmetic",
     "AddV2": "elementwise arithmetic",

@@ -17,9 +17,7 @@ Mode -> dtype of a matrix (white-list) op, before kernels are checked:
 
 =========================  =============================================
 allow_mix_precision(_bf16) low (FP16 / BF16); black ops FP32 (with BF16,
-                           lists.BF16_GRAY ops are gray instead, and
-                           lists.BF16_GRAY_IF_FP32_ACCUMULATION ones where
-                           this TF's BF16 kernel accumulates in FP32)
+                           lists.BF16_GRAY ops are gray instead)
 force_fp16                 low wherever a kernel exists
 cube_fp16in_fp32out        low for white (cube) ops, others unchanged
 allow_fp32_to_fp16         FP32 wherever an FP32 kernel exists (low only
@@ -94,10 +92,7 @@ class Plan:
         self.lists = _lists.lists_for(options)
         if self.low == registry.DT_BFLOAT16:
             black, gray = self.lists["black"], self.lists["gray"]
-            relaxed = dict(_lists.BF16_GRAY)
-            relaxed.update((op, why) for op, why in _lists.BF16_GRAY_IF_FP32_ACCUMULATION.items()
-                           if registry.bf16_accumulates_in_fp32(op))
-            for op, why in relaxed.items():
+            for op, why in _lists.BF16_GRAY.items():
                 if op in black and not black[op].startswith("user:"):
                     del black[op]
                     gray[op] = f"BF16: {why}"
