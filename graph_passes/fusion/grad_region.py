@@ -31,6 +31,8 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
     region.depends_on_forward(ref)  # data-depends on a forward inner tensor's value
     region.depends_on_dy(ref)
     GradRegionRefused(msg).why_not  # {node: why the search left it out} (debugging)
+    attributed_forward(graph, name)  # the forward node autodiff named op `name` after, or None
+    is_autodiff_name(name)           # in a gradients[_N]/ or gradient_tape/ scope
 
     Wiring it into a rule: register it with ``escapes=True`` (or call
     ``b.absorb(inner, escapes_ok=True)``), emit the gradient op, re-emit an
@@ -58,7 +60,10 @@ readers of F's inner tensors, then from the readers of ``dy``):
   *static* tensors (Const, Shape/Size/Rank and int arithmetic on them: values
   that do not depend on data) or ``dy``; never from ``outputs``;
 * ``dy`` is one tensor: the first external, non-static float tensor with the
-  shape of ``outputs[0]`` that a grown node reads; a second such tensor refuses;
+  shape of ``outputs[0]`` (or ``dy_shape``) that a grown node reads and that
+  depends on no inner tensor of F (TF1's tuple ``Identity(dy)`` aliases count
+  as dy); a second such tensor refuses; values computed from ``inputs`` and
+  constants alone (Pow's ``log(x)``, RealDiv's ``-x``) count as inputs;
 * a node that reads ``dy`` reads no other dy-dependent tensor (``AddN(dy, dx)``
   sums a residual path's gradient with F's: it is outside G), and an
   aggregation (AddN/Add/AddV2) reading ``dy`` is never in G;
@@ -89,8 +94,9 @@ Residual assumption: a gradient op of the op *upstream* of x that keeps x's
 shape, depends only on the complete dx and constants, is in an autodiff scope
 but whose name attributes to no forward node (the forward node renamed by
 something other than the fusion pass) and is in GRAD_OPS, would be taken for a
-part of dx.  TF's own names attribute such ops to their forward op, and the
-names the graph had when the fusion pass began are remembered.
+part of dx when F has no common name scope (plain ops at the graph's root).
+TF's own names attribute such ops to their forward op, and the names the graph
+had when the fusion pass began are remembered.
 
 Before/after (LayerNorm; the rule's part)::
 
