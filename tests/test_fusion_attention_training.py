@@ -208,6 +208,14 @@ def test_bert_block_tf1_session_one_step(worker, dtype, tol_u):
     r = worker[f"bert_{dtype}"]
     _assert_fused(r)
     assert r["counts"]["ScaleMaskSoftmaxGrad"] == 1  # a constant mask: no mask gradient
+    # the backward region replaced, as TF1's gradient functions build it (_SoftmaxGrad: mul, Sum,
+    # sub, mul_1; _AddGrad with static shapes: the mask side's Sum + Reshape only; _MulGrad: both
+    # sides; each with its tuple group_deps + control_dependency Identities)
+    tup = ["tuple/group_deps", "tuple/control_dependency", "tuple/control_dependency_1"]
+    want = ([f"gradients/probs_grad/{n}" for n in ("mul", "Sum", "sub", "mul_1")]
+            + [f"gradients/add_grad/{n}" for n in ["Sum", "Reshape"] + tup]
+            + [f"gradients/Mul_grad/{n}" for n in ["Mul", "Mul_1", "Sum", "Reshape"] + tup])
+    assert sorted(r["decisions"]["probs"]["fused_gradient_nodes"]) == sorted(want)
     assert r["decisions"]["probs"]["fusion"] == "attention_train"
     _assert_same_step(r, tol_u, ["wq", "wk", "wv", "wo"])
 
