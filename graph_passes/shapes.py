@@ -219,6 +219,7 @@ class ShapeTable:
         self._source = source
         self._inferred = None
         self._aliases = {}
+        self._local_memo = {}
         self.error = None
 
     @property
@@ -280,6 +281,14 @@ class ShapeTable:
 
     def get(self, ref):
         src, port, _ = parse_tensor(ref)
+        if self._inferred is None and src not in self._shapes and src not in self._aliases:
+            # before any whole-graph inference: a fully known shape from the
+            # producers' when there is one (the same answer, see local_shape)
+            node = self._graph.nodes.get(src)
+            if node is not None and static_shapes(node) is None:
+                sh = local_shape(self._graph, ref, self._local_memo)
+                if sh is not None:
+                    return sh
         outs = self.node_shapes(src)
         if outs is None or port >= len(outs):
             return None
@@ -359,7 +368,9 @@ _SAME_SHAPE = frozenset({
     "IsInf", "LogicalNot",
     # gradients of elementwise ops: (y or features, dy), both of the output's shape
     "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "TanhGrad",
-    "SigmoidGrad", "RsqrtGrad", "SqrtGrad", "SoftplusGrad", "SoftsignGrad", "ReciprocalGrad"})
+    "SigmoidGrad", "RsqrtGrad", "SqrtGrad", "SoftplusGrad", "SoftsignGrad", "ReciprocalGrad",
+    # this project's ops whose output 0 has input 0's shape (their C++ shape functions)
+    "LayerNorm", "RMSNorm", "ScaleMaskSoftmax"})
 #: elementwise with NumPy broadcasting of inputs 0 and 1
 _BROADCAST = frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
@@ -454,6 +465,8 @@ def _local_compute(graph, ref, memo, depth):
         a = _local(graph, data[0], memo, depth + 1)
         b = _local(graph, data[1], memo, depth + 1) if a is not None else None
         return None if b is None else _broadcast(a, b)
+    if op in ("LayerNormGrad", "RMSNormGrad") and len(data) >= 2:  # dx: x's shape (input 1)
+        return _local(graph, data[1], memo, depth + 1)
     if op == "AddN":  # every input has the output's shape
         for d in data:
             sh = _local(graph, d, memo, depth + 1)
