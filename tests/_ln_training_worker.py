@@ -133,13 +133,20 @@ def _build(form):
 
 def _mixlist(mode):
     """``<mode>+lngray``: a CANN mixlist that takes the fused norms off the black
-    list (gray: they follow their producers' dtype, e.g. FP16 I/O after FP16 matmuls)."""
-    if not mode.endswith("+lngray"):
+    list (gray: they follow their producers' dtype, e.g. FP16 I/O after FP16 matmuls);
+    ``<mode>+lnblack``: one that puts them on it as the user's own entries (FP32 I/O
+    in BF16 mode too: the behaviour before they joined ``BF16_GRAY``)."""
+    ops = ["LayerNorm", "LayerNormGrad", "RMSNorm", "RMSNormGrad"]
+    if mode.endswith("+lngray"):
+        body = {"black-list": {"to-remove": ops}}
+    elif mode.endswith("+lnblack"):
+        body = {"black-list": {"to-add": ops}}
+    else:
         return {}
     import tempfile
     path = os.path.join(tempfile.mkdtemp(), "mixlist.json")
     with open(path, "w") as fh:
-        json.dump({"black-list": {"to-remove": ["LayerNorm", "LayerNormGrad", "RMSNorm", "RMSNormGrad"]}}, fh)
+        json.dump(body, fh)
     return {"modify_mixlist": path}
 
 
@@ -163,14 +170,21 @@ def _session_case(form, mode, level):
         s.run(init)
         md = tf1.RunMetadata()
         vals = s.run([grads[k] for k in gnames] + [loss], feeds,
-                     options=tf1.RunOptions(output_partition_graphs=True), run_metadata=md)
+                     options=tf1.RunOptions(output_partition_graphs=True,
+                                            trace_level=tf1.RunOptions.FULL_TRACE), run_metadata=md)
         s.run(train, feeds)
         after = s.run({k: v for k, v in weights.items()})
     counts = Counter(n.op for pg in md.partition_graphs for n in pg.node)
+    # elements converted by the executed Casts (their output shapes from the step's trace)
+    casts = {n.name for pg in md.partition_graphs for n in pg.node if n.op == "Cast"}
+    cast_sizes = [int(np.prod([d.size for d in ns.output[0].tensor_description.shape.dim]))
+                  for ds in md.step_stats.dev_stats for ns in ds.node_stats
+                  if ns.node_name in casts and ns.output]
     from tensorflow.core.framework import types_pb2
     dts = sorted({types_pb2.DataType.Name(n.attr["T"].type) for pg in md.partition_graphs for n in pg.node
                   if n.op in ("LayerNorm", "LayerNormGrad", "RMSNorm", "RMSNormGrad")})
     return {"counts": {k: counts.get(k, 0) for k in COUNT_OPS}, "norm_dtypes": dts,
+            "cast_sizes": sorted(cast_sizes),
             "grads": {k: np.asarray(v, np.float64).tolist() for k, v in zip(gnames, vals[:-1])},
             "loss": float(vals[-1]),
             "after": {k: np.asarray(v, np.float64).tolist() for k, v in after.items()}}

@@ -175,6 +175,9 @@ def _cases():
     for form in ("moments", "rms"):
         for mode in ("allow_mix_precision", "allow_mix_precision_bf16"):
             cases += [f"{form}:{mode}:0", f"{form}:{mode}:2", f"{form}:{mode}+lngray:2"]
+    if _keras2_available():  # BF16 I/O of the fused norms (BF16_GRAY) vs their old FP32 I/O (user black)
+        cases += ["keras:allow_mix_precision_bf16:0", "keras:allow_mix_precision_bf16:2",
+                  "keras:allow_mix_precision_bf16+lnblack:2"]
     cases += ["fit:plain:0", "fit:must_keep_origin_dtype:2", "fitmha:plain:0", "fitmha:must_keep_origin_dtype:2"]
     return cases
 
@@ -248,8 +251,9 @@ def test_session_path_low_precision(results, form, mode, kind):
     for r in (fused, gray):
         assert r["counts"][op] == n and r["counts"][op + "Grad"] == n, r["counts"]
         assert not any(r["counts"][k] for k in INNER if k in r["counts"])
-    # the planner's decision: black-listed -> FP32 I/O; off the black list -> the producers' low dtype
-    assert fused["norm_dtypes"] == ["DT_FLOAT"]
+    # the planner's decision: black-listed in FP16 mode -> FP32 I/O; gray in BF16 mode
+    # (lists.BF16_GRAY) and off the black list -> the producers' low dtype
+    assert fused["norm_dtypes"] == (["DT_FLOAT"] if kind == "fp16" else ["DT_BFLOAT16"])
     assert gray["norm_dtypes"] == ["DT_HALF" if kind == "fp16" else "DT_BFLOAT16"]
     u = U[kind]
     for k in _compared(plain["grads"], fused["grads"]):
@@ -258,6 +262,46 @@ def test_session_path_low_precision(results, form, mode, kind):
         base = _rel(uf, p)
         assert _rel(f, p) <= 1.5 * base + u, (k, _rel(f, p), base)
         assert _rel(gr, p) <= 1.5 * base + u, (k, _rel(gr, p), base)
+
+
+def test_keras_bf16_fused_norms_run_bf16(results):
+    """BF16 mode on a Keras 2 LayerNormalization training graph: LayerNorm and
+    LayerNormGrad are gray in BF16 (``lists.BF16_GRAY``), so in the executed graph
+    they run with bfloat16 I/O after the BF16 matmuls, with fewer activation-sized
+    Casts than with them on the black list (the behaviour before: the user's
+    black entry) and fewer elements converted, and
+    the gradients and weights after one SGD step stay as close to plain FP32 TF.
+
+    Tolerance: the two BF16 graphs differ only in the rounding of the norm's
+    I/O to BF16 (x is a BF16 matmul's output in both; gamma, beta, y, dy, dx,
+    dgamma, dbeta are rounded once more, each by at most half an ulp = u/2,
+    u = 2**-8), and a gradient crosses at most ~4 such roundings on its way
+    (gamma -> y -> ... dy -> dx / dgamma): 4u on top of the black variant's error."""
+    if not _keras2_available():
+        pytest.skip(f"Keras 2 (tf_keras) is not installed for TensorFlow {tf.__version__}")
+    plain = _get(results, "keras:plain:0")
+    unfused = _get(results, "keras:allow_mix_precision_bf16:0")
+    fused = _get(results, "keras:allow_mix_precision_bf16:2")
+    black = _get(results, "keras:allow_mix_precision_bf16+lnblack:2")
+    for r in (fused, black):
+        assert r["counts"]["LayerNorm"] == 1 and r["counts"]["LayerNormGrad"] == 1, r["counts"]
+    assert fused["norm_dtypes"] == ["DT_BFLOAT16"]
+    assert black["norm_dtypes"] == ["DT_FLOAT"]
+    # fewer activation-sized Casts (x into the norm, y out of it, dy, dx: [B*S, D] = 192
+    # elements here) and fewer elements converted per step; the parameter-sized ones
+    # ([D]: gamma, beta in; dgamma, dbeta out to the FP32 variables) are new, so the
+    # *number* of Cast nodes alone does not fall on this one-norm graph
+    big = {k: [n for n in r["cast_sizes"] if n > worker.D] for k, r in (("fused", fused), ("black", black))}
+    assert len(big["fused"]) < len(big["black"]), big
+    assert sum(fused["cast_sizes"]) < sum(black["cast_sizes"]), (fused["cast_sizes"], black["cast_sizes"])
+    u = U["bf16"]
+    for k in _compared(plain["grads"], fused["grads"]):
+        p, f, bl, uf = (r["grads"][k] for r in (plain, fused, black, unfused))
+        assert np.linalg.norm(f) > 0
+        assert _rel(f, p) <= _rel(bl, p) + 4 * u, (k, _rel(f, p), _rel(bl, p), _rel(uf, p))
+    for k in plain["after"]:
+        p, f, bl = (r["after"][k] for r in (plain, fused, black))
+        assert _rel(f, p) <= _rel(bl, p) + 4 * u, (k, _rel(f, p), _rel(bl, p))
 
 
 def test_keras_fit_under_enable(results):

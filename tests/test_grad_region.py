@@ -207,3 +207,73 @@ def test_attributed_forward(name, want):
             tf.multiply(tf1.placeholder(tf.float32, [2], name="a"), 2.0, name="mul")
     graph = Graph(build(f)[0])
     assert attributed_forward(graph, name) == want
+
+
+# ------------------------------------------------------------------ positions across fusions
+def _valid_order(graph, pos):
+    from graph_passes.graph import parse_tensor
+    return all(pos[parse_tensor(i)[0]] < pos[name] for name, n in graph.nodes.items() for i in n.input)
+
+
+def test_positions_patched_after_edits_and_resorted_when_stale():
+    """The region search's topological positions survive a fusion's edits: new
+    nodes are placed after their inputs, no whole-graph sort is done (the
+    graph's own sort cache stays empty), and the map is a valid order of the
+    edited graph; an edit the old order contradicts sends it to the full sort."""
+    from graph_passes.fusion.grad_region import _positions
+
+    graph, fwd, _, h = _tf1_graph(residual=True)
+    pos = _positions(graph)
+    assert _valid_order(graph, pos)
+    # a fusion's kind of edit: a new node between 'h' and one of its readers
+    reader, idx = next((c, i) for c, i in graph.consumers(h) if i >= 0 and c not in fwd)
+    from tensorflow.core.framework import attr_value_pb2
+    graph.new_node("Identity", "h_copy", [h], {"T": attr_value_pb2.AttrValue(type=tf.float32.as_datatype_enum)})
+    graph.set_input(reader, idx, "h_copy")
+    pos2 = _positions(graph)
+    assert graph._topo_cache is None  # patched, not re-sorted
+    assert pos[h] < pos2["h_copy"] < pos2[reader] and _valid_order(graph, pos2)
+    # an edge against the old order: a Const loss does not depend on (the learning
+    # rate, placed early) now waits on 'loss' (placed late): full sort
+    from graph_passes.graph import parse_tensor
+    anc, stack = set(), ["loss"]
+    while stack:
+        for i in graph.nodes[stack.pop()].input:
+            src = parse_tensor(i)[0]
+            if src not in anc:
+                anc.add(src)
+                stack.append(src)
+    const = next(n for n in sorted(graph.nodes, key=pos2.get) if graph.nodes[n].op == "Const" and n not in anc)
+    assert pos2[const] < pos2["loss"]
+    graph.add_control_input(const, "loss")
+    pos3 = _positions(graph)
+    assert _valid_order(graph, pos3) and pos3["loss"] < pos3[const]
+
+
+def test_fusion_same_with_fresh_positions(monkeypatch):
+    """Three stacked LayerNorms fused in one training graph: the rewrite is
+    byte-identical whether the region searches use the patched positions or a
+    fresh whole-graph sort each time."""
+    from _fusion_util import rewrite
+    from graph_passes.fusion import grad_region
+
+    def f():
+        x = tf1.placeholder(tf.float32, [4, 6, 8], name="x")
+        h = x
+        for i in range(3):
+            with tf1.variable_scope(f"l{i}"):
+                w = tf1.get_variable("w", initializer=RNG.standard_normal((8, 8)).astype(np.float32) * 0.3)
+                gamma = tf1.get_variable("gamma", initializer=RNG.uniform(0.5, 1.5, 8).astype(np.float32))
+                beta = tf1.get_variable("beta", initializer=RNG.standard_normal(8).astype(np.float32))
+                z = tf.reshape(tf.matmul(tf.reshape(h, [-1, 8]), w), [4, 6, 8]) + h
+                mean, var = tf.nn.moments(z, [-1], keepdims=True)
+                y = (z - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
+                h = y + tf.reshape(tf.matmul(tf.reshape(y, [-1, 8]), w), [4, 6, 8])
+        loss = tf.reduce_sum(tf.square(h), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    gd, _ = build(f)
+    patched, _ = rewrite(gd, ["train", "loss"])
+    monkeypatch.setattr(grad_region, "_positions", lambda g: g.topo_positions())
+    fresh, _ = rewrite(gd, ["train", "loss"])
+    assert sum(n.op == "LayerNormGrad" for n in patched.node) == 3
+    assert patched.SerializeToString(deterministic=True) == fresh.SerializeToString(deterministic=True)

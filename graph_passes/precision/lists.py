@@ -81,6 +81,15 @@ BF16_GRAY = {
     "Exp": "overflows FP16 above ~11, BF16 only above ~88 like FP32; in FP32 it keeps the GELU/Erf "
            "backward's elementwise chain in FP32 (FP32 copies of BF16 gradients)",
     "Expm1": "as Exp",
+    # the fused norms: statistics, row sums and the backward's sums in FP32 inside the
+    # kernels (mean/inv_std are FP32 outputs); FP16 stays black: dgamma/dbeta sum dy over
+    # every row and can overflow FP16 under loss scaling, BF16 cannot
+    "LayerNorm": "accumulates in FP32 inside (FP32 mean/inv_std); BF16 I/O has FP32's range, so it "
+                 "follows its producers (no FP32 copy of x, no casts around it)",
+    "LayerNormGrad": "row and column sums in FP32 inside; dgamma/dbeta (sums over all rows) fit BF16's "
+                     "range under loss scaling, not FP16's",
+    "RMSNorm": "as LayerNorm",
+    "RMSNormGrad": "as LayerNormGrad",
 }
 
 GRAY = {
