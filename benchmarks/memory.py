@@ -25,8 +25,10 @@ session config (remapper off, as the tools run):
   ours-bf16-nodelay
                   ours-bf16 with delay_fp32_copies=False (FP32 copies for the
                   backward made as soon as their input is ready)
-  ours-bf16-fused ours-bf16 at graph_level 2 (the others run graph_level 0): LayerNorm and
-                  its gradient become LayerNorm / LayerNormGrad (issue 14)
+  ours-fp16-fused / ours-bf16-fused
+                  ours-fp16 / ours-bf16 at graph_level 2, the default (the other
+                  ours-* run graph_level 0): LayerNorm and its gradient become
+                  LayerNorm / LayerNormGrad (issue 14)
   ours-bf16+recompute / +scheduling
                   ours-bf16 with grappler's memory optimizer set to
                   RECOMPUTATION_HEURISTICS / SCHEDULING_HEURISTICS (the CPU-side
@@ -165,7 +167,8 @@ def config_for(name):
 
 
 CONFIGS = ("fp32", "ours-fp16", "ours-bf16", "grappler-fp16", "grappler-bf16", "keras-fp16", "keras-bf16",
-           "ours-bf16+recompute", "ours-bf16+scheduling", "ours-bf16-nodelay", "ours-bf16-fused")
+           "ours-bf16+recompute", "ours-bf16+scheduling", "ours-bf16-nodelay", "ours-bf16-fused",
+           "ours-fp16-fused")
 
 
 def run_model(label, build, configs, keras_ok):
@@ -238,7 +241,8 @@ def main(argv=None):
         f32 = rows["fp32"][0]
         for ours, peers in (("ours-fp16", ("grappler-fp16", "keras-fp16")),
                             ("ours-bf16", ("grappler-bf16", "keras-bf16")),
-                            ("ours-bf16-fused", ("grappler-bf16", "keras-bf16"))):
+                            ("ours-bf16-fused", ("grappler-bf16", "keras-bf16")),
+                            ("ours-fp16-fused", ("grappler-fp16", "keras-fp16"))):
             if ours not in rows:
                 continue
             r = rows[ours][0] / f32
