@@ -288,10 +288,24 @@ def fused_ops_broken(op_type: str, device_type: str, dtype, fused_ops) -> str | 
     return None
 
 
+#: unusable only when oneDNN is on: (op, device, dtype) -> (first TF version, why).
+#: The kernel runs and is correct, but so slowly that using it is a defect.
+_BROKEN_WITH_ONEDNN = {
+    ("_FusedMatMul", "CPU", DT_HALF):
+        ((2, 16), "TF >= 2.16 with oneDNN runs an FP16 _FusedMatMul as _MklNativeFusedMatMul, which "
+                  "took 3-10 s per op on a BERT-like training step whose weights are variables "
+                  "(measured 2026-12-02, TF 2.21.0, avx512_fp16 CPU: a 1-layer b1 step 32 s, vs "
+                  "0.7 s for FP16 MatMul + BiasAdd unfused)"),
+}
+
+
 def _install_conditional_broken():
-    if onednn_enabled():
-        return
     ver = _tf_version()
+    if onednn_enabled():
+        for key, (first, why) in _BROKEN_WITH_ONEDNN.items():
+            if ver >= first:
+                BROKEN_KERNELS.setdefault(key, why + " (this process runs with oneDNN on)")
+        return
     for key, (fixed_in, why) in _BROKEN_WITHOUT_ONEDNN.items():
         if fixed_in is None or ver < fixed_in:
             BROKEN_KERNELS.setdefault(key, why + " (this process runs with oneDNN off)")
