@@ -17,7 +17,11 @@ RNG = np.random.default_rng(0)
 #: run oneDNN unless TF_ENABLE_ONEDNN_OPTS=0, and oneDNN's _FusedMatMul takes GELU
 ONEDNN = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() not in ("0", "false")
 #: measured: TF 2.15.1 has no float16 _FusedMatMul CPU kernel, TF 2.21.0 has one
-FP16_FUSED_MATMUL = not tf.__version__.startswith("2.15.")
+# a usable FP16 _FusedMatMul CPU kernel: TF >= 2.16 registers one, but with oneDNN on (the
+# default; TF_ENABLE_ONEDNN_OPTS=0 turns it off) it runs as _MklNativeFusedMatMul, measured
+# seconds per op, so the registry treats it as absent there
+FP16_FUSED_MATMUL = (not tf.__version__.startswith("2.15.")
+                     and os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") == "0")
 
 
 def _dense_graph(act, bias=True, extra_consumer=False):
