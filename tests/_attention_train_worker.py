@@ -26,7 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-from _fusion_util import op_counts, rewrite  # noqa: E402
+from _fusion_util import op_counts, rewrite, run_gd as _run  # noqa: E402
 
 tf1 = tf.compat.v1
 DT = {"fp32": tf.float32, "fp16": tf.float16, "bf16": tf.bfloat16}
@@ -214,14 +214,6 @@ def keras_tf2(rate=0.1, with_mask=True):
     return gd, outs, names
 
 
-def _run(gd, fetches, feeds):
-    g = tf.Graph()
-    with g.as_default():
-        tf.graph_util.import_graph_def(gd, name="")
-    cfg = tf1.ConfigProto()
-    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
-    with tf1.Session(graph=g, config=cfg) as s:
-        return s.run([f + ":0" for f in fetches], {(k if ":" in k else k + ":0"): v for k, v in feeds.items()})
 
 
 def case_keras_tf2(rate):

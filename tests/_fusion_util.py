@@ -41,7 +41,7 @@ def run_gd(gd, fetches, feeds=None, init=None, steps=None):
     with tf1.Session(graph=g, config=cfg) as s:
         if init:
             s.run(init)
-        feed = {f"{k}:0": v for k, v in (feeds or {}).items()}
+        feed = {(k if ":" in k else f"{k}:0"): v for k, v in (feeds or {}).items()}
         if steps:
             for _ in range(steps[1]):
                 s.run(steps[0], feed)
