@@ -285,3 +285,23 @@ def test_bert_like_block_training_graph(measured):
         assert relaxed == black
     x = np.random.RandomState(2).standard_normal((32, 64)).astype(np.float32)
     _check_accuracy(gd, relaxed, black, fetches, {"x:0": x})
+
+
+def test_softmax_backward_needs_no_fp32_copy_where_sum_follows(measured):
+    """The softmax backward, (dy - Sum(dy * p)) * p, reads the forward's softmax output p.
+    With Sum black it runs in FP32 and reads an FP32 copy of the BF16 p, held (or delayed)
+    until the backward; where the rule holds it runs in BF16 and reads p itself."""
+    from test_precision_liveness import FEED, FETCHES, attention_step
+
+    gd = attention_step()
+    relaxed, _, black = _rewrites(gd, FETCHES)
+    assert "probs/CastToFp32" in casts(black)
+    softmax_sum = [n for n in relaxed.node if n.op == "Sum" and n.name.startswith("gradients/probs_grad")]
+    assert softmax_sum
+    if _relaxed(measured):
+        assert "probs/CastToFp32" not in casts(relaxed)
+        assert {n.attr["T"].type for n in softmax_sum} == {BF16}
+        assert len(casts(relaxed)) < len(casts(black))
+    else:
+        assert relaxed == black
+    _check_accuracy(gd, relaxed, black, FETCHES, FEED)
