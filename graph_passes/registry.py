@@ -310,7 +310,7 @@ _BROKEN_WITH_ONEDNN = {
 #: [8,64,64,64] axes 0-2, [4,8192,4] axis 1, full reductions); the same check
 #: runs in tests/test_precision_reductions.py against the real kernel.  TF
 #: 2.16-2.20 were not measured.  Not listed because they do not: ``Prod``
-#: (0.78-1.0 relative error on both versions; a product also compounds one
+#: (0.44-1.0 relative error over >= 1024 factors on both versions; a product compounds one
 #: rounding per factor), TF 2.15's ``Mean``.
 BF16_FP32_ACCUMULATION = {
     "Mean": ((2, 21), "TF 2.21.0's BF16 Mean rounds only its result (<= 3.9e-3 relative in every "
