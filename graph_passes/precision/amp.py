@@ -140,6 +140,12 @@ class _NodeInfo:
 class PrecisionPass(Pass):
     __doc__ = __doc__
     tracks_edits = True  # in-place re-typing is declared (self.touched -> graph.touch)
+    #: the run's shortcuts (issue 17): node dtypes and facts memoised per node
+    #: and per op signature, the delayed casts' acyclicity proven from the
+    #: order at hand.  False runs the reference (every dtype from the
+    #: registry, every fact computed, the full sort); both give the same
+    #: graph and report (tests/test_precision_fast.py)
+    fast_paths = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -204,6 +210,9 @@ class PrecisionPass(Pass):
     # place, and every such edit goes through _retype / _set_type (which drop
     # the node's memo entry), so the memo below stays true for the whole run
     def _memo_dts(self, node):
+        if not self.fast_paths:
+            ins, outs = self.g.input_dtypes(node), self.g.output_dtypes(node)
+            return node, None if ins is None else tuple(ins), None if outs is None else tuple(outs)
         hit = self._dts.get(node.name)
         if hit is None or hit[0] is not node:
             key = registry.signature_key(node)
@@ -260,7 +269,7 @@ class PrecisionPass(Pass):
     def _compute_info(self, node):
         # a registered op's facts follow from the attrs its args name (the
         # signature key); Switch/Merge also from their producers
-        if node.op in COND_OPS:
+        if node.op in COND_OPS or not self.fast_paths:
             return self._compute_info_of(node)
         key = registry.signature_key(node)
         if key is None:
@@ -921,7 +930,7 @@ class PrecisionPass(Pass):
         delayed = {c for c, _ in plan if c not in small}
         # never cyclic, by the order argument above: a safety net (its proof, when
         # it holds, is the order itself; else the full topological sort decides)
-        if delayed and not (not cyclic and self._forward_at(pos, [c for c, _ in plan])) \
+        if delayed and not (self.fast_paths and not cyclic and self._forward_at(pos, [c for c, _ in plan])) \
                 and not self._acyclic():
             for cname in delayed:
                 node = g.nodes[cname]
