@@ -1,8 +1,9 @@
 """Subprocess worker for tests/test_fusion_filter_grad.py (BF16 kernels may abort TF,
 so every run happens here, never in the pytest process).
 
-``python _filter_grad_worker.py run``: trains a small conv net (three convs without
-bias: 1x1 stride 1, 1x1 stride 2, 3x3; then a dense layer) one SGD step (learning rate 1:
+``python _filter_grad_worker.py run``: trains a small conv net (four convs without bias:
+3x3 on 8x8 (64 output positions: left alone), 1x1 stride 1, 1x1 stride 2, 3x3 on 4x4 (16
+positions: im2col); then a dense layer) one SGD step (learning rate 1:
 the update is minus the gradient) from the same weights under
 
 * ``fp32``     plain TF (grappler's defaults);
@@ -32,9 +33,9 @@ import tensorflow as tf  # noqa: E402
 import npu_amp_tf  # noqa: E402
 
 tf1 = tf.compat.v1
-#: the weights whose gradient the rule rewrites (1x1 convs) and those it leaves
-MATCHED = ("w1", "w2")
-OTHERS = ("w3", "dense")
+#: the weights whose gradient the rules rewrite and those they leave
+MATCHED = ("w1", "w2", "w3")
+OTHERS = ("w0", "dense")
 
 
 def build():
@@ -42,11 +43,13 @@ def build():
     x = tf1.placeholder(tf.float32, [4, 8, 8, 16], name="x")
     y = tf1.placeholder(tf.int32, [4], name="y")
     init = tf1.initializers.glorot_uniform()
+    w0 = tf1.get_variable("w0", [3, 3, 16, 16], initializer=init)
     w1 = tf1.get_variable("w1", [1, 1, 16, 32], initializer=init)
     w2 = tf1.get_variable("w2", [1, 1, 32, 24], initializer=init)
     w3 = tf1.get_variable("w3", [3, 3, 24, 8], initializer=init)
     wd = tf1.get_variable("dense", [8, 5], initializer=init)
-    h = tf.nn.relu(tf.nn.conv2d(x, w1, 1, "SAME"))
+    h = tf.nn.relu(tf.nn.conv2d(x, w0, 1, "SAME"))
+    h = tf.nn.relu(tf.nn.conv2d(h, w1, 1, "SAME"))
     h = tf.nn.relu(tf.nn.conv2d(h, w2, 2, "VALID"))  # 8x8 -> 4x4
     h = tf.nn.relu(tf.nn.conv2d(h, w3, 1, "SAME"))
     logits = tf.matmul(tf.reduce_mean(h, [1, 2]), wd)
@@ -103,10 +106,11 @@ def offline():
         gd, rep = npu_amp_tf.rewrite_graph(g.as_graph_def(), fetches=[loss.op.name, train.name],
                                            precision_mode=mode, graph_level=2)
         st = rep.pass_stats("fusion")
-        reasons = sorted({d.get("fusion_reason", "") for d in rep.decisions.values()
-                          if d.get("fusion_skipped") == "filter_grad_1x1"})
+        rules = ("filter_grad_1x1", "filter_grad_im2col")
+        reasons = {r: sorted({d.get("fusion_reason", "") for d in rep.decisions.values()
+                              if d.get("fusion_skipped") == r}) for r in rules}
         _emit(config="offline", mode=mode, onednn=onednn_enabled(),
-              fused=st.get("fused", {}).get("filter_grad_1x1", 0), reasons=reasons,
+              fused={r: st.get("fused", {}).get(r, 0) for r in rules}, reasons=reasons,
               ops=dict(Counter(n.op for n in gd.node)))
 
 
