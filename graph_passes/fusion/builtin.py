@@ -1258,16 +1258,18 @@ def _mask_gradient(b, gname, dy, probs, dt, ms, ss, scale):
 #: measured (benchmarks/fused_forms.py --filter-grad; TF 2.15.1 and 2.21.0, oneDNN on, AMX): the
 #: BF16 weight gradient of a 1x1 conv as one BF16 MatMul of the flattened input and output
 #: gradient is 1.4-24x faster than oneDNN's BF16 Conv2DBackpropFilter (small spatial sizes worst:
-#: [16,4,4,512]x[16,4,4,2048] 48 ms vs 2 ms), and faster than its FP32 one; in FP32 the conv
-#: kernel is the faster one, so the rule fires only for a gradient the precision pass makes BF16.
+#: [16,4,4,512]x[16,4,4,2048] 48 ms vs 2 ms, 10.7 vs 1.2 ms in a quieter run), and faster than its
+#: FP32 one.  In FP32 the two are close (0.85-1.8x, one run per TF version, not validated on
+#: whole models), so the rule fires only for a gradient the precision pass makes BF16.
 
 
 #: ``filter_grad_im2col``: the kxk weight gradient as im2col (ExtractImagePatches) + one BF16
 #: MatMul, measured against oneDNN's BF16 Conv2DBackpropFilter (3x3, batch 16, ms; conv / im2col):
 #: output 4x4: 512 ch 61/23 (2.15), 50/9 (2.21); 256 ch 4.3/2.2; 128 ch 2.8/2.0; 2x2x512 47/7;
 #: stride 2 10x10->4x4x256 26/10 (2.15), 11/2.7 (2.21); 6x6x512 50/27; 7x7x512 85/44 (2.15),
-#: 91/42 (2.21).  Slower: 7x7x256 5.8/7.8, 8x8x256 15/24, 8x8x512 59/62, 14x14x256 51/61,
-#: 16x16x128 5/45.  So: at most 16 output positions, or at most 49 with >= 512 input channels.
+#: 91/42 (2.21); a quieter rerun: 4x4x512 17/4.3 (2.15), 19/5.6 (2.21), 7x7x512 17.5/17.8 (2.15,
+#: parity), 29/19 (2.21).  Slower: 7x7x256 5.8/7.8, 8x8x256 15/24, 8x8x512 59/62, 14x14x256
+#: 51/61, 16x16x128 5/45.  So: at most 16 output positions, or at most 49 with >= 512 input channels.
 _IM2COL_MAX_POSITIONS = 16
 _IM2COL_MAX_POSITIONS_WIDE = (49, 512)
 
