@@ -360,7 +360,8 @@ def main(argv=None):
 
     bridge.register()
     print(f"TensorFlow {tf.__version__}; TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_EMULATE_FP16="
-          f"{os.environ['TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_EMULATE_FP16']}")
+          f"{os.environ['TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_EMULATE_FP16']}; load average "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs")
     results = []
     for name in args.graphs.split(","):
         if name == "resnet50":

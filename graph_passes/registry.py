@@ -182,6 +182,18 @@ def _flat_dtypes(node, library, which):
     return None if hit is None else list(hit)
 
 
+def signature_key(node):
+    """A hashable key that decides a registered op's input/output dtypes and
+    counts (the op type and the attrs its args name), or None for an op that
+    is not registered: nodes with equal keys have equal
+    :func:`input_dtypes` / :func:`output_dtypes`."""
+    names = _signature_attrs(node.op)
+    if names is None:
+        return None
+    get = node.attr.get
+    return (node.op, tuple([_fingerprint(get(n), k) for n, k in names]))
+
+
 def output_dtypes(node, library=None) -> list[int] | None:
     flat = _flat_dtypes(node, library, "output_arg")
     if flat is not False:

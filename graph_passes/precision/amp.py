@@ -140,6 +140,12 @@ class _NodeInfo:
 class PrecisionPass(Pass):
     __doc__ = __doc__
     tracks_edits = True  # in-place re-typing is declared (self.touched -> graph.touch)
+    #: the run's shortcuts (issue 17): node dtypes and facts memoised per node
+    #: and per op signature, the delayed casts' acyclicity proven from the
+    #: order at hand.  False runs the reference (every dtype from the
+    #: registry, every fact computed, the full sort); both give the same
+    #: graph and report (tests/test_precision_fast.py)
+    fast_paths = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -152,6 +158,9 @@ class PrecisionPass(Pass):
         self.unknown_policy = plan.unknown_policy
         self.protected = ctx.protected
         self._info = {}
+        self._dts = {}  # name -> (node, input dtypes, output dtypes) memo (see in_dtypes)
+        self._sig_dts = {}  # registry.signature_key -> (input dtypes, output dtypes)
+        self._sig_info = {}  # registry.signature_key -> _NodeInfo (ops outside COND_OPS)
         self._kernel_cache = {}
         self._unsafe_cache = {}
         self.casts_inserted = 0
@@ -197,6 +206,53 @@ class PrecisionPass(Pass):
         self._info[node.name] = (node.op, res)
         return res
 
+    # dtypes of a node follow from its attrs alone; this pass edits attrs in
+    # place, and every such edit goes through _retype / _set_type (which drop
+    # the node's memo entry), so the memo below stays true for the whole run
+    def _memo_dts(self, node):
+        if not self.fast_paths:
+            ins, outs = self.g.input_dtypes(node), self.g.output_dtypes(node)
+            return node, None if ins is None else tuple(ins), None if outs is None else tuple(outs)
+        hit = self._dts.get(node.name)
+        if hit is None or hit[0] is not node:
+            key = registry.signature_key(node)
+            facts = self._sig_dts.get(key) if key is not None else None
+            if facts is None:
+                ins = self.g.input_dtypes(node)
+                outs = self.g.output_dtypes(node)
+                facts = (None if ins is None else tuple(ins), None if outs is None else tuple(outs))
+                if key is not None:
+                    self._sig_dts[key] = facts
+            hit = self._dts[node.name] = (node, facts[0], facts[1])
+        return hit
+
+    def in_dtypes(self, node):
+        """``Graph.input_dtypes`` (a tuple), memoised for this run."""
+        return self._memo_dts(node)[1]
+
+    def out_dtypes(self, node):
+        """``Graph.output_dtypes`` (a tuple), memoised for this run."""
+        return self._memo_dts(node)[2]
+
+    def tensor_dtype(self, ref):
+        """``Graph.tensor_dtype``, from the memo."""
+        src, port, ctrl = parse_tensor(ref)
+        node = None if ctrl else self.g.nodes.get(src)
+        if node is None:
+            return None
+        dts = self._memo_dts(node)[2]
+        if dts is None or port >= len(dts):
+            return None
+        return dts[port]
+
+    def _retype(self, node, attrs, dt):
+        registry.retype(node, attrs, dt)  # fused args (TArgs) follow
+        self._dts.pop(node.name, None)
+
+    def _set_type(self, node, attr, dt):
+        node.attr[attr].type = dt
+        self._dts.pop(node.name, None)
+
     def in_loop_plumbing(self, node):
         """A Switch fed a ``LoopCond`` predicate (or a loop-carried value
         straight from an ``Enter``), or a Merge fed by ``NextIteration`` or
@@ -211,6 +267,19 @@ class PrecisionPass(Pass):
         return False
 
     def _compute_info(self, node):
+        # a registered op's facts follow from the attrs its args name (the
+        # signature key); Switch/Merge also from their producers
+        if node.op in COND_OPS or not self.fast_paths:
+            return self._compute_info_of(node)
+        key = registry.signature_key(node)
+        if key is None:
+            return self._compute_info_of(node)
+        res = self._sig_info.get(key)
+        if res is None:
+            res = self._sig_info[key] = self._compute_info_of(node)
+        return res
+
+    def _compute_info_of(self, node):
         meta = _op_meta(node.op)
         if meta is None:
             return _NodeInfo((), [], "function call" if node.op in self.g.functions else "unknown op")
@@ -273,7 +342,7 @@ class PrecisionPass(Pass):
         entry = self.op_list.get(node.op)
         if entry is not None:
             return entry
-        dts = self.g.output_dtypes(node) or []
+        dts = self.out_dtypes(node) or []
         if not any(registry.base_dtype(d) in FLOATS for d in dts):
             return "gray", "reads floats, writes none: follows its producers (no cast buys anything)"
         if self.unknown_policy == "gray":
@@ -307,7 +376,7 @@ class PrecisionPass(Pass):
         st = self.state.get(src)
         if st == "neutral":
             return None
-        dt = self.g.tensor_dtype(r)
+        dt = self.tensor_dtype(r)
         if dt is None or registry.base_dtype(dt) not in FLOATS:
             return None
         dt = registry.base_dtype(dt)
@@ -378,7 +447,7 @@ class PrecisionPass(Pass):
                 continue
             target, state, reason, lst = self._decide(node, info, cur)
             if target != cur:
-                registry.retype(node, info.attrs, target)  # fused args (TArgs) follow
+                self._retype(node, info.attrs, target)
                 changed += 1
                 self.touched.add(name)
             self.state[name] = state
@@ -404,7 +473,7 @@ class PrecisionPass(Pass):
         """Base dtypes the readers of ``ref`` (other than ``exclude``) expect."""
         wants = set()
         for cname, idx in self._readers(ref, exclude):
-            want = self.g.input_dtypes(self.g.nodes[cname])
+            want = self.in_dtypes(self.g.nodes[cname])
             if want is not None and idx < len(want):
                 wants.add(registry.base_dtype(want[idx]))
         return wants
@@ -417,7 +486,7 @@ class PrecisionPass(Pass):
             if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
                 continue
             r = self.root(inp)
-            rdt = self.g.tensor_dtype(r)
+            rdt = self.tensor_dtype(r)
             if rdt is None or registry.base_dtype(rdt) != self.low:
                 continue
             d = self.decisions.get(parse_tensor(r)[0])
@@ -450,14 +519,14 @@ class PrecisionPass(Pass):
                 rnode = g.nodes.get(parse_tensor(r)[0])
                 if rnode is None or rnode.op == "Const":
                     continue
-                rdt = g.tensor_dtype(r)
+                rdt = self.tensor_dtype(r)
                 rdt = registry.base_dtype(rdt) if rdt is not None else None
                 if rdt == FP32 and self.low not in self._wanted(r, exclude=name):
                     cost_low += 1
                 elif rdt == self.low and FP32 not in self._wanted(r, exclude=name):
                     cost_f32 += 1
             outs = set()
-            for port in range(len(g.output_dtypes(node) or ())):
+            for port in range(len(self.out_dtypes(node) or ())):
                 outs |= self._wanted(tensor_name(name, port))
             cost_low += FP32 in outs
             cost_f32 += self.low in outs
@@ -474,7 +543,7 @@ class PrecisionPass(Pass):
                         and (name in self._contested
                              or (d.get("list") == "clear" and self._movable_producers(node, info))))
             if cost_f32 < cost_low or edge_tie:
-                registry.retype(node, info.attrs, FP32)
+                self._retype(node, info.attrs, FP32)
                 self.touched.add(name)
                 self.state[name] = "f32"
                 if d.get("was") == "float32":
@@ -489,7 +558,7 @@ class PrecisionPass(Pass):
         src, port, _ = parse_tensor(ref)
         wants = set()
         for cname, idx in self.g.consumers(src, port=port):
-            want = self.g.input_dtypes(self.g.nodes[cname])
+            want = self.in_dtypes(self.g.nodes[cname])
             if want is not None and idx < len(want):
                 wants.add(registry.base_dtype(want[idx]))
         return wants
@@ -528,7 +597,7 @@ class PrecisionPass(Pass):
             if cur != FP32:
                 continue
             stay = go = 0
-            for port in range(len(g.output_dtypes(node) or ())):
+            for port in range(len(self.out_dtypes(node) or ())):
                 w = self._direct_wants(tensor_name(name, port))
                 stay += self.low in w
                 go += FP32 in w
@@ -549,13 +618,13 @@ class PrecisionPass(Pass):
                 if (prod is not None and prod.op == "Cast" and prod.attr["DstT"].type == self.low
                         and prod.attr["SrcT"].type in FLOATS):
                     continue  # the low copy exists already (a Cast grappler moved in front)
-                rdt = g.tensor_dtype(r)
+                rdt = self.tensor_dtype(r)
                 if rdt is not None and registry.base_dtype(rdt) == FP32 \
                         and self.low not in self._wanted(r, exclude=name):
                     go += 1
             if blocked or go >= stay or self._refuse_low(node, info, cur, warn=False):
                 continue
-            registry.retype(node, info.attrs, self.low)  # fused args (TArgs) follow
+            self._retype(node, info.attrs, self.low)
             self.touched.add(name)
             self.state[name] = "low"
             changed += 1
@@ -665,7 +734,7 @@ class PrecisionPass(Pass):
         """Set of base dtypes the data consumers of ``name``:0 expect (None if unknown)."""
         wants = set()
         for cname, idx in self.g.consumers(name, port=0):
-            want = self.g.input_dtypes(self.g.nodes[cname])
+            want = self.in_dtypes(self.g.nodes[cname])
             if want is None or idx >= len(want):
                 return None
             wants.add(registry.base_dtype(want[idx]))
@@ -681,16 +750,16 @@ class PrecisionPass(Pass):
                 continue
             src_t = node.attr["SrcT"].type
             if src_t in FLOATS:  # output dtype unchanged: fine for fetched casts too
-                have = g.tensor_dtype(node.input[0])
+                have = self.tensor_dtype(node.input[0])
                 if have is not None and registry.base_dtype(have) in FLOATS and have != src_t:
-                    node.attr["SrcT"].type = registry.base_dtype(have)
+                    self._set_type(node, "SrcT", registry.base_dtype(have))
                     self.touched.add(name)
             elif node.attr["DstT"].type in FLOATS and name not in self.protected:
                 wants = self._consumer_wants(name)
                 if wants and len(wants) == 1:
                     w = wants.pop()
                     if w in FLOATS and w != node.attr["DstT"].type:
-                        node.attr["DstT"].type = w
+                        self._set_type(node, "DstT", w)
                         self.touched.add(name)
                         self._record(node, "cast", f"int->float Cast retargeted to {registry.dtype_name(w)} "
                                                    "(its consumers all want it)", dtype=w)
@@ -713,6 +782,7 @@ class PrecisionPass(Pass):
             if w != FP32 and self.unsafe_const(node, w):
                 continue
             _convert_const(node, w)
+            self._dts.pop(name, None)
             self.touched.add(name)
             self._record(node, "const", f"constant converted in place to {registry.dtype_name(w)}",
                          lst="const", dtype=w, was=registry.dtype_name(cur))
@@ -725,7 +795,7 @@ class PrecisionPass(Pass):
             check.update(c for c, idx in g.consumers(name) if idx >= 0)
         for name in [n for n in g.nodes if n in check]:  # graph order: deterministic
             node = g.nodes[name]
-            want = g.input_dtypes(node)
+            want = self.in_dtypes(node)
             if want is None:
                 continue
             for k, inp in enumerate(node.input):
@@ -734,7 +804,7 @@ class PrecisionPass(Pass):
                 w = registry.base_dtype(want[k])
                 if w not in FLOATS:
                     continue
-                have = g.tensor_dtype(inp)
+                have = self.tensor_dtype(inp)
                 if have is None or registry.base_dtype(have) not in FLOATS or registry.base_dtype(have) == w:
                     continue
                 new_ref = self.cast_to(inp, w, shapes)
@@ -745,7 +815,7 @@ class PrecisionPass(Pass):
         existing Cast, or a new ``<src>/CastToXx`` node."""
         g = self.g
         root = self.root(ref)
-        rdt = g.tensor_dtype(root)
+        rdt = self.tensor_dtype(root)
         if rdt is not None and registry.base_dtype(rdt) == dt:
             return root
         key = (root, dt)
@@ -819,6 +889,7 @@ class PrecisionPass(Pass):
         # not waited on (two casts feeding one reader would otherwise wait on each other).
         # Leaving out some of the edges found this way (the small copies) keeps the graph acyclic.
         pos = dict(g.topo_positions())
+        cyclic = bool(g._topo_cache and g._topo_cache[1])  # (the order tops up a cycle's nodes last)
         awaited, delayed = set(), set()
         plan = []  # (cast, producers it waits for), in the order found
         for cname in self.new_casts:
@@ -857,7 +928,10 @@ class PrecisionPass(Pass):
             self.casts_delayed += 1
             self.decisions.setdefault(cname, {})["waits_for"] = waits
         delayed = {c for c, _ in plan if c not in small}
-        if delayed and not self._acyclic():  # never, by the order argument above: a safety net
+        # never cyclic, by the order argument above: a safety net (its proof, when
+        # it holds, is the order itself; else the full topological sort decides)
+        if delayed and not (self.fast_paths and not cyclic and self._forward_at(pos, [c for c, _ in plan])) \
+                and not self._acyclic():
             for cname in delayed:
                 node = g.nodes[cname]
                 keep = [i for i in node.input if not i.startswith("^")]
@@ -887,6 +961,24 @@ class PrecisionPass(Pass):
                 break
             small[cname] = b
         return small
+
+    def _forward_at(self, pos, moved):
+        """True when every edge into or out of a node of ``moved`` goes
+        forward in ``pos`` (a topological order of the rest of the graph,
+        where only the nodes of ``moved`` changed place or edges): then
+        ``pos`` is a topological order of the whole graph, which is acyclic."""
+        g = self.g
+        for name in moved:
+            p = pos[name]
+            for inp in g.nodes[name].input:
+                q = pos.get(parse_tensor(inp)[0])
+                if q is None or q >= p:
+                    return False
+            for cname, _ in g.consumers(name):
+                q = pos.get(cname)
+                if q is None or q <= p:
+                    return False
+        return True
 
     def _acyclic(self):
         try:

@@ -203,6 +203,7 @@ CLEAR = {
     "ReverseV2": "data movement",
     "DepthToSpace": "data movement",
     "SpaceToDepth": "data movement",
+    "ExtractImagePatches": "data movement (copies windows, pads with zeros)",
     "Relu": "max(x, 0) is exact in any precision",
     "Relu6": "clamp is exact in any precision",
     "ReluGrad": "masking is exact in any precision",
