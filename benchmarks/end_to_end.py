@@ -76,7 +76,9 @@ def cpu_flags() -> list[str]:
 
 
 #: our configurations: name -> extra options (``ours_nodelay``: ``delay_fp32_copies=False``)
-OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False}}
+OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False},
+        # BF16 Mean and Sum kept FP32 (as before issue 18's reduction rule, and as on TF 2.15)
+        "ours_black_reductions": {"custom_black_list": ["Mean", "Sum"]}}
 
 
 def session_configs(names):
@@ -311,19 +313,23 @@ class Data:
 
 def measure(runner, warmup, rounds, steps):
     """Per-configuration step times, one entry per round (configurations
-    interleaved round-robin within each round)."""
+    interleaved round-robin within each round): wall-clock seconds, and this
+    process's CPU seconds (all its threads; steadier than wall time on a
+    shared machine, where other jobs take cores but not this process's CPU time)."""
     names = list(runner.sessions)
     for name in names:
         for _ in range(warmup):
             runner.step(name)
     times = {n: [] for n in names}
+    cpu = {n: [] for n in names}
     for _ in range(rounds):
         for name in names:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 runner.step(name)
             times[name].append((time.perf_counter() - t0) / steps)
-    return times
+            cpu[name].append((time.process_time() - c0) / steps)
+    return times, cpu
 
 
 def median_ratio(num, den):
@@ -335,7 +341,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="slim_resnet50,keras_resnet50,keras_fit,bert")
     ap.add_argument("--configs", default="fp32,grappler,keras,ours",
-                    help="subset of fp32,fp32_again,grappler,keras,ours,ours_nodelay")
+                    help="subset of fp32,fp32_again,grappler,keras,ours,ours_nodelay,ours_black_reductions")
     ap.add_argument("--data", choices=("fixed", "teacher"), default="fixed",
                     help="fixed: one synthetic batch (timing); teacher: a fresh seeded batch per step "
                          "labelled by a fixed random teacher (the loss comparison)")
@@ -384,13 +390,15 @@ def main(argv=None):
         else:
             raise SystemExit(f"unknown model {model!r}")
         load1 = os.getloadavg()
-        times = measure(r, args.warmup, args.rounds, args.steps)
+        times, cpu = measure(r, args.warmup, args.rounds, args.steps)
         load2 = os.getloadavg()
         n_steps = args.warmup + args.rounds * args.steps
         prof = {n: r.profile(n) for n in ("grappler", "ours") if n in r.sessions}
         base = times.get("fp32")
         peer_names = [n for n in ("grappler", "keras") if n in times]
         best_peer = [min(ts) for ts in zip(*(times[n] for n in peer_names))] if peer_names else None
+        cbase = cpu.get("fp32")
+        cbest_peer = [min(ts) for ts in zip(*(cpu[n] for n in peer_names))] if peer_names else None
         window = lambda v: statistics.mean(v[-args.loss_window:]) if v else None  # noqa: E731
         ref = window(r.losses.get("fp32", []))
         for name, ts in times.items():
@@ -400,6 +408,10 @@ def main(argv=None):
                 "model": model, "config": name, "step_s": statistics.median(ts), "round_s": ts,
                 "speedup_vs_fp32": median_ratio(base, ts) if base else None,
                 "ours_vs_best_peer": (median_ratio(best_peer, ts) if name in OURS and best_peer else None),
+                "cpu_s": statistics.median(cpu[name]), "round_cpu_s": cpu[name],
+                "cpu_speedup_vs_fp32": median_ratio(cbase, cpu[name]) if cbase else None,
+                "cpu_ours_vs_best_peer": (median_ratio(cbest_peer, cpu[name])
+                                          if name in OURS and cbest_peer else None),
                 "loss": lv, "loss_steps": n_steps, "loss_window": min(args.loss_window, n_steps),
                 "loss_rel_diff": (abs(lv - ref) / abs(ref) if ref and lv is not None else None),
                 "bf16_share": p.get("lp_compute_share"), "cast_share": p.get("cast_transdata_share"),
@@ -412,6 +424,7 @@ def main(argv=None):
               f"{load1[0]:.2f} / {load2[0]:.2f}]", flush=True)
 
     print(f"\n{'model':15s} {'config':12s} {'step ms':>8s} {'x FP32':>7s} {'x best peer':>11s} "
+          f"{'cpu ms':>7s} {'cpu xFP32':>9s} {'cpu xpeer':>9s} "
           f"{'loss':>8s} {'dloss':>7s} {'BF16 share':>10s} {'Cast share':>10s} {'load 1m':>11s}")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for row in rows:
@@ -420,10 +433,13 @@ def main(argv=None):
             continue
         print(f"{row['model']:15s} {row['config']:12s} {row['step_s'] * 1e3:8.0f} "
               f"{fmt(row['speedup_vs_fp32'], '7.2f')} {fmt(row['ours_vs_best_peer'], '11.2f')} "
+              f"{row['cpu_s'] * 1e3:7.0f} {fmt(row['cpu_speedup_vs_fp32'], '9.2f')} "
+              f"{fmt(row['cpu_ours_vs_best_peer'], '9.2f')} "
               f"{fmt(row['loss'], '8.4f')} {fmt(row['loss_rel_diff'], '7.2%')} "
               f"{fmt(row['bf16_share'], '10.1%')} {fmt(row['cast_share'], '10.1%')} "
               f"{row['loadavg_1m'][0]:5.2f}/{row['loadavg_1m'][1]:5.2f}")
-    print(f"(ratios: median over {args.rounds} rounds of same-round ratios; loss: mean training loss of the "
+    print(f"(ratios: median over {args.rounds} rounds of same-round ratios, of wall time and of this "
+          f"process's CPU time per step (cpu: all threads; steadier under load); loss: mean training loss of the "
           f"last {min(args.loss_window, args.warmup + args.rounds * args.steps)} of "
           f"{args.warmup + args.rounds * args.steps} steps from the same start, data={args.data}; "
           f"goals: ours >= 1.8x FP32 and >= 1.0x best peer on BF16 CPUs, |dloss| <= 2%, Cast share < 15%)")

@@ -14,6 +14,12 @@ graph with ``import_graph_def`` (TF's OpDef validation), runs it, and reports
 the median step time and the ops TF actually executed.  The results back the
 ``FUSED_FORMS`` / ``BROKEN_KERNELS`` entries in graph_passes/registry.py.
 Set TF_ENABLE_ONEDNN_OPTS=0 to measure TF's Eigen kernels.  Never asserts a time.
+
+``--filter-grad``: the weight gradient of ResNet-50's convs (batch 16, 128x128 input) as
+Conv2DBackpropFilter vs the forms the ``filter_grad_1x1`` / ``filter_grad_im2col`` fusion
+rules emit (a 1x1 conv: Reshape -> MatMul(transpose_a); a kxk conv: ExtractImagePatches ->
+the same), in BF16 and FP32, each timed as the minimum over 5 rounds of 4 runs, in one
+subprocess (the numbers behind the rules' limits in graph_passes/fusion/builtin.py).
 """
 from __future__ import annotations
 
@@ -100,7 +106,98 @@ def _child(kind, form, dtn, reps=15):
     return {"status": "runs", "ms": 1e3 * ts[len(ts) // 2], "min_ms": 1e3 * ts[0], "value": float(val), "ops": ops}
 
 
+#: (N, H, W, Ci, Co, k, stride) of the gradient's conv input; SAME (1x1, stride 1 kxk) or VALID
+FILTER_GRAD_SHAPES = [
+    (16, 32, 32, 64, 256, 1, 1), (16, 32, 32, 256, 64, 1, 1), (16, 16, 16, 512, 128, 1, 1),
+    (16, 8, 8, 256, 1024, 1, 1), (16, 4, 4, 512, 2048, 1, 1), (16, 4, 4, 2048, 512, 1, 1),
+    (16, 8, 8, 1024, 2048, 1, 2),
+    (16, 16, 16, 128, 128, 3, 1), (16, 8, 8, 256, 256, 3, 1), (16, 7, 7, 512, 512, 3, 1),
+    (16, 4, 4, 512, 512, 3, 1), (16, 4, 4, 256, 256, 3, 1), (16, 10, 10, 256, 256, 3, 2),
+]
+
+
+def _filter_grad_child():
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    tf1 = tf.compat.v1
+    tf1.disable_eager_execution()
+    g = tf.Graph()
+    cases = []
+    with g.as_default():
+        for (N, H, W, Ci, Co, k, st) in FILTER_GRAD_SHAPES:
+            pad = "SAME" if k == 1 or st == 1 else "VALID"
+            Ho = -(-H // st) if pad == "SAME" else (H - k) // st + 1
+            row = {}
+            for dtn in ("bfloat16", "float32"):
+                dt = getattr(tf, dtn)
+                x = tf.Variable(tf.cast(tf.random.normal([N, H, W, Ci]), dt))
+                dy = tf.Variable(tf.cast(tf.random.normal([N, Ho, Ho, Co]), dt))
+                conv = tf1.nn.conv2d_backprop_filter(x, [k, k, Ci, Co], dy, [1, st, st, 1], pad)
+                if k == 1:
+                    cols = x[:, ::st, ::st, :] if st > 1 else x
+                else:
+                    cols = tf.image.extract_patches(x, [1, k, k, 1], [1, st, st, 1], [1, 1, 1, 1], pad)
+                mm = tf.reshape(tf.matmul(tf.reshape(cols, [-1, k * k * Ci]), tf.reshape(dy, [-1, Co]),
+                                          transpose_a=True), [k, k, Ci, Co])
+                row[dtn] = (conv, mm)
+            cases.append(((N, H, W, Ci, Co, k, st), row))
+        init = tf1.global_variables_initializer()
+
+    def timed(sess, op):
+        for _ in range(3):
+            sess.run(op)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(4):
+                sess.run(op)
+            best = min(best, (time.perf_counter() - t0) / 4)
+        return best * 1e3
+
+    out = []
+    with tf1.Session(graph=g) as sess:
+        sess.run(init)
+        for shp, row in cases:
+            r = {"shape": shp}
+            for dtn, (conv, mm) in row.items():
+                a, b = sess.run([conv, mm])
+                a, b = a.astype(np.float64), b.astype(np.float64)
+                r[dtn] = {"conv_ms": timed(sess, conv.op), "matmul_ms": timed(sess, mm.op),
+                          "rel_l2": float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))}
+            out.append(r)
+    return out
+
+
+def filter_grad_main():
+    import tensorflow as tf
+
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--filter-grad-child"],
+                       capture_output=True, text=True, timeout=1800)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not line:
+        print(f"died rc={p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:200]}")
+        return
+    print(f"TF {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(default)')}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"{'N,H,W,Ci,Co,k,stride':28s} {'BF16 conv':>9s} {'BF16 mm':>8s} {'ratio':>6s} "
+          f"{'FP32 conv':>9s} {'FP32 mm':>8s} {'ratio':>6s}  (ms; ratio = conv / MatMul form)")
+    for r in json.loads(line[0][7:]):
+        b, f = r["bfloat16"], r["float32"]
+        print(f"{str(tuple(r['shape'])):28s} {b['conv_ms']:9.2f} {b['matmul_ms']:8.2f} "
+              f"{b['conv_ms'] / b['matmul_ms']:6.2f} {f['conv_ms']:9.2f} {f['matmul_ms']:8.2f} "
+              f"{f['conv_ms'] / f['matmul_ms']:6.2f}")
+
+
 def main():
+    if sys.argv[1:] == ["--filter-grad-child"]:
+        print("RESULT " + json.dumps(_filter_grad_child()), flush=True)
+        return
+    if sys.argv[1:] == ["--filter-grad"]:
+        filter_grad_main()
+        return
     if len(sys.argv) == 4:
         print("RESULT " + json.dumps(_child(*sys.argv[1:])), flush=True)
         return

@@ -111,36 +111,55 @@ __attribute__((target("avx2,fma"))) static inline __m256 Exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-__attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* z, int64_t n) {
-  int64_t i = 0;
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(z + i));
+// Horizontal max / sum of the 8 lanes, in lane order (as the scalar loops did).
+__attribute__((target("avx2,fma"))) static inline float HMax8(__m256 v) {
   float buf[8];
-  _mm256_storeu_ps(buf, vmax);
-  float mx = -INFINITY;
-  for (float b : buf) mx = std::max(mx, b);
-  for (; i < n; ++i) mx = std::max(mx, z[i]);
+  _mm256_storeu_ps(buf, v);
+  float r = -INFINITY;
+  for (float b : buf) r = std::max(r, b);
+  return r;
+}
+
+__attribute__((target("avx2,fma"))) static inline float HSum8(__m256 v) {
+  float buf[8];
+  _mm256_storeu_ps(buf, v);
+  float r = 0.f;
+  for (float b : buf) r += b;
+  return r;
+}
+
+// The shared tail of both AVX2 rows: z <- exp(z - mx) / sum, given the row's max.
+__attribute__((target("avx2,fma"))) static void ExpNormaliseRowAvx2(float* z, int64_t n, float mx) {
   if (!std::isfinite(mx)) {  // -inf everywhere or NaN/inf: the exact reference path
     SoftmaxRowBase(z, n);
     return;
   }
   const __m256 vm = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= n; i += 8) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
     const __m256 ex = Exp8(_mm256_sub_ps(_mm256_loadu_ps(z + i), vm));
     _mm256_storeu_ps(z + i, ex);
     vsum = _mm256_add_ps(vsum, ex);
   }
-  _mm256_storeu_ps(buf, vsum);
-  float sum = 0.f;
-  for (float b : buf) sum += b;
+  float sum = HSum8(vsum);
   for (; i < n; ++i) {
     z[i] = std::exp(z[i] - mx);
     sum += z[i];
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  const float invs = 1.0f / sum;
+  const __m256 inv = _mm256_set1_ps(invs);
   for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(z + i, _mm256_mul_ps(_mm256_loadu_ps(z + i), inv));
-  for (; i < n; ++i) z[i] *= 1.0f / sum;
+  for (; i < n; ++i) z[i] *= invs;
+}
+
+__attribute__((target("avx2,fma"))) void SoftmaxRowAvx2(float* z, int64_t n) {
+  int64_t i = 0;
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(z + i));
+  float mx = HMax8(vmax);
+  for (; i < n; ++i) mx = std::max(mx, z[i]);
+  ExpNormaliseRowAvx2(z, n, mx);
 }
 #endif
 
@@ -166,36 +185,20 @@ __attribute__((target("avx2,fma"))) void ScaleMaskSoftmaxRowAvx2(const float* in
       vmax = _mm256_max_ps(vmax, v);
     }
   }
-  float buf[8];
-  _mm256_storeu_ps(buf, vmax);
-  float mx = -INFINITY;
-  for (float b : buf) mx = std::max(mx, b);
+  float mx = HMax8(vmax);
   for (; i < n; ++i) {
     z[i] = in[i] * scale + (m != nullptr ? m[i] : 0.f);
     mx = std::max(mx, z[i]);
   }
-  if (!std::isfinite(mx)) {  // -inf everywhere or NaN/inf: the exact reference path
-    SoftmaxRowBase(z, n);
-    return;
-  }
-  const __m256 vm = _mm256_set1_ps(mx);
-  __m256 vsum = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= n; i += 8) {
-    const __m256 ex = Exp8(_mm256_sub_ps(_mm256_loadu_ps(z + i), vm));
-    _mm256_storeu_ps(z + i, ex);
-    vsum = _mm256_add_ps(vsum, ex);
-  }
-  _mm256_storeu_ps(buf, vsum);
-  float sum = 0.f;
-  for (float b : buf) sum += b;
-  for (; i < n; ++i) {
-    z[i] = std::exp(z[i] - mx);
-    sum += z[i];
-  }
-  const float invs = 1.0f / sum;
-  const __m256 inv = _mm256_set1_ps(invs);
-  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(z + i, _mm256_mul_ps(_mm256_loadu_ps(z + i), inv));
-  for (; i < n; ++i) z[i] *= invs;
+  ExpNormaliseRowAvx2(z, n, mx);
+}
+#endif
+
+#ifdef NPU_AMP_X86
+// The AVX2/FMA rows are picked once per kernel, at run time.
+bool HasAvx2Fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 #endif
 
@@ -204,16 +207,14 @@ using FusedRowFn = void (*)(const float*, const float*, float*, int64_t, float);
 
 FusedRowFn PickFusedRow() {
 #ifdef NPU_AMP_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &ScaleMaskSoftmaxRowAvx2;
+  if (HasAvx2Fma()) return &ScaleMaskSoftmaxRowAvx2;
 #endif
   return nullptr;
 }
 
 RowFn PickRow() {
 #ifdef NPU_AMP_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &SoftmaxRowAvx2;
+  if (HasAvx2Fma()) return &SoftmaxRowAvx2;
 #endif
   return &SoftmaxRowBase;
 }
@@ -345,10 +346,7 @@ __attribute__((target("avx2,fma"))) void SoftmaxGradRowAvx2(const float* dp, con
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(dp + i + 8), _mm256_loadu_ps(p + i + 8), acc1);
   }
   for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(dp + i), _mm256_loadu_ps(p + i), acc0);
-  float buf[8];
-  _mm256_storeu_ps(buf, _mm256_add_ps(acc0, acc1));
-  float dot = 0.f;
-  for (float v : buf) dot += v;
+  float dot = HSum8(_mm256_add_ps(acc0, acc1));
   for (; i < n; ++i) dot += dp[i] * p[i];
   const __m256 vd = _mm256_set1_ps(dot), vs = _mm256_set1_ps(scale);
   for (i = 0; i + 8 <= n; i += 8) {
@@ -363,8 +361,7 @@ using GradRowFn = void (*)(const float*, const float*, float*, int64_t, float);
 
 GradRowFn PickGradRow() {
 #ifdef NPU_AMP_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &SoftmaxGradRowAvx2;
+  if (HasAvx2Fma()) return &SoftmaxGradRowAvx2;
 #endif
   return &SoftmaxGradRowBase;
 }

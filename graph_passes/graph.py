@@ -117,6 +117,9 @@ class Graph:
         #: (set_input, add_control_input, set_op) or declared with touch();
         #: with ``created``, what :meth:`changed_nodes` gives the OpDef guard
         self.modified: set[str] = set()
+        #: the same edits in the order they were made (a name again for every
+        #: edit; see :meth:`edits_since`)
+        self._edit_log: list[str] = []
         self._all_modified = False
         self.reindex()
         self._dirty = False
@@ -240,6 +243,7 @@ class Graph:
             raise GraphError(f"cannot add node '{node.name}': a node with that name exists")
         self.nodes[node.name] = node
         self.created.add(node.name)
+        self._edit_log.append(node.name)
         for i, inp in enumerate(node.input):
             src, _, ctrl = parse_tensor(inp)
             self._consumers[src].append((node.name, -1 if ctrl else i))
@@ -306,6 +310,7 @@ class Graph:
     def touch(self, *names: str):
         """Declare nodes edited in place (attrs) outside this object's methods."""
         self.modified.update(names)
+        self._edit_log.extend(names)
 
     def touch_all(self):
         """Declare that any node may have been edited in place (a pass that
@@ -321,6 +326,18 @@ class Graph:
         nodes = self.nodes
         return {n for n in self.created if n in nodes} | {n for n in self.modified if n in nodes}
 
+    def edits_since(self, mark: int) -> tuple[list[str], int]:
+        """(names of the nodes created or edited since ``mark``, in order and
+        with repeats, the new mark); ``mark`` 0 is this object's creation.
+        The same edits as :meth:`changed_nodes` (removals are not edits: a
+        removed node's name may appear, check ``nodes``), so a caller that
+        checked them all once checks only the new ones next time.  None
+        instead of the names after :meth:`touch_all`."""
+        log = self._edit_log
+        if self._all_modified:
+            return None, len(log)
+        return log[mark:], len(log)
+
     def set_op(self, name: str, op: str):
         """Change a node's op type in place (keeps :meth:`nodes_of_type` true;
         the caller fixes the attrs the new op needs)."""
@@ -332,6 +349,7 @@ class Graph:
             ops.pop(name, None)
         node.op = op
         self.modified.add(name)
+        self._edit_log.append(name)
         ops = self._by_op.get(op)
         if ops is None:
             ops = self._by_op[op] = {}
@@ -346,6 +364,7 @@ class Graph:
         if old == new_ref:
             return
         self.modified.add(node_name)
+        self._edit_log.append(node_name)
         osrc, _, octrl = parse_tensor(old)
         lst = self._consumers.get(osrc)
         key = (node_name, -1 if octrl else index)
@@ -382,6 +401,7 @@ class Graph:
         if ref in node.input:
             return
         self.modified.add(node_name)
+        self._edit_log.append(node_name)
         node.input.append(ref)
         self._consumers[src].append((node_name, -1))
         self._topo_cache = None

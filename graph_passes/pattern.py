@@ -109,15 +109,10 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
                 return False
             state[1][pat.name] = ref
         return True
-    src, port, ctrl = parse_tensor(ref)
-    node = graph.nodes.get(src)
-    if node is None or ctrl:
+    node = _candidate(graph, pat, ref)
+    if node is None:
         return False
-    if pat.port is not None and port != pat.port:
-        return False
-    ops = pat._opset()
-    if ops is not None and node.op not in ops:
-        return False
+    src = node.name
     if src in state[2]:
         return False
     if pat.predicate is not None and not pat.predicate(node, graph):
@@ -146,20 +141,27 @@ def _match(graph: Graph, pat: Pat, ref: str, state) -> bool:
     return False
 
 
+def _candidate(graph: Graph, pat: Pat, ref: str):
+    """The node an inner position ``pat`` (not a leaf, not ``one_of``) may
+    match at tensor ``ref``, by the first checks (a data edge from a node of
+    the graph, the position's port and op type), or None."""
+    src, port, ctrl = parse_tensor(ref)
+    node = graph.nodes.get(src)
+    if node is None or ctrl or (pat.port is not None and port != pat.port):
+        return None
+    ops = pat._opset()
+    if ops is not None and node.op not in ops:
+        return None
+    return node
+
+
 def _rejects(graph: Graph, pat: Pat, ref: str) -> bool:
     """True when ``_match(graph, pat, ref, ...)`` fails on its first checks
-    (node, port, op type), before it would change the match state: the
+    (:func:`_candidate`), before it would change the match state: the
     caller can skip the snapshot/restore of that try."""
     if pat.leaf or pat.alternatives:
         return False
-    src, port, ctrl = parse_tensor(ref)
-    node = graph.nodes.get(src)
-    if node is None or ctrl:
-        return True
-    if pat.port is not None and port != pat.port:
-        return True
-    ops = pat._opset()
-    return ops is not None and node.op not in ops
+    return _candidate(graph, pat, ref) is None
 
 
 def _snapshot(state):

@@ -311,6 +311,38 @@ _BROKEN_WITH_ONEDNN = {
 }
 
 
+#: reductions whose BF16 CPU kernel accumulates in FP32, so that in BF16 only
+#: the result is rounded: op -> (first TF version measured so, evidence).  TF
+#: versions before it are treated as accumulating in BF16 (unmeasured or
+#: measured so).  Measured 2026-12-02 by reducing BF16 tensors of U(0.5, 1.5)
+#: values and comparing with the exact float64 reduction of the same BF16
+#: values (an FP32 accumulator rounds once: <= 2^-8 = 3.9e-3 relative), over
+#: 3072 / 1024 / 16 / 32768 / 8192 elements on the inner, outer, middle and
+#: all axes ([1024,3072] axis -1, [1024,768] axis 0, [16,4,4,2048] axes 1-2,
+#: [8,64,64,64] axes 0-2, [4,8192,4] axis 1, full reductions); the same check
+#: runs in tests/test_precision_reductions.py against the real kernel.  TF
+#: 2.16-2.20 were not measured.  Not listed because they do not: ``Prod``
+#: (0.78-1.0 relative error on both versions; a product also compounds one
+#: rounding per factor), TF 2.15's ``Mean``.
+BF16_FP32_ACCUMULATION = {
+    "Mean": ((2, 21), "TF 2.21.0's BF16 Mean rounds only its result (<= 3.9e-3 relative in every "
+                      "layout); TF 2.15.1's accumulates in BF16 on inner/outer reductions (0.94 "
+                      "relative over [8,64,64,64] axes 0-2 and [4,8192,4] axis 1, 2.6e-2 over 1024 rows)"),
+    "Sum": ((2, 15), "BF16 Sum rounds only its result on TF 2.15.1 and 2.21.0 (<= 3.9e-3 relative "
+                     "in every layout, 32768 elements included)"),
+    "EuclideanNorm": ((2, 15), "rounds only its result on TF 2.15.1 and 2.21.0 (<= 3.9e-3 relative)"),
+}
+
+
+def bf16_accumulates_in_fp32(op_type: str) -> str | None:
+    """Why ``op_type``'s BF16 CPU kernel in this TensorFlow accumulates in
+    FP32 (see :data:`BF16_FP32_ACCUMULATION`), or None if it may not."""
+    entry = BF16_FP32_ACCUMULATION.get(op_type)
+    if entry is None or _tf_version() < entry[0]:
+        return None
+    return entry[1]
+
+
 def _install_conditional_broken():
     ver = _tf_version()
     if onednn_enabled():

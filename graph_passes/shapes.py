@@ -392,21 +392,42 @@ def local_shape(graph, ref, memo=None):
     ``memo``: a dict shared between calls on the same graph."""
     if memo is None:
         memo = {}
-    try:
-        return _local(graph, ref, memo, 0)
-    except (_TooDeep, RecursionError):
-        return None
+    # A chain deeper than LOCAL_DEPTH (the gradient of a deep network's first
+    # layer sits behind every later layer's backward) is walked in pieces:
+    # the tensor where the walk stopped is answered first (and memoised),
+    # then the walk above it is tried again.  Every restart memoises one more
+    # tensor, so the restarts are bounded by the graph's size.
+    todo = [ref]
+    for _ in range(len(graph.nodes) + 1):
+        try:
+            sh = _local(graph, todo[-1], memo, 0)
+        except _TooDeep as exc:
+            if exc.ref in todo:  # (cannot happen: a walk starts at depth 0)
+                return None
+            todo.append(exc.ref)
+            continue
+        except RecursionError:
+            return None
+        todo.pop()
+        if not todo:
+            return sh
+    return None
 
 
 class _TooDeep(Exception):
-    """The walk went deeper than LOCAL_DEPTH: nothing on its path is memoised."""
+    """The walk went deeper than LOCAL_DEPTH at tensor ``ref``: nothing on its
+    path is memoised."""
+
+    def __init__(self, ref):
+        super().__init__(ref)
+        self.ref = ref
 
 
 def _local(graph, ref, memo, depth):
     if ref in memo:
         return memo[ref]
     if depth > LOCAL_DEPTH:
-        raise _TooDeep
+        raise _TooDeep(ref)
     memo[ref] = None  # (a cycle through a loop answers None)
     try:
         sh = _local_compute(graph, ref, memo, depth)

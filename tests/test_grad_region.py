@@ -277,3 +277,35 @@ def test_fusion_same_with_fresh_positions(monkeypatch):
     fresh, _ = rewrite(gd, ["train", "loss"])
     assert sum(n.op == "LayerNormGrad" for n in patched.node) == 3
     assert patched.SerializeToString(deterministic=True) == fresh.SerializeToString(deterministic=True)
+
+
+def test_positions_recheck_a_node_edited_again():
+    """Each search checks only the nodes edited since the previous one (those
+    before were checked then and no kept position moves), so a node edited
+    in two steps is checked again: its second edit, an input placed after it,
+    sends the search to the full sort, and the map stays a valid order."""
+    from graph_passes.fusion.grad_region import _positions
+    from graph_passes.graph import parse_tensor
+
+    graph, fwd, _, h = _tf1_graph(residual=True)
+    _positions(graph)
+    reader, idx = next((c, i) for c, i in graph.consumers(h) if i >= 0 and c not in fwd)
+    from tensorflow.core.framework import attr_value_pb2
+    graph.new_node("Identity", "h_copy", [h], {"T": attr_value_pb2.AttrValue(type=tf.float32.as_datatype_enum)})
+    graph.set_input(reader, idx, "h_copy")
+    pos2 = _positions(graph)
+    assert graph._topo_cache is None and _valid_order(graph, pos2)
+    graph.new_node("Identity", "unrelated", [h], {"T": attr_value_pb2.AttrValue(type=tf.float32.as_datatype_enum)})
+    pos3 = _positions(graph)  # patched again: only 'unrelated' is new
+    assert graph._topo_cache is None and pos3["unrelated"] > pos3[h] and _valid_order(graph, pos3)
+    # 'h_copy' edited again: it now reads a node placed after it that does not depend on it
+    desc, stack = {"h_copy"}, ["h_copy"]
+    while stack:
+        for c, _ in graph.consumers(stack.pop()):
+            if c not in desc:
+                desc.add(c)
+                stack.append(c)
+    late = next(n for n in sorted(graph.nodes, key=pos3.get) if pos3[n] > pos3["h_copy"] and n not in desc)
+    graph.set_input("h_copy", 0, late)
+    pos4 = _positions(graph)
+    assert _valid_order(graph, pos4) and pos4[late] < pos4["h_copy"] < pos4[reader]

@@ -325,3 +325,27 @@ def test_to_graph_def_after_edits():
     assert fast.SerializeToString(deterministic=True) == slow.SerializeToString(deterministic=True)
     assert [n.name for n in fast.node][-2:] == ["MatMul", "late"]
     assert gd.node[0].attr.get("_touched") is None  # the input is not touched
+
+
+def test_edits_since_lists_every_tracked_edit_in_order():
+    """``edits_since(mark)``: the nodes created or edited after ``mark``, in
+    order, a node again for each edit (the region search re-checks a node
+    edited twice); the same names as ``changed_nodes`` from mark 0; None
+    after ``touch_all``."""
+    g = Graph(training_graph())
+    names, mark = g.edits_since(0)
+    assert names == [] and mark == 0
+    g.new_node("Identity", "extra", ["MatMul"], {"T": g.nodes["MatMul"].attr["T"]})
+    reader, idx = next((c, i) for c, i in g.consumers("MatMul") if i >= 0 and c != "extra")
+    g.set_input(reader, idx, "extra")
+    names, mark1 = g.edits_since(mark)
+    assert names == ["extra", reader]
+    g.set_input(reader, idx, "MatMul")  # the same node edited again
+    g.add_control_input("extra", "MatMul")
+    g.touch("MatMul")
+    names, mark2 = g.edits_since(mark1)
+    assert names == [reader, "extra", "MatMul"]
+    assert set(g.edits_since(0)[0]) == g.changed_nodes() | set()
+    assert g.edits_since(mark2) == ([], mark2)
+    g.touch_all()
+    assert g.edits_since(mark2)[0] is None and g.changed_nodes() is None

@@ -393,6 +393,52 @@ def test_local_shapes_agree_with_grappler_and_spare_the_inference():
     assert rep.summary["lp_flop_share"] == 1.0 and calls == [1]  # the report's figures, when read
 
 
+def test_local_shape_walks_past_its_depth_limit_on_a_deep_training_graph():
+    """The gradient of a deep network's first layer sits behind every later
+    layer's backward: its producers' chain is longer than one walk may go
+    (``shapes.LOCAL_DEPTH``).  The walk goes on in pieces, still equal to
+    grappler's shape on every tensor it answers for, and the fusion pass,
+    which fuses every LayerNorm with its gradient region here, asks grappler's
+    whole-graph inference for nothing (it used to, for the first layer's
+    gradient AddN: ~0.5 s on the 12-layer BERT-base-like benchmark graph)."""
+    layers = 12
+    gd = bert_like_training_graph(layers=layers)
+    g = Graph(gd)
+    inferred = shapes_mod.infer_shapes(gd)
+    addn = [n for n, node in g.nodes.items() if node.op == "AddN" and n.startswith("gradients/")]
+    chain = _longest_chains(g)
+    deep = [n for n in addn if chain[n] > shapes_mod.LOCAL_DEPTH]
+    assert deep, max(chain[n] for n in addn)
+    for name in deep:  # each from scratch (no memo)
+        assert shapes_mod.local_shape(g, name) == inferred.get(name)[0], name
+    memo, answered = {}, 0
+    for name in reversed(list(g.nodes)):  # readers first: every walk starts deep
+        sh = shapes_mod.local_shape(g, name, memo)
+        if sh is None:
+            continue
+        answered += 1
+        assert inferred.get(name)[0] == sh, (name, g.nodes[name].op, sh, inferred.get(name)[0])
+    assert answered > len(g.nodes) // 2
+
+    calls, counting = _counting_shape_source(gd)
+    _, rep = pipeline.optimize(gd, npu_amp_tf.Options.from_kwargs(precision_mode="allow_mix_precision"),
+                               fetches=["loss", "train"], shapes=counting)
+    fusion = next(p for p in rep.passes if p["name"] == "fusion")["stats"]
+    assert fusion["fused"].get("layer_norm") == 1 + 2 * layers, fusion["fused"]
+    assert calls == [] and rep.raw_summary["shapes_inferred_in_pipeline"] is False
+
+
+def _longest_chains(g):
+    """name -> the longest path (in data edges) from it back to a source."""
+    from graph_passes.graph import parse_tensor
+
+    depth = {}
+    for n in g.topo_order():
+        ins = [depth.get(parse_tensor(i)[0], 0) for i in g.nodes[n].input if not i.startswith("^")]
+        depth[n] = 1 + max(ins, default=0)
+    return depth
+
+
 def test_local_shape_declines_unknown_dims_and_unsupported_ops():
     g = tf.Graph()
     with g.as_default():

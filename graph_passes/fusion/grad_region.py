@@ -309,8 +309,9 @@ def _positions(graph: Graph) -> dict:
     patched: a node created since (``graph.created``: new nodes, and nodes
     re-emitted under their name) gets ``max(its inputs' positions) + eps``
     (created nodes in dependency order among themselves), then every node
-    created or edited since the graph was read (``Graph.changed_nodes()``) is
-    checked: each input before it, each reader after it.  Edges only change at
+    created or edited since the last call (``Graph.edits_since``; those
+    before were checked then, and no kept position moves) is checked: each
+    input before it, each reader after it.  Edges only change at
     such nodes (a node's inputs are its own), so the patched map is a valid
     topological order of the current graph; any violation, an untracked edit
     (``reindex()`` after a hand edit, ``touch_all``) or a loop (NextIteration
@@ -321,13 +322,16 @@ def _positions(graph: Graph) -> dict:
         return graph.topo_positions()
     fresh = graph._topo_cache is not None  # noqa: SLF001 - the sort is cached: free
     cached = getattr(graph, _POS_ATTR, None)
-    changed = graph.changed_nodes()
+    changed, mark = graph.edits_since(cached[2] if cached is not None else 0)
     if fresh or cached is None or changed is None or cached[1] is not graph._consumers:  # noqa: SLF001
         pos = dict(graph.topo_positions())
-        setattr(graph, _POS_ATTR, (pos, graph._consumers))  # noqa: SLF001
+        setattr(graph, _POS_ATTR, (pos, graph._consumers, mark))  # noqa: SLF001
         return pos
+    # only the nodes edited since the last call: the ones before were checked
+    # then, against positions that have not moved since (only new nodes get one)
     pos = cached[0]
     nodes = graph.nodes
+    changed = [n for n in dict.fromkeys(changed) if n in nodes]
     new = [n for n in changed if n not in pos]
     if new:
         # created nodes: a DFS over their created inputs, so each is placed after them
@@ -356,7 +360,7 @@ def _positions(graph: Graph) -> dict:
                 continue
         pos = dict(graph.topo_positions())
         break
-    setattr(graph, _POS_ATTR, (pos, graph._consumers))  # noqa: SLF001
+    setattr(graph, _POS_ATTR, (pos, graph._consumers, mark))  # noqa: SLF001
     return pos
 
 

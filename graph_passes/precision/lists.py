@@ -60,6 +60,7 @@ BLACK = {
     "Mean": "large reduction: accumulates past FP16 range",
     "Prod": "large reduction: product overflows FP16",
     "EuclideanNorm": "large reduction: sum of squares overflows FP16",
+    "RsqrtGrad": "-dy * y^3 / 2: y = rsqrt of a small variance (+ epsilon) is large, its cube overflows FP16",
     "Lgamma": "range exceeds FP16",
     "Digamma": "accuracy-sensitive special function",
     "LayerNorm": "fused LayerNorm accumulates in FP32 by itself",
@@ -81,6 +82,8 @@ BF16_GRAY = {
     "Exp": "overflows FP16 above ~11, BF16 only above ~88 like FP32; in FP32 it keeps the GELU/Erf "
            "backward's elementwise chain in FP32 (FP32 copies of BF16 gradients)",
     "Expm1": "as Exp",
+    "RsqrtGrad": "the FP16 overflow of y^3 does not apply; in FP32 it makes a norm's backward an FP32 "
+                 "island ([tokens, hidden] FP32 products between the variance's gradient and dx)",
     # the fused norms: statistics, row sums and the backward's sums in FP32 inside the
     # kernels (mean/inv_std are FP32 outputs); FP16 stays black: dgamma/dbeta sum dy over
     # every row and can overflow FP16 under loss scaling, BF16 cannot
@@ -90,6 +93,24 @@ BF16_GRAY = {
                      "range under loss scaling, not FP16's",
     "RMSNorm": "as LayerNorm",
     "RMSNormGrad": "as LayerNormGrad",
+}
+
+#: black reductions whose FP16 reasons (range; an FP16 accumulator) do not hold for
+#: BF16 where TF's BF16 kernel accumulates in FP32 (``registry.bf16_accumulates_in_fp32``,
+#: measured per TF version): with BF16 they follow their producers, **all together or
+#: none** (``planner.Plan``).  Together, because one computation uses both: a layer or
+#: batch norm's forward Mean and its backward's Sum (the gradient of the broadcast
+#: statistics), a global average pool and its loss.  One of them FP32 and the other BF16
+#: splits the norm into FP32 islands with casts at every edge (measured: Mean alone on
+#: TF 2.21 took a 2-layer BERT-like training graph from 83 to 103 casts, Cast share 22.5%).
+#: TF 2.15's BF16 Mean accumulates in BF16, so on TF 2.15 both stay black.  FP16 keeps
+#: them black (CANN).  Grappler's oneDNN BF16 AMP: Mean deny on 2.15, Mean and Sum infer
+#: on 2.21 (its 2.15 infer list has "Sum" "Tanh" without a comma: "SumTanh").
+BF16_GRAY_REDUCTIONS = {
+    "Mean": "BF16 has FP32's range and this TF's BF16 Mean accumulates in FP32 (only the result is "
+            "rounded); a global average pool or norm statistics then need no FP32 round trip",
+    "Sum": "BF16 has FP32's range and its BF16 kernel accumulates in FP32 (only the result is rounded); "
+           "follows its producers together with Mean (a norm's backward sums land with its forward means)",
 }
 
 GRAY = {
@@ -182,6 +203,7 @@ CLEAR = {
     "ReverseV2": "data movement",
     "DepthToSpace": "data movement",
     "SpaceToDepth": "data movement",
+    "ExtractImagePatches": "data movement (copies windows, pads with zeros)",
     "Relu": "max(x, 0) is exact in any precision",
     "Relu6": "clamp is exact in any precision",
     "ReluGrad": "masking is exact in any precision",

@@ -17,7 +17,9 @@ Mode -> dtype of a matrix (white-list) op, before kernels are checked:
 
 =========================  =============================================
 allow_mix_precision(_bf16) low (FP16 / BF16); black ops FP32 (with BF16,
-                           lists.BF16_GRAY ops are gray instead)
+                           lists.BF16_GRAY ops are gray instead, and
+                           lists.BF16_GRAY_REDUCTIONS all together where
+                           every one's BF16 kernel accumulates in FP32)
 force_fp16                 low wherever a kernel exists
 cube_fp16in_fp32out        low for white (cube) ops, others unchanged
 allow_fp32_to_fp16         FP32 wherever an FP32 kernel exists (low only
@@ -92,7 +94,10 @@ class Plan:
         self.lists = _lists.lists_for(options)
         if self.low == registry.DT_BFLOAT16:
             black, gray = self.lists["black"], self.lists["gray"]
-            for op, why in _lists.BF16_GRAY.items():
+            relaxed = dict(_lists.BF16_GRAY)
+            if all(registry.bf16_accumulates_in_fp32(op) for op in _lists.BF16_GRAY_REDUCTIONS):
+                relaxed.update(_lists.BF16_GRAY_REDUCTIONS)
+            for op, why in relaxed.items():
                 if op in black and not black[op].startswith("user:"):
                     del black[op]
                     gray[op] = f"BF16: {why}"
