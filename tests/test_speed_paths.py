@@ -438,9 +438,11 @@ def test_opdef_guard_checks_what_the_passes_changed(k2, params):
         by_content = _changed_by_content(gd, g)
         assert by_content and by_content <= changed, sorted(by_content - changed)[:5]
         assert opdef_check.new_problems(gd, g, "CPU", changed) == opdef_check.new_problems(gd, g, "CPU") == []
-        # a fault in a node the passes edited: a low-precision MatMul fed FP32
+        # a fault in a node the passes edited: a low-precision MatMul fed FP32 (one whose
+        # input is a Cast: the BF16 filter-gradient MatMuls read BF16 tensors directly)
         mm = next(n for n in sorted(changed) if g.nodes[n].op == "MatMul"
-                  and g.nodes[n].attr["T"].type in registry.LOW_TYPES)
+                  and g.nodes[n].attr["T"].type in registry.LOW_TYPES
+                  and g.nodes[g.nodes[n].input[0].split(":")[0]].op == "Cast")
         src = g.nodes[mm].input[0].split(":")[0]
         while g.nodes[src].op == "Cast":
             src = g.nodes[src].input[0].split(":")[0]
