@@ -1,6 +1,7 @@
 """Issue 17: the precision pass's shortcuts (``PrecisionPass.fast_paths``:
 per-node and per-op-signature memos of dtypes and node facts, the delayed
-casts' acyclicity proven from the order at hand) change nothing.
+casts' acyclicity proven from the order at hand, the "before" snapshot
+copied on write) change nothing.
 
 Each real graph is rewritten twice, once with the shortcuts and once with the
 reference (``fast_paths = False``: every dtype from the registry, every fact
@@ -152,8 +153,16 @@ def assert_fast_equals_reference(monkeypatch, gd, fetches, modes=tuple(MODES)):
         assert runs, "the precision pass did not run"
         for p in runs:
             assert not _memo_problems(p), (mode, _memo_problems(p)[:5])
-        ref_gd, ref_rep = _rewrite(monkeypatch, gd, fetches, False, MODES[mode], [])
+        ref_runs = []
+        ref_gd, ref_rep = _rewrite(monkeypatch, gd, fetches, False, MODES[mode], ref_runs)
         assert fast_rep["summary"].get("failed_pass") is None, fast_rep["warnings"][:3]
+        # the "before" snapshot (copied on write in the fast path, whole in the reference)
+        assert len(runs) == len(ref_runs)
+        for p, q in zip(runs, ref_runs):
+            a, b = p._before.graph_def(), q._before.graph_def()
+            assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True), \
+                f"{mode}: the 'before' snapshot differs"
+            assert len(a.node) > 0
         summ = fast_rep["summary"]
         assert summ["casts_inserted"] + summ.get("functions_casts_inserted", 0) > 0
         assert fast_gd == ref_gd, f"{mode}: the fast path rewrote the graph differently"

@@ -99,10 +99,12 @@ def test_keras_learning_phase_conds_follow_the_activations(k2):
     # flip the argmax of a near-tied 2x2 window and route that window's
     # gradient elsewhere; with 2 images a single flip moves an early BN beta
     # by ~10%), so no per-element bound; the update's direction must agree
-    # (cosine > 0.99; measured 0.9995-1.0 on TF 2.15 and 2.21).  A layer in
-    # the wrong dtype or a lost gradient changes the direction by O(1).
+    # (measured 0.9995-1.0 on TF 2.15 and 2.21, and once 0.975 on TF 2.21
+    # under load: the threads' summation order changes which windows tie, so
+    # the bound leaves room for a few flips: cosine > 0.95).  A layer in the
+    # wrong dtype or a lost gradient changes the direction by O(1).
     cos = float(np.dot(got, ref) / (np.linalg.norm(got) * np.linalg.norm(ref)))
-    assert cos > 0.99, cos
+    assert cos > 0.95, cos
 
 
 def test_tf_cond_and_smart_cond_branches_agree():

@@ -174,7 +174,7 @@ class PrecisionPass(Pass):
         # the shape-based figures are deferred (computed when the report is
         # read): keep the graph as it is now for their "before" half
         order = self.g.topo_order()
-        before = _Snapshot(graph, list(order))
+        self._before = before = _Snapshot(graph, list(order), copy_on_write=self.fast_paths)
         shapes.freeze_source(before.graph_def)
         self.new_casts = []
         self.casts_delayed = 0
@@ -246,10 +246,12 @@ class PrecisionPass(Pass):
         return dts[port]
 
     def _retype(self, node, attrs, dt):
+        self._before.save(node.name)
         registry.retype(node, attrs, dt)  # fused args (TArgs) follow
         self._dts.pop(node.name, None)
 
     def _set_type(self, node, attr, dt):
+        self._before.save(node.name)
         node.attr[attr].type = dt
         self._dts.pop(node.name, None)
 
@@ -781,6 +783,7 @@ class PrecisionPass(Pass):
                 continue
             if w != FP32 and self.unsafe_const(node, w):
                 continue
+            self._before.save(name)
             _convert_const(node, w)
             self._dts.pop(name, None)
             self.touched.add(name)
@@ -808,6 +811,7 @@ class PrecisionPass(Pass):
                 if have is None or registry.base_dtype(have) not in FLOATS or registry.base_dtype(have) == w:
                     continue
                 new_ref = self.cast_to(inp, w, shapes)
+                self._before.save(name)
                 g.set_input(name, k, new_ref)
 
     def cast_to(self, ref, dt, shapes=None):
@@ -1049,22 +1053,49 @@ class PrecisionPass(Pass):
 
 class _Snapshot:
     """The graph as the precision pass received it (NodeDef copies and its
-    topological order), for the deferred "before" figures."""
+    topological order), for the deferred "before" figures.
 
-    def __init__(self, graph, order):
+    With ``copy_on_write`` the copies are made lazily: the pass calls
+    :meth:`save` before each in-place edit of a node (every one goes
+    through ``_retype`` / ``_set_type`` / the const conversion / the edge
+    fix), and :meth:`graph_def` assembles the saved copies and the untouched
+    nodes (later passes that edit nodes have the deferred figures computed
+    first: ``Pass.keeps_deferred``).  Without it every node is copied now."""
+
+    def __init__(self, graph, order, copy_on_write=False):
         from tensorflow.core.framework import graph_pb2
 
         self._gd = graph_pb2.GraphDef()
-        self._gd.node.extend(graph.nodes.values())
+        if copy_on_write:
+            self._graph, self._names, self._saved = graph, list(graph.nodes), {}
+        else:
+            self._graph = self._names = self._saved = None
+            self._gd.node.extend(graph.nodes.values())
         self._library = graph.library
         self._versions = graph.versions
         self._full = False
         self.order = order
         self.has_cycle = bool(graph._topo_cache and graph._topo_cache[1])
 
+    def save(self, name):
+        """Copy node ``name`` as it is now, unless it was saved before (call
+        this before editing a node in place)."""
+        saved = self._saved
+        if saved is not None and name not in saved:
+            node = self._graph.nodes.get(name)
+            if node is not None:
+                from tensorflow.core.framework import node_def_pb2
+
+                copy = saved[name] = node_def_pb2.NodeDef()
+                copy.CopyFrom(node)
+
     def graph_def(self):
         if not self._full:  # what Graph.to_graph_def() gave: nodes, library, versions
             self._full = True
+            if self._names is not None:
+                nodes, saved = self._graph.nodes, self._saved
+                self._gd.node.extend([saved[n] if n in saved else nodes[n] for n in self._names])
+                self._graph = self._names = self._saved = None
             self._gd.library.CopyFrom(self._library)
             self._gd.versions.CopyFrom(self._versions)
         return self._gd
