@@ -38,3 +38,29 @@ def assert_saved_settings(lopt):
                                                     SAVED_SETTINGS["decr_ratio"])
     assert lopt._npu_amp_core.keep_fp16_copies
     return m
+
+
+def assert_accumulation_equals_one_batch(make_model, make_opt, make_step):
+    """gradient_accumulation_steps=2 over two micro-batches of 8 == one step on
+    the batch of 16: no update after the first micro-batch, one after the
+    second, the same weights.  ``make_opt(n)`` builds the AMP optimizer with
+    ``gradient_accumulation_steps=n``; ``make_step(model, opt)`` returns a
+    ``tf.function`` step ``(xb, yb)``."""
+    import tensorflow as tf
+
+    x, y = data(16)
+    res = []
+    for n, batches in ((2, [(x[:8], y[:8]), (x[8:], y[8:])]), (1, [(x, y)])):
+        model = make_model()
+        opt = make_opt(n)
+        w0 = model.weights[0].numpy()
+        step = make_step(model, opt)
+        for i, (xb, yb) in enumerate(batches):
+            step(tf.constant(xb), tf.constant(yb))
+            if n == 2 and i == 0:
+                np.testing.assert_array_equal(model.weights[0].numpy(), w0)
+                assert int(opt.iterations) == 0
+        assert int(opt.iterations) == 1
+        res.append([w.numpy() for w in model.weights])
+    for a, b in zip(*res):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -5,8 +5,8 @@ import tensorflow as tf
 
 import npu_amp_tf
 from npu_amp_tf import OptionError
-from _keras_amp_util import (SAVED_SETTINGS, assert_saved_settings, data,
-                             reload_as_fresh_process)
+from _keras_amp_util import (SAVED_SETTINGS, assert_accumulation_equals_one_batch,
+                             assert_saved_settings, data, reload_as_fresh_process)
 
 try:
     K = npu_amp_tf.keras.keras_module()
@@ -178,29 +178,17 @@ def test_keras3_optimizer_goes_to_the_keras3_wrapper():
 
 def test_gradient_accumulation_equivalence_keras():
     """2 micro-batches of 8 == one batch of 16 (FP32, SGD, mean loss)."""
-    x, y = data(16)
-    res = []
-    for n, batches in ((2, [(x[:8], y[:8]), (x[8:], y[8:])]), (1, [(x, y)])):
-        model = _model()
-        opt = npu_amp_tf.AMP_Optimizer(K.optimizers.legacy.SGD(0.1),
-                                       gradient_accumulation_steps=n)
-        w0 = model.weights[0].numpy()
-
+    def make_step(model, opt):
         @tf.function
         def step(xb, yb):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(model(xb) - yb))
             opt.minimize(loss, model.trainable_variables, tape=tape)
+        return step
 
-        for i, (xb, yb) in enumerate(batches):
-            step(tf.constant(xb), tf.constant(yb))
-            if n == 2 and i == 0:
-                np.testing.assert_array_equal(model.weights[0].numpy(), w0)
-                assert int(opt.iterations) == 0
-        assert int(opt.iterations) == 1
-        res.append([w.numpy() for w in model.weights])
-    for a, b in zip(*res):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_accumulation_equals_one_batch(
+        _model, lambda n: npu_amp_tf.AMP_Optimizer(K.optimizers.legacy.SGD(0.1),
+                                                   gradient_accumulation_steps=n), make_step)
 
 
 @pytest.mark.parametrize("suffix", [".keras", ".h5"])
