@@ -474,6 +474,16 @@ class KerasAmpMixin:
         inner = cls._npu_amp_base.from_config(config, custom_objects)
         return cls._npu_amp_wrap(inner, amp.get("loss_scale_manager"), **amp.get("options", {}))
 
+    @classmethod
+    def _npu_amp_rebuild(cls, opt):
+        """A new instance of this class from ``opt``'s config (``_npu_amp_setup``
+        still to be called on it)."""
+        try:
+            return cls.from_config(opt.get_config())
+        except Exception as exc:  # noqa: BLE001
+            raise OptionError(f"cannot rebuild {type(opt).__name__} from its config for loss "
+                              f"scaling: {exc}; pass a freshly constructed optimizer") from None
+
     # ---------------------------------------------------- LSO interface
     @property
     def inner_optimizer(self):

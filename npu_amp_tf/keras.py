@@ -150,12 +150,7 @@ def LossScaleOptimizer(opt, loss_scale_manager=None, is_distributed=False, **opt
         raise OptionError(f"opt={type(opt).__name__} is already loss-scaled; wrap it only once")
     opts = _options(options)
     manager = make_manager(loss_scale_manager, opts)
-    base = type(opt)
-    try:
-        new = _amp_class(base).from_config(opt.get_config())
-    except Exception as exc:  # noqa: BLE001
-        raise OptionError(f"cannot rebuild {base.__name__} from its config for loss scaling: "
-                          f"{exc}; pass a freshly constructed optimizer") from None
+    new = _amp_class(type(opt))._npu_amp_rebuild(opt)
     new._npu_amp_setup(opt, family, manager, AmpCore(manager, opts, is_distributed))
     return new
 
