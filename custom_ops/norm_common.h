@@ -4,7 +4,8 @@
 // sum dgamma (and dbeta) over the N rows in fixed row blocks so the result
 // does not depend on how the thread pool schedules them.
 //
-// Include after `#define EIGEN_USE_THREADS` and TensorFlow's op_kernel.h.
+// Include after `#define EIGEN_USE_THREADS`.  The TensorFlow using-declarations
+// come from op_common.h.
 #ifndef NPU_AMP_TF_CUSTOM_OPS_NORM_COMMON_H_
 #define NPU_AMP_TF_CUSTOM_OPS_NORM_COMMON_H_
 
@@ -16,18 +17,9 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "op_common.h"
 
 namespace npu_amp_tf {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
-namespace shape_inference = ::tensorflow::shape_inference;
 
 // dst[i] = float(src[i]) for i < n.
 template <typename T>
