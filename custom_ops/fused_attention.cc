@@ -23,19 +23,10 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "op_common.h"
 
 namespace npu_amp_tf {
 namespace {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpInputList;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
-namespace shape_inference = ::tensorflow::shape_inference;
 
 REGISTER_OP("FusedAttention")
     .Input("q: T")

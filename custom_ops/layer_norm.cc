@@ -20,19 +20,10 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "norm_common.h"
 
 namespace npu_amp_tf {
 namespace {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
-namespace shape_inference = ::tensorflow::shape_inference;
 
 // Shape function shared by both ops: output 0 has x's shape; the per-row
 // statistics are [N] with N = num_elements(x) / num_elements(gamma) when known.
@@ -100,28 +91,6 @@ REGISTER_OP("LayerNormGrad")
     .Doc("Gradient of LayerNorm with respect to x, gamma and beta (fp32 accumulation).");
 
 template <typename T>
-inline void LoadRow(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// Validates x/gamma/beta and returns D (row length) and N (rows).
-Status RowGeometry(const Tensor& x, const Tensor& gamma, int64_t* n_rows, int64_t* d) {
-  *d = gamma.NumElements();
-  if (*d == 0) return InvalidArgument("LayerNorm: gamma is empty");
-  // the trailing dims of x must multiply to D
-  int64_t acc = 1;
-  int k = x.dims();
-  while (k > 0 && acc < *d) acc *= x.dim_size(--k);
-  if (acc != *d || x.dims() == 0) {
-    return InvalidArgument("LayerNorm: the trailing dims of x ", x.shape().DebugString(),
-                           " do not multiply to gamma's size ", *d, " (gamma shape ",
-                           gamma.shape().DebugString(), ")");
-  }
-  *n_rows = x.NumElements() / *d;
-  return ::tensorflow::OkStatus();
-}
-
-template <typename T>
 class LayerNormOp : public OpKernel {
  public:
   explicit LayerNormOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -137,7 +106,7 @@ class LayerNormOp : public OpKernel {
                 InvalidArgument("LayerNorm: gamma ", gamma.shape().DebugString(), " and beta ",
                                 beta.shape().DebugString(), " must have the same shape"));
     int64_t n = 0, d = 0;
-    OP_REQUIRES_OK(ctx, RowGeometry(x, gamma, &n, &d));
+    OP_REQUIRES_OK(ctx, RowGeometry("LayerNorm", x, gamma, &n, &d));
     Tensor *y = nullptr, *mean = nullptr, *inv = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &mean));
@@ -148,9 +117,7 @@ class LayerNormOp : public OpKernel {
     float* mp = mean->flat<float>().data();
     float* ip = inv->flat<float>().data();
     // gamma / beta in fp32 once
-    std::vector<float> g(d), b(d);
-    LoadRow(gamma.flat<T>().data(), g.data(), d);
-    LoadRow(beta.flat<T>().data(), b.data(), d);
+    const std::vector<float> g = LoadFp32<T>(gamma), b = LoadFp32<T>(beta);
     const float eps = epsilon_;
     auto work = [&](int64_t begin, int64_t end) {
       std::vector<float> buf(std::is_same<T, float>::value ? 0 : d);
@@ -201,7 +168,7 @@ class LayerNormGradOp : public OpKernel {
                 InvalidArgument("LayerNormGrad: dy ", dy.shape().DebugString(), " and x ",
                                 x.shape().DebugString(), " must have the same shape"));
     int64_t n = 0, d = 0;
-    OP_REQUIRES_OK(ctx, RowGeometry(x, gamma, &n, &d));
+    OP_REQUIRES_OK(ctx, RowGeometry("LayerNorm", x, gamma, &n, &d));
     OP_REQUIRES(ctx, mean.NumElements() == n && inv.NumElements() == n,
                 InvalidArgument("LayerNormGrad: mean/inv_std must have ", n, " elements, got ",
                                 mean.NumElements(), " and ", inv.NumElements()));
@@ -209,57 +176,42 @@ class LayerNormGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, gamma.shape(), &dg));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, gamma.shape(), &db));
-    std::vector<float> g(d);
-    LoadRow(gamma.flat<T>().data(), g.data(), d);
+    const std::vector<float> g = LoadFp32<T>(gamma);
     const T* dyp = dy.flat<T>().data();
     const T* xp = x.flat<T>().data();
     const float* mp = mean.flat<float>().data();
     const float* ip = inv.flat<float>().data();
     T* dxp = dx->flat<T>().data();
 
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(n, 4 * pool->NumThreads() + 4));
-    std::vector<float> part_g(nblocks * d, 0.f), part_b(nblocks * d, 0.f);
-    const int64_t per = (n + nblocks - 1) / std::max<int64_t>(1, nblocks);
-    auto work = [&](int64_t bbeg, int64_t bend) {
+    // dgamma = sum over rows of dy * xhat, dbeta = sum of dy
+    ColumnSums<2> sums(ctx, n, d);
+    sums.Run(/*cost_per_element=*/20, [&](int64_t rbeg, int64_t rend,
+                                          const std::array<float*, 2>& part) {
+      float* pg = part[0];
+      float* pb = part[1];
       std::vector<float> xr(d), dyr(d), gg(d);
-      for (int64_t blk = bbeg; blk < bend; ++blk) {
-        float* pg = part_g.data() + blk * d;
-        float* pb = part_b.data() + blk * d;
-        const int64_t rend = std::min(n, (blk + 1) * per);
-        for (int64_t r = blk * per; r < rend; ++r) {
-          LoadRow(xp + r * d, xr.data(), d);
-          LoadRow(dyp + r * d, dyr.data(), d);
-          const float mu = mp[r], rs = ip[r];
-          float sum_g = 0.f, sum_gx = 0.f;
-          for (int64_t i = 0; i < d; ++i) {
-            const float xh = (xr[i] - mu) * rs;
-            xr[i] = xh;
-            const float gi = dyr[i] * g[i];
-            gg[i] = gi;
-            sum_g += gi;
-            sum_gx += gi * xh;
-            pg[i] += dyr[i] * xh;
-            pb[i] += dyr[i];
-          }
-          const float mg = sum_g / d, mgx = sum_gx / d;
-          T* out = dxp + r * d;
-          for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(rs * (gg[i] - mg - xr[i] * mgx));
+      for (int64_t r = rbeg; r < rend; ++r) {
+        LoadRow(xp + r * d, xr.data(), d);
+        LoadRow(dyp + r * d, dyr.data(), d);
+        const float mu = mp[r], rs = ip[r];
+        float sum_g = 0.f, sum_gx = 0.f;
+        for (int64_t i = 0; i < d; ++i) {
+          const float xh = (xr[i] - mu) * rs;
+          xr[i] = xh;
+          const float gi = dyr[i] * g[i];
+          gg[i] = gi;
+          sum_g += gi;
+          sum_gx += gi * xh;
+          pg[i] += dyr[i] * xh;
+          pb[i] += dyr[i];
         }
+        const float mg = sum_g / d, mgx = sum_gx / d;
+        T* out = dxp + r * d;
+        for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(rs * (gg[i] - mg - xr[i] * mgx));
       }
-    };
-    if (n > 0) pool->ParallelFor(nblocks, /*cost_per_unit=*/per * d * 20, work);
-    T* dgp = dg->flat<T>().data();
-    T* dbp = db->flat<T>().data();
-    for (int64_t i = 0; i < d; ++i) {
-      float sg = 0.f, sb = 0.f;
-      for (int64_t blk = 0; blk < nblocks; ++blk) {
-        sg += part_g[blk * d + i];
-        sb += part_b[blk * d + i];
-      }
-      dgp[i] = static_cast<T>(sg);
-      dbp[i] = static_cast<T>(sb);
-    }
+    });
+    sums.Store(0, dg->flat<T>().data());
+    sums.Store(1, db->flat<T>().data());
   }
 };
 

@@ -19,19 +19,10 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "norm_common.h"
 
 namespace npu_amp_tf {
 namespace {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
-namespace shape_inference = ::tensorflow::shape_inference;
 
 REGISTER_OP("RMSNorm")
     .Input("x: T")
@@ -69,20 +60,6 @@ REGISTER_OP("RMSNormGrad")
 template <typename T>
 inline float F(T v) { return static_cast<float>(v); }
 
-Status Rows(const Tensor& x, const Tensor& gamma, int64_t* n, int64_t* d) {
-  *d = gamma.NumElements();
-  if (*d == 0) return InvalidArgument("RMSNorm: gamma is empty");
-  int64_t acc = 1;
-  int k = x.dims();
-  while (k > 0 && acc < *d) acc *= x.dim_size(--k);
-  if (acc != *d || x.dims() == 0) {
-    return InvalidArgument("RMSNorm: the trailing dims of x ", x.shape().DebugString(),
-                           " do not multiply to gamma's size ", *d);
-  }
-  *n = x.NumElements() / *d;
-  return ::tensorflow::OkStatus();
-}
-
 template <typename T>
 class RMSNormOp : public OpKernel {
  public:
@@ -95,14 +72,12 @@ class RMSNormOp : public OpKernel {
     const Tensor& x = ctx->input(0);
     const Tensor& gamma = ctx->input(1);
     int64_t n = 0, d = 0;
-    OP_REQUIRES_OK(ctx, Rows(x, gamma, &n, &d));
+    OP_REQUIRES_OK(ctx, RowGeometry("RMSNorm", x, gamma, &n, &d));
     Tensor *y = nullptr, *inv = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &inv));
     if (n == 0) return;
-    std::vector<float> g(d);
-    const T* gp = gamma.flat<T>().data();
-    for (int64_t i = 0; i < d; ++i) g[i] = F(gp[i]);
+    const std::vector<float> g = LoadFp32<T>(gamma);
     const T* xp = x.flat<T>().data();
     T* yp = y->flat<T>().data();
     float* ip = inv->flat<float>().data();
@@ -151,51 +126,39 @@ class RMSNormGradOp : public OpKernel {
                 InvalidArgument("RMSNormGrad: dy ", dy.shape().DebugString(), " and x ",
                                 x.shape().DebugString(), " differ"));
     int64_t n = 0, d = 0;
-    OP_REQUIRES_OK(ctx, Rows(x, gamma, &n, &d));
+    OP_REQUIRES_OK(ctx, RowGeometry("RMSNorm", x, gamma, &n, &d));
     OP_REQUIRES(ctx, inv.NumElements() == n,
                 InvalidArgument("RMSNormGrad: inv_rms must have ", n, " elements"));
     Tensor *dx = nullptr, *dg = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, gamma.shape(), &dg));
-    std::vector<float> g(d);
-    const T* gp = gamma.flat<T>().data();
-    for (int64_t i = 0; i < d; ++i) g[i] = F(gp[i]);
+    const std::vector<float> g = LoadFp32<T>(gamma);
     const T* dyp = dy.flat<T>().data();
     const T* xp = x.flat<T>().data();
     const float* ip = inv.flat<float>().data();
     T* dxp = dx->flat<T>().data();
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(n, 4 * pool->NumThreads() + 4));
-    const int64_t per = (n + nblocks - 1) / nblocks;
-    std::vector<float> part(nblocks * d, 0.f);
-    auto work = [&](int64_t bbeg, int64_t bend) {
-      for (int64_t blk = bbeg; blk < bend; ++blk) {
-        float* pg = part.data() + blk * d;
-        const int64_t rend = std::min(n, (blk + 1) * per);
-        for (int64_t r = blk * per; r < rend; ++r) {
-          const T* xr = xp + r * d;
-          const T* dyr = dyp + r * d;
-          const float rs = ip[r];
-          // dx = rs * g*dy - x * rs^3 / D * sum(g*dy*x)
-          float dot = 0.f;
-          for (int64_t i = 0; i < d; ++i) {
-            const float xv = F(xr[i]), dv = F(dyr[i]);
-            dot += g[i] * dv * xv;
-            pg[i] += dv * xv * rs;
-          }
-          const float c = rs * rs * rs * dot / static_cast<float>(d);
-          T* out = dxp + r * d;
-          for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(rs * g[i] * F(dyr[i]) - F(xr[i]) * c);
+    // dgamma = sum over rows of dy * x * inv_rms
+    ColumnSums<1> sums(ctx, n, d);
+    sums.Run(/*cost_per_element=*/12, [&](int64_t rbeg, int64_t rend,
+                                          const std::array<float*, 1>& part) {
+      float* pg = part[0];
+      for (int64_t r = rbeg; r < rend; ++r) {
+        const T* xr = xp + r * d;
+        const T* dyr = dyp + r * d;
+        const float rs = ip[r];
+        // dx = rs * g*dy - x * rs^3 / D * sum(g*dy*x)
+        float dot = 0.f;
+        for (int64_t i = 0; i < d; ++i) {
+          const float xv = F(xr[i]), dv = F(dyr[i]);
+          dot += g[i] * dv * xv;
+          pg[i] += dv * xv * rs;
         }
+        const float c = rs * rs * rs * dot / static_cast<float>(d);
+        T* out = dxp + r * d;
+        for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(rs * g[i] * F(dyr[i]) - F(xr[i]) * c);
       }
-    };
-    if (n > 0) pool->ParallelFor(nblocks, /*cost_per_unit=*/per * d * 12, work);
-    T* dgp = dg->flat<T>().data();
-    for (int64_t i = 0; i < d; ++i) {
-      float s = 0.f;
-      for (int64_t blk = 0; blk < nblocks; ++blk) s += part[blk * d + i];
-      dgp[i] = static_cast<T>(s);
-    }
+    });
+    sums.Store(0, dg->flat<T>().data());
   }
 };
 

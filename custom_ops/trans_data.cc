@@ -23,18 +23,10 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/bfloat16.h"
+#include "op_common.h"
 
 namespace npu_amp_tf {
 namespace {
-
-using ::tensorflow::DataType;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
-namespace shape_inference = ::tensorflow::shape_inference;
 
 enum Conv {
   kNHWC_to_5HD, k5HD_to_NHWC, kNCHW_to_5HD, k5HD_to_NCHW,

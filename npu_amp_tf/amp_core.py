@@ -437,3 +437,77 @@ def amp_config(manager, options) -> dict:
         lsm = m._init_scale  # pylint: disable=protected-access
         opts["enable_overflow_check"] = m.enable_overflow_check
     return {"loss_scale_manager": lsm, "options": opts}
+
+
+class KerasAmpMixin:
+    """What the Keras 2 (:mod:`npu_amp_tf.keras`) and Keras 3
+    (:mod:`npu_amp_tf.keras3`) loss-scaled optimizer classes share: the
+    ``npu_amp`` serialization and the loss-scale part of Keras's
+    LossScaleOptimizer interface.
+
+    A subclass sets ``_npu_amp_base`` (the wrapped optimizer class, set per
+    built class) and ``_npu_amp_wrap`` (its module's ``LossScaleOptimizer``
+    function); instances expose the manager as ``loss_scale_manager`` and the
+    step logic (an :class:`AmpCore`) as ``_npu_amp_core``.  Methods call the
+    wrapped class explicitly, never ``super()``: the next class in the MRO is
+    Keras's LossScaleOptimizer.
+    """
+
+    _npu_amp_base = None
+    _npu_amp_wrap = None
+
+    # ------------------------------------------------------- serialization
+    def get_config(self):
+        """The wrapped optimizer's config plus an ``npu_amp`` entry (loss-scale
+        settings), so ``model.save``/``load_model`` rebuild the AMP optimizer.
+        The loss-scale *state* travels in ``tf.train.Checkpoint``s, not here."""
+        cfg = self._npu_amp_base.get_config(self)
+        cfg["npu_amp"] = amp_config(self.loss_scale_manager, self._npu_amp_core.options)
+        return cfg
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        amp = config.pop("npu_amp", None)
+        if amp is None:  # building the instance inside LossScaleOptimizer()
+            return cls._npu_amp_base.from_config.__func__(cls, config, custom_objects)
+        inner = cls._npu_amp_base.from_config(config, custom_objects)
+        return cls._npu_amp_wrap(inner, amp.get("loss_scale_manager"), **amp.get("options", {}))
+
+    @classmethod
+    def _npu_amp_rebuild(cls, opt):
+        """A new instance of this class from ``opt``'s config (``_npu_amp_setup``
+        still to be called on it)."""
+        try:
+            return cls.from_config(opt.get_config())
+        except Exception as exc:  # noqa: BLE001
+            raise OptionError(f"cannot rebuild {type(opt).__name__} from its config for loss "
+                              f"scaling: {exc}; pass a freshly constructed optimizer") from None
+
+    # ---------------------------------------------------- LSO interface
+    @property
+    def inner_optimizer(self):
+        """The optimizer passed in (its configuration source; updates run on this object)."""
+        return self._npu_amp_inner
+
+    @property
+    def dynamic(self):
+        return self.loss_scale_manager.is_dynamic
+
+    @property
+    def initial_scale(self):
+        return self.loss_scale_manager._init_scale  # pylint: disable=protected-access
+
+    @property
+    def dynamic_growth_steps(self):
+        return getattr(self.loss_scale_manager, "incr_every_n_steps", None)
+
+    @property
+    def loss_scale(self):
+        return tf.convert_to_tensor(self.loss_scale_manager.get_loss_scale())
+
+    def get_scaled_loss(self, loss):
+        return self._npu_amp_core.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads):
+        return self._npu_amp_core.unscale(list(grads))

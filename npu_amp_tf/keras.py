@@ -150,20 +150,17 @@ def LossScaleOptimizer(opt, loss_scale_manager=None, is_distributed=False, **opt
         raise OptionError(f"opt={type(opt).__name__} is already loss-scaled; wrap it only once")
     opts = _options(options)
     manager = make_manager(loss_scale_manager, opts)
-    base = type(opt)
-    try:
-        new = _amp_class(base).from_config(opt.get_config())
-    except Exception as exc:  # noqa: BLE001
-        raise OptionError(f"cannot rebuild {base.__name__} from its config for loss scaling: "
-                          f"{exc}; pass a freshly constructed optimizer") from None
+    new = _amp_class(type(opt))._npu_amp_rebuild(opt)
     new._npu_amp_setup(opt, family, manager, AmpCore(manager, opts, is_distributed))
     return new
 
 
-class _AmpKerasMixin:
-    """Methods added on top of the wrapped Keras optimizer's class."""
+class _AmpKerasMixin(amp_core.KerasAmpMixin):
+    """Methods added on top of the wrapped Keras 2 optimizer's class (the
+    serialization and loss-scale properties shared with Keras 3 are in
+    :class:`npu_amp_tf.amp_core.KerasAmpMixin`)."""
 
-    _npu_amp_base = None
+    _npu_amp_wrap = staticmethod(LossScaleOptimizer)
 
     def _npu_amp_setup(self, inner, family, manager, core):
         self.__dict__["_npu_amp_inner"] = inner
@@ -172,59 +169,14 @@ class _AmpKerasMixin:
         self.__dict__["_npu_amp_manager"] = manager
         _tf.track_trackable(self, manager, name="loss_scale_manager", overwrite=True)
 
-    # ------------------------------------------------------- serialization
-    def get_config(self):
-        """The wrapped optimizer's config plus an ``npu_amp`` entry (loss-scale
-        settings), so ``model.save``/``load_model`` rebuild the AMP optimizer.
-        The loss-scale *state* travels in ``tf.train.Checkpoint``s, not here."""
-        cfg = self._npu_amp_base.get_config(self)
-        cfg["npu_amp"] = amp_core.amp_config(self._npu_amp_manager, self._npu_amp_core.options)
-        return cfg
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        amp = config.pop("npu_amp", None)
-        if amp is None:  # building the instance inside LossScaleOptimizer()
-            return cls._npu_amp_base.from_config.__func__(cls, config, custom_objects)
-        inner = cls._npu_amp_base.from_config(config, custom_objects)
-        return LossScaleOptimizer(inner, amp.get("loss_scale_manager"), **amp.get("options", {}))
-
     # ---------------------------------------------------- Keras LSO interface
     @property
     def loss_scale_manager(self):
         return self._npu_amp_manager
 
     @property
-    def dynamic(self):
-        return self._npu_amp_manager.is_dynamic
-
-    @property
-    def loss_scale(self):
-        return tf.convert_to_tensor(self._npu_amp_manager.get_loss_scale())
-
-    @property
     def dynamic_counter(self):
         return self._npu_amp_manager.good_steps if self.dynamic else None
-
-    @property
-    def initial_scale(self):
-        return self._npu_amp_manager._init_scale  # pylint: disable=protected-access
-
-    @property
-    def dynamic_growth_steps(self):
-        return getattr(self._npu_amp_manager, "incr_every_n_steps", None)
-
-    @property
-    def inner_optimizer(self):
-        """The optimizer passed in (its configuration source; updates run on this object)."""
-        return self._npu_amp_inner
-
-    def get_scaled_loss(self, loss):
-        return self._npu_amp_core.scale_loss(loss)
-
-    def get_unscaled_gradients(self, grads):
-        return self._npu_amp_core.unscale(list(grads))
 
     def fp16_copy(self, var):
         return self._npu_amp_core.fp16_copy(var)

@@ -101,6 +101,12 @@ def _resolve(base, name):
 
 
 @functools.lru_cache(maxsize=None)
+def _mixin_names():
+    """Every name the mixin and its shared base define (these win over LossScaleOptimizer's)."""
+    return frozenset().union(*(vars(c) for c in _AmpKeras3Mixin.__mro__ if c is not object))
+
+
+@functools.lru_cache(maxsize=None)
 def amp_class(base):
     """``AMP_<base>``: ``base`` plus loss scaling, nominally a Keras LossScaleOptimizer."""
     k = keras3()
@@ -111,7 +117,7 @@ def amp_class(base):
     # __init__, variables, iterations, learning_rate, build, ...) unless the
     # mixin defines it: the LossScaleOptimizer base is for isinstance only.
     for name in vars(lso):
-        if name in _NOT_COPIED or name in vars(_AmpKeras3Mixin):
+        if name in _NOT_COPIED or name in _mixin_names():
             continue
         attr = _resolve(base, name)
         if attr is not None:
@@ -171,12 +177,7 @@ def LossScaleOptimizer(opt, loss_scale_manager=None, is_distributed=False, **opt
     if tf.distribute.has_strategy():
         _check_distributed_options(opts)
     manager = make_manager(loss_scale_manager, opts)
-    base = type(opt)
-    try:
-        new = amp_class(base).from_config(opt.get_config())
-    except Exception as exc:  # noqa: BLE001
-        raise OptionError(f"cannot rebuild {base.__name__} from its config for loss scaling: "
-                          f"{exc}; pass a freshly constructed optimizer") from None
+    new = amp_class(type(opt))._npu_amp_rebuild(opt)
     new._npu_amp_setup(opt, manager, AmpCore(manager, opts, is_distributed))
     return new
 
@@ -195,14 +196,16 @@ def _tf_var(v):
     return v if isinstance(v, tf.Variable) else v.value
 
 
-class _AmpKeras3Mixin:
-    """Methods added on top of the wrapped Keras 3 optimizer's class.
+class _AmpKeras3Mixin(amp_core.KerasAmpMixin):
+    """Methods added on top of the wrapped Keras 3 optimizer's class (the
+    serialization and loss-scale properties shared with Keras 2 are in
+    :class:`npu_amp_tf.amp_core.KerasAmpMixin`).
 
     Methods call the wrapped class explicitly (``self._npu_amp_base``), never
     ``super()``: the next class in the MRO is LossScaleOptimizer.
     """
 
-    _npu_amp_base = None
+    _npu_amp_wrap = staticmethod(LossScaleOptimizer)
 
     def _npu_amp_setup(self, inner, manager, core):
         # plain attributes (not tracked): the passed optimizer and the step logic
@@ -212,62 +215,20 @@ class _AmpKeras3Mixin:
         # tracked: the loss-scale state is one checkpoint child
         self.loss_scale_manager = manager
 
-    # ------------------------------------------------------- serialization
-    def get_config(self):
-        """The wrapped optimizer's config plus an ``npu_amp`` entry (loss-scale
-        settings), so ``model.save``/``load_model`` rebuild the AMP optimizer."""
-        cfg = self._npu_amp_base.get_config(self)
-        cfg["npu_amp"] = amp_core.amp_config(self.loss_scale_manager, self._npu_amp_core.options)
-        return cfg
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        amp = config.pop("npu_amp", None)
-        if amp is None:  # building the instance inside LossScaleOptimizer()
-            return cls._npu_amp_base.from_config.__func__(cls, config, custom_objects)
-        inner = cls._npu_amp_base.from_config(config, custom_objects)
-        return LossScaleOptimizer(inner, amp.get("loss_scale_manager"), **amp.get("options", {}))
-
     # ---------------------------------------------------- LSO interface
-    @property
-    def inner_optimizer(self):
-        """The optimizer passed in (its configuration source; updates run on this object)."""
-        return self._npu_amp_inner
-
-    @property
-    def dynamic(self):
-        return self.loss_scale_manager.is_dynamic
-
-    @property
-    def initial_scale(self):
-        return self.loss_scale_manager._init_scale  # pylint: disable=protected-access
-
-    @property
-    def dynamic_growth_steps(self):
-        return getattr(self.loss_scale_manager, "incr_every_n_steps", None)
-
     @property
     def dynamic_scale(self):
         """The current loss scale (float32 variable), as Keras 3's LossScaleOptimizer."""
         return self.loss_scale_manager.get_loss_scale()
 
-    @property
-    def loss_scale(self):
-        return tf.convert_to_tensor(self.loss_scale_manager.get_loss_scale())
-
     def scale_loss(self, loss):
         """Keras 3: the loss times the current scale (``model.fit`` calls this)."""
-        return self._npu_amp_core.scale_loss(loss)
-
-    def get_scaled_loss(self, loss):
-        """Keras 2 name of :meth:`scale_loss`."""
         return self._npu_amp_core.scale_loss(loss)
 
     def get_unscaled_gradients(self, grads):
         """Unscale (FP32 arithmetic); the next ``apply`` takes unscaled gradients."""
         self.__dict__["_npu_amp_unscaled_next"] = True
-        return self._npu_amp_core.unscale(list(grads))
+        return amp_core.KerasAmpMixin.get_unscaled_gradients(self, grads)
 
     def check_finite(self, grads):
         """One fused finiteness check over ``grads`` (scalar bool)."""

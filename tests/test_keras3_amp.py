@@ -14,18 +14,14 @@ if int(keras.__version__.split(".")[0]) < 3:
                 allow_module_level=True)
 
 from npu_amp_tf.keras3 import _AmpKeras3Mixin  # noqa: E402
+from _keras_amp_util import (SAVED_SETTINGS, assert_accumulation_equals_one_batch,  # noqa: E402
+                             assert_saved_settings, data, reload_as_fresh_process)
 
 
 def _model(seed=0):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
                              keras.layers.Dense(1)])
-
-
-def _data(n=32):
-    rng = np.random.RandomState(0)
-    x = rng.randn(n, 4).astype(np.float32)
-    return x, (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)).astype(np.float32)
 
 
 def _state(opt, model):
@@ -46,7 +42,7 @@ def _loop(model, opt, x, y, keras2_style=False, eager=False):
 
 
 def test_fit_trains_fp32_masters_cann_defaults_and_no_double_wrap():
-    x, y = _data()
+    x, y = data()
     model = _model()
     opt = npu_amp_tf.AMP_Optimizer(keras.optimizers.Adam(0.05), incr_every_n_steps=4)
     # a real Adam, and nominally Keras's LossScaleOptimizer (compile must not wrap it again)
@@ -79,7 +75,7 @@ def test_matches_keras3_loss_scale_optimizer_bit_for_bit():
     slots, iterations and the scale must agree exactly, through an overflow step that both
     skip (variables, slots and ``iterations`` keep their bits) - in Keras 3's loop
     (scale_loss + apply_gradients) and in Keras 2's (get_unscaled_gradients first)."""
-    x, y = _data(8)
+    x, y = data(8)
     ref = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05), initial_scale=128,
                                               dynamic_growth_steps=3)
     runs = [(_model(), ref, False)]
@@ -115,7 +111,7 @@ def test_matches_keras3_loss_scale_optimizer_bit_for_bit():
 
 
 def test_one_fused_finiteness_check_vs_keras_per_variable_checks():
-    x, y = _data(8)
+    x, y = data(8)
     counts = {}
     for name, opt in (("keras", keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))),
                       ("amp", npu_amp_tf.AMP_Optimizer(keras.optimizers.SGD(0.1)))):
@@ -129,7 +125,7 @@ def test_one_fused_finiteness_check_vs_keras_per_variable_checks():
 
 
 def test_hysteresis_fp16_copies_and_summaries(tmp_path):
-    x, y = _data(8)
+    x, y = data(8)
     model = _model()
     opt = npu_amp_tf.AMP_Optimizer(keras.optimizers.SGD(0.1), keep_fp16_copies=True)
     step = _loop(model, opt, x, y)
@@ -152,54 +148,31 @@ def test_hysteresis_fp16_copies_and_summaries(tmp_path):
 
 
 def test_gradient_accumulation_equals_one_big_batch():
-    x, y = _data(16)
-    res = []
-    for n, batches in ((2, [(x[:8], y[:8]), (x[8:], y[8:])]), (1, [(x, y)])):
-        model = _model()
-        opt = npu_amp_tf.AMP_Optimizer(keras.optimizers.SGD(0.1), gradient_accumulation_steps=n)
-        w0 = model.weights[0].numpy()
-
+    def make_step(model, opt):
         @tf.function
         def step(xb, yb):
             with tf.GradientTape() as tape:
                 loss = opt.scale_loss(tf.reduce_mean(tf.square(model(xb) - yb)))
             opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                     model.trainable_variables))
+        return step
 
-        for i, (xb, yb) in enumerate(batches):
-            step(tf.constant(xb), tf.constant(yb))
-            if n == 2 and i == 0:
-                np.testing.assert_array_equal(model.weights[0].numpy(), w0)
-                assert int(opt.iterations) == 0
-        assert int(opt.iterations) == 1
-        res.append([w.numpy() for w in model.weights])
-    for a, b in zip(*res):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_accumulation_equals_one_batch(
+        _model, lambda n: npu_amp_tf.AMP_Optimizer(keras.optimizers.SGD(0.1),
+                                                   gradient_accumulation_steps=n), make_step)
 
 
 def test_model_save_and_load_with_and_without_amp(tmp_path):
-    x, y = _data(16)
+    x, y = data(16)
     model = _model()
-    opt = npu_amp_tf.AMP_Optimizer(keras.optimizers.AdamW(0.05), incr_every_n_steps=7,
-                                   decr_ratio=0.25, keep_fp16_copies=True)
+    opt = npu_amp_tf.AMP_Optimizer(keras.optimizers.AdamW(0.05), **SAVED_SETTINGS)
     model.compile(optimizer=opt, loss="mse")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    path = str(tmp_path / "m.keras")
-    model.save(path)
-    # a fresh process has not built the AMP classes: take them out of the registry
-    registry = keras.saving.get_custom_objects()
-    saved = {k: registry.pop(k) for k in list(registry) if k.startswith("npu_amp_tf>")}
-    try:
-        with pytest.raises(Exception, match="AMP_AdamW"):
-            keras.models.load_model(path)
-        loaded = keras.models.load_model(path, custom_objects=npu_amp_tf.keras.custom_objects())
-    finally:
-        registry.update(saved)
+    loaded = reload_as_fresh_process(keras, model, str(tmp_path / "m.keras"),
+                                     keras.saving.get_custom_objects(), "npu_amp_tf>", "AMP_AdamW")
     lopt = loaded.optimizer
     assert isinstance(lopt, _AmpKeras3Mixin) and isinstance(lopt, keras.optimizers.AdamW)
-    m = lopt.loss_scale_manager
-    assert (m.incr_every_n_steps, m.decr_ratio) == (7, 0.25)
-    assert lopt._npu_amp_core.keep_fp16_copies
+    m = assert_saved_settings(lopt)
     for a, b in zip(opt.variables, lopt.variables):  # slots travel in the .keras file
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
@@ -226,7 +199,7 @@ def test_model_save_and_load_with_and_without_amp(tmp_path):
 
 
 def test_tf_train_checkpoint_both_ways(tmp_path):
-    x, y = _data(8)
+    x, y = data(8)
     model_a, model_p = _model(), _model()
     amp = npu_amp_tf.AMP_Optimizer(keras.optimizers.Adam(0.05))
     plain = keras.optimizers.Adam(0.05)

@@ -5,6 +5,8 @@ import tensorflow as tf
 
 import npu_amp_tf
 from npu_amp_tf import OptionError
+from _keras_amp_util import (SAVED_SETTINGS, assert_accumulation_equals_one_batch,
+                             assert_saved_settings, data, reload_as_fresh_process)
 
 try:
     K = npu_amp_tf.keras.keras_module()
@@ -21,12 +23,6 @@ def _model(seed=0):
                          K.layers.Dense(1)])
 
 
-def _data(n=32):
-    rng = np.random.RandomState(0)
-    x = rng.randn(n, 4).astype(np.float32)
-    return x, (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)).astype(np.float32)
-
-
 def _opt_state(opt, model):
     out = {f"w{i}": v.numpy() for i, v in enumerate(model.weights)}
     for i, v in enumerate(opt.variables()):
@@ -36,7 +32,7 @@ def _opt_state(opt, model):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fit_trains_and_keeps_fp32_masters(family):
-    x, y = _data()
+    x, y = data()
     model = _model()
     opt = npu_amp_tf.AMP_Optimizer(FAMILIES[family](0.05), incr_every_n_steps=4)
     assert isinstance(opt, type(FAMILIES[family](0.1)))  # a real optimizer of the same class
@@ -50,7 +46,7 @@ def test_fit_trains_and_keeps_fp32_masters(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_custom_loop_overflow_skips_and_continues(family):
-    x, y = _data(8)
+    x, y = data(8)
     model = _model()
     opt = npu_amp_tf.AMP_Optimizer(FAMILIES[family](0.05), decr_every_n_nan_or_inf=1)
 
@@ -79,7 +75,7 @@ def test_custom_loop_overflow_skips_and_continues(family):
 
 
 def test_minimize_in_a_loop_matches_plain_adam_when_nothing_overflows():
-    x, y = _data(8)
+    x, y = data(8)
     res = []
     for wrap in (True, False):
         model = _model()
@@ -94,7 +90,7 @@ def test_minimize_in_a_loop_matches_plain_adam_when_nothing_overflows():
 
 
 def test_checkpoint_round_trip_both_directions(tmp_path):
-    x, y = _data(8)
+    x, y = data(8)
 
     def train(model, opt, steps, bad_at=()):
         for i in range(steps):
@@ -134,7 +130,7 @@ def test_checkpoint_round_trip_both_directions(tmp_path):
 
 
 def test_mixed_float16_policy_fit_is_not_wrapped_twice():
-    x, y = _data(16)
+    x, y = data(16)
     K.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = _model()
@@ -153,7 +149,7 @@ def test_mixed_float16_policy_fit_is_not_wrapped_twice():
 def test_keep_fp16_copies_and_errors():
     model = _model()
     opt = npu_amp_tf.AMP_Optimizer(K.optimizers.legacy.SGD(0.1), keep_fp16_copies=True)
-    x, y = _data(8)
+    x, y = data(8)
     opt.minimize(lambda: tf.reduce_mean(tf.square(model(x) - y)), model.trainable_variables)
     k = model.layers[0].kernel
     np.testing.assert_array_equal(opt.fp16_copy(k).numpy(), k.numpy().astype(np.float16))
@@ -182,29 +178,17 @@ def test_keras3_optimizer_goes_to_the_keras3_wrapper():
 
 def test_gradient_accumulation_equivalence_keras():
     """2 micro-batches of 8 == one batch of 16 (FP32, SGD, mean loss)."""
-    x, y = _data(16)
-    res = []
-    for n, batches in ((2, [(x[:8], y[:8]), (x[8:], y[8:])]), (1, [(x, y)])):
-        model = _model()
-        opt = npu_amp_tf.AMP_Optimizer(K.optimizers.legacy.SGD(0.1),
-                                       gradient_accumulation_steps=n)
-        w0 = model.weights[0].numpy()
-
+    def make_step(model, opt):
         @tf.function
         def step(xb, yb):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(model(xb) - yb))
             opt.minimize(loss, model.trainable_variables, tape=tape)
+        return step
 
-        for i, (xb, yb) in enumerate(batches):
-            step(tf.constant(xb), tf.constant(yb))
-            if n == 2 and i == 0:
-                np.testing.assert_array_equal(model.weights[0].numpy(), w0)
-                assert int(opt.iterations) == 0
-        assert int(opt.iterations) == 1
-        res.append([w.numpy() for w in model.weights])
-    for a, b in zip(*res):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_accumulation_equals_one_batch(
+        _model, lambda n: npu_amp_tf.AMP_Optimizer(K.optimizers.legacy.SGD(0.1),
+                                                   gradient_accumulation_steps=n), make_step)
 
 
 @pytest.mark.parametrize("suffix", [".keras", ".h5"])
@@ -212,28 +196,16 @@ def test_model_save_and_load_keep_the_amp_optimizer(tmp_path, suffix):
     pytest.importorskip("h5py")
     from npu_amp_tf.keras import _AmpKerasMixin
 
-    x, y = _data(16)
+    x, y = data(16)
     model = _model()
-    opt = npu_amp_tf.AMP_Optimizer(K.optimizers.Adam(0.05), incr_every_n_steps=7,
-                                   decr_ratio=0.25, keep_fp16_copies=True)
+    opt = npu_amp_tf.AMP_Optimizer(K.optimizers.Adam(0.05), **SAVED_SETTINGS)
     model.compile(optimizer=opt, loss="mse")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    path = str(tmp_path / ("m" + suffix))
-    model.save(path)
-    # a fresh process has not built the AMP classes: take them out of the registry
-    registry = K.utils.get_custom_objects()
-    saved = {k: registry.pop(k) for k in list(registry) if k.startswith("AMP_")}
-    try:
-        with pytest.raises(Exception, match="AMP_Adam"):
-            K.models.load_model(path)
-        loaded = K.models.load_model(path, custom_objects=npu_amp_tf.keras.custom_objects())
-    finally:
-        registry.update(saved)
+    loaded = reload_as_fresh_process(K, model, str(tmp_path / ("m" + suffix)),
+                                     K.utils.get_custom_objects(), "AMP_", "AMP_Adam")
     lopt = loaded.optimizer
     assert isinstance(lopt, _AmpKerasMixin) and type(lopt).__name__ == "AMP_Adam"
-    m = lopt.loss_scale_manager
-    assert (m.incr_every_n_steps, m.decr_ratio) == (7, 0.25)
-    assert lopt._npu_amp_core.keep_fp16_copies
+    m = assert_saved_settings(lopt)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
     loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # training resumes with AMP
     assert m.state()["steps"] == 2
