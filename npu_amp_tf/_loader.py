@@ -127,7 +127,7 @@ def build(force: bool = False, verbose: bool = False) -> Path:
 
 def prebuilt() -> Path | None:
     """``$NPU_AMP_TF_LIBRARY``: a library built elsewhere (Bazel, see
-    custom_ops/BUILD) to load instead of compiling one."""
+    the top-level BUILD) to load instead of compiling one."""
     env = os.environ.get("NPU_AMP_TF_LIBRARY")
     if not env:
         return None
