@@ -21,13 +21,12 @@ rule.)
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from _worker_util import onednn_on, run_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_filter_grad_worker.py")
@@ -35,16 +34,7 @@ EPS_BF16 = 2.0 ** -8
 
 
 def _run(kind, onednn=True):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    if onednn:
-        env.pop("TF_ENABLE_ONEDNN_OPTS", None)
-    else:
-        env["TF_ENABLE_ONEDNN_OPTS"] = "0"
-    p = subprocess.run([sys.executable, WORKER, kind], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "DONE" in p.stdout, \
-        f"worker {kind} (oneDNN {'on' if onednn else 'off'}) failed rc={p.returncode}:\n{p.stderr[-3000:]}"
-    return [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    return run_worker(WORKER, kind, onednn, timeout=600)
 
 
 _CACHE = {}
@@ -56,9 +46,7 @@ def results(kind, onednn=True):
     return _CACHE[kind, onednn]
 
 
-def _onednn_on() -> bool:
-    from graph_passes.fusion.builtin import onednn_enabled
-    return onednn_enabled()
+_onednn_on = onednn_on  # the skipif string below evaluates it in this module
 
 
 needs_onednn = pytest.mark.skipif("not _onednn_on()", reason="the rule fires only under oneDNN "

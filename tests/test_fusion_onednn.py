@@ -23,13 +23,12 @@ nodes TF executed.  We check
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from _worker_util import onednn_on, run_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_onednn_fusion_worker.py")
@@ -37,16 +36,7 @@ EPS_BF16 = 2.0 ** -8
 
 
 def _run(kind, onednn=True):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    if not onednn:
-        env["TF_ENABLE_ONEDNN_OPTS"] = "0"
-    else:
-        env.pop("TF_ENABLE_ONEDNN_OPTS", None)
-    p = subprocess.run([sys.executable, WORKER, kind], env=env, capture_output=True, text=True, timeout=900)
-    out = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    assert p.returncode == 0 and "DONE" in p.stdout, \
-        f"worker {kind} (oneDNN {'on' if onednn else 'off'}) failed rc={p.returncode}:\n{p.stderr[-3000:]}"
+    out = run_worker(WORKER, kind, onednn, timeout=900)
     return {(r.get("prec") or r["kind"], r["config"]): r for r in out}
 
 
@@ -59,9 +49,7 @@ def results(kind, onednn=True):
     return _CACHE[kind, onednn]
 
 
-def _onednn_on() -> bool:
-    from graph_passes.fusion.builtin import onednn_enabled
-    return onednn_enabled()
+_onednn_on = onednn_on  # the skipif string below evaluates it in this module
 
 
 needs_onednn = pytest.mark.skipif("not _onednn_on()", reason="this TF build/platform runs without oneDNN "

@@ -53,12 +53,12 @@ BF16_SUM_BLACK = {"precision_mode": "allow_mix_precision_bf16", "custom_black_li
 FEED = {"x:0": np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)}
 
 
-def run(gd):
+def run(gd, fetches=FETCHES, feed=FEED):
     g = tf.Graph()
     with g.as_default():
         tf.graph_util.import_graph_def(gd, name="")
     with v1.Session(graph=g) as s:
-        return s.run([f + ":0" for f in FETCHES], FEED)
+        return s.run([f + ":0" for f in fetches], feed)
 
 
 def test_bf16_softmax_follows_producers_fp16_keeps_it_fp32():
@@ -244,14 +244,7 @@ def test_small_fp32_copies_run_when_ready_large_ones_wait():
     feeds = {"x:0": np.random.RandomState(1).standard_normal((64, 256)).astype(np.float32),
              "t:0": np.random.RandomState(2).standard_normal((2, 2)).astype(np.float32)}
 
-    def run_it(gd):
-        g = tf.Graph()
-        with g.as_default():
-            tf.graph_util.import_graph_def(gd, name="")
-        with v1.Session(graph=g) as s:
-            return s.run([f + ":0" for f in fetches], feeds)
-
-    for got, want in zip(run_it(out), run_it(two_attention_step(64))):
+    for got, want in zip(run(out, fetches, feeds), run(two_attention_step(64), fetches, feeds)):
         np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2 * np.abs(want).max())
     # rows unknown: the big copy's size is unknown, so it is never "small"; the tiny one is
     # then the only sized copy, and a lone copy is not compared with anything: both wait

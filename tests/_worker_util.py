@@ -1,0 +1,31 @@
+"""Run a test worker script in a fresh Python process (a kernel TF cannot run may
+abort the process) and read back the ``RESULT <json>`` lines it prints."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_worker(worker: str, kind: str, onednn: bool = True, timeout: int = 600) -> list[dict]:
+    """``worker kind`` with oneDNN on (TF's default) or off; asserts it finished
+    (exit 0 and a ``DONE`` line) and returns the decoded ``RESULT`` lines."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    if onednn:
+        env.pop("TF_ENABLE_ONEDNN_OPTS", None)
+    else:
+        env["TF_ENABLE_ONEDNN_OPTS"] = "0"
+    p = subprocess.run([sys.executable, worker, kind], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0 and "DONE" in p.stdout, \
+        f"worker {kind} (oneDNN {'on' if onednn else 'off'}) failed rc={p.returncode}:\n{p.stderr[-3000:]}"
+    return [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def onednn_on() -> bool:
+    from graph_passes.fusion.builtin import onednn_enabled
+    return onednn_enabled()
