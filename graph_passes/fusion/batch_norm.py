@@ -67,81 +67,138 @@ def _canon(ref):
 
 
 def _stat(graph, ref):
-    """``Squeeze(Mean(t, axes, keep_dims=True))`` or ``Mean(t, axes, keep_dims=True)``
-    -> (t, axes_ref, mean_node, squeeze_node or None)."""
+    """``[Reshape] [Squeeze] Mean(t, axes, keep_dims=True)`` (Keras reshapes the statistics
+    to [1, 1, 1, C] for an explicit ``axis=3``) -> (t, axes_ref, mean_node, chain), chain =
+    the nodes from the Mean up to ``ref``'s producer."""
     node = _src(graph, ref)
-    sq = None
-    if node is not None and node.op == "Squeeze":
-        sq = node
-        node = _src(graph, graph.data_inputs(node)[0])
+    chain = []
+    for op in ("Reshape", "Squeeze"):
+        if node is not None and node.op == op:
+            chain.append(node)
+            node = _src(graph, graph.data_inputs(node)[0])
     if node is None or node.op != "Mean" or not node.attr["keep_dims"].b:
         return None
     t, axes = graph.data_inputs(node)
-    return t, axes, node, sq
+    return t, axes, node, [node] + chain[::-1]
 
 
 def analyze_batch_norm(graph, anchor):
     """The structural match, or None::
 
-        anchor = Add(Mul(x, inv), Sub(beta, Mul(mean, inv)) | Neg(Mul(mean, inv)) | Mul(Neg(mean), inv))
+        anchor = Add(xinv, shift)           (or, after grappler's AddOpsRewrite spread the
+                                             adds of a residual unit over AddN trees: the
+                                             anchor is xinv, and xinv and shift are summands
+                                             of one sum: "split")
+        xinv   = Mul(x, inv)
+        shift  = Sub(beta, Mul(mean, inv)) | Neg(Mul(mean, inv)) | Mul(Neg(mean), inv)
         inv    = Mul(Rsqrt(Add(var, eps)), gamma) | Rsqrt(Add(var, eps))
-        mean   = [Squeeze] Mean(x, axes, keep_dims)
-        var    = [Squeeze] Mean(SquaredDifference(x, [StopGradient] Mean(x)), axes, keep_dims)
+        mean   = [Reshape] [Squeeze] Mean(x, axes, keep_dims)
+        var    = [Reshape] [Squeeze] Mean(SquaredDifference(x, [StopGradient] Mean(x)), axes, keep_dims)
+        gamma, beta: a [C] vector, or a Reshape of one to [1, 1, 1, C] (Keras, ``axis=3``)
     """
-    if anchor.op not in _ADDS:
+    if anchor.op in _ADDS:
+        ins = graph.data_inputs(anchor)
+        if len(ins) != 2:
+            return None
+        for t1, t2 in ((ins[0], ins[1]), (ins[1], ins[0])):
+            xinv, shift = _src(graph, t1), _src(graph, t2)
+            res = _core(graph, xinv, shift)
+            if res is not None:
+                res["inner"] = [anchor.name] + res["inner"]
+                res["split"] = None
+                return res
         return None
-    ins = graph.data_inputs(anchor)
-    if len(ins) != 2:
+    if anchor.op != "Mul":
         return None
-    for t1, t2 in ((ins[0], ins[1]), (ins[1], ins[0])):
-        xinv, shift = _src(graph, t1), _src(graph, t2)
-        if xinv is None or xinv.op != "Mul" or shift is None or shift.op not in ("Sub", "Neg", "Mul"):
-            continue
-        sins = graph.data_inputs(shift)
-        # beta - mean*inv | -(mean*inv) | (-mean)*inv (tf.nn.batch_normalization without offset)
-        beta, minv_ref = (sins[0], sins[1]) if shift.op == "Sub" else (None, sins[0])
-        minv = shift if shift.op == "Mul" else _src(graph, minv_ref)
-        if minv is None or minv.op != "Mul":
-            continue
-        xi, mi = graph.data_inputs(xinv), graph.data_inputs(minv)
-        for k in (0, 1):
-            inv_ref, x = xi[k], xi[1 - k]
-            if inv_ref not in mi or inv_ref == x:
+    # the split form: find shift through inv's other readers
+    for inv_ref in graph.data_inputs(anchor):
+        for cname, _ in graph.consumers(parse_tensor(inv_ref)[0]):
+            minv = graph.nodes[cname]
+            if cname == anchor.name or minv.op != "Mul":
                 continue
-            mean_ref = mi[1 - mi.index(inv_ref)]
-            neg = []
-            if shift.op == "Mul":
-                nn_ = _src(graph, mean_ref)
-                if nn_ is None or nn_.op != "Neg":
+            cands = [minv] + [graph.nodes[c] for c, i in graph.consumers(cname) if i >= 0]
+            for shift in cands:
+                res = _core(graph, anchor, shift)
+                if res is None:
                     continue
-                neg, mean_ref = [nn_.name], graph.data_inputs(nn_)[0]
-            res = _inv(graph, inv_ref)
-            if res is None:
+                sx, ss = _sum_chain(graph, anchor.name), _sum_chain(graph, shift.name)
+                if not sx or not ss:
+                    return None
+                if sx[0] == ss[0] and graph.nodes[sx[0]].op in _ADDS:
+                    return None  # Add(xinv, shift): the Add is the anchor
+                if not set(sx) & set(ss):
+                    return None  # not summands of one sum
+                res["split"] = shift.name
+                return res
+    return None
+
+
+def _sum_chain(graph, name):
+    """The Add/AddV2/AddN nodes ``name`` flows through as a plain summand, each the only
+    reader of the one before; [] when ``name`` has another reader."""
+    out, cur = [], name
+    while len(out) < 64:
+        cons = graph.consumers(cur)
+        if len(cons) != 1 or cons[0][1] < 0:
+            break
+        c = graph.nodes[cons[0][0]]
+        if c.op not in _ADDS + ("AddN",):
+            break
+        out.append(c.name)
+        cur = c.name
+    return out
+
+
+def _core(graph, xinv, shift):
+    """The batch norm whose x*inv is ``xinv`` and whose shift is ``shift``, or None."""
+    if xinv is None or xinv.op != "Mul" or shift is None or shift.op not in ("Sub", "Neg", "Mul"):
+        return None
+    sins = graph.data_inputs(shift)
+    # beta - mean*inv | -(mean*inv) | (-mean)*inv (tf.nn.batch_normalization without offset)
+    beta, minv_ref = (sins[0], sins[1]) if shift.op == "Sub" else (None, sins[0])
+    minv = shift if shift.op == "Mul" else _src(graph, minv_ref)
+    if minv is None or minv.op != "Mul" or minv is xinv:
+        return None
+    xi, mi = graph.data_inputs(xinv), graph.data_inputs(minv)
+    for k in (0, 1):
+        inv_ref, x = xi[k], xi[1 - k]
+        if inv_ref not in mi or inv_ref == x:
+            continue
+        mean_ref = mi[1 - mi.index(inv_ref)]
+        neg = []
+        if shift.op == "Mul":
+            nn_ = _src(graph, mean_ref)
+            if nn_ is None or nn_.op != "Neg":
                 continue
-            var_ref, eps, gamma, inv_inner = res
-            m = _stat(graph, mean_ref)
-            v = _stat(graph, var_ref)
-            if m is None or v is None or m[0] != x:
-                continue
-            sqd = _src(graph, v[0])
-            if sqd is None or sqd.op != "SquaredDifference":
-                continue
-            # SquaredDifference(x, StopGradient(mean)); grappler's arithmetic optimizer drops
-            # the StopGradient and may swap the (symmetric) operands
-            a, c = graph.data_inputs(sqd)
-            if c == x:
-                a, c = c, a
-            sg = _src(graph, c)
-            inner_sg = []
-            if sg is not None and sg.op == "StopGradient":
-                inner_sg.append(sg.name)
-                c = graph.data_inputs(sg)[0]
-            if a != x or _src(graph, c) is not m[2]:
-                continue
-            inner = [anchor.name, xinv.name, shift.name, minv.name] + neg + inv_inner + inner_sg + [
-                sqd.name, m[2].name, v[2].name] + [s.name for s in (m[3], v[3]) if s is not None]
-            return {"x": x, "gamma": gamma, "beta": beta, "eps": eps, "axes": (m[1], v[1]),
-                    "mean": mean_ref, "var": var_ref, "inner": list(dict.fromkeys(inner))}
+            neg, mean_ref = [nn_.name], graph.data_inputs(nn_)[0]
+        res = _inv(graph, inv_ref)
+        if res is None:
+            continue
+        var_ref, eps, gamma, inv_inner = res
+        m = _stat(graph, mean_ref)
+        v = _stat(graph, var_ref)
+        if m is None or v is None or m[0] != x:
+            continue
+        sqd = _src(graph, v[0])
+        if sqd is None or sqd.op != "SquaredDifference":
+            continue
+        # SquaredDifference(x, StopGradient(mean)); grappler's arithmetic optimizer drops
+        # the StopGradient and may swap the (symmetric) operands
+        a, c = graph.data_inputs(sqd)
+        if c == x:
+            a, c = c, a
+        sg = _src(graph, c)
+        inner_sg = []
+        if sg is not None and sg.op == "StopGradient":
+            inner_sg.append(sg.name)
+            c = graph.data_inputs(sg)[0]
+        if a != x or _src(graph, c) is not m[2]:
+            continue
+        inner = [xinv.name, shift.name, minv.name] + neg + inv_inner + inner_sg + [
+            sqd.name] + [s.name for s in m[3] + v[3]]
+        return {"x": x, "gamma": gamma, "beta": beta, "eps": eps, "axes": (m[1], v[1]),
+                "stats": {"mean": [s.name for s in m[3]], "var": [s.name for s in v[3]]},
+                "inner": list(dict.fromkeys(inner))}
     return None
 
 
@@ -206,39 +263,76 @@ def _build(m, b):
     f32 = registry.DT_FLOAT
     name = b.anchor.name
 
+    inner = list(res["inner"])
+    from .grad_region import is_autodiff_name
+
     def param(ref, what, fill):
         if ref is None:
             return b.const_node(f"{name}/{what}", np.full([c], fill, np.float32), f32)
         b.require(b.dtype(ref) == f32, f"{what} is not float32")
-        b.require(b.shape(ref) is not None and list(b.shape(ref)) == [c],
-                  f"{what} of shape {b.shape(ref)}: not a vector of the {c} channels")
+        sh = b.shape(ref)
+        rs = _src(g, ref)
+        if sh is not None and len(sh) == 4 and _squeeze_lead(sh) == [c] and rs is not None \
+                and rs.op == "Reshape" and all(cn in inner or is_autodiff_name(cn) for cn, _ in g.consumers(rs.name)):
+            inner.append(rs.name)  # Keras' Reshape of gamma / beta to [1, 1, 1, C]: absorbed
+            ref = g.data_inputs(rs)[0]
+            sh = b.shape(ref)
+        b.require(sh is not None and list(sh) == [c],
+                  f"{what} of shape {sh}: not a vector of the {c} channels")
         return ref
 
     gamma = param(res["gamma"], "scale", 1.0)
     beta = param(res["beta"], "offset", 0.0)
-    stat_shapes = {k: b.shape(res[k]) for k in ("mean", "var")}
-    for k, sh in stat_shapes.items():
-        b.require(sh is not None and _squeeze_lead(sh) == [c] and len(sh) in (1, 4),
-                  f"the batch {k} has shape {sh}")
-    inner = res["inner"]
+    res = dict(res, gamma=None if res["gamma"] is None else gamma, beta=None if res["beta"] is None else beta)
+    for k, chain in res["stats"].items():
+        for nm in chain:
+            sh = b.shape(nm)
+            b.require(sh is not None and _squeeze_lead(sh) == [c] and len(sh) in (1, 4),
+                      f"the batch {k} '{nm}' has shape {sh}")
     b.absorb(inner, escapes_ok=True)
+    res["inner"] = inner
     empty = b.const_node(f"{name}/Empty", np.zeros([0], np.float32), f32)
     b.emit("FusedBatchNormV3", name, [x, gamma, beta, empty, empty],
            {"T": ("type", dt), "U": ("type", f32), "epsilon": float(eps), "exponential_avg_factor": 1.0,
             "data_format": "NHWC", "is_training": True})
     i32 = registry.types_pb2.DT_INT32
-    # the statistics the forward computed, for their other readers (the moving averages)
-    stats = {"mean": tensor_name(name, 1),
-             "var": b.emit("Mul", f"{name}/BiasedVariance",
-                           [tensor_name(name, 2),
-                            b.const_node(f"{name}/BiasedVariance/factor", np.float32((n - 1) / n), f32)],
-                           {"T": ("type", f32)})}
-    for k in ("mean", "var"):
-        if len(stat_shapes[k]) == 4:
-            stats[k] = b.emit("Reshape", f"{name}/Batch_{k}", [stats[k], b.const_node(
-                f"{name}/Batch_{k}/shape", np.asarray(stat_shapes[k], np.int32), i32)],
-                {"T": ("type", f32), "Tshape": ("type", i32)})
-    stat_refs = {_canon(res["mean"]): stats["mean"], _canon(res["var"]): stats["var"]}
+    # the statistics the forward computed, for their other readers (the moving averages):
+    # the batch mean, and the batch variance without Bessel's correction, in each shape
+    # the moments chain had ([1, 1, 1, C] Mean, [C] Squeeze, [1, 1, 1, C] Reshape)
+    vec = {"mean": tensor_name(name, 1), "var": f"{name}/BiasedVariance"}
+    made = set()
+    stat_refs = {}
+    for k, chain in res["stats"].items():
+        for nm in chain:
+            stat_refs[nm] = (k, list(b.shape(nm)))
+    if res["split"] is not None:
+        # the shift's sum reader adds zeros instead: the fused op's output, which
+        # replaces x*inv in the same sum, already holds the shift
+        sh = b.shape(res["split"])
+        b.require(sh is not None and min(sh, default=0) > 0, f"the shift's shape {sh} is not static")
+        stat_refs[res["split"]] = ("zero", list(sh))
+
+    def stat_tensor(nm):
+        k, sh = stat_refs[nm]
+        if k == "zero":
+            out = f"{name}/ZeroShift"
+            if out not in made:
+                made.add(out)
+                b.const_node(out, np.zeros(sh, np.float32), f32)
+            return out
+        if k == "var" and "var" not in made:
+            made.add("var")
+            b.emit("Mul", vec["var"], [tensor_name(name, 2), b.const_node(
+                f"{name}/BiasedVariance/factor", np.float32((n - 1) / n), f32)], {"T": ("type", f32)})
+        if len(sh) == 1:
+            return vec[k]
+        out = f"{name}/Batch_{k}_{''.join(str(d) for d in sh[:3])}"
+        if out not in made:
+            made.add(out)
+            b.emit("Reshape", out, [vec[k], b.const_node(f"{out}/shape", np.asarray(sh, np.int32), i32)],
+                   {"T": ("type", f32), "Tshape": ("type", i32)})
+        return out
+
     _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt)
     # every remaining reader outside the match and the region reads a statistic
     gone = set(b.match.matched) | set(b.absorbed) | set(b.region_nodes)
@@ -257,7 +351,7 @@ def _build(m, b):
         b.replace(cname, control_ok=True)
         inputs = list(node.input)
         for i in idxs:
-            inputs[i] = stat_refs[_canon(inputs[i])]
+            inputs[i] = stat_tensor(_canon(inputs[i]))
         b.emit(node.op, cname, inputs, dict(node.attr))
         b.emitted[-1].device = node.device
 
@@ -266,7 +360,7 @@ def _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt):
     """Training graphs: the autodiff region reading the forward's inner tensors
     becomes one ``FusedBatchNormGradV3(dy, x, gamma, rs1, rs2, rs3)``; every
     tensor leaving it must be dx (partial terms one sum adds), dgamma or dbeta."""
-    from .grad_region import GradRegionRefused, assign_outputs, find_grad_region
+    from .grad_region import GradRegionRefused, assign_outputs, find_grad_region, is_autodiff_name
 
     g = b.graph
     inner = set(res["inner"])
@@ -278,9 +372,15 @@ def _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt):
     has_gamma, has_beta = res["gamma"] is not None, res["beta"] is not None
     inputs = [x] + [t for t, real in ((res["gamma"], has_gamma), (res["beta"], has_beta)) if real]
     protected = b.ctx.protected if b.ctx is not None else frozenset()
+    scopes = []
+    if res["split"] is not None and b.anchor.name.rsplit("/", 1)[0].endswith("batchnorm"):
+        # tf.nn.batch_normalization's scope holds only F's ops; grappler removed its final
+        # Add (AddOpsRewrite), whose gradient (Sum(dy): dbeta) is named after it
+        scopes.append(b.anchor.name.rsplit("/", 1)[0] + "/")
     try:
         region = find_grad_region(g, inner, [tensor_name(b.anchor.name, 0)], inputs, shapes=b.shapes,
-                                  protected=protected, dy_shape=list(xs), side_outputs=list(stat_refs))
+                                  protected=protected, dy_shape=list(xs), side_outputs=list(stat_refs),
+                                  owner_scopes=scopes)
 
         def classify(ref):
             if b.dtype(ref) != dt or not region.depends_on_dy(ref):
@@ -296,6 +396,11 @@ def _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt):
                     return "dgamma"
                 if not fwd and has_beta:
                     return "dbeta"
+            if not fwd and all(is_autodiff_name(r) for r, _ in region.outputs[ref]):
+                # a function of dy alone that another gradient reads: grappler's CSE merged
+                # the identical Sum(dy) -> Reshape -> Neg of two batch norms fed the same dy
+                # (a residual unit's two branches); it stays, for that other gradient
+                return f"keep:{ref}"
             return None
 
         terms = assign_outputs(region, g, classify, summed=("dx",))
@@ -312,7 +417,10 @@ def _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt):
                const_scalar(b, res["eps"])), "data_format": "NHWC", "is_training": True})
     ports = {"dx": 0, "dgamma": 1, "dbeta": 2}
     rewire = {}
+    keep = _kept_nodes(g, region, [t.refs[0] for r, t in terms.items() if r.startswith("keep:")], inner)
     for role, term in terms.items():
+        if role.startswith("keep:"):
+            continue
         src = tensor_name(gname, ports[role])
         if term.aggregator is not None:
             agg = g.nodes[term.aggregator]
@@ -329,12 +437,32 @@ def _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt):
             continue
         for ref in term.refs:
             rewire[ref] = src
-    b.region(region.nodes, rewire, gname)
+    b.region([nm for nm in region.nodes if nm not in keep], rewire, gname)
+
+
+def _kept_nodes(g, region, refs, inner):
+    """The region nodes a kept tensor needs (its producer and their ancestors in the
+    region); each must read only kept nodes, dy, and tensors outside F and the region."""
+    members = set(region.nodes)
+    keep, stack = set(), [parse_tensor(r)[0] for r in refs]
+    while stack:
+        nm = stack.pop()
+        if nm in keep:
+            continue
+        keep.add(nm)
+        for i in g.nodes[nm].input:
+            src = parse_tensor(i)[0]
+            if src in inner:
+                raise Skip(f"not fused: '{nm}', a gradient another batch norm shares, reads the "
+                           f"fused region's '{src}'")
+            if src in members:
+                stack.append(src)
+    return keep
 
 
 def register(reg):
     """Called from ``builtin.register`` with its registering function."""
-    reg("batch_norm_moments", Pat(_ADDS, predicate=_predicate), _build, follows_precision=True,
+    reg("batch_norm_moments", Pat(_ADDS + ("Mul",), predicate=_predicate), _build, follows_precision=True,
         escapes=True,
         reason="training batch norm written as moments + arithmetic (Keras 3, tf.nn.moments) becomes "
                "FusedBatchNormV3 / FusedBatchNormGradV3, one BF16 oneDNN pass each instead of ~10 "

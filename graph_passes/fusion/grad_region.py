@@ -13,7 +13,7 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
     region = find_grad_region(graph, forward, outputs, inputs,
                               shapes=None, protected=frozenset(), dy_shape=None,
                               grad_reads_output=False, partial_shapes=False,
-                              side_outputs=())
+                              side_outputs=(), owner_scopes=())
         # forward:  names of the forward nodes the rule replaces (anchor included)
         # outputs:  the forward tensors the fused op keeps producing (y = "anchor:0");
         #           G may not read them (a reader of y is not part of F's gradient)
@@ -24,6 +24,7 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
         # partial_shapes: dy's shape may be partial, identical to y's ([-1, H, S, T])
         # side_outputs: inner tensors the fused op also produces (batch statistics):
         #           readers outside F and G allowed, the rule rewires them
+        # owner_scopes: scopes of F's forward ops grappler removed (their gradients count as F's)
         # -> GradRegion, or raises GradRegionRefused(reason)
 
     region.nodes          # G, topological order
@@ -371,7 +372,8 @@ def _positions(graph: Graph) -> dict:
 def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str], inputs: Iterable[str],
                      shapes=None, protected=frozenset(), max_nodes: int = MAX_NODES,
                      dy_shape=None, grad_reads_output: bool = False,
-                     partial_shapes: bool = False, side_outputs: Iterable[str] = ()) -> GradRegion:
+                     partial_shapes: bool = False, side_outputs: Iterable[str] = (),
+                     owner_scopes: Iterable[str] = ()) -> GradRegion:
     """See the module docstring.  ``shapes``: an object with ``shape(ref)``
     (:class:`graph_passes.fusion.core.ShapeOracle`); built when None.
     ``dy_shape``: the incoming gradient's static shape when the shape of
@@ -386,7 +388,11 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     ``side_outputs``: inner tensors of F that the fused op keeps producing under
     other outputs (a batch norm's batch mean and variance, which the moving
     averages read): G reads them like any inner tensor, and readers outside F
-    and G are allowed (the rule rewires them onto the fused op's outputs)."""
+    and G are allowed (the rule rewires them onto the fused op's outputs).
+    ``owner_scopes``: name scopes ('a/batchnorm/') holding only F's forward ops, some of
+    which grappler removed before the pass (its AddOpsRewrite dissolves a batch norm's
+    final Add into the residual unit's sums): an autodiff op under one, attributed to no
+    existing node, counts as attributed to F."""
     if shapes is None:
         from .core import ShapeOracle
         shapes = ShapeOracle(graph)
@@ -463,8 +469,10 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         start = parse_tensor(ref)[0]
         if start in anc_memo:
             return anc_memo[start]
-        inner = fwd - {n for n, _ in out_nodes_ports}
-        anchors = {n for n, _ in out_nodes_ports}
+        # side outputs, like the outputs, are values the fused op keeps producing
+        side_nodes = {parse_tensor(o)[0] for o in side}
+        inner = fwd - {n for n, _ in out_nodes_ports} - side_nodes
+        anchors = {n for n, _ in out_nodes_ports} | side_nodes
         if ordered and start in pos:
             limit = pos[start]
             seen = set(inner)
@@ -525,6 +533,8 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                          and not _under_scope(name, fscope))
         if owner is None:
             owner = _tf2_scope_owner(name, fwd)
+        if owner is None and any(_AUTODIFF.search(name) and _under_scope(name, sc) for sc in owner_scopes):
+            owner = next(iter(sorted(fwd)))
         kinds = []
         new_dy = None
         for inp in node.input:
