@@ -417,9 +417,11 @@ def _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt):
                const_scalar(b, res["eps"])), "data_format": "NHWC", "is_training": True})
     ports = {"dx": 0, "dgamma": 1, "dbeta": 2}
     rewire = {}
-    keep = _kept_nodes(g, region, [t.refs[0] for r, t in terms.items() if r.startswith("keep:")], inner)
+    shared = [t.refs[0] for r, t in terms.items() if r.startswith("keep:")]
+    keep = _clone_shared(b, region, shared, inner) if shared else set()
     for role, term in terms.items():
         if role.startswith("keep:"):
+            rewire[term.refs[0]] = term.refs[0]  # its readers are re-emitted (or it is kept)
             continue
         src = tensor_name(gname, ports[role])
         if term.aggregator is not None:
@@ -438,6 +440,69 @@ def _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt):
         for ref in term.refs:
             rewire[ref] = src
     b.region([nm for nm in region.nodes if nm not in keep], rewire, gname)
+
+
+def _bn_layer(name):
+    """'a/b_bn/' for an op of tf.nn.batch_normalization ('[gradient_tape/]a/b_bn/batchnorm/...'), else None."""
+    from .grad_region import _TF1, _TF2
+
+    for rx in (_TF2, _TF1):
+        mm = rx.match(name)
+        if mm is not None:
+            name = (mm.group(1) or "") + mm.group(2)
+            break
+    i = name.find("/batchnorm/")
+    return name[:i + 1] if i > 0 else None
+
+
+def _clone_shared(b, region, refs, inner):
+    """dy-only gradient tensors another batch norm's gradient reads (grappler's CSE merged
+    the two norms' identical ``Sum(dy) -> Reshape -> Neg``): each reader gets a copy of the
+    chain named in its own norm's scope (so that norm's rule later finds it as its own
+    gradient), and the chain goes with this region.  Where the names do not tell the scope,
+    the chain is kept instead (and the other norm's rule will refuse its region)."""
+    g = b.graph
+    chain = _kept_nodes(g, region, refs, inner)
+    mine = _bn_layer(b.anchor.name)
+    readers = {}
+    for ref in refs:
+        for cname, idx in region.outputs[ref]:
+            readers.setdefault(cname, []).append(idx)
+    layers = {c: _bn_layer(c) for c in readers}
+    if mine is None or any(lay is None or lay == mine for lay in layers.values()):
+        return chain
+    order = [nm for nm in region.nodes if nm in chain]
+    clones = {}
+    for lay in sorted(set(layers.values())):
+        for nm in order:
+            new = nm.replace(mine, lay, 1)
+            if new == nm or new in g.nodes or any(e.name == new for e in b.emitted):
+                return chain
+            node = g.nodes[nm]
+            ins = []
+            for i in node.input:
+                src, port, ctrl = parse_tensor(i)
+                if src in chain:
+                    ins.append(("^" if ctrl else "") + (clones[(lay, src)] if port == 0 or ctrl
+                                                         else f"{clones[(lay, src)]}:{port}"))
+                elif ctrl and src in set(region.nodes):
+                    continue  # a control edge on a node removed with the region
+                else:
+                    ins.append(i)
+            b.emit(node.op, new, ins, dict(node.attr))
+            b.emitted[-1].device = node.device
+            clones[(lay, nm)] = new
+    for cname, idxs in readers.items():
+        node = g.nodes[cname]
+        b.replace(cname, control_ok=True)
+        ins = list(node.input)
+        for i in idxs:
+            src, port, _ = parse_tensor(ins[i])
+            c = clones[(layers[cname], src)]
+            ins[i] = c if port == 0 else f"{c}:{port}"
+        b.emit(node.op, cname, ins, dict(node.attr))
+        b.emitted[-1].device = node.device
+    return set()
 
 
 def _kept_nodes(g, region, refs, inner):
