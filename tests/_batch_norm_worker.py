@@ -3,10 +3,12 @@ so every run happens here, never in the pytest process).
 
 ``python _batch_norm_worker.py <kind>`` prints one ``RESULT {json}`` line per run:
 
-* ``keras3``  (Keras 3 only: tf.keras on TF >= 2.16) a Keras 3 model with three moments-based
+* ``keras3``  (Keras 3 only: tf.keras on TF >= 2.16) a Keras 3 model with four moments-based
   batch norms -- Conv -> BN -> ReLU; Conv -> BN(center=False, scale=False, axis=3) added to the
   first block's output (a residual unit: grappler's AddOpsRewrite spreads the batch norm's
-  final Add over the residual sums) -> ReLU; global pool -> Dense -- trained one SGD step
+  final Add over the residual sums) -> ReLU; two Conv -> BN(axis=3) branches added (ResNet's
+  projection shortcut: both norms get the same incoming gradient, and grappler's CSE merges
+  their identical dy-only gradient ops) -> ReLU; global pool -> Dense -- trained one SGD step
   (learning rate 1: the update is minus the gradient) from the same weights, in a
   tf.function with a GradientTape, under: ``fp32`` plain TF; ``ours_fp32``
   enable(must_keep_origin_dtype, graph_level=2); ``ours`` enable(allow_mix_precision_bf16,
@@ -79,6 +81,11 @@ def keras3():
     h = keras.layers.Conv2D(16, 3, padding="same")(a)
     h = keras.layers.BatchNormalization(axis=3, center=False, scale=False)(h)
     h = keras.layers.ReLU()(keras.layers.Add()([h, a]))
+    # a projection shortcut: two batch norms summed, so both get the same incoming gradient
+    # (grappler's CSE then shares their identical Sum(dy) -> Reshape -> Neg)
+    p1 = keras.layers.BatchNormalization(axis=3)(keras.layers.Conv2D(8, 1, use_bias=False)(h))
+    p2 = keras.layers.BatchNormalization(axis=3)(keras.layers.Conv2D(8, 3, padding="same", use_bias=False)(h))
+    h = keras.layers.ReLU()(keras.layers.Add()([p1, p2]))
     out = keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(h))
     model = keras.Model(inp, out)
     w0 = model.get_weights()

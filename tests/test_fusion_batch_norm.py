@@ -7,7 +7,8 @@ cannot run may abort the process.  Checked on real graphs:
 
 * Keras 3's BatchNormalization (tf.keras on TF >= 2.16; Keras 2 on TF 2.15 trains with
   FusedBatchNormV3 already), including a residual unit whose final Add grappler's
-  AddOpsRewrite spreads over AddN trees and a batch norm without gamma/beta (axis=3);
+  AddOpsRewrite spreads over AddN trees, a batch norm without gamma/beta (axis=3), and a
+  projection shortcut (two norms, one incoming gradient, CSE-shared gradient ops);
 * a hand-written ``tf.nn.moments`` + ``tf.nn.batch_normalization`` batch norm with
   ``assign_moving_average``-style updates in a TF1 Session (TF-Slim / ModelZoo style),
   on both TF versions, oneDNN on and off.
@@ -104,7 +105,7 @@ def test_keras3_batch_norm_fused_forward_and_gradient():
         pytest.skip(f"Keras {keras.__version__}: its BatchNormalization trains with FusedBatchNormV3 "
                     "already (no moments form to fuse)")
     runs = _by_config(run_worker(WORKER, "keras3"))
-    _check(runs, n_bn=2)
+    _check(runs, n_bn=4)
 
 
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn_on", "onednn_off"])
