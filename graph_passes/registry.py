@@ -407,7 +407,7 @@ FUSED_FORMS = {
 #: biased one, on 2.15.1 and 2.21.0, oneDNN on and off; T=bfloat16 (U=float) runs forward
 #: and FusedBatchNormGradV3 backward on both, oneDNN on and off.  FP16 not measured.
 BN_FUSED_FORMS = {
-    ("2.21", True): "fused 3.5-3.7x (FP32), 2.0-3.9x (BF16) faster than the moments form; BF16 fused "
+    ("2.21", True): "fused 2.6-3.7x (FP32), 2.0-3.9x (BF16) faster than the moments form; BF16 fused "
                     "2.4-5.6x faster than FP32 moments (sum over 5 shapes 78 vs 350 ms)",
     ("2.15", True): "fused 2.3-3.8x (FP32), 1.9-3.4x (BF16) faster; BF16 fused vs FP32 moments "
                     "2.0-3.6x (65 vs 198 ms)",

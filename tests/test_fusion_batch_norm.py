@@ -126,7 +126,8 @@ def test_offline_counts_and_refusals():
         assert r["fused"] == 1 and fwd == 1 \
             and r["ops"].get("FusedBatchNormGradV3") == 1 and "SquaredDifference" not in r["ops"], r
         r2 = got[(2, mode)]
-        assert r2["fused"] == 0 and any("rank-4" in s for s in r2["reasons"]), r2["reasons"]
+        # statistics over axis 0 of a [N, C] tensor: not a per-channel NHWC norm, not matched
+        assert r2["fused"] == 0 and r2["ops"].get("SquaredDifference") == 1, r2
     r = got[(4, "allow_mix_precision")]
     assert r["fused"] == 0 and any("FP16" in s for s in r["reasons"]), r["reasons"]
     assert r["ops"].get("SquaredDifference") == 1
