@@ -10,7 +10,8 @@ so every run happens here, never in the pytest process).
   projection shortcut: both norms get the same incoming gradient, and grappler's CSE merges
   their identical dy-only gradient ops) -> ReLU; global pool -> Dense -- trained one SGD step
   (learning rate 1: the update is minus the gradient) from the same weights, in a
-  tf.function with a GradientTape, under: ``fp32`` plain TF; ``ours_fp32``
+  tf.function with a GradientTape (``keras3_dynamic``: traced with an unknown batch
+  dimension, as ``model.fit`` traces it), under: ``fp32`` plain TF; ``ours_fp32``
   enable(must_keep_origin_dtype, graph_level=2); ``ours`` enable(allow_mix_precision_bf16,
   graph_level=2); ``level1`` the same at graph_level 1 (no fusion: the BF16 moments
   arithmetic); ``fp16`` enable(allow_mix_precision, graph_level=2).
@@ -67,7 +68,7 @@ def _fusions():
     return s.count('"fusion": "batch_norm_moments"')
 
 
-def keras3():
+def keras3(dynamic=False):
     import keras
     if int(keras.__version__.split(".")[0]) < 3:
         _emit(skip=f"Keras {keras.__version__}")
@@ -101,7 +102,9 @@ def keras3():
         if cfg is not None:
             npu_amp_tf.enable(**cfg)
 
-        @tf.function
+        sig = [tf.TensorSpec([None, 8, 8, 3], tf.float32), tf.TensorSpec([None], tf.int32)] if dynamic else None
+
+        @tf.function(input_signature=sig)
         def step(x, y):
             with tf.GradientTape() as tape:
                 logits = model(x, training=True)
@@ -214,5 +217,6 @@ def offline():
 
 
 if __name__ == "__main__":
-    {"keras3": keras3, "slim": slim, "offline": offline}[sys.argv[1]]()
+    {"keras3": keras3, "keras3_dynamic": lambda: keras3(dynamic=True), "slim": slim,
+     "offline": offline}[sys.argv[1]]()
     print("DONE", flush=True)

@@ -99,12 +99,15 @@ def _check(runs, n_bn, bn_dtype_name="bfloat16"):
     assert lvl1["fused"] == 0 and _count(lvl1["ops"], "SquaredDifference") == n_bn
 
 
-def test_keras3_batch_norm_fused_forward_and_gradient():
+@pytest.mark.parametrize("kind", ["keras3", "keras3_dynamic"], ids=["static_batch", "dynamic_batch"])
+def test_keras3_batch_norm_fused_forward_and_gradient(kind):
+    """Static batch (train_on_batch, a tf.function called with fixed shapes) and unknown batch
+    (model.fit's trace): then the moving variance's (n-1)/n comes from Size(x) at run time."""
     keras = pytest.importorskip("keras")
     if int(keras.__version__.split(".")[0]) < 3:
         pytest.skip(f"Keras {keras.__version__}: its BatchNormalization trains with FusedBatchNormV3 "
                     "already (no moments form to fuse)")
-    runs = _by_config(run_worker(WORKER, "keras3"))
+    runs = _by_config(run_worker(WORKER, kind))
     _check(runs, n_bn=4)
 
 

@@ -34,13 +34,16 @@ with respect to the mean is ``-2 * mean(x - mean) = 0``); only the summation
 order and where BF16 rounds differ.
 
 Fires where it is measured to pay (``benchmarks/bn_forms.py``: the fused pair is
-1.9-4x faster than the moments form in FP32 and BF16 with oneDNN on, 1.2-2.1x
+1.9-3.9x faster than the moments form in FP32 and BF16 with oneDNN on, 1.2-2.1x
 with it off, TF 2.15.1 and 2.21.0): CPU, the batch norm running FP32 or BF16
-(FP16 is not measured: refused, reason recorded).  Conditions (each refusal has a reason in the report): rank-4 input
-with a static shape, statistics over axes (0, 1, 2) (NHWC; Keras' ``axis=-1``),
-gamma and beta FP32 vectors of the channel size (or absent), a constant
-epsilon; in a training graph the backward region must be exactly the batch
-norm's gradient (``grad_region.find_grad_region``), and every other reader of
+(FP16 is not measured: refused, reason recorded).  Conditions (each refusal has
+a reason in the report): rank-4 input with static H, W, C (a dynamic batch, as
+``model.fit`` traces, is fine: the variance's (n-1)/n then comes from
+``Size(x)`` at run time), statistics over axes (0, 1, 2) (NHWC; Keras'
+``axis=-1`` or ``axis=3``), gamma and beta FP32 vectors of the channel size (or
+absent), a constant epsilon; in a training graph the backward region must be
+exactly the batch norm's gradient (``grad_region.find_grad_region``), and every
+other reader of
 the batch statistics (the moving averages) is re-emitted reading the fused op's.
 """
 from __future__ import annotations
@@ -259,8 +262,9 @@ def _build(m, b):
     dt = b.dtype(x)
     b.require(dt == registry.DT_FLOAT, f"input dtype {registry.dtype_name(dt)} (the rule rewrites FP32 graphs)")
     xs = b.shape(x)
-    b.require(xs is not None and len(xs) == 4 and min(xs) > 0,
-              f"x's shape {xs} is not a static rank-4 shape")
+    b.require(xs is not None and len(xs) == 4 and min(xs[1:]) > 0 and xs[0] != 0,
+              f"x's shape {xs} is not a rank-4 shape with static H, W, C")
+    dynamic = xs[0] < 0  # a dynamic batch (model.fit): n from Size(x) at run time
     for ax in res["axes"]:
         v = b.const(ax)
         b.require(v is not None and sorted({int(a) % 4 for a in v.reshape(-1)}) == [0, 1, 2],
@@ -268,7 +272,7 @@ def _build(m, b):
                   "(0, 1, 2) (FusedBatchNormV3 normalises per channel of the last or the second axis)")
     c = xs[3]
     n = xs[0] * xs[1] * xs[2]
-    b.require(n > 1, "one value per channel: the batch variance is undefined")
+    b.require(dynamic or n > 1, "one value per channel: the batch variance is undefined")
     eps = const_scalar(b, res["eps"])
     b.require(eps is not None and eps > 0, "the variance epsilon is not a constant > 0")
     f32 = registry.DT_FLOAT
@@ -333,8 +337,19 @@ def _build(m, b):
             return out
         if k == "var" and "var" not in made:
             made.add("var")
-            b.emit("Mul", vec["var"], [tensor_name(name, 2), b.const_node(
-                f"{name}/BiasedVariance/factor", np.float32((n - 1) / n), f32)], {"T": ("type", f32)})
+            fac = f"{name}/BiasedVariance/factor"
+            if not dynamic:
+                b.const_node(fac, np.float32((n - 1) / n), f32)
+            else:  # (n - 1) / n with n = Size(x) / C
+                size = b.emit("Size", f"{fac}/Size", [x], {"T": ("type", dt), "out_type": ("type", i32)})
+                nf = b.emit("Cast", f"{fac}/N", [size], {"SrcT": ("type", i32), "DstT": ("type", f32),
+                                                          "Truncate": False})
+                nf = b.emit("RealDiv", f"{fac}/PerChannel", [nf, b.const_node(
+                    f"{fac}/C", np.float32(c), f32)], {"T": ("type", f32)})
+                nm1 = b.emit("Sub", f"{fac}/NMinus1", [nf, b.const_node(f"{fac}/One", np.float32(1), f32)],
+                             {"T": ("type", f32)})
+                b.emit("RealDiv", fac, [nm1, nf], {"T": ("type", f32)})
+            b.emit("Mul", vec["var"], [tensor_name(name, 2), fac], {"T": ("type", f32)})
         if len(sh) == 1:
             return vec[k]
         out = f"{name}/Batch_{k}_{''.join(str(d) for d in sh[:3])}"
@@ -391,13 +406,13 @@ def _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt):
     try:
         region = find_grad_region(g, inner, [tensor_name(b.anchor.name, 0)], inputs, shapes=b.shapes,
                                   protected=protected, dy_shape=list(xs), side_outputs=list(stat_refs),
-                                  owner_scopes=scopes)
+                                  owner_scopes=scopes, partial_shapes=min(xs) < 0)
 
         def classify(ref):
             if b.dtype(ref) != dt or not region.depends_on_dy(ref):
                 return None
             sh = b.shape(ref)
-            if sh is None or min(sh, default=0) < 0:
+            if sh is None or (min(sh, default=0) < 0 and list(sh) != list(xs)):
                 return None
             fwd = region.depends_on_forward(ref)
             if list(sh) == list(xs) and fwd:
