@@ -412,6 +412,7 @@ BN_FUSED_FORMS = {
     ("2.15", True): "fused 2.3-3.8x (FP32), 1.9-3.4x (BF16) faster; BF16 fused vs FP32 moments "
                     "2.0-3.6x (65 vs 198 ms)",
     ("2.21", False): "fused 1.4-2.1x (FP32), 1.2-1.5x (BF16) faster (Eigen kernels)",
+    ("2.15", False): "fused 1.3-1.6x (FP32), 1.3-1.4x (BF16) faster (Eigen kernels)",
 }
 
 #: ops whose kernels are registered under a label and that the passes emit with
