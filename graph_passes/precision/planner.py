@@ -121,13 +121,15 @@ class Plan:
         return self.op_list.get(op_type)
 
     def is_keep(self, node) -> bool:
-        return _truthy_attr(node, KEEP_DTYPE_ATTR) or _name_match(node.name, self.keep_names)
+        if _truthy_attr(node, KEEP_DTYPE_ATTR):
+            return True
+        return bool(self.keep_names) and _name_match(node.name, self.keep_names)
 
     def is_keep_name(self, name) -> bool:
         return _name_match(name, self.keep_names)
 
     def is_forced_low(self, name) -> bool:
-        return _name_match(name, self.low_names)
+        return bool(self.low_names) and _name_match(name, self.low_names)
 
     def matrix_dtype(self, op_type: str, node_name: str, dtype: int, node=None) -> tuple[int, str]:
         """(dtype, why) a white-list-like matrix op of ``op_type`` (currently
