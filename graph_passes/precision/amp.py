@@ -165,6 +165,8 @@ class PrecisionPass(Pass):
         self._dts = {}  # name -> (node, input dtypes, output dtypes) memo (see in_dtypes)
         self._sig_dts = {}  # registry.signature_key -> (input dtypes, output dtypes)
         self._sig_info = {}  # registry.signature_key -> _NodeInfo (ops outside COND_OPS)
+        self._other_types = {}  # (op, changeable attrs) -> the op's other type attrs, sorted
+        self._dev_types = {}  # device string -> device type
         self._kernel_cache = {}
         self._unsafe_cache = {}
         self.casts_inserted = 0
@@ -276,14 +278,7 @@ class PrecisionPass(Pass):
             return [(k, inp) for k, inp in enumerate(ins)
                     if not (inp.startswith("^") or k >= len(in_attr) or not in_attr[k])]
         n = len(ins)
-        out = []
-        for k in info.fidx:
-            if k >= n:
-                break
-            inp = ins[k]
-            if not inp.startswith("^"):
-                out.append((k, inp))
-        return out
+        return [(k, ins[k]) for k in info.fidx if k < n and not ins[k].startswith("^")]
 
     def in_loop_plumbing(self, node):
         """A Switch fed a ``LoopCond`` predicate (or a loop-carried value
@@ -309,9 +304,6 @@ class PrecisionPass(Pass):
         res = self._sig_info.get(key)
         if res is None:
             res = self._sig_info[key] = self._compute_info_of(node)
-        hit = self._dts.get(node.name)
-        if hit is None or hit[0] is not node:  # the same key gives its dtypes
-            self._fill_dts(node, key)
         return res
 
     def _compute_info_of(self, node):
@@ -347,15 +339,31 @@ class PrecisionPass(Pass):
             x.default_value.type for x in registry.op_def(node.op).attr if x.name == a)
 
     def device_type(self, node):
-        return registry.device_type_of(node, default=self.default_dev)
+        if not self.fast_paths:
+            return registry.device_type_of(node, default=self.default_dev)
+        dev = node.device
+        t = self._dev_types.get(dev)
+        if t is None:
+            t = self._dev_types[dev] = registry.device_type_of(node, default=self.default_dev)
+        return t
 
     def kernel_ok(self, node, info, dt):
-        others = {}
-        od = registry.op_def(node.op)
-        for a in od.attr:
-            if a.type == "type" and a.name not in info.attrs and a.name in node.attr:
-                others[a.name] = node.attr[a.name].type
-        key = (node.op, self.device_type(node), dt, tuple(sorted(others.items())))
+        if self.fast_paths:
+            names = self._other_types.get((node.op, info.attrs))
+            if names is None:
+                names = self._other_types[(node.op, info.attrs)] = tuple(sorted(
+                    a.name for a in registry.op_def(node.op).attr
+                    if a.type == "type" and a.name not in info.attrs))
+            nattr = node.attr
+            others = dict((a, nattr[a].type) for a in names if a in nattr)
+            key = (node.op, self.device_type(node), dt, tuple(others.items()))
+        else:
+            others = {}
+            od = registry.op_def(node.op)
+            for a in od.attr:
+                if a.type == "type" and a.name not in info.attrs and a.name in node.attr:
+                    others[a.name] = node.attr[a.name].type
+            key = (node.op, self.device_type(node), dt, tuple(sorted(others.items())))
         ok = self._kernel_cache.get(key)
         if ok is None:
             want = dict(others)
@@ -401,6 +409,8 @@ class PrecisionPass(Pass):
 
     def _voter(self, ref):
         """(dtype, hard, producer) of a voting input, or None when it does not vote."""
+        if self.fast_paths:
+            return self._voter_fast(ref)
         r = self.root(ref)
         src, port, _ = parse_tensor(r)
         node = self.g.nodes.get(src)
@@ -415,6 +425,41 @@ class PrecisionPass(Pass):
         if dt is None or registry.base_dtype(dt) not in FLOATS:
             return None
         dt = registry.base_dtype(dt)
+        return dt, (st == "hard" and dt == FP32), src
+
+    def _voter_fast(self, ref):
+        # _voter with root / tensor_dtype inlined (the same steps)
+        nodes = self.g.nodes
+        r = ref
+        for _ in range(64):
+            src, port, _c = parse_tensor(r)
+            node = nodes.get(src)
+            if node is None:
+                return None
+            if node.op != "Cast" or not node.input:
+                break
+            na = node.attr
+            if na["SrcT"].type not in FLOATS or na["DstT"].type not in FLOATS:
+                break
+            r = node.input[0]
+        else:
+            src, port, _c = parse_tensor(r)
+            node = nodes.get(src)
+            if node is None:
+                return None
+        op = node.op
+        if op == "Const" or op in VARIABLE_OPS or op == "Cast":
+            return None
+        st = self.state.get(src)
+        if st == "neutral" or _c:
+            return None
+        hit = self._dts.get(src)
+        dts = hit[2] if hit is not None and hit[0] is node else self._memo_dts(node)[2]
+        if dts is None or port >= len(dts):
+            return None
+        dt = registry.base_dtype(dts[port])
+        if dt not in FLOATS:
+            return None
         return dt, (st == "hard" and dt == FP32), src
 
     def _const_of(self, ref):

@@ -77,9 +77,10 @@ def _name_match(name, patterns):
 
 
 def _truthy_attr(node, key):
-    a = node.attr.get(key)
-    if a is None:
+    attrs = node.attr
+    if key not in attrs:  # (the usual case; cheaper than .get, which wraps the value)
         return False
+    a = attrs[key]
     kind = a.WhichOneof("value")
     return bool(getattr(a, kind)) if kind in ("b", "i", "s", "f") else kind is not None
 
