@@ -315,3 +315,26 @@ def test_stale_memo_is_caught(monkeypatch):
     fast_gd, fast_rep = _rewrite(monkeypatch, gd, ["loss", "train"], True, MODES["fp16"], runs)
     ref_gd, ref_rep = _rewrite(monkeypatch, gd, ["loss", "train"], False, MODES["fp16"], [])
     assert fast_gd != ref_gd or any(_memo_problems(p) for p in runs)
+
+
+@pytest.mark.parametrize("fault", ["float_inputs", "readers_memo"])
+def test_planted_helper_fault_is_caught(monkeypatch, fault):
+    """The node-by-node helper check has teeth: a fast helper that drops an
+    input (or, with the memo on, a reader) is found."""
+    if fault == "float_inputs":
+        orig = amp.PrecisionPass._float_inputs
+
+        def bad(self, node, info):
+            res = orig(self, node, info)
+            return res[:-1] if self.fast_paths and len(res) > 1 else res
+        monkeypatch.setattr(amp.PrecisionPass, "_float_inputs", bad)
+    else:
+        orig = amp.PrecisionPass._readers
+
+        def bad(self, ref, exclude=None):
+            res = orig(self, ref, exclude)
+            return res[1:] if self._rmemo is not None and exclude is not None else res
+        monkeypatch.setattr(amp.PrecisionPass, "_readers", bad)
+    gd, fetches = control_dependencies_graph()
+    with pytest.raises(AssertionError):
+        assert_fast_equals_reference(monkeypatch, gd, fetches, ("fp16",))
