@@ -223,8 +223,11 @@ def _anchor_ops(pat: Pat):
 
 
 def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
-                 escapes_ok: bool = False) -> list[Match]:
-    """All non-overlapping matches, anchors visited in topological order."""
+                 escapes_ok: bool = False, dropped: list | None = None) -> list[Match]:
+    """All non-overlapping matches, anchors visited in topological order.
+    ``dropped``: a list that gets every anchor passed over because it lies in,
+    or its match overlaps, an earlier match (:func:`affected_anchors` relies
+    on a run that dropped none)."""
     used: set[str] = set()
     out = []
     first_ops = _anchor_ops(pat)
@@ -240,13 +243,114 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
         anchors = order if order is not None else graph.topo_order()
     nodes = graph.nodes
     for name in anchors:
-        if name in used or name not in nodes:
+        if name not in nodes:
             continue
         if first_ops is not None and nodes[name].op not in first_ops:
             continue
+        if name in used:
+            if dropped is not None:
+                dropped.append(name)
+            continue
         m = match_at(graph, pat, name, protected, escapes_ok)
-        if m is None or used.intersection(m.matched):
+        if m is None:
+            continue
+        if used.intersection(m.matched):
+            if dropped is not None:
+                dropped.append(name)
             continue
         used.update(m.matched)
         out.append(m)
+    return out
+
+
+# ------------------------------------------------------- what a change can reach
+def _climb_info(pat: Pat):
+    """(root ops, ops of the positions that have an inner child, [(ops of such
+    a position, op sets of its ancestors up to the root)]); op sets are
+    frozensets, None for a wildcard.  Cached on the pattern."""
+    info = pat.__dict__.get("_climb_cache")
+    if info is not None:
+        return info
+    parents = []  # (position ops, ancestors' ops nearest first)
+
+    def walk(p: Pat, chain: tuple):
+        if p.leaf:
+            return False
+        if p.alternatives:  # an alternative's root sits on the same node
+            inner = False
+            for alt in p.alternatives:
+                inner = walk(alt, chain) or inner
+            return inner
+        ops = p._opset()
+        kids = False
+        for child in p.inputs or ():
+            kids = walk(child, (ops,) + chain) or kids
+        if kids:
+            parents.append((ops, chain))
+        return True
+
+    walk(pat, ())
+    union = set()
+    for ops, _ in parents:
+        if ops is None:
+            union = None
+            break
+        union |= ops
+    info = (_anchor_ops(pat), None if union is None else frozenset(union), tuple(parents))
+    pat.__dict__["_climb_cache"] = info
+    return info
+
+
+def affected_anchors(graph: Graph, pat: Pat, dirty, readers, reach: int = 0) -> set:
+    """The anchors at which matching ``pat`` may read a node of ``dirty``
+    (names of nodes created or edited, or whose readers changed, since a
+    previous run; ``readers``: the data readers of those nodes, a set).
+
+    The matcher at an anchor reads the nodes at the pattern's inner positions
+    (their op, attrs, inputs and readers), each a data input of the node at its
+    parent position: so a dirty node (whatever its op: the node it replaced
+    may have matched) can only change the match at an anchor reached by
+    climbing from one of its readers (at a position with an inner child) up the
+    positions' chain to the root, every node on the way with an op its
+    position accepts.  ``reach``: the rule's predicates and build also read
+    nodes up to that many input edges above the anchor (any op).  A superset:
+    callers match at the anchors returned."""
+    root_ops, union, parents = _climb_info(pat)
+    nodes = graph.nodes
+    out = set()
+    for n in dirty:
+        node = nodes.get(n)
+        if node is not None and (root_ops is None or node.op in root_ops):
+            out.add(n)
+    for c in readers:
+        node = nodes.get(c)
+        if node is None or (union is not None and node.op not in union):
+            continue
+        op = node.op
+        for ops, chain in parents:
+            if ops is not None and op not in ops:
+                continue
+            frontier = {c}
+            for up in chain:
+                nxt = set()
+                for f in frontier:
+                    for r, idx in graph.consumers(f):
+                        if idx >= 0 and (up is None or nodes[r].op in up):
+                            nxt.add(r)
+                frontier = nxt
+                if not frontier:
+                    break
+            out |= frontier
+    if reach > 0:  # any node up to `reach` data edges below a dirty node
+        frontier = set(dirty)
+        for _ in range(reach):
+            nxt = set()
+            for f in frontier:
+                for r, idx in graph.consumers(f):
+                    if idx >= 0:
+                        nxt.add(r)
+            frontier = nxt
+            out |= {r for r in frontier if root_ops is None or nodes[r].op in root_ops}
+    if root_ops is not None:
+        out = {a for a in out if a in nodes and nodes[a].op in root_ops}
     return out
