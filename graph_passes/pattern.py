@@ -233,12 +233,18 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
     first_ops = _anchor_ops(pat)
     if order is None and first_ops is not None:
         # index by the anchor's op type first: most rules find no anchor at all,
-        # and then no topological order is needed
-        anchors = graph.nodes_of_type(first_ops)
+        # and then no topological order is needed; narrowed by a rarer inner
+        # position where the pattern has one (only anchors match_at refuses go)
+        narrowed = _candidates(graph, pat)
+        if narrowed is None:
+            anchors = graph.nodes_of_type(first_ops)
+        else:
+            anchors = list(narrowed)
         if not anchors:
             return out
-        pos = graph.topo_positions()
-        anchors.sort(key=pos.__getitem__)
+        if len(anchors) > 1:
+            pos = graph.topo_positions()
+            anchors.sort(key=pos.__getitem__)
     else:
         anchors = order if order is not None else graph.topo_order()
     nodes = graph.nodes
@@ -260,6 +266,90 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
             continue
         used.update(m.matched)
         out.append(m)
+    return out
+
+
+# ------------------------------------------------------------ anchor candidates
+def _of_type(graph: Graph, ops) -> set:
+    """Names of the nodes whose op is in ``ops``, unordered.  (From the op
+    index; ``Graph`` has no unordered accessor: ``nodes_of_type`` sorts.)"""
+    by_op = getattr(graph, "_by_op", None)
+    if by_op is None:
+        return set(graph.nodes_of_type(ops))
+    out = set()
+    for op in ops:
+        names = by_op.get(op)
+        if names:
+            out.update(names)
+    return out
+
+
+def _count(graph: Graph, ops) -> int:
+    by_op = getattr(graph, "_by_op", None)
+    if by_op is None:
+        return len(graph.nodes_of_type(ops))
+    return sum(len(by_op.get(op, ())) for op in ops)
+
+
+def _bound(graph: Graph, pat: Pat):
+    """An upper bound on how many nodes can sit at position ``pat`` (None: any)."""
+    if pat.alternatives:
+        total = 0
+        for alt in pat.alternatives:
+            b = _bound(graph, alt)
+            if b is None:
+                return None
+            total += b
+        return total
+    ops = pat._opset()
+    return None if ops is None else _count(graph, ops)
+
+
+def _candidates(graph: Graph, pat: Pat):
+    """A set of nodes holding every node a match can put at position ``pat``
+    (inner or root; a superset: each is a reader, with an op the position
+    accepts, of a candidate of its rarest inner input position), or None when
+    that narrows nothing below the nodes of the position's op types.  Exact
+    filter for :func:`find_matches`: an anchor outside it has no match."""
+    if pat.leaf:
+        return None
+    if pat.alternatives:
+        out = set()
+        for alt in pat.alternatives:
+            sub = _candidates(graph, alt)
+            if sub is None:
+                ops = _anchor_ops(alt)
+                if ops is None:
+                    return None
+                sub = _of_type(graph, ops)
+            out |= sub
+        return out
+    ops = pat._opset()
+    if ops is None or not pat.inputs:
+        return None
+    n0 = _count(graph, ops)
+    best = None
+    for child in pat.inputs:
+        if child.leaf:
+            continue
+        sub = _candidates(graph, child)  # (narrowed by a rarer position below it)
+        if sub is None:
+            bound = _bound(graph, child)
+            if bound is None or bound >= n0 or (best is not None and bound >= len(best)):
+                continue
+            sub = _of_type(graph, _anchor_ops(child))
+        elif len(sub) >= n0:
+            continue
+        if best is None or len(sub) < len(best):
+            best = sub
+    if best is None:
+        return None
+    nodes = graph.nodes
+    out = set()
+    for name in best:
+        for r, idx in graph.consumers(name):
+            if idx >= 0 and nodes[r].op in ops:
+                out.add(r)
     return out
 
 
