@@ -305,6 +305,28 @@ def _bound(graph: Graph, pat: Pat):
     return None if ops is None else _count(graph, ops)
 
 
+def _rarest(graph: Graph, pat: Pat):
+    """The fewest nodes any position in ``pat``'s subtree accepts (a sum over
+    ``one_of`` alternatives; None: no bound)."""
+    if pat.leaf:
+        return None
+    if pat.alternatives:
+        total = 0
+        for alt in pat.alternatives:
+            r = _rarest(graph, alt)
+            if r is None:
+                return None
+            total += r
+        return total
+    ops = pat._opset()
+    best = None if ops is None else _count(graph, ops)
+    for child in pat.inputs or ():
+        r = _rarest(graph, child)
+        if r is not None and (best is None or r < best):
+            best = r
+    return best
+
+
 def _candidates(graph: Graph, pat: Pat):
     """A set of nodes holding every node a match can put at position ``pat``
     (inner or root; a superset: each is a reader, with an op the position
@@ -332,6 +354,9 @@ def _candidates(graph: Graph, pat: Pat):
     for child in pat.inputs:
         if child.leaf:
             continue
+        rare = _rarest(graph, child)
+        if rare is None or rare >= n0 or (best is not None and rare >= len(best)):
+            continue  # nothing below is rarer than this position: no narrowing to expect
         sub = _candidates(graph, child)  # (narrowed by a rarer position below it)
         if sub is None:
             bound = _bound(graph, child)
@@ -391,10 +416,51 @@ def _climb_info(pat: Pat):
     return info
 
 
-def affected_anchors(graph: Graph, pat: Pat, dirty, readers, reach: int = 0) -> set:
-    """The anchors at which matching ``pat`` may read a node of ``dirty``
-    (names of nodes created or edited, or whose readers changed, since a
-    previous run; ``readers``: the data readers of those nodes, a set).
+class Changes:
+    """Nodes a change may have altered, for :func:`affected_anchors`: ``dirty``
+    (names of nodes created or edited, or whose readers changed) and their
+    data readers, indexed by op type once for every rule asking."""
+
+    def __init__(self, graph: Graph, dirty):
+        nodes = graph.nodes
+        self.graph = graph
+        self.dirty = {n for n in dirty if n in nodes}
+        self.dirty_by_op = _by_op(nodes, self.dirty)
+        readers = set()
+        for name in self.dirty:
+            for cname, idx in graph.consumers(name):
+                if idx >= 0:
+                    readers.add(cname)
+        self.readers_by_op = _by_op(nodes, readers)
+        self._below = [self.dirty]  # nodes k data edges below a dirty node
+
+    def below(self, k: int) -> set:
+        while len(self._below) <= k:
+            nxt = set()
+            for f in self._below[-1]:
+                for r, idx in self.graph.consumers(f):
+                    if idx >= 0:
+                        nxt.add(r)
+            self._below.append(nxt)
+        return self._below[k]
+
+
+def _by_op(nodes, names) -> dict:
+    out: dict = {}
+    for name in names:
+        out.setdefault(nodes[name].op, []).append(name)
+    return out
+
+
+def _pick(by_op: dict, ops) -> list:
+    if ops is None:
+        return [n for names in by_op.values() for n in names]
+    return [n for op in ops for n in by_op.get(op, ())]
+
+
+def affected_anchors(graph: Graph, pat: Pat, changes: Changes, reach: int = 0) -> set:
+    """The anchors at which matching ``pat`` may read a node of
+    ``changes.dirty`` (:class:`Changes`).
 
     The matcher at an anchor reads the nodes at the pattern's inner positions
     (their op, attrs, inputs and readers), each a data input of the node at its
@@ -407,16 +473,9 @@ def affected_anchors(graph: Graph, pat: Pat, dirty, readers, reach: int = 0) -> 
     callers match at the anchors returned."""
     root_ops, union, parents = _climb_info(pat)
     nodes = graph.nodes
-    out = set()
-    for n in dirty:
-        node = nodes.get(n)
-        if node is not None and (root_ops is None or node.op in root_ops):
-            out.add(n)
-    for c in readers:
-        node = nodes.get(c)
-        if node is None or (union is not None and node.op not in union):
-            continue
-        op = node.op
+    out = set(_pick(changes.dirty_by_op, root_ops))
+    for c in _pick(changes.readers_by_op, union):
+        op = nodes[c].op
         for ops, chain in parents:
             if ops is not None and op not in ops:
                 continue
@@ -431,16 +490,8 @@ def affected_anchors(graph: Graph, pat: Pat, dirty, readers, reach: int = 0) -> 
                 if not frontier:
                     break
             out |= frontier
-    if reach > 0:  # any node up to `reach` data edges below a dirty node
-        frontier = set(dirty)
-        for _ in range(reach):
-            nxt = set()
-            for f in frontier:
-                for r, idx in graph.consumers(f):
-                    if idx >= 0:
-                        nxt.add(r)
-            frontier = nxt
-            out |= {r for r in frontier if root_ops is None or nodes[r].op in root_ops}
+    for k in range(1, reach + 1):  # any node up to `reach` data edges below a dirty node
+        out.update(r for r in changes.below(k) if root_ops is None or nodes[r].op in root_ops)
     if root_ops is not None:
-        out = {a for a in out if a in nodes and nodes[a].op in root_ops}
+        out = {a for a in out if nodes[a].op in root_ops}
     return out

@@ -128,9 +128,23 @@ def unregister_fusion_rule(name: str):
 
 
 # ---------------------------------------------------------------- helpers
+#: attribute of a Graph holding {id(Const node): (node, value)} while the fusion
+#: pass runs (Const nodes are never edited in place there; a copy is returned)
+CONST_MEMO_ATTR = "_fusion_const_memo"
+
+
 def const_value(graph: Graph, ref: str):
     """numpy value of a Const (seen through Identity), or None."""
-    return _shapes.const_value(graph, ref)
+    memo = getattr(graph, CONST_MEMO_ATTR, None)
+    if memo is None:
+        return _shapes.const_value(graph, ref)
+    node = _shapes.const_node(graph, ref)
+    if node is None:
+        return None
+    hit = memo.get(id(node))
+    if hit is None or hit[0] is not node:
+        hit = memo[id(node)] = (node, _shapes.const_value(graph, node.name))
+    return None if hit[1] is None else hit[1].copy()
 
 
 def scalar_value(graph: Graph, ref: str):

@@ -32,8 +32,8 @@ from .cleanups import merge_duplicate_casts
 import sys
 
 from ..graph import parse_tensor
-from ..pattern import affected_anchors
-from .core import RULES, ShapeOracle, Trail, apply_rule, quiet_at
+from ..pattern import Changes, affected_anchors
+from .core import CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, quiet_at
 from .grad_region import ORIGINAL_NAMES_ATTR
 
 #: safety bound on sweeps: this many per node of the input graph (a fix-point is
@@ -51,6 +51,13 @@ class FusionPass(Pass):
     skip_untouched = True
 
     def run(self, graph, ctx):
+        setattr(graph, CONST_MEMO_ATTR, {})
+        try:
+            return self._run(graph, ctx)
+        finally:
+            delattr(graph, CONST_MEMO_ATTR)
+
+    def _run(self, graph, ctx):
         level = ctx.option("graph_level", 2) if ctx is not None else 2
         level = 2 if level is None else int(level)
         stats = {"graph_level": level, "fused": {}, "skipped": {}, "casts_merged": 0}
@@ -127,7 +134,7 @@ class FusionPass(Pass):
             dirty = cache[key] = _dirty_since(graph, trail, rec[1], rec[2])
         if dirty is False:
             return False
-        anchors = affected_anchors(graph, rule.pattern, dirty[0], dirty[1], rule.reads)
+        anchors = affected_anchors(graph, rule.pattern, dirty, rule.reads)
         if not anchors:
             return True
         return quiet_at(graph, rule, ctx, ShapeOracle(graph), stats, sorted(anchors), trail)
@@ -138,9 +145,9 @@ def _edit_mark(graph) -> int:
 
 
 def _dirty_since(graph, trail, edit_mark, removal_mark):
-    """(nodes created or edited since the marks, or whose readers changed: the
-    producers of their inputs and of removed nodes' inputs; the data readers of
-    all those), or False when the graph cannot say (``Graph.touch_all``)."""
+    """``pattern.Changes`` of the nodes created or edited since the marks, or
+    whose readers changed (the producers of their inputs and of removed
+    nodes' inputs), or False when the graph cannot say (``Graph.touch_all``)."""
     names, _ = graph.edits_since(edit_mark)
     if names is None:
         return False
@@ -152,13 +159,6 @@ def _dirty_since(graph, trail, edit_mark, removal_mark):
             continue
         dirty.add(name)
         for inp in node.input:
-            src = parse_tensor(inp)[0]
-            if src in nodes:
-                dirty.add(src)
-    dirty.update(n for n in trail.removed_inputs[removal_mark:] if n in nodes)
-    readers = set()
-    for name in dirty:
-        for cname, idx in graph.consumers(name):
-            if idx >= 0:
-                readers.add(cname)
-    return dirty, readers
+            dirty.add(parse_tensor(inp)[0])
+    dirty.update(trail.removed_inputs[removal_mark:])
+    return Changes(graph, dirty)
