@@ -432,7 +432,7 @@ class Changes:
                 if idx >= 0:
                     readers.add(cname)
         self.readers_by_op = _by_op(nodes, readers)
-        self._below = [self.dirty]  # nodes k data edges below a dirty node
+        self._below = [self.dirty, readers]  # nodes k data edges below a dirty node
 
     def below(self, k: int) -> set:
         while len(self._below) <= k:
@@ -490,7 +490,9 @@ def affected_anchors(graph: Graph, pat: Pat, changes: Changes, reach: int = 0) -
                 if not frontier:
                     break
             out |= frontier
-    for k in range(1, reach + 1):  # any node up to `reach` data edges below a dirty node
+    if reach >= 1:
+        out.update(_pick(changes.readers_by_op, root_ops))
+    for k in range(2, reach + 1):  # any node up to `reach` data edges below a dirty node
         out.update(r for r in changes.below(k) if root_ops is None or nodes[r].op in root_ops)
     if root_ops is not None:
         out = {a for a in out if nodes[a].op in root_ops}
