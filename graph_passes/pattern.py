@@ -355,15 +355,15 @@ def _candidates(graph: Graph, pat: Pat):
         if child.leaf:
             continue
         rare = _rarest(graph, child)
-        if rare is None or rare >= n0 or (best is not None and rare >= len(best)):
+        if rare is None or rare > n0 or (best is not None and rare >= len(best)):
             continue  # nothing below is rarer than this position: no narrowing to expect
         sub = _candidates(graph, child)  # (narrowed by a rarer position below it)
         if sub is None:
             bound = _bound(graph, child)
-            if bound is None or bound >= n0 or (best is not None and bound >= len(best)):
+            if bound is None or bound > n0 or (best is not None and bound >= len(best)):
                 continue
             sub = _of_type(graph, _anchor_ops(child))
-        elif len(sub) >= n0:
+        elif len(sub) > n0:
             continue
         if best is None or len(sub) < len(best):
             best = sub
