@@ -291,16 +291,21 @@ def _count(graph: Graph, ops) -> int:
     return sum(len(by_op.get(op, ())) for op in ops)
 
 
+def _sum_alternatives(graph: Graph, pat: Pat, count):
+    """``count`` summed over a ``one_of``'s alternatives (None if one is None)."""
+    total = 0
+    for alt in pat.alternatives:
+        n = count(graph, alt)
+        if n is None:
+            return None
+        total += n
+    return total
+
+
 def _bound(graph: Graph, pat: Pat):
     """An upper bound on how many nodes can sit at position ``pat`` (None: any)."""
     if pat.alternatives:
-        total = 0
-        for alt in pat.alternatives:
-            b = _bound(graph, alt)
-            if b is None:
-                return None
-            total += b
-        return total
+        return _sum_alternatives(graph, pat, _bound)
     ops = pat._opset()
     return None if ops is None else _count(graph, ops)
 
@@ -311,13 +316,7 @@ def _rarest(graph: Graph, pat: Pat):
     if pat.leaf:
         return None
     if pat.alternatives:
-        total = 0
-        for alt in pat.alternatives:
-            r = _rarest(graph, alt)
-            if r is None:
-                return None
-            total += r
-        return total
+        return _sum_alternatives(graph, pat, _rarest)
     ops = pat._opset()
     best = None if ops is None else _count(graph, ops)
     for child in pat.inputs or ():

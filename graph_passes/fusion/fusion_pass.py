@@ -27,12 +27,12 @@ that still changed the graph.
 """
 from __future__ import annotations
 
-from ..manager import Pass, register_pass
-from .cleanups import merge_duplicate_casts
 import sys
 
 from ..graph import parse_tensor
+from ..manager import Pass, register_pass
 from ..pattern import Changes, affected_anchors
+from .cleanups import merge_duplicate_casts
 from .core import CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, quiet_at
 from .grad_region import ORIGINAL_NAMES_ATTR
 
@@ -51,6 +51,8 @@ class FusionPass(Pass):
     skip_untouched = True
 
     def run(self, graph, ctx):
+        #: (sweep, rule name) of every rule run skipped by skip_untouched (for tests)
+        self.skipped_runs = []
         setattr(graph, CONST_MEMO_ATTR, {})
         try:
             return self._run(graph, ctx)
@@ -64,8 +66,6 @@ class FusionPass(Pass):
         if level <= 0:
             return stats
         rules = [r for r in RULES.values() if r.graph_level <= level]
-        #: (sweep, rule name) of every rule run skipped by skip_untouched (for tests)
-        self.skipped_runs = []
         # the gradient-region search names autodiff's ops after forward nodes,
         # some of which earlier fusions remove (grad_region.attributed_forward)
         setattr(graph, ORIGINAL_NAMES_ATTR, frozenset(graph.nodes))
