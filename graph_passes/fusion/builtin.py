@@ -24,6 +24,8 @@ level 2  ``filter_grad_1x1``    Conv2DBackpropFilter of a 1x1 conv (any stride),
 level 2  ``filter_grad_im2col`` Conv2DBackpropFilter of a kxk conv with few output positions
                                  (<= 16, or <= 49 with >= 512 input channels), BF16 under oneDNN
                                  => ExtractImagePatches -> Reshape -> MatMul(transpose_a) -> Reshape
+level 2  ``batch_norm_moments`` training batch norm as moments + arithmetic (Keras 3, tf.nn.moments),
+                                 BF16 under oneDNN => FusedBatchNormV3 / FusedBatchNormGradV3 (batch_norm.py)
 level 3  ``attention``          BatchMatMul/Einsum -> scale (q, k or scores) -> [mask add | where]
                                  -> Softmax -> BatchMatMul/Einsum
                                  => the products stay, ScaleMaskSoftmax in between
@@ -1407,6 +1409,9 @@ def register():
     reg("layer_norm", Pat(_ADDS + ("Mul", "RealDiv"), predicate=_norm_predicate), _build_norm,
         reason="LayerNorm/RMSNorm written as plain ops (raw, reduce_mean, moments, sqrt/div, "
                "reduce_variance) becomes one fp32-accumulating kernel")
+    from .batch_norm import register as register_batch_norm  # its own file; imports this one
+
+    register_batch_norm(reg)
     reg("attention_train", Pat("Softmax", predicate=_softmax_grad_signature), _build_attention_train,
         graph_level=3, escapes=True,
         reason="training graph: scale + mask + softmax and their backward region become "

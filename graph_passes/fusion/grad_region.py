@@ -12,7 +12,8 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
 
     region = find_grad_region(graph, forward, outputs, inputs,
                               shapes=None, protected=frozenset(), dy_shape=None,
-                              grad_reads_output=False, partial_shapes=False)
+                              grad_reads_output=False, partial_shapes=False,
+                              side_outputs=(), owner_scopes=())
         # forward:  names of the forward nodes the rule replaces (anchor included)
         # outputs:  the forward tensors the fused op keeps producing (y = "anchor:0");
         #           G may not read them (a reader of y is not part of F's gradient)
@@ -21,6 +22,9 @@ API (stable; used by the LayerNorm/RMSNorm rules and the attention rule)::
         # grad_reads_output: the gradient reads y (softmax); G's readers of y must
         #           also read dy (or a tensor derived from it)
         # partial_shapes: dy's shape may be partial, identical to y's ([-1, H, S, T])
+        # side_outputs: inner tensors the fused op also produces (batch statistics):
+        #           readers outside F and G allowed, the rule rewires them
+        # owner_scopes: scopes of F's forward ops grappler removed (their gradients count as F's)
         # -> GradRegion, or raises GradRegionRefused(reason)
 
     region.nodes          # G, topological order
@@ -368,7 +372,8 @@ def _positions(graph: Graph) -> dict:
 def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str], inputs: Iterable[str],
                      shapes=None, protected=frozenset(), max_nodes: int = MAX_NODES,
                      dy_shape=None, grad_reads_output: bool = False,
-                     partial_shapes: bool = False) -> GradRegion:
+                     partial_shapes: bool = False, side_outputs: Iterable[str] = (),
+                     owner_scopes: Iterable[str] = ()) -> GradRegion:
     """See the module docstring.  ``shapes``: an object with ``shape(ref)``
     (:class:`graph_passes.fusion.core.ShapeOracle`); built when None.
     ``dy_shape``: the incoming gradient's static shape when the shape of
@@ -379,7 +384,15 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     such as a dropout, never does), and a non-aggregating node may combine ``dy``
     with a term derived from it (``Sub(dy, sum(dy * y))``).
     ``partial_shapes``: ``dy`` may have a partially known shape identical to
-    ``outputs[0]``'s (unknown dims at the same places: a dynamic batch)."""
+    ``outputs[0]``'s (unknown dims at the same places: a dynamic batch).
+    ``side_outputs``: inner tensors of F that the fused op keeps producing under
+    other outputs (a batch norm's batch mean and variance, which the moving
+    averages read): G reads them like any inner tensor, and readers outside F
+    and G are allowed (the rule rewires them onto the fused op's outputs).
+    ``owner_scopes``: name scopes ('a/batchnorm/') holding only F's forward ops, some of
+    which grappler removed before the pass (its AddOpsRewrite dissolves a batch norm's
+    final Add into the residual unit's sums): an autodiff op under one, attributed to no
+    existing node, counts as attributed to F."""
     if shapes is None:
         from .core import ShapeOracle
         shapes = ShapeOracle(graph)
@@ -388,6 +401,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     out_nodes_ports = {(n, p) for n, p in outs}
     out_refs = {o if ":" in o else o for o in outputs}
     ins = {_canon(i) for i in inputs}
+    side = {_canon(o) for o in side_outputs}
     is_static = _Static(graph)
     fscope = _common_scope(fwd)
     pos = _positions(graph)
@@ -455,8 +469,10 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         start = parse_tensor(ref)[0]
         if start in anc_memo:
             return anc_memo[start]
-        inner = fwd - {n for n, _ in out_nodes_ports}
-        anchors = {n for n, _ in out_nodes_ports}
+        # side outputs, like the outputs, are values the fused op keeps producing
+        side_nodes = {parse_tensor(o)[0] for o in side}
+        inner = fwd - {n for n, _ in out_nodes_ports} - side_nodes
+        anchors = {n for n, _ in out_nodes_ports} | side_nodes
         if ordered and start in pos:
             limit = pos[start]
             seen = set(inner)
@@ -517,6 +533,8 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                          and not _under_scope(name, fscope))
         if owner is None:
             owner = _tf2_scope_owner(name, fwd)
+        if owner is None and any(_AUTODIFF.search(name) and _under_scope(name, sc) for sc in owner_scopes):
+            owner = next(iter(sorted(fwd)))
         kinds = []
         new_dy = None
         for inp in node.input:
@@ -631,6 +649,8 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                 continue  # reads the fused op's output: stays valid
             if idx < 0 and (f, 0) in out_nodes_ports:
                 continue  # control edge on the anchor: the fused op keeps its name
+            if idx >= 0 and _canon(nodes[cname].input[idx]) in side:
+                continue  # reads a statistic the fused op keeps producing: the rule rewires it
             extra = f" ({why_not[cname]})" if cname in why_not else ""
             raise GradRegionRefused(f"not fused: '{f}' is also read by '{cname}'{extra}", why_not)
 
