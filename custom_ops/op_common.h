@@ -1,5 +1,6 @@
 // The TensorFlow names the custom-op sources use, brought into npu_amp_tf once
-// (included by fused_attention.cc, trans_data.cc and norm_common.h).
+// (included by fused_attention.cc, scale_mask_softmax.cc, trans_data.cc and
+// norm_common.h).
 #ifndef NPU_AMP_TF_CUSTOM_OPS_OP_COMMON_H_
 #define NPU_AMP_TF_CUSTOM_OPS_OP_COMMON_H_
 

@@ -34,20 +34,10 @@
 #endif
 
 #include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/framework/tensor.h"
+#include "op_common.h"
 
 namespace npu_amp_tf {
 namespace {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpInputList;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::errors::InvalidArgument;
 
 REGISTER_OP("ScaleMaskSoftmax")
     .Input("scores: T")
@@ -56,7 +46,7 @@ REGISTER_OP("ScaleMaskSoftmax")
     .Attr("T: {half, bfloat16, float}")
     .Attr("num_masks: int >= 0 = 0")
     .Attr("scale: float = 1.0")
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
       c->set_output(0, c->input(0));
       return ::tensorflow::OkStatus();
     })
@@ -68,8 +58,8 @@ REGISTER_OP("ScaleMaskSoftmaxGrad")
     .Output("dscores: T")
     .Attr("T: {half, bfloat16, float}")
     .Attr("scale: float = 1.0")
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      ::tensorflow::shape_inference::ShapeHandle out;
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle out;
       TF_RETURN_IF_ERROR(c->Merge(c->input(0), c->input(1), &out));
       c->set_output(0, out);
       return ::tensorflow::OkStatus();

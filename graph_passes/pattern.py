@@ -223,30 +223,276 @@ def _anchor_ops(pat: Pat):
 
 
 def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
-                 escapes_ok: bool = False) -> list[Match]:
-    """All non-overlapping matches, anchors visited in topological order."""
+                 escapes_ok: bool = False, dropped: list | None = None) -> list[Match]:
+    """All non-overlapping matches, anchors visited in topological order.
+    ``dropped``: a list that gets every anchor passed over because it lies in,
+    or its match overlaps, an earlier match (:func:`affected_anchors` relies
+    on a run that dropped none)."""
     used: set[str] = set()
     out = []
     first_ops = _anchor_ops(pat)
     if order is None and first_ops is not None:
         # index by the anchor's op type first: most rules find no anchor at all,
-        # and then no topological order is needed
-        anchors = graph.nodes_of_type(first_ops)
+        # and then no topological order is needed; narrowed by a rarer inner
+        # position where the pattern has one (only anchors match_at refuses go)
+        narrowed = _candidates(graph, pat)
+        if narrowed is None:
+            anchors = graph.nodes_of_type(first_ops)
+        else:
+            anchors = list(narrowed)
         if not anchors:
             return out
-        pos = graph.topo_positions()
-        anchors.sort(key=pos.__getitem__)
+        if len(anchors) > 1:
+            pos = graph.topo_positions()
+            anchors.sort(key=pos.__getitem__)
     else:
         anchors = order if order is not None else graph.topo_order()
     nodes = graph.nodes
     for name in anchors:
-        if name in used or name not in nodes:
+        if name not in nodes:
             continue
         if first_ops is not None and nodes[name].op not in first_ops:
             continue
+        if name in used:
+            if dropped is not None:
+                dropped.append(name)
+            continue
         m = match_at(graph, pat, name, protected, escapes_ok)
-        if m is None or used.intersection(m.matched):
+        if m is None:
+            continue
+        if used.intersection(m.matched):
+            if dropped is not None:
+                dropped.append(name)
             continue
         used.update(m.matched)
         out.append(m)
+    return out
+
+
+# ------------------------------------------------------------ anchor candidates
+def _of_type(graph: Graph, ops) -> set:
+    """Names of the nodes whose op is in ``ops``, unordered.  (From the op
+    index; ``Graph`` has no unordered accessor: ``nodes_of_type`` sorts.)"""
+    by_op = getattr(graph, "_by_op", None)
+    if by_op is None:
+        return set(graph.nodes_of_type(ops))
+    out = set()
+    for op in ops:
+        names = by_op.get(op)
+        if names:
+            out.update(names)
+    return out
+
+
+def _count(graph: Graph, ops) -> int:
+    by_op = getattr(graph, "_by_op", None)
+    if by_op is None:
+        return len(graph.nodes_of_type(ops))
+    return sum(len(by_op.get(op, ())) for op in ops)
+
+
+def _sum_alternatives(graph: Graph, pat: Pat, count):
+    """``count`` summed over a ``one_of``'s alternatives (None if one is None)."""
+    total = 0
+    for alt in pat.alternatives:
+        n = count(graph, alt)
+        if n is None:
+            return None
+        total += n
+    return total
+
+
+def _bound(graph: Graph, pat: Pat):
+    """An upper bound on how many nodes can sit at position ``pat`` (None: any)."""
+    if pat.alternatives:
+        return _sum_alternatives(graph, pat, _bound)
+    ops = pat._opset()
+    return None if ops is None else _count(graph, ops)
+
+
+def _rarest(graph: Graph, pat: Pat):
+    """The fewest nodes any position in ``pat``'s subtree accepts (a sum over
+    ``one_of`` alternatives; None: no bound)."""
+    if pat.leaf:
+        return None
+    if pat.alternatives:
+        return _sum_alternatives(graph, pat, _rarest)
+    ops = pat._opset()
+    best = None if ops is None else _count(graph, ops)
+    for child in pat.inputs or ():
+        r = _rarest(graph, child)
+        if r is not None and (best is None or r < best):
+            best = r
+    return best
+
+
+def _candidates(graph: Graph, pat: Pat):
+    """A set of nodes holding every node a match can put at position ``pat``
+    (inner or root; a superset: each is a reader, with an op the position
+    accepts, of a candidate of its rarest inner input position), or None when
+    that narrows nothing below the nodes of the position's op types.  Exact
+    filter for :func:`find_matches`: an anchor outside it has no match."""
+    if pat.leaf:
+        return None
+    if pat.alternatives:
+        out = set()
+        for alt in pat.alternatives:
+            sub = _candidates(graph, alt)
+            if sub is None:
+                ops = _anchor_ops(alt)
+                if ops is None:
+                    return None
+                sub = _of_type(graph, ops)
+            out |= sub
+        return out
+    ops = pat._opset()
+    if ops is None or not pat.inputs:
+        return None
+    n0 = _count(graph, ops)
+    best = None
+    for child in pat.inputs:
+        if child.leaf:
+            continue
+        rare = _rarest(graph, child)
+        if rare is None or rare > n0 or (best is not None and rare >= len(best)):
+            continue  # nothing below is rarer than this position: no narrowing to expect
+        sub = _candidates(graph, child)  # (narrowed by a rarer position below it)
+        if sub is None:
+            bound = _bound(graph, child)
+            if bound is None or bound > n0 or (best is not None and bound >= len(best)):
+                continue
+            sub = _of_type(graph, _anchor_ops(child))
+        elif len(sub) > n0:
+            continue
+        if best is None or len(sub) < len(best):
+            best = sub
+    if best is None:
+        return None
+    nodes = graph.nodes
+    out = set()
+    for name in best:
+        for r, idx in graph.consumers(name):
+            if idx >= 0 and nodes[r].op in ops:
+                out.add(r)
+    return out
+
+
+# ------------------------------------------------------- what a change can reach
+def _climb_info(pat: Pat):
+    """(root ops, ops of the positions that have an inner child, [(ops of such
+    a position, op sets of its ancestors up to the root)]); op sets are
+    frozensets, None for a wildcard.  Cached on the pattern."""
+    info = pat.__dict__.get("_climb_cache")
+    if info is not None:
+        return info
+    parents = []  # (position ops, ancestors' ops nearest first)
+
+    def walk(p: Pat, chain: tuple):
+        if p.leaf:
+            return False
+        if p.alternatives:  # an alternative's root sits on the same node
+            inner = False
+            for alt in p.alternatives:
+                inner = walk(alt, chain) or inner
+            return inner
+        ops = p._opset()
+        kids = False
+        for child in p.inputs or ():
+            kids = walk(child, (ops,) + chain) or kids
+        if kids:
+            parents.append((ops, chain))
+        return True
+
+    walk(pat, ())
+    union = set()
+    for ops, _ in parents:
+        if ops is None:
+            union = None
+            break
+        union |= ops
+    info = (_anchor_ops(pat), None if union is None else frozenset(union), tuple(parents))
+    pat.__dict__["_climb_cache"] = info
+    return info
+
+
+class Changes:
+    """Nodes a change may have altered, for :func:`affected_anchors`: ``dirty``
+    (names of nodes created or edited, or whose readers changed) and their
+    data readers, indexed by op type once for every rule asking."""
+
+    def __init__(self, graph: Graph, dirty):
+        nodes = graph.nodes
+        self.graph = graph
+        self.dirty = {n for n in dirty if n in nodes}
+        self.dirty_by_op = _by_op(nodes, self.dirty)
+        readers = set()
+        for name in self.dirty:
+            for cname, idx in graph.consumers(name):
+                if idx >= 0:
+                    readers.add(cname)
+        self.readers_by_op = _by_op(nodes, readers)
+        self._below = [self.dirty, readers]  # nodes k data edges below a dirty node
+
+    def below(self, k: int) -> set:
+        while len(self._below) <= k:
+            nxt = set()
+            for f in self._below[-1]:
+                for r, idx in self.graph.consumers(f):
+                    if idx >= 0:
+                        nxt.add(r)
+            self._below.append(nxt)
+        return self._below[k]
+
+
+def _by_op(nodes, names) -> dict:
+    out: dict = {}
+    for name in names:
+        out.setdefault(nodes[name].op, []).append(name)
+    return out
+
+
+def _pick(by_op: dict, ops) -> list:
+    if ops is None:
+        return [n for names in by_op.values() for n in names]
+    return [n for op in ops for n in by_op.get(op, ())]
+
+
+def affected_anchors(graph: Graph, pat: Pat, changes: Changes, reach: int = 0) -> set:
+    """The anchors at which matching ``pat`` may read a node of
+    ``changes.dirty`` (:class:`Changes`).
+
+    The matcher at an anchor reads the nodes at the pattern's inner positions
+    (their op, attrs, inputs and readers), each a data input of the node at its
+    parent position: so a dirty node (whatever its op: the node it replaced
+    may have matched) can only change the match at an anchor reached by
+    climbing from one of its readers (at a position with an inner child) up the
+    positions' chain to the root, every node on the way with an op its
+    position accepts.  ``reach``: the rule's predicates and build also read
+    nodes up to that many input edges above the anchor (any op).  A superset:
+    callers match at the anchors returned."""
+    root_ops, union, parents = _climb_info(pat)
+    nodes = graph.nodes
+    out = set(_pick(changes.dirty_by_op, root_ops))
+    for c in _pick(changes.readers_by_op, union):
+        op = nodes[c].op
+        for ops, chain in parents:
+            if ops is not None and op not in ops:
+                continue
+            frontier = {c}
+            for up in chain:
+                nxt = set()
+                for f in frontier:
+                    for r, idx in graph.consumers(f):
+                        if idx >= 0 and (up is None or nodes[r].op in up):
+                            nxt.add(r)
+                frontier = nxt
+                if not frontier:
+                    break
+            out |= frontier
+    if reach >= 1:
+        out.update(_pick(changes.readers_by_op, root_ops))
+    for k in range(2, reach + 1):  # any node up to `reach` data edges below a dirty node
+        out.update(r for r in changes.below(k) if root_ops is None or nodes[r].op in root_ops)
+    if root_ops is not None:
+        out = {a for a in out if nodes[a].op in root_ops}
     return out

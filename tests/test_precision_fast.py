@@ -1,7 +1,11 @@
 """Issue 17: the precision pass's shortcuts (``PrecisionPass.fast_paths``:
 per-node and per-op-signature memos of dtypes and node facts, the delayed
 casts' acyclicity proven from the order at hand, the "before" snapshot
-copied on write) change nothing.
+copied on write; issue 17d: a node's float inputs read by index without
+walking its control inputs, the readers memo while painting, the kernel
+check's per-op attr names and per-device-string device types, the inlined
+voter, the report counts over the painted nodes, Consts and Casts from the
+op index) change nothing.
 
 Each real graph is rewritten twice, once with the shortcuts and once with the
 reference (``fast_paths = False``: every dtype from the registry, every fact
@@ -131,6 +135,45 @@ def _memo_problems(p):
     return out
 
 
+def _helper_problems(p):
+    """Where a fast helper disagrees with the reference's, node by node, on
+    the finished run's graph (every node, every float tensor and reader)."""
+    out = []
+    g = p.g
+    low = p.low
+    for name, node in list(g.nodes.items()):
+        info = p.info(node)
+        p.fast_paths = True
+        fast = p._float_inputs(node, info)
+        dev = p.device_type(node)
+        k_fast = p.kernel_ok(node, info, low) if info.attrs and registry.op_def(node.op) else None
+        voters_fast = [p._voter(inp) for _, inp in fast]
+        p.fast_paths = False
+        ref = p._float_inputs(node, info)
+        if fast != ref:
+            out.append(f"float inputs of {name}: fast {fast[:3]}, reference {ref[:3]}")
+        if dev != p.device_type(node):
+            out.append(f"device type of {name}")
+        if info.attrs and registry.op_def(node.op) and k_fast != p.kernel_ok(node, info, low):
+            out.append(f"kernel check of {name}")
+        if voters_fast != [p._voter(inp) for _, inp in ref]:
+            out.append(f"votes into {name}")
+    # the readers memo (edges and Casts as they are now), with and without an excluded reader
+    p.fast_paths = True
+    p._rmemo = {}
+    for name, node in list(g.nodes.items())[:3000]:
+        for port in range(len(p.out_dtypes(node) or ())):
+            ref_t = f"{name}:{port}" if port else name
+            plain = p._readers_of(ref_t)
+            if p._readers(ref_t) != plain:
+                out.append(f"readers of {ref_t}")
+            for cname, _ in plain[:3]:
+                if p._readers(ref_t, exclude=cname) != p._readers_of(ref_t, cname):
+                    out.append(f"readers of {ref_t} but {cname}")
+    p._rmemo = None
+    return out
+
+
 def _rewrite(monkeypatch, gd, fetches, fast, kw, runs):
     monkeypatch.setattr(amp.PrecisionPass, "fast_paths", fast)
     orig = amp.PrecisionPass.run
@@ -153,6 +196,7 @@ def assert_fast_equals_reference(monkeypatch, gd, fetches, modes=tuple(MODES)):
         assert runs, "the precision pass did not run"
         for p in runs:
             assert not _memo_problems(p), (mode, _memo_problems(p)[:5])
+            assert not _helper_problems(p), (mode, _helper_problems(p)[:5])
         ref_runs = []
         ref_gd, ref_rep = _rewrite(monkeypatch, gd, fetches, False, MODES[mode], ref_runs)
         assert fast_rep["summary"].get("failed_pass") is None, fast_rep["warnings"][:3]
@@ -193,6 +237,39 @@ def test_slim_resnet_v1_50_modes(monkeypatch, mode):
     pytest.importorskip("tf_slim", reason="tf_slim is not installed in this environment")
     gd, fetches = slim_resnet_graph()
     assert_fast_equals_reference(monkeypatch, gd, fetches, (mode,))
+
+
+def control_dependencies_graph():
+    """A tf.compat.v1 MLP whose float math waits on control inputs (the way
+    Keras' ``model.updates`` hang a hundred of them on its ZerosLike and
+    ShapeN): the fast path reads float inputs by index, never walking them."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [4, 16], name="x")
+        y = tf1.placeholder(tf.int32, [4], name="labels")
+        w1 = tf1.get_variable("w1", [16, 32])
+        w2 = tf1.get_variable("w2", [32, 10])
+        step = tf1.train.get_or_create_global_step()
+        ticks = [tf1.assign_add(tf1.get_variable(f"tick{i}", [], trainable=False), 1.0) for i in range(12)]
+        with tf.control_dependencies(ticks):
+            h = tf.nn.relu(tf.matmul(x, w1) + 1.0)
+            z = tf.zeros_like(h)
+        with tf.control_dependencies([step] + ticks[:4]):
+            h = tf.add(h, z) * 0.5
+        logits = tf.matmul(h, w2)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g.as_graph_def(), ["loss", "train"]
+
+
+def test_float_math_with_control_inputs(monkeypatch):
+    gd, fetches = control_dependencies_graph()
+    waiting = [n.op for n in gd.node if "T" in n.attr and n.attr["T"].type == tf.float32.as_datatype_enum
+               and any(i.startswith("^") for i in n.input)]
+    # (TF hangs the control inputs on the first ops of each block: the weights' reads, a gray AddV2)
+    assert "AddV2" in waiting and len(waiting) >= 3, waiting
+    assert_fast_equals_reference(monkeypatch, gd, fetches, ("fp16", "bf16"))
 
 
 def test_v1_while_loop(monkeypatch):
@@ -238,3 +315,26 @@ def test_stale_memo_is_caught(monkeypatch):
     fast_gd, fast_rep = _rewrite(monkeypatch, gd, ["loss", "train"], True, MODES["fp16"], runs)
     ref_gd, ref_rep = _rewrite(monkeypatch, gd, ["loss", "train"], False, MODES["fp16"], [])
     assert fast_gd != ref_gd or any(_memo_problems(p) for p in runs)
+
+
+@pytest.mark.parametrize("fault", ["float_inputs", "readers_memo"])
+def test_planted_helper_fault_is_caught(monkeypatch, fault):
+    """The node-by-node helper check has teeth: a fast helper that drops an
+    input (or, with the memo on, a reader) is found."""
+    if fault == "float_inputs":
+        orig = amp.PrecisionPass._float_inputs
+
+        def bad(self, node, info):
+            res = orig(self, node, info)
+            return res[:-1] if self.fast_paths and len(res) > 1 else res
+        monkeypatch.setattr(amp.PrecisionPass, "_float_inputs", bad)
+    else:
+        orig = amp.PrecisionPass._readers
+
+        def bad(self, ref, exclude=None):
+            res = orig(self, ref, exclude)
+            return res[1:] if self._rmemo is not None and exclude is not None else res
+        monkeypatch.setattr(amp.PrecisionPass, "_readers", bad)
+    gd, fetches = control_dependencies_graph()
+    with pytest.raises(AssertionError):
+        assert_fast_equals_reference(monkeypatch, gd, fetches, ("fp16",))

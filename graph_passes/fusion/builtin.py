@@ -1376,30 +1376,30 @@ def _build_filter_grad_1x1(m, b):
 def register():
     reg = lambda *a, **kw: register_fusion_rule(*a, _builtin=True, **kw)  # noqa: E731
     reg("bn_fold", _bn_fold_pat(), _build_bn_fold, graph_level=3,
-        reason="inference batch norm folds into the conv weights and bias (rounding changes)")
+        reason="inference batch norm folds into the conv weights and bias (rounding changes)", reads=0)
     reg("bias_gelu_exact", _gelu_exact_pat(), _build_gelu_exact, follows_precision=True,
-        reason="MatMul+BiasAdd+GELU(erf) is one oneDNN kernel")
+        reason="MatMul+BiasAdd+GELU(erf) is one oneDNN kernel", reads=0)
     reg("bias_gelu_tanh", _gelu_tanh_pat(), _build_gelu_tanh, follows_precision=True,
-        reason="MatMul+BiasAdd+GELU(tanh) is one oneDNN kernel")
+        reason="MatMul+BiasAdd+GELU(tanh) is one oneDNN kernel", reads=0)
     reg("bias_add_act", Pat(("Relu", "Relu6", "Elu", "LeakyRelu"), inputs=[_side_add_pat("Conv2D")]),
         _build_bias_add_act, follows_precision=True,
-        reason="residual unit: conv, bias, the shortcut add and the activation in one oneDNN kernel")
+        reason="residual unit: conv, bias, the shortcut add and the activation in one oneDNN kernel", reads=0)
     reg("bias_add", _side_add_pat(("Conv2D", "MatMul")), _build_bias_add, follows_precision=True,
-        reason="conv/matmul, bias and a same-shape add (residual) in one oneDNN kernel")
+        reason="conv/matmul, bias and a same-shape add (residual) in one oneDNN kernel", reads=0)
     reg("bn_act", Pat(tuple(_ONEDNN_BN_ACTIVATIONS), predicate=_bn_act_predicate), _build_bn_act,
-        reason="batch norm and its Relu in one oneDNN kernel pass (training or inference)")
+        reason="batch norm and its Relu in one oneDNN kernel pass (training or inference)", reads=1)
     reg("bias_act", Pat(("Relu", "Relu6", "Elu", "LeakyRelu"), inputs=[_bias_pat()]), _build_bias_act,
-        follows_precision=True, reason="matrix op, bias and activation in one kernel pass")
+        follows_precision=True, reason="matrix op, bias and activation in one kernel pass", reads=0)
     reg("bias", _bias_pat(), _build_bias, follows_precision=True,
-        reason="matrix op and bias in one kernel pass")
+        reason="matrix op and bias in one kernel pass", reads=0)
     reg("filter_grad_1x1", Pat("Conv2DBackpropFilter", predicate=_filter_grad_predicate),
         _build_filter_grad_1x1, follows_precision=True,
         reason="the BF16 weight gradient of a 1x1 conv is one BF16 MatMul, measured faster than "
-               "oneDNN's BF16 Conv2DBackpropFilter")
+               "oneDNN's BF16 Conv2DBackpropFilter", reads=0)
     reg("filter_grad_im2col", Pat("Conv2DBackpropFilter", predicate=_filter_grad_predicate),
         _build_filter_grad_im2col, follows_precision=True,
         reason="the BF16 weight gradient of a kxk conv with few output positions is im2col + one "
-               "BF16 MatMul, measured faster than oneDNN's BF16 Conv2DBackpropFilter there")
+               "BF16 MatMul, measured faster than oneDNN's BF16 Conv2DBackpropFilter there", reads=0)
     reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments, escapes=True,
         reason="10 elementwise/reduction ops become one fp32-accumulating kernel")
     reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments, escapes=True,

@@ -76,22 +76,23 @@ def register():
         "identity_chain",
         Pat("Identity", inputs=[Pat("Identity", name="inner", inputs=[Pat.any("x")])]),
         _build_identity_chain, graph_level=1, reason="two Identity ops in a row do nothing",
-        _builtin=True)
+        _builtin=True, reads=0)
     register_fusion_rule(
         "cast_chain",
         Pat("Cast", predicate=_no_truncate,
             inputs=[Pat("Cast", name="inner", predicate=_no_truncate, inputs=[Pat.any("x")])]),
         _build_cast_chain, graph_level=1, reason="an exact widening followed by another cast is one cast",
-        _builtin=True)
+        _builtin=True, reads=0)
     register_fusion_rule(
         "cast_sink", Pat("Cast", predicate=_no_truncate, inputs=[_mover_pat()]),
         _build_cast_sink, graph_level=1,
-        reason="a widening cast sunk through data movement meets its inverse", _builtin=True)
+        reason="a widening cast sunk through data movement meets its inverse", _builtin=True, reads=0)
 
 
-def merge_duplicate_casts(graph, ctx) -> int:
+def merge_duplicate_casts(graph, ctx, trail=None) -> int:
     """Several Casts of one tensor to the same dtype become one (the first in
-    graph order).  Fetched/preserved casts and casts with control edges stay."""
+    graph order).  Fetched/preserved casts and casts with control edges stay.
+    ``trail`` (``core.Trail``) records the removals for the fusion pass."""
     protected = ctx.protected if ctx is not None else frozenset()
     groups: dict[tuple, list] = {}
     nodes = graph.nodes
@@ -113,6 +114,8 @@ def merge_duplicate_casts(graph, ctx) -> int:
                     idx < 0 for _, idx in graph.consumers(dup)):
                 continue
             graph.replace_all_uses(dup, keep)
+            if trail is not None:
+                trail.note_removal(graph, dup)
             graph.remove_node(dup)
             merged += 1
             if ctx is not None:

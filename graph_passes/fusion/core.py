@@ -66,6 +66,14 @@ class FusionRule:
     #: graph's gradient, see ``grad_region.py`` and :meth:`Builder.region`); the
     #: framework refuses the match if any such reader is left unhandled
     escapes: bool = False
+    #: what the predicates and the build read of the graph's structure, beyond
+    #: the matched nodes (their op, attrs, inputs and readers): None (not
+    #: declared: the rule runs again after any change), or k >= 0: only nodes up
+    #: to k input edges above the anchor.  Shapes, dtypes and constant values
+    #: are not structure (a fusion keeps every surviving tensor's value).  A
+    #: declaring rule is not run again in a later sweep when no change since its
+    #: last run could reach a node it reads (:func:`quiet_at`)
+    reads: int | None = None
 
 
 #: name -> FusionRule, applied in registration order
@@ -74,10 +82,12 @@ RULES: dict[str, FusionRule] = {}
 
 def register_fusion_rule(name: str, pattern: Pat, build: Callable, graph_level: int = 2,
                          follows_precision: bool = False, reason: str = "",
-                         replace: bool = False, _builtin: bool = False, escapes: bool = False) -> FusionRule:
+                         replace: bool = False, _builtin: bool = False, escapes: bool = False,
+                         reads: int | None = None) -> FusionRule:
     """Register a fusion rule (see the module docstring).  ``graph_level`` is the
     lowest level (1..3) at which it runs.  Re-registering a name raises unless
-    ``replace=True``."""
+    ``replace=True``.  ``reads``: see :attr:`FusionRule.reads` (leave it None
+    unless sure: a wrong declaration makes the pass miss a fusion)."""
     if not isinstance(name, str) or not name:
         raise FusionRuleError(f"fusion rule name must be a non-empty string, got {name!r}")
     if not isinstance(pattern, Pat):
@@ -89,10 +99,14 @@ def register_fusion_rule(name: str, pattern: Pat, build: Callable, graph_level: 
         raise FusionRuleError(f"fusion rule '{name}': build must be callable, got {build!r}")
     if isinstance(graph_level, bool) or not isinstance(graph_level, int) or not 1 <= graph_level <= 3:
         raise FusionRuleError(f"fusion rule '{name}': graph_level={graph_level!r}; accepted: 1, 2 or 3")
+    if reads is not None and (isinstance(reads, bool) or not isinstance(reads, int) or reads < 0):
+        raise FusionRuleError(f"fusion rule '{name}': reads={reads!r}; accepted: None or an int >= 0 "
+                              f"(how many input edges above the anchor the predicates and build read)")
     if name in RULES and not replace:
         raise FusionRuleError(f"a fusion rule named '{name}' is already registered; "
                               f"pass replace=True to override it")
-    rule = FusionRule(name, pattern, build, graph_level, follows_precision, reason, _builtin, escapes)
+    rule = FusionRule(name, pattern, build, graph_level, follows_precision, reason, _builtin, escapes,
+                      reads)
     RULES[name] = rule
     return rule
 
@@ -114,9 +128,23 @@ def unregister_fusion_rule(name: str):
 
 
 # ---------------------------------------------------------------- helpers
+#: attribute of a Graph holding {id(Const node): (node, value)} while the fusion
+#: pass runs (Const nodes are never edited in place there; a copy is returned)
+CONST_MEMO_ATTR = "_fusion_const_memo"
+
+
 def const_value(graph: Graph, ref: str):
     """numpy value of a Const (seen through Identity), or None."""
-    return _shapes.const_value(graph, ref)
+    memo = getattr(graph, CONST_MEMO_ATTR, None)
+    if memo is None:
+        return _shapes.const_value(graph, ref)
+    node = _shapes.const_node(graph, ref)
+    if node is None:
+        return None
+    hit = memo.get(id(node))
+    if hit is None or hit[0] is not node:
+        hit = memo[id(node)] = (node, _shapes.const_value(graph, node.name))
+    return None if hit[1] is None else hit[1].copy()
 
 
 def scalar_value(graph: Graph, ref: str):
@@ -390,6 +418,26 @@ class Outcome:
     reason: str = ""
     #: the gradient region removed with the match (Builder.region), for the report
     region: tuple = ()
+    #: a report warning for the skip (kernel problems), or ""
+    warning: str = ""
+
+
+class Trail:
+    """What the fusion pass needs to know about the changes made by the rules
+    (besides ``Graph.edits_since``, which lists created and edited nodes): the
+    nodes whose readers a removal changed, whether the last ``apply_rule``
+    dropped an overlapping match, and whether the graph changed in a way not
+    accounted for (a build or predicate editing it: then no rule is skipped)."""
+
+    def __init__(self):
+        self.removed_inputs: list[str] = []
+        self.dropped = False
+        self.unknown = False
+
+    def note_removal(self, graph: Graph, name: str):
+        node = graph.nodes.get(name)
+        if node is not None:
+            self.removed_inputs.extend(parse_tensor(i)[0] for i in node.input)
 
 
 def _select_forms(b: Builder):
@@ -458,21 +506,30 @@ def _removable(node) -> bool:
     return od is not None and not od.is_stateful
 
 
-def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: dict) -> int:
-    """Apply one rule everywhere it matches.  Returns the number of fusions."""
+def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: dict,
+               trail: Trail | None = None) -> int:
+    """Apply one rule everywhere it matches.  Returns the number of fusions.
+    ``trail``: records what the fusion pass needs to skip rules later."""
     protected = ctx.protected if ctx is not None else frozenset()
     done = 0
     from ..pattern import match_at
 
     changed = False
-    for m in find_matches(graph, rule.pattern, protected, escapes_ok=rule.escapes):
+    dropped = [] if trail is not None else None
+    v = graph.version
+    matches = find_matches(graph, rule.pattern, protected, escapes_ok=rule.escapes, dropped=dropped)
+    if trail is not None:
+        trail.dropped = bool(dropped)
+        if graph.version != v:  # a predicate edited the graph
+            trail.unknown = True
+    for m in matches:
         if changed:  # an earlier fusion (and its gradient region) may have removed or rewired it
             if m.anchor not in graph.nodes:
                 continue
             m = match_at(graph, rule.pattern, m.anchor, protected, rule.escapes)
             if m is None:
                 continue
-        outcome = _apply_one(graph, rule, m, ctx, shapes)
+        outcome = _apply_one(graph, rule, m, ctx, shapes, trail)
         changed = changed or outcome.fused
         key = "fused" if outcome.fused else "skipped"
         seen = stats.setdefault("_skips_seen", set())  # a skip repeats every sweep: count it once
@@ -553,19 +610,69 @@ def _report_fetched_refusals(graph: Graph, rule: FusionRule, ctx, stats: dict):
         ctx.report.decide(m.anchor, fusion_skipped=rule.name, fusion_reason=reason)
 
 
-def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle) -> Outcome:
+def quiet_at(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: dict, anchors,
+             trail: Trail | None = None) -> bool:
+    """True when :func:`apply_rule` would change nothing and report nothing new,
+    given that the rule's previous run changed nothing and dropped no
+    overlapping match, and that only at ``anchors`` can matching (and the
+    build) read anything changed since (``pattern.affected_anchors`` and
+    :attr:`FusionRule.reads`).  Pure: matches and builds at those anchors,
+    without editing the graph; any match there that would fuse, or be reported
+    (a skip not reported before, a new warning), answers False."""
+    from ..pattern import match_at
+
+    protected = ctx.protected if ctx is not None else frozenset()
+    if (ctx is not None and ctx.protected and (rule.pattern.inputs or rule.pattern.alternatives)
+            and _may_hold_inner(graph, rule.pattern, ctx.protected)):
+        return False  # the refusal report re-matches everywhere: run the rule
+    seen = stats.get("_skips_seen", ())
+    warnings = ctx.report.warnings if ctx is not None else []
+    v = graph.version
+    for a in anchors:
+        m = match_at(graph, rule.pattern, a, protected, rule.escapes)
+        if m is None:
+            continue
+        if (rule.name, a) not in seen:
+            return False
+        outcome, _ = _plan_one(graph, rule, m, ctx, shapes)
+        if graph.version != v:  # a build edited the graph
+            if trail is not None:
+                trail.unknown = True
+            return False
+        if outcome.fused or (outcome.warning and
+                             {"pass": None, "node": a, "message": outcome.warning} not in warnings):
+            return False
+    return True
+
+
+def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle,
+               trail: Trail | None = None) -> Outcome:
+    v = graph.version
+    outcome, plan = _plan_one(graph, rule, m, ctx, shapes)
+    if trail is not None and graph.version != v:  # a build edited the graph
+        trail.unknown = True
+    if outcome.warning and ctx is not None:
+        ctx.report.warn(outcome.warning, node=m.anchor)
+    if plan is None:
+        return outcome
+    return _commit(graph, m, plan, ctx, trail)
+
+
+def _plan_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle):
+    """The checks and the build, without editing the graph: (Outcome, None)
+    for a skip, (Outcome(True), plan for :func:`_commit`) for a fusion."""
     if m.anchor in (ctx.protected if ctx is not None else ()):
         what = "fetched" if m.anchor in ctx.fetches else "preserved"
-        return Outcome(False, f"not fused: '{m.anchor}' is {what} (the anchor's outputs must keep their form)")
+        return Outcome(False, f"not fused: '{m.anchor}' is {what} (the anchor's outputs must keep their form)"), None
     b = Builder(graph, m, rule, ctx, shapes)
     try:
         result = rule.build(m, b)
     except Skip as exc:
-        return Outcome(False, str(exc))
+        return Outcome(False, str(exc)), None
     if result is False:
-        return Outcome(False, "the build function declined this match")
+        return Outcome(False, "the build function declined this match"), None
     if not b.emitted:
-        return Outcome(False, "the build function emitted no node")
+        return Outcome(False, "the build function emitted no node"), None
     out_map = result if isinstance(result, dict) else {0: tensor_name(m.anchor, 0)}
     emitted_names = {n.name for n in b.emitted}
     if b.absorbed:  # nodes the build function matched itself (Builder.absorb)
@@ -573,10 +680,10 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
     matched = set(m.matched)
     for n in b.emitted:
         if n.name in graph.nodes and n.name not in matched and n.name not in b.replaced:
-            return Outcome(False, f"emitted node name '{n.name}' is already taken")
+            return Outcome(False, f"emitted node name '{n.name}' is already taken"), None
     missing = [r for r in b.replaced if r not in emitted_names]
     if missing:
-        return Outcome(False, f"node '{missing[0]}' was declared replaced but not re-emitted")
+        return Outcome(False, f"node '{missing[0]}' was declared replaced but not re-emitted"), None
     # consumers of anchor ports the replacement does not provide
     anchor_cons = list(graph.consumers(m.anchor))
     for cname, idx in anchor_cons:
@@ -585,17 +692,21 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
         port = parse_tensor(graph.nodes[cname].input[idx])[1]
         if port not in out_map:
             return Outcome(False, f"output {port} of '{m.anchor}' is read by '{cname}', and the "
-                                  f"fused op does not produce it")
+                                  f"fused op does not produce it"), None
     problem = _unhandled_readers(graph, b, m, matched)
     if problem:
-        return Outcome(False, problem)
+        return Outcome(False, problem), None
     _select_forms(b)
     problems = _kernel_problems(b)
     if problems:
-        if ctx is not None:
-            ctx.report.warn(f"fusion rule '{rule.name}' skipped: " + "; ".join(problems), node=m.anchor)
-        return Outcome(False, "; ".join(problems))
-    # ---- mutate: nothing above touched the graph
+        return Outcome(False, "; ".join(problems),
+                       warning=f"fusion rule '{rule.name}' skipped: " + "; ".join(problems)), None
+    return Outcome(True), (b, out_map, emitted_names, matched, anchor_cons)
+
+
+def _commit(graph: Graph, m: Match, plan, ctx, trail: Trail | None) -> Outcome:
+    """Edit the graph for a planned fusion (:func:`_plan_one`)."""
+    b, out_map, emitted_names, matched, anchor_cons = plan
     ctrl = []
     upstream = []
     for name in m.matched:
@@ -626,6 +737,9 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
                 ctrl_moves.append((cname, name))
             else:
                 rewires.append((cname, idx, b.rewired[_canon_ref(graph.nodes[cname].input[idx])]))
+    if trail is not None:
+        for name in (*b.region_nodes, *m.matched, *b.replaced):
+            trail.note_removal(graph, name)
     for name in b.region_nodes:
         graph.remove_node(name, force=True)
     for name in m.matched:
@@ -670,7 +784,7 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
     for c in region_ctrl_in:
         if c in graph.nodes and c != rt:
             graph.add_control_input(rt, c)
-    _remove_dead(graph, upstream, ctx)
+    _remove_dead(graph, upstream, ctx, trail)
     return Outcome(True, region=tuple(b.region_nodes))
 
 
@@ -716,7 +830,7 @@ def _unhandled_readers(graph: Graph, b: "Builder", m: Match, matched: set) -> st
     return None
 
 
-def _remove_dead(graph: Graph, names, ctx):
+def _remove_dead(graph: Graph, names, ctx, trail: Trail | None = None):
     protected = ctx.protected if ctx is not None else frozenset()
     stack = list(dict.fromkeys(names))
     while stack:
@@ -725,5 +839,7 @@ def _remove_dead(graph: Graph, names, ctx):
         if node is None or name in protected or graph.consumers(name) or not _removable(node):
             continue
         inputs = [parse_tensor(i)[0] for i in node.input]
+        if trail is not None:
+            trail.removed_inputs.extend(inputs)
         graph.remove_node(name)
         stack.extend(inputs)

@@ -6,6 +6,14 @@ pass sweeps to a fix-point, a sweep that changes nothing, so it is
 idempotent); every fused or skipped match is in the report with the rule name
 and a reason; emitted ops have a kernel for their device and dtype.
 
+A sweep after the first runs a rule again only if the graph changed since
+its last run; a rule that declares what it reads (:attr:`FusionRule.reads`)
+only if a change since could reach a node its matching or build reads
+(``pattern.affected_anchors``), and then first matches (and builds, without
+editing) only at the anchors such a change reaches: when none of them would
+fuse or report anything new, the rule is not run (``skip_untouched``; False
+runs every rule again, the reference).
+
 Every fusion removes at least one node or merges two Casts, so the sweeps
 terminate; the safety bound (``MAX_SWEEPS_PER_NODE`` sweeps per node of the
 input graph, at least 8) only guards against a user rule that rewrites a
@@ -19,9 +27,13 @@ that still changed the graph.
 """
 from __future__ import annotations
 
+import sys
+
+from ..graph import parse_tensor
 from ..manager import Pass, register_pass
+from ..pattern import Changes, affected_anchors
 from .cleanups import merge_duplicate_casts
-from .core import RULES, ShapeOracle, apply_rule
+from .core import CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, quiet_at
 from .grad_region import ORIGINAL_NAMES_ATTR
 
 #: safety bound on sweeps: this many per node of the input graph (a fix-point is
@@ -34,7 +46,20 @@ _MERGE = object()  # merge_duplicate_casts' key among the idle rules
 @register_pass("fusion")
 class FusionPass(Pass):
     tracks_edits = True  # every edit through Graph methods (fusion.core)
+    #: skip a declaring rule when no change since its last run reaches what it reads
+    #: (False: the reference, every rule runs again after any change)
+    skip_untouched = True
+
     def run(self, graph, ctx):
+        #: (sweep, rule name) of every rule run skipped by skip_untouched (for tests)
+        self.skipped_runs = []
+        setattr(graph, CONST_MEMO_ATTR, {})
+        try:
+            return self._run(graph, ctx)
+        finally:
+            delattr(graph, CONST_MEMO_ATTR)
+
+    def _run(self, graph, ctx):
         level = ctx.option("graph_level", 2) if ctx is not None else 2
         level = 2 if level is None else int(level)
         stats = {"graph_level": level, "fused": {}, "skipped": {}, "casts_merged": 0}
@@ -45,28 +70,38 @@ class FusionPass(Pass):
         # some of which earlier fusions remove (grad_region.attributed_forward)
         setattr(graph, ORIGINAL_NAMES_ATTR, frozenset(graph.nodes))
         bound = max(MIN_SWEEP_BOUND, MAX_SWEEPS_PER_NODE * len(graph.nodes))
-        # rule -> graph.version after a run of it that changed nothing: while no
-        # other rule changes the graph, running it again would find the same
-        # matches, fuse none and report nothing new (skips are reported once)
+        # rule -> (graph.version, edit mark, removal mark, no overlap dropped)
+        # after a run of it that changed nothing: while no other rule changes
+        # the graph, running it again would find the same matches, fuse none and
+        # report nothing new (skips are reported once)
         idle: dict = {}
+        trail = Trail()
+        dirty_cache: dict = {}
         for sweep in range(bound):
             changed = 0
             active = []
             for rule in rules:
-                if idle.get(rule.name) == graph.version:
-                    continue
+                rec = idle.get(rule.name)
+                if rec is not None:
+                    if rec[0] == graph.version:
+                        continue
+                    if self._untouched(graph, rule, rec, trail, dirty_cache, ctx, stats):
+                        self.skipped_runs.append((sweep + 1, rule.name))
+                        idle[rule.name] = (graph.version, _edit_mark(graph), len(trail.removed_inputs), True)
+                        continue
                 v = graph.version
-                n = apply_rule(graph, rule, ctx, ShapeOracle(graph), stats)
+                marks = (_edit_mark(graph), len(trail.removed_inputs))
+                n = apply_rule(graph, rule, ctx, ShapeOracle(graph), stats, trail)
                 changed += n
                 if n:
                     active.append(rule.name)
                 elif graph.version == v:
-                    idle[rule.name] = v
+                    idle[rule.name] = (v, *marks, not trail.dropped)
             # after the chain rules, which need single-consumer casts
             merged = 0
             if idle.get(_MERGE) != graph.version:
                 v = graph.version
-                merged = merge_duplicate_casts(graph, ctx)
+                merged = merge_duplicate_casts(graph, ctx, trail)
                 if not merged and graph.version == v:
                     idle[_MERGE] = v
             stats["casts_merged"] += merged
@@ -85,3 +120,45 @@ class FusionPass(Pass):
             total = sum(stats["fused"].values())
             ctx.report.summary["fusions"] = ctx.report.summary.get("fusions", 0) + total
         return stats
+
+    def _untouched(self, graph, rule, rec, trail, cache, ctx, stats) -> bool:
+        """Whether running ``rule`` (idle since ``rec``) again would change
+        nothing and report nothing new (see the module docstring)."""
+        if (not self.skip_untouched or rule.reads is None or not rec[3] or trail.unknown):
+            return False
+        key = (graph.version, rec[1], rec[2])
+        dirty = cache.get(key)
+        if dirty is None:
+            if len(cache) > 64:
+                cache.clear()
+            dirty = cache[key] = _dirty_since(graph, trail, rec[1], rec[2])
+        if dirty is False:
+            return False
+        anchors = affected_anchors(graph, rule.pattern, dirty, rule.reads)
+        if not anchors:
+            return True
+        return quiet_at(graph, rule, ctx, ShapeOracle(graph), stats, sorted(anchors), trail)
+
+
+def _edit_mark(graph) -> int:
+    return graph.edits_since(sys.maxsize)[1]
+
+
+def _dirty_since(graph, trail, edit_mark, removal_mark):
+    """``pattern.Changes`` of the nodes created or edited since the marks, or
+    whose readers changed (the producers of their inputs and of removed
+    nodes' inputs), or False when the graph cannot say (``Graph.touch_all``)."""
+    names, _ = graph.edits_since(edit_mark)
+    if names is None:
+        return False
+    nodes = graph.nodes
+    dirty = set()
+    for name in set(names):
+        node = nodes.get(name)
+        if node is None:
+            continue
+        dirty.add(name)
+        for inp in node.input:
+            dirty.add(parse_tensor(inp)[0])
+    dirty.update(trail.removed_inputs[removal_mark:])
+    return Changes(graph, dirty)

@@ -128,12 +128,14 @@ def _np_dtype(dt):
 
 
 class _NodeInfo:
-    __slots__ = ("attrs", "in_attr", "fixed")
+    __slots__ = ("attrs", "in_attr", "fixed", "fidx")
 
     def __init__(self, attrs, in_attr, fixed):
         self.attrs = attrs      # changeable float type attrs
         self.in_attr = in_attr  # per data input index: its type attr name or ""
         self.fixed = fixed      # reason it is never re-typed, or None
+        # the data input indices whose type attr is in attrs (ascending)
+        self.fidx = tuple(k for k, a in enumerate(in_attr) if a)
 
 
 @register_pass("precision")
@@ -158,9 +160,13 @@ class PrecisionPass(Pass):
         self.unknown_policy = plan.unknown_policy
         self.protected = ctx.protected
         self._info = {}
+        self._painted = None  # (fast path) names _paint decided: float, not fixed, not Const
+        self._rmemo = None  # (fast path) tensor -> its readers, while edges and Casts stay
         self._dts = {}  # name -> (node, input dtypes, output dtypes) memo (see in_dtypes)
         self._sig_dts = {}  # registry.signature_key -> (input dtypes, output dtypes)
         self._sig_info = {}  # registry.signature_key -> _NodeInfo (ops outside COND_OPS)
+        self._other_types = {}  # (op, changeable attrs) -> the op's other type attrs, sorted
+        self._dev_types = {}  # device string -> device type
         self._kernel_cache = {}
         self._unsafe_cache = {}
         self.casts_inserted = 0
@@ -183,8 +189,11 @@ class PrecisionPass(Pass):
         if self.mode != "must_keep_origin_dtype":
             changed = self._paint(order)
             if self.mode in ("allow_mix_precision", "allow_mix_precision_bf16"):
+                if self.fast_paths:
+                    self._rmemo = {}  # edges and Casts stay as they are until _adapt_casts
                 changed += self._demote(order)
                 changed += self._follow_readers(order)
+                self._rmemo = None
             self._adapt_casts()
             self._convert_consts()
             self._fix_edges(shapes)
@@ -215,15 +224,18 @@ class PrecisionPass(Pass):
             return node, None if ins is None else tuple(ins), None if outs is None else tuple(outs)
         hit = self._dts.get(node.name)
         if hit is None or hit[0] is not node:
-            key = registry.signature_key(node)
-            facts = self._sig_dts.get(key) if key is not None else None
-            if facts is None:
-                ins = self.g.input_dtypes(node)
-                outs = self.g.output_dtypes(node)
-                facts = (None if ins is None else tuple(ins), None if outs is None else tuple(outs))
-                if key is not None:
-                    self._sig_dts[key] = facts
-            hit = self._dts[node.name] = (node, facts[0], facts[1])
+            hit = self._fill_dts(node, registry.signature_key(node))
+        return hit
+
+    def _fill_dts(self, node, key):
+        facts = self._sig_dts.get(key) if key is not None else None
+        if facts is None:
+            ins = self.g.input_dtypes(node)
+            outs = self.g.output_dtypes(node)
+            facts = (None if ins is None else tuple(ins), None if outs is None else tuple(outs))
+            if key is not None:
+                self._sig_dts[key] = facts
+        hit = self._dts[node.name] = (node, facts[0], facts[1])
         return hit
 
     def in_dtypes(self, node):
@@ -254,6 +266,19 @@ class PrecisionPass(Pass):
         self._before.save(node.name)
         node.attr[attr].type = dt
         self._dts.pop(node.name, None)
+
+    def _float_inputs(self, node, info):
+        """[(index, input)] of the data inputs typed by a changeable attr of
+        ``node`` (``info.in_attr``).  The fast path visits only those
+        indices: a node's control inputs (Keras' ZerosLike and ShapeN carry
+        a hundred each) are never read."""
+        ins = node.input
+        if not self.fast_paths:
+            in_attr = info.in_attr
+            return [(k, inp) for k, inp in enumerate(ins)
+                    if not (inp.startswith("^") or k >= len(in_attr) or not in_attr[k])]
+        n = len(ins)
+        return [(k, ins[k]) for k in info.fidx if k < n and not ins[k].startswith("^")]
 
     def in_loop_plumbing(self, node):
         """A Switch fed a ``LoopCond`` predicate (or a loop-carried value
@@ -314,15 +339,31 @@ class PrecisionPass(Pass):
             x.default_value.type for x in registry.op_def(node.op).attr if x.name == a)
 
     def device_type(self, node):
-        return registry.device_type_of(node, default=self.default_dev)
+        if not self.fast_paths:
+            return registry.device_type_of(node, default=self.default_dev)
+        dev = node.device
+        t = self._dev_types.get(dev)
+        if t is None:
+            t = self._dev_types[dev] = registry.device_type_of(node, default=self.default_dev)
+        return t
 
     def kernel_ok(self, node, info, dt):
-        others = {}
-        od = registry.op_def(node.op)
-        for a in od.attr:
-            if a.type == "type" and a.name not in info.attrs and a.name in node.attr:
-                others[a.name] = node.attr[a.name].type
-        key = (node.op, self.device_type(node), dt, tuple(sorted(others.items())))
+        if self.fast_paths:
+            names = self._other_types.get((node.op, info.attrs))
+            if names is None:
+                names = self._other_types[(node.op, info.attrs)] = tuple(sorted(
+                    a.name for a in registry.op_def(node.op).attr
+                    if a.type == "type" and a.name not in info.attrs))
+            nattr = node.attr
+            others = dict((a, nattr[a].type) for a in names if a in nattr)
+            key = (node.op, self.device_type(node), dt, tuple(others.items()))
+        else:
+            others = {}
+            od = registry.op_def(node.op)
+            for a in od.attr:
+                if a.type == "type" and a.name not in info.attrs and a.name in node.attr:
+                    others[a.name] = node.attr[a.name].type
+            key = (node.op, self.device_type(node), dt, tuple(sorted(others.items())))
         ok = self._kernel_cache.get(key)
         if ok is None:
             want = dict(others)
@@ -368,6 +409,8 @@ class PrecisionPass(Pass):
 
     def _voter(self, ref):
         """(dtype, hard, producer) of a voting input, or None when it does not vote."""
+        if self.fast_paths:
+            return self._voter_fast(ref)
         r = self.root(ref)
         src, port, _ = parse_tensor(r)
         node = self.g.nodes.get(src)
@@ -382,6 +425,41 @@ class PrecisionPass(Pass):
         if dt is None or registry.base_dtype(dt) not in FLOATS:
             return None
         dt = registry.base_dtype(dt)
+        return dt, (st == "hard" and dt == FP32), src
+
+    def _voter_fast(self, ref):
+        # _voter with root / tensor_dtype inlined (the same steps)
+        nodes = self.g.nodes
+        r = ref
+        for _ in range(64):
+            src, port, _c = parse_tensor(r)
+            node = nodes.get(src)
+            if node is None:
+                return None
+            if node.op != "Cast" or not node.input:
+                break
+            na = node.attr
+            if na["SrcT"].type not in FLOATS or na["DstT"].type not in FLOATS:
+                break
+            r = node.input[0]
+        else:
+            src, port, _c = parse_tensor(r)
+            node = nodes.get(src)
+            if node is None:
+                return None
+        op = node.op
+        if op == "Const" or op in VARIABLE_OPS or op == "Cast":
+            return None
+        st = self.state.get(src)
+        if st == "neutral" or _c:
+            return None
+        hit = self._dts.get(src)
+        dts = hit[2] if hit is not None and hit[0] is node else self._memo_dts(node)[2]
+        if dts is None or port >= len(dts):
+            return None
+        dt = registry.base_dtype(dts[port])
+        if dt not in FLOATS:
+            return None
         return dt, (st == "hard" and dt == FP32), src
 
     def _const_of(self, ref):
@@ -435,6 +513,7 @@ class PrecisionPass(Pass):
     def _paint(self, order):
         g = self.g
         changed = 0
+        painted = set() if self.fast_paths and len(order) == len(g.nodes) else None
         for name in order:
             node = g.nodes[name]
             if node.op == "Const":
@@ -447,6 +526,8 @@ class PrecisionPass(Pass):
                 self.state[name] = "fixed"
                 self._record(node, "fixed", f"fixed: {info.fixed}", lst="fixed", dtype=cur)
                 continue
+            if painted is not None:
+                painted.add(name)
             target, state, reason, lst = self._decide(node, info, cur)
             if target != cur:
                 self._retype(node, info.attrs, target)
@@ -454,11 +535,25 @@ class PrecisionPass(Pass):
                 self.touched.add(name)
             self.state[name] = state
             self._record(node, state, reason, lst=lst, dtype=target, was=registry.dtype_name(cur))
+        self._painted = painted
         return changed
 
     # ------------------------------------------------------------ demotion
     def _readers(self, ref, exclude=None):
         """[(consumer, index)] reading tensor ``ref``, looking through float Casts."""
+        memo = self._rmemo
+        if memo is not None:  # (fast path, while no edge and no Cast changes)
+            hit = memo.get(ref)
+            if hit is None:
+                hit = memo[ref] = self._readers_of(ref)
+            if exclude is None:
+                return hit
+            ex = self.g.nodes.get(exclude)
+            if ex is None or ex.op != "Cast":  # (a Cast excluded hides its own readers)
+                return [r for r in hit if r[0] != exclude]
+        return self._readers_of(ref, exclude)
+
+    def _readers_of(self, ref, exclude=None):
         src, port, _ = parse_tensor(ref)
         out = []
         for cname, idx in self.g.consumers(src, port=port):
@@ -466,7 +561,7 @@ class PrecisionPass(Pass):
                 continue
             c = self.g.nodes[cname]
             if c.op == "Cast" and c.attr["SrcT"].type in FLOATS and c.attr["DstT"].type in FLOATS:
-                out.extend(self._readers(cname, exclude))
+                out.extend(self._readers_of(cname, exclude))
             else:
                 out.append((cname, idx))
         return out
@@ -484,9 +579,7 @@ class PrecisionPass(Pass):
         """True when every low producer of ``node`` is a gray/clear node (its
         own demotion may absorb a cast moved onto its output)."""
         seen = False
-        for k, inp in enumerate(node.input):
-            if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
-                continue
+        for k, inp in self._float_inputs(node, info):
             r = self.root(inp)
             rdt = self.tensor_dtype(r)
             if rdt is None or registry.base_dtype(rdt) != self.low:
@@ -514,9 +607,7 @@ class PrecisionPass(Pass):
                 continue
             info = self.info(node)
             cost_low = cost_f32 = 0
-            for k, inp in enumerate(node.input):
-                if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
-                    continue
+            for k, inp in self._float_inputs(node, info):
                 r = self.root(inp)
                 rnode = g.nodes.get(parse_tensor(r)[0])
                 if rnode is None or rnode.op == "Const":
@@ -606,9 +697,7 @@ class PrecisionPass(Pass):
             if not stay:
                 continue
             blocked = False
-            for k, inp in enumerate(node.input):
-                if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
-                    continue
+            for k, inp in self._float_inputs(node, info):
                 r = self.root(inp)
                 rnode = g.nodes.get(parse_tensor(r)[0])
                 if rnode is None or rnode.op in VARIABLE_OPS:
@@ -636,9 +725,7 @@ class PrecisionPass(Pass):
 
     def _refuse_low(self, node, info, cur, warn=True):
         """Reason a node may not go low precision (unsafe const, no kernel), or None."""
-        for k, inp in enumerate(node.input):
-            if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
-                continue
+        for k, inp in self._float_inputs(node, info):
             c = self._const_of(inp)
             if c is not None and c.attr["dtype"].type in FLOATS:
                 why = self.unsafe_const(c, self.low)
@@ -708,9 +795,7 @@ class PrecisionPass(Pass):
         n_low = n_f32 = 0
         hard = False
         first_low = first_f32 = None
-        for k, inp in enumerate(node.input):
-            if inp.startswith("^") or k >= len(info.in_attr) or not info.in_attr[k]:
-                continue
+        for k, inp in self._float_inputs(node, info):
             v = self._voter(inp)
             if v is None:
                 continue
@@ -746,7 +831,8 @@ class PrecisionPass(Pass):
         """User Casts: a float source follows its producer; an int/bool source's
         float destination follows its consumers (no Cast->Cast chains)."""
         g = self.g
-        for name in list(g.nodes):
+        names = g.nodes_of_type("Cast") if self.fast_paths else list(g.nodes)
+        for name in names:
             node = g.nodes[name]
             if node.op != "Cast" or self.is_keep(node) or not node.input:
                 continue
@@ -768,9 +854,14 @@ class PrecisionPass(Pass):
 
     def _convert_consts(self):
         g = self.g
-        for name in list(g.nodes):
+        fast = self.fast_paths
+        for name in (g.nodes_of_type("Const") if fast else list(g.nodes)):
             node = g.nodes[name]
-            if node.op != "Const" or name in self.protected or self.is_keep(node):
+            if fast:  # (the same tests, the cheap one first: most constants are ints)
+                a = node.attr.get("dtype")
+                if a is None or a.type not in FLOATS or name in self.protected or self.is_keep(node):
+                    continue
+            elif node.op != "Const" or name in self.protected or self.is_keep(node):
                 continue
             cur = node.attr["dtype"].type
             if cur not in FLOATS:
@@ -801,7 +892,10 @@ class PrecisionPass(Pass):
             want = self.in_dtypes(node)
             if want is None:
                 continue
-            for k, inp in enumerate(node.input):
+            ins = node.input
+            # (fast path: indices past the node's data inputs are control inputs)
+            for k in range(min(len(want), len(ins)) if self.fast_paths else len(ins)):
+                inp = ins[k]
                 if inp.startswith("^") or k >= len(want):
                     continue
                 w = registry.base_dtype(want[k])
@@ -1020,8 +1114,14 @@ class PrecisionPass(Pass):
         g, rep = self.g, self.ctx.report
         float_nodes = low_nodes = 0
         matrix = []  # (node, runs in the low dtype)
+        # (fast path: the nodes _paint decided are those counted here; the
+        # nodes added since are Casts and variable reads, fixed)
+        painted = self._painted
         for name, node in g.nodes.items():
-            if node.op in ("Const", "Cast"):
+            if painted is not None:
+                if name not in painted:
+                    continue
+            elif node.op in ("Const", "Cast"):
                 continue
             info = self.info(node)
             if not info.attrs or info.fixed:

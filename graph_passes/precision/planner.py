@@ -77,9 +77,10 @@ def _name_match(name, patterns):
 
 
 def _truthy_attr(node, key):
-    a = node.attr.get(key)
-    if a is None:
+    attrs = node.attr
+    if key not in attrs:  # (the usual case; cheaper than .get, which wraps the value)
         return False
+    a = attrs[key]
     kind = a.WhichOneof("value")
     return bool(getattr(a, kind)) if kind in ("b", "i", "s", "f") else kind is not None
 
@@ -121,13 +122,15 @@ class Plan:
         return self.op_list.get(op_type)
 
     def is_keep(self, node) -> bool:
-        return _truthy_attr(node, KEEP_DTYPE_ATTR) or _name_match(node.name, self.keep_names)
+        if _truthy_attr(node, KEEP_DTYPE_ATTR):
+            return True
+        return bool(self.keep_names) and _name_match(node.name, self.keep_names)
 
     def is_keep_name(self, name) -> bool:
         return _name_match(name, self.keep_names)
 
     def is_forced_low(self, name) -> bool:
-        return _name_match(name, self.low_names)
+        return bool(self.low_names) and _name_match(name, self.low_names)
 
     def matrix_dtype(self, op_type: str, node_name: str, dtype: int, node=None) -> tuple[int, str]:
         """(dtype, why) a white-list-like matrix op of ``op_type`` (currently

@@ -1,0 +1,173 @@
+"""Issue 17e: the fusion pass's shortcuts change nothing.
+
+* ``FusionPass.skip_untouched``: a rule that declares what it reads
+  (``FusionRule.reads``) is not run again in a later sweep when no change
+  since its last run reaches a node it reads.  Each real graph is rewritten
+  with it and with the reference (``skip_untouched = False``: every rule runs
+  again after any change); the GraphDefs must be byte-identical (deterministic
+  serialisation) and the reports equal (timings aside), and rules must have
+  been skipped, so the comparison is not vacuous.
+* ``find_matches`` visits only the anchors a rarer inner position can reach
+  (``pattern._candidates``): every anchor at which ``match_at`` matches is a
+  candidate, for every registered rule on real graphs, and ``find_matches``
+  returns what a visit of every node in topological order returns.
+"""
+import pytest
+import tensorflow as tf
+
+import npu_amp_tf
+from graph_passes import pattern
+from graph_passes.fusion import RULES, register_fusion_rule, unregister_fusion_rule
+from graph_passes.fusion import fusion_pass
+from graph_passes.graph import Graph
+from test_precision_fast import _strip_times, slim_resnet_graph
+from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph
+
+tf1 = tf.compat.v1
+
+MODES = {
+    "fp16": dict(precision_mode="allow_mix_precision"),
+    "bf16": dict(precision_mode="allow_mix_precision_bf16"),
+    "bf16_l3": dict(precision_mode="allow_mix_precision_bf16", graph_level=3),
+}
+
+
+def _rewrite(monkeypatch, gd, fetches, skip, kw):
+    """(GraphDef bytes, report without timings, [(sweep, rule) skipped])."""
+    monkeypatch.setattr(fusion_pass.FusionPass, "skip_untouched", skip)
+    passes = []
+    orig = fusion_pass.FusionPass.run
+
+    def run(self, graph, ctx):
+        passes.append(self)
+        return orig(self, graph, ctx)
+
+    monkeypatch.setattr(fusion_pass.FusionPass, "run", run)
+    out, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, **kw)
+    monkeypatch.setattr(fusion_pass.FusionPass, "run", orig)
+    skipped = [s for p in passes for s in getattr(p, "skipped_runs", [])]
+    return out.SerializeToString(deterministic=True), _strip_times(rep.to_json()), skipped
+
+
+def assert_skips_change_nothing(monkeypatch, gd, fetches, modes):
+    """Per mode: skipping equals the reference; returns the runs skipped."""
+    skipped_all = []
+    for mode in modes:
+        fast_gd, fast_rep, skipped = _rewrite(monkeypatch, gd, fetches, True, MODES[mode])
+        ref_gd, ref_rep, ref_skipped = _rewrite(monkeypatch, gd, fetches, False, MODES[mode])
+        assert fast_rep["summary"].get("failed_pass") is None, fast_rep["warnings"][:3]
+        assert ref_skipped == []
+        assert fast_gd == ref_gd, f"{mode}: skipping rules rewrote the graph differently"
+        assert fast_rep == ref_rep, f"{mode}: skipping rules changed the report"
+        skipped_all += skipped
+    return skipped_all
+
+
+# ------------------------------------------------------------- skip_untouched
+def test_bert_like_training_graph_skips_equal_reference(monkeypatch):
+    """LayerNorm fuses in sweep 1 (with its gradient region); sweep 2 runs
+    only what that change can reach."""
+    gd = bert_like_training_graph()
+    skipped = assert_skips_change_nothing(monkeypatch, gd, ["loss", "train"], tuple(MODES))
+    names = {r for _, r in skipped}
+    assert {"bias", "bias_add", "bias_gelu_exact", "identity_chain"} <= names, names
+    assert all(sweep >= 2 for sweep, _ in skipped)
+
+
+def test_keras_resnet50_skips_equal_reference(k2, monkeypatch):
+    """BF16 under oneDNN fuses bias / batch-norm + Relu / residual units and
+    the filter gradients: several rules change the graph in sweep 1."""
+    gd = _keras_resnet_training_graph(k2)
+    assert_skips_change_nothing(monkeypatch, gd, ["loss", "train"], ("fp16", "bf16"))
+
+
+def test_slim_resnet_v1_50_skips_equal_reference(monkeypatch):
+    pytest.importorskip("tf_slim", reason="tf_slim is not installed in this environment")
+    gd, fetches = slim_resnet_graph()
+    assert_skips_change_nothing(monkeypatch, gd, fetches, ("bf16", "bf16_l3"))
+
+
+def test_a_wrong_declaration_misses_a_fusion_the_reference_makes(monkeypatch):
+    """The comparison has teeth: a rule whose predicate reads one edge above
+    its anchor but declares ``reads=0`` is skipped in sweep 2 after another
+    rule changed that node, and misses the fusion the reference makes;
+    declared ``reads=1`` it is run again and equals the reference."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [4, 8], name="x")
+        tf.identity(tf.nn.relu(tf.abs(x, name="abs"), name="relu"), name="out")
+    gd = g.as_graph_def()
+
+    def relu_after_sqrt(node, graph):  # reads the anchor's producer
+        src = graph.input_node(node, 0)
+        return src is not None and src.op == "Sqrt"
+
+    def to_relu6(m, b):
+        b.emit("Relu6", m.anchor, [b.anchor.input[0]], {"T": b.anchor.attr["T"]})
+
+    def abs_to_sqrt(m, b):  # a test rewrite (not value-preserving): Abs -> Sqrt
+        b.emit("Sqrt", m.anchor, [b.anchor.input[0]], {"T": b.anchor.attr["T"]})
+
+    results = {}
+    for reads in (0, 1):
+        register_fusion_rule("t_relu_after_sqrt", pattern.Pat("Relu", predicate=relu_after_sqrt),
+                             to_relu6, reads=reads)
+        register_fusion_rule("t_abs_to_sqrt", pattern.Pat("Abs"), abs_to_sqrt, reads=0)
+        try:
+            for skip in (True, False):
+                out, _, skipped = _rewrite(monkeypatch, gd, ["out"], skip, {"graph_level": 2})
+                ops = {n.name: n.op for n in tf1.GraphDef.FromString(out).node}
+                results[(reads, skip)] = (ops["relu"], skipped)
+        finally:
+            unregister_fusion_rule("t_relu_after_sqrt")
+            unregister_fusion_rule("t_abs_to_sqrt")
+    assert results[(0, False)][0] == results[(1, False)][0] == "Relu6"  # the reference fuses
+    assert results[(1, True)][0] == "Relu6"
+    assert results[(0, True)][0] == "Relu"  # wrongly skipped ...
+    assert (2, "t_relu_after_sqrt") in results[(0, True)][1]  # ... in sweep 2
+
+
+def test_reads_declaration_is_validated():
+    with pytest.raises(ValueError, match="reads"):
+        register_fusion_rule("t_bad_reads", pattern.Pat("Relu"), lambda m, b: None, reads=-1)
+    assert "t_bad_reads" not in RULES
+
+
+# ---------------------------------------------------------- anchor narrowing
+def _graphs_for_narrowing(k2):
+    yield "bert", bert_like_training_graph()
+    yield "keras_resnet50", _keras_resnet_training_graph(k2)
+    try:
+        yield "slim_resnet_v1_50", slim_resnet_graph()[0]
+    except ImportError:
+        pass
+
+
+def test_anchor_candidates_hold_every_match(k2):
+    """On the raw graphs and on the graphs the pipeline wrote (LayerNorm,
+    fused ops, casts present): for every registered rule, every anchor at
+    which match_at matches (even with escaping inner tensors) is a candidate,
+    and find_matches equals the visit of every node in topological order."""
+    checked = narrowed = 0
+    for name, gd in _graphs_for_narrowing(k2):
+        fetches = ["loss", "train"]
+        out, _ = npu_amp_tf.rewrite_graph(gd, fetches=fetches, precision_mode="allow_mix_precision_bf16")
+        for g in (Graph(gd), Graph(out)):
+            for rule in RULES.values():
+                pat = rule.pattern
+                cands = pattern._candidates(g, pat)
+                if cands is None:
+                    continue
+                narrowed += 1
+                ops = pattern._anchor_ops(pat)
+                for anchor in g.nodes_of_type(ops):
+                    m = pattern.match_at(g, pat, anchor, escapes_ok=True)
+                    if m is not None:
+                        checked += 1
+                        assert anchor in cands, (name, rule.name, anchor)
+                for escapes in (False, True):
+                    fast = pattern.find_matches(g, pat, escapes_ok=escapes)
+                    ref = pattern.find_matches(g, pat, order=g.topo_order(), escapes_ok=escapes)
+                    assert [(m.anchor, m.matched) for m in fast] == [(m.anchor, m.matched) for m in ref], \
+                        (name, rule.name)
+    assert narrowed > 10 and checked > 20, (narrowed, checked)
