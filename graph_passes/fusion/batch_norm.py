@@ -560,4 +560,4 @@ def register(reg):
                "Eigen elementwise kernels measured slower in BF16 than in FP32")
 
 
-__all__ = ["register", "analyze_batch_norm", "Skip", "const_value"]
+__all__ = ["register", "analyze_batch_norm"]
