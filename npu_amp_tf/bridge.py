@@ -174,8 +174,10 @@ def last_reports(n: int | None = None) -> list[dict]:
     """The most recent bridge records, oldest first (at most 64 are kept).
 
     Each record: ``{"graph": item id, "status": "rewritten" | "unchanged" |
-    "cached" | "invalid_options" | "pass_failed" | "error", "time_s": ...,
-    "bridge_s": ..., "nodes": ..., "report": Report.to_json() or None,
+    "cached" | "invalid_options" | "pass_failed" | "error", "time_s": ... (wall),
+    "cpu_s": ... (this thread's CPU time: wall time on a loaded machine counts
+    the neighbours too), "bridge_s": ... (parsing the graph; the output is
+    serialized inside the pipeline), "nodes": ..., "report": Report.to_json() or None,
     "error": message or None}``."""
     with _lock:
         items = list(_reports)
@@ -455,7 +457,8 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     from .errors import NpuAmpError, PassError
 
     t0 = time.perf_counter()
-    entry = {"graph": item_id, "status": None, "report": None, "error": None}
+    entry = {"graph": item_id, "status": None, "report": None, "error": None,
+             "_cpu0": time.thread_time()}
 
     # 1. parameters
     try:
@@ -550,6 +553,8 @@ def _finish(entry, status, t0, error, out=None, gd=None, code=RC_OK, nodes=None)
     entry["status"] = status
     entry["error"] = error
     entry["time_s"] = round(time.perf_counter() - t0, 6)
+    cpu0 = entry.pop("_cpu0", None)
+    entry["cpu_s"] = round(time.thread_time() - cpu0, 6) if cpu0 is not None else None
     entry.setdefault("bridge_s", None)
     entry["nodes"] = len(gd.node) if gd is not None else nodes
     _record(entry)
