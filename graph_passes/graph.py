@@ -27,7 +27,7 @@ import functools
 import logging
 from array import array
 from collections import defaultdict, deque
-from itertools import filterfalse
+from itertools import accumulate, filterfalse
 from operator import methodcaller
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
@@ -169,10 +169,10 @@ class Graph:
         describe ``graph_def``."""
         try:
             head, names_b, ops_b, srcs_b, binary = bytes(blob).split(b"\x03", 4)
-            magic, count, cycle = head.split(b"\x02")
-            n = int(count)
+            magic, count, cycle, nsrc = head.split(b"\x02")
+            n, ns = int(count), int(nsrc)
             gnodes = graph_def.node
-            if magic != b"NPUIDX2" or n != len(gnodes):
+            if magic != b"NPUIDX3" or n != len(gnodes):
                 return False
             names = names_b.decode("ascii").split("\x01") if n else []
             nodes = dict(zip(names, gnodes))
@@ -183,30 +183,30 @@ class Graph:
             for k in (*range(0, n, max(1, n // 32)), n - 1) if n else ():
                 if gnodes[k].name != names[k]:
                     return False
-            ops = [line.split("\x01") for line in ops_b.decode("ascii").split("\n")] if ops_b else []
-            srcs = [line.split("\x01") for line in srcs_b.decode("ascii").split("\n")] if srcs_b else []
+            ops = ops_b.decode("ascii").split("\x01") if n else []
+            srcs = srcs_b.decode("ascii").split("\x01") if ns else []
             ints = array("i")
-            if ints.itemsize != 4:
+            if ints.itemsize != 4 or len(srcs) != ns:
                 return False
             ints.frombytes(binary)
-            counts = [int(c) for _, c in srcs]
-            e = sum(counts)
-            if len(ints) != 2 * n + 2 * e or sum(int(c) for _, c in ops) != n:
+            no = len(ops)
+            op_counts, src_counts = ints[:no], ints[no:no + ns]
+            e = sum(src_counts)
+            at = no + ns
+            if len(ints) != at + 2 * n + 2 * e or sum(op_counts) != n:
                 return False
             nget = names.__getitem__
-            members = list(map(nget, ints[:n]))
-            by_op, at = {}, 0
-            for op, c in ops:
-                c = int(c)
-                by_op[op] = dict.fromkeys(members[at:at + c])
-                at += c
-            readers = list(map(nget, ints[n:n + e]))
-            positions = ints[n + e:n + 2 * e]
-            cons, at = defaultdict(list), 0
-            for (src, _), c in zip(srcs, counts):
-                cons[src] = list(zip(readers[at:at + c], positions[at:at + c]))
-                at += c
-            order = list(map(nget, ints[n + 2 * e:]))
+            # (C-level loops: no Python statement per node or edge)
+            members = list(map(nget, ints[at:at + n]))
+            ends = list(accumulate(op_counts))
+            by_op = dict(zip(ops, map(dict.fromkeys, map(members.__getitem__,
+                                                         map(slice, [0, *ends[:-1]], ends)))))
+            pairs = list(zip(map(nget, ints[at + n:at + n + e]), ints[at + n + e:at + n + 2 * e]))
+            ends = list(accumulate(src_counts))
+            cons = defaultdict(list, zip(srcs, map(pairs.__getitem__, map(slice, [0, *ends[:-1]], ends))))
+            order = list(map(nget, ints[at + n + 2 * e:]))
+            if len(by_op) != no or len(cons) != ns:
+                return False
         except (ValueError, IndexError, UnicodeDecodeError, TypeError):
             return False
         self.nodes = nodes
@@ -699,13 +699,14 @@ class Graph:
         parts = []
         add = parts.append
         for n in nodes.values():
-            keep = _colocation_kept(n, names)
-            if keep is not None:  # colocated with a node a pass removed: a fixed copy
+            b = n.SerializeToString(deterministic=True)
+            # (only a node whose bytes hold "_class" can carry colocation entries)
+            keep = _colocation_kept(n, names) if b"_class" in b else None
+            if keep is not None:  # colocated with a node that is gone: a fixed copy
                 c = node_def_pb2.NodeDef()
                 c.CopyFrom(n)
                 _drop_colocation(c, keep)
-                n = c
-            b = n.SerializeToString(deterministic=True)
+                b = c.SerializeToString(deterministic=True)
             add(b"\x0a")  # field 1 (node), length-delimited
             add(_varint(len(b)))
             add(b)
