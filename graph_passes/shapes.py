@@ -23,6 +23,7 @@ Shapes are lists of ints with -1 for an unknown dim, or None for unknown rank.
 from __future__ import annotations
 
 import logging
+import weakref
 
 from .graph import parse_tensor
 
@@ -214,13 +215,19 @@ class ShapeTable:
     _dependent = False
 
     def __init__(self, graph, source=None):
-        self._graph = graph
+        # weakly: the graph holds its table (:func:`attach`), and a cycle
+        # would keep every graph alive until a full garbage collection
+        self._graph_ref = weakref.ref(graph)
         self._shapes = {}
         self._source = source
         self._inferred = None
         self._aliases = {}
         self._local_memo = {}
         self.error = None
+
+    @property
+    def _graph(self):
+        return self._graph_ref()
 
     @property
     def inferred(self):
