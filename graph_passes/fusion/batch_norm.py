@@ -53,7 +53,7 @@ import numpy as np
 from .. import registry
 from ..graph import parse_tensor, tensor_name
 from ..pattern import Pat
-from .builtin import _precision_plan, _squeeze_lead, const_scalar
+from .builtin import _precision_plan, _squeeze_lead, const_scalar, reemit_aggregator
 from .core import Skip, const_value
 
 _ADDS = ("Add", "AddV2")
@@ -451,17 +451,7 @@ def _backward(m, b, res, x, xs, gamma, beta, stat_refs, dt):
             continue
         src = tensor_name(gname, ports[role])
         if term.aggregator is not None:
-            agg = g.nodes[term.aggregator]
-            b.replace(agg.name, control_ok=True)
-            rest = [i for i in g.data_inputs(agg) if _canon(i) not in term.refs]
-            rest_ctrl = [i for i in agg.input if i.startswith("^")]
-            if not rest:
-                b.emit("Identity", agg.name, [src] + rest_ctrl, {"T": ("type", dt)})
-            elif agg.op == "AddN":
-                b.emit("AddN", agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt), "N": 1 + len(rest)})
-            else:
-                b.emit(agg.op, agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt)})
-            b.emitted[-1].device = agg.device
+            reemit_aggregator(b, g, term, src, dt)
             continue
         for ref in term.refs:
             rewire[ref] = src

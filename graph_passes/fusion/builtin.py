@@ -652,17 +652,7 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
     for role, term in terms.items():
         src = tensor_name(gname, ports[role])
         if term.aggregator is not None:
-            agg = g.nodes[term.aggregator]
-            b.replace(agg.name, control_ok=True)
-            rest = [i for i in g.data_inputs(agg) if _canon(i) not in term.refs]
-            rest_ctrl = [i for i in agg.input if i.startswith("^")]
-            if not rest:
-                b.emit("Identity", agg.name, [src] + rest_ctrl, {"T": ("type", dt)})
-            elif agg.op == "AddN":
-                b.emit("AddN", agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt), "N": 1 + len(rest)})
-            else:
-                b.emit(agg.op, agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt)})
-            b.emitted[-1].device = agg.device  # the sum stays where it was placed
+            reemit_aggregator(b, g, term, src, dt)
             continue
         for k, ref in enumerate(term.refs):
             sh = list(b.shape(ref))
@@ -673,6 +663,24 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
             rewire[ref] = b.emit("Reshape", f"{gname}/{role}_{k}", [src, shp],
                                  {"T": ("type", dt), "Tshape": ("type", registry.types_pb2.DT_INT32)})
     b.region(region.nodes, rewire, gname)
+
+
+def reemit_aggregator(b, g, term, src, dt):
+    """A gradient term summed with other gradients (``term.aggregator``, an
+    AddN/Add outside the region): re-emit that sum under its own name with
+    the fused op's output ``src`` in place of the term's refs (an Identity
+    when nothing else is summed), on the device it was placed on."""
+    agg = g.nodes[term.aggregator]
+    b.replace(agg.name, control_ok=True)
+    rest = [i for i in g.data_inputs(agg) if _canon(i) not in term.refs]
+    rest_ctrl = [i for i in agg.input if i.startswith("^")]
+    if not rest:
+        b.emit("Identity", agg.name, [src] + rest_ctrl, {"T": ("type", dt)})
+    elif agg.op == "AddN":
+        b.emit("AddN", agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt), "N": 1 + len(rest)})
+    else:
+        b.emit(agg.op, agg.name, [src] + rest + rest_ctrl, {"T": ("type", dt)})
+    b.emitted[-1].device = agg.device  # the sum stays where it was placed
 
 
 def _canon(ref):
