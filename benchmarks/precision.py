@@ -314,8 +314,9 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
                  else "when the report was read, after the run (not in the times above)")
         print("  ours per pass: " + ", ".join(parts) +
               (f" (grappler shape inference {_ms(shp)}, {where})" if shp is not None else "") +
-              f"; pipeline {_ms(summ.get('time_s', 0))}, bridge parse+serialise "
-              f"{_ms(rec.get('bridge_s') or 0)}, whole callback {_ms(rec.get('time_s') or 0)}")
+              f"; pipeline {_ms(summ.get('time_s', 0))} (output serialised inside it), bridge "
+              f"parse {_ms(rec.get('bridge_s') or 0)}, whole callback {_ms(rec.get('time_s') or 0)} "
+              f"wall, {_ms(rec.get('cpu_s') or 0)} CPU")
         res["passes"] = {p["name"]: p["time_s"] for p in rep["passes"]}
         res["shapes_s"] = shp
     if meta:

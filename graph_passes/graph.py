@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import functools
 import logging
+from array import array
 from collections import defaultdict, deque
+from itertools import accumulate, filterfalse
+from operator import methodcaller
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
@@ -35,6 +38,7 @@ from .errors import GraphError
 log = logging.getLogger("npu_amp_tf")
 
 LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
+_is_control = methodcaller("startswith", "^")
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -49,6 +53,26 @@ def parse_tensor(ref: str) -> tuple[str, int, bool]:
     return ref, 0, False
 
 
+def _colocation_kept(node, names):
+    """None when every ``loc:@X`` entry of ``node``'s ``_class`` names a node
+    in ``names`` (bytes); else the entries to keep."""
+    a = node.attr.get("_class")
+    if a is None:
+        return None
+    vals = a.list.s
+    if all(v[5:] in names for v in vals if v.startswith(b"loc:@")):
+        return None  # (the usual case: nothing to drop)
+    return [v for v in vals if not v.startswith(b"loc:@") or v[5:] in names]
+
+
+def _drop_colocation(node, keep):
+    if keep:
+        del node.attr["_class"].list.s[:]
+        node.attr["_class"].list.s.extend(keep)
+    else:
+        del node.attr["_class"]
+
+
 def drop_dangling_colocation(nodes) -> int:
     """Remove ``_class: loc:@X`` colocation entries naming a node X that is
     not among ``nodes`` (NodeDefs, edited in place); ``import_graph_def``
@@ -58,21 +82,21 @@ def drop_dangling_colocation(nodes) -> int:
     names = {n.name.encode() for n in nodes}
     dropped = 0
     for n in nodes:
-        a = n.attr.get("_class")
-        if a is None:
+        keep = _colocation_kept(n, names)
+        if keep is None:
             continue
-        vals = a.list.s
-        if all(v[5:] in names for v in vals if v.startswith(b"loc:@")):
-            continue  # (the usual case: nothing to drop)
-        vals = list(vals)
-        keep = [v for v in vals if not v.startswith(b"loc:@") or v[5:] in names]
-        dropped += len(vals) - len(keep)
-        if keep:
-            del n.attr["_class"].list.s[:]
-            n.attr["_class"].list.s.extend(keep)
-        else:
-            del n.attr["_class"]
+        dropped += len(n.attr["_class"].list.s) - len(keep)
+        _drop_colocation(n, keep)
     return dropped
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def tensor_name(node: str, port: int = 0) -> str:
@@ -85,7 +109,12 @@ def tensor_name(node: str, port: int = 0) -> str:
 class Graph:
     """Mutable graph with a name index and a consumers index."""
 
-    def __init__(self, graph_def: graph_pb2.GraphDef | bytes | None = None, copy: bool = True):
+    def __init__(self, graph_def: graph_pb2.GraphDef | bytes | None = None, copy: bool = True,
+                 index=None):
+        """``index``: the indexes of ``graph_def`` precomputed in C++ (the
+        format of ``GraphIndexText`` in custom_ops/grappler_bridge.cc; bytes,
+        or a callable returning them or None); used when it describes this
+        graph, else (and by default) they are built here."""
         if graph_def is None:
             graph_def = graph_pb2.GraphDef()
         elif isinstance(graph_def, (bytes, bytearray)):
@@ -99,10 +128,17 @@ class Graph:
         self._gd = graph_def
         self.nodes: dict[str, node_def_pb2.NodeDef] = {}
         self.duplicates: list[str] = []
-        for n in graph_def.node:
-            if n.name in self.nodes:
-                self.duplicates.append(n.name)
-            self.nodes[n.name] = n
+        self.version = 0
+        if callable(index):
+            index = index()
+        adopted = index is not None and self._adopt_index(graph_def, index)
+        #: True when the indexes came from ``index`` (C++), not from reindex()
+        self.prebuilt_index = adopted
+        if not adopted:
+            for n in graph_def.node:
+                if n.name in self.nodes:
+                    self.duplicates.append(n.name)
+                self.nodes[n.name] = n
         self.library = graph_def.library
         self.versions = graph_def.versions
         self._functions = {f.signature.name: f for f in self.library.function}
@@ -111,8 +147,7 @@ class Graph:
         #: names of the nodes added through this object (by passes): only
         #: these may be removed by ``cleanup`` when dead
         self.created: set[str] = set()
-        #: bumped by every mutation made through this object's methods
-        self.version = 0
+        #: bumped by every mutation made through this object's methods (``version``)
         #: names of the nodes edited in place through this object's methods
         #: (set_input, add_control_input, set_op) or declared with touch();
         #: with ``created``, what :meth:`changed_nodes` gives the OpDef guard
@@ -121,10 +156,69 @@ class Graph:
         #: edit; see :meth:`edits_since`)
         self._edit_log: list[str] = []
         self._all_modified = False
-        self.reindex()
+        if not adopted:
+            self.reindex()
         self._dirty = False
 
     # ------------------------------------------------------------ indexes
+    def _adopt_index(self, graph_def, blob) -> bool:
+        """Take the names, op-type, consumers indexes and the topological
+        order from ``blob`` (see ``index`` in :meth:`__init__`): what
+        :meth:`reindex` and :meth:`_compute_topo_order` would build, without
+        their per-edge Python work.  False (nothing set) when ``blob`` does not
+        describe ``graph_def``."""
+        try:
+            head, names_b, ops_b, srcs_b, binary = bytes(blob).split(b"\x03", 4)
+            magic, count, cycle, nsrc = head.split(b"\x02")
+            n, ns = int(count), int(nsrc)
+            gnodes = graph_def.node
+            if magic != b"NPUIDX3" or n != len(gnodes):
+                return False
+            names = names_b.decode("ascii").split("\x01") if n else []
+            nodes = dict(zip(names, gnodes))
+            if len(names) != n or len(nodes) != n:
+                return False
+            # the same graph: the names agree (spot checks; both sides come
+            # from the same serialized bytes)
+            for k in (*range(0, n, max(1, n // 32)), n - 1) if n else ():
+                if gnodes[k].name != names[k]:
+                    return False
+            ops = ops_b.decode("ascii").split("\x01") if n else []
+            srcs = srcs_b.decode("ascii").split("\x01") if ns else []
+            ints = array("i")
+            if ints.itemsize != 4 or len(srcs) != ns:
+                return False
+            ints.frombytes(binary)
+            no = len(ops)
+            op_counts, src_counts = ints[:no], ints[no:no + ns]
+            e = sum(src_counts)
+            at = no + ns
+            if len(ints) != at + 2 * n + 2 * e or sum(op_counts) != n:
+                return False
+            nget = names.__getitem__
+            # (C-level loops: no Python statement per node or edge)
+            members = list(map(nget, ints[at:at + n]))
+            ends = list(accumulate(op_counts))
+            by_op = dict(zip(ops, map(dict.fromkeys, map(members.__getitem__,
+                                                         map(slice, [0, *ends[:-1]], ends)))))
+            pairs = list(zip(map(nget, ints[at + n:at + n + e]), ints[at + n + e:at + n + 2 * e]))
+            ends = list(accumulate(src_counts))
+            cons = defaultdict(list, zip(srcs, map(pairs.__getitem__, map(slice, [0, *ends[:-1]], ends))))
+            order = list(map(nget, ints[at + n + 2 * e:]))
+            if len(by_op) != no or len(cons) != ns:
+                return False
+        except (ValueError, IndexError, UnicodeDecodeError, TypeError):
+            return False
+        self.nodes = nodes
+        self._consumers = cons
+        self._by_op = by_op
+        self._seq = dict(zip(names, range(n)))
+        self._next_seq = n
+        self._has_cycle = cycle == b"1"
+        self._topo_cache = (order, bool(n) and self._has_cycle)
+        self.version += 1
+        return True
+
     def reindex(self):
         """Rebuild the consumers and op-type indexes (after editing
         ``node.input`` or ``node.op`` by hand)."""
@@ -539,13 +633,13 @@ class Graph:
         ``names`` only, when given), in graph order."""
         problems = []
         out_cache = {}
-        for n in self.nodes.values():
-            if names is not None and n.name not in names:
+        for name, n in self.nodes.items():
+            if names is not None and name not in names:
                 continue
             want = self.input_dtypes(n)
             if want is None:
                 continue
-            data = [i for i in n.input if not i.startswith("^")]
+            data = list(filterfalse(_is_control, n.input))
             if len(data) != len(want):
                 problems.append(f"node '{n.name}' ({n.op}) has {len(data)} data inputs, its signature wants {len(want)}")
                 continue
@@ -593,6 +687,34 @@ class Graph:
         out.library.CopyFrom(self.library)
         out.versions.CopyFrom(self.versions)
         return out
+
+    def serialize(self) -> bytes:
+        """``self.to_graph_def().SerializeToString(deterministic=True)``, the
+        same bytes, without copying every node into a new GraphDef first: a
+        GraphDef's bytes are its nodes' (field 1, in order), then the rest."""
+        if not self._dirty and not self.duplicates:
+            return self._gd.SerializeToString(deterministic=True)
+        nodes = self.nodes
+        names = {name.encode() for name in nodes}
+        parts = []
+        add = parts.append
+        for n in nodes.values():
+            b = n.SerializeToString(deterministic=True)
+            # (only a node whose bytes hold "_class" can carry colocation entries)
+            keep = _colocation_kept(n, names) if b"_class" in b else None
+            if keep is not None:  # colocated with a node that is gone: a fixed copy
+                c = node_def_pb2.NodeDef()
+                c.CopyFrom(n)
+                _drop_colocation(c, keep)
+                b = c.SerializeToString(deterministic=True)
+            add(b"\x0a")  # field 1 (node), length-delimited
+            add(_varint(len(b)))
+            add(b)
+        tail = graph_pb2.GraphDef()
+        tail.library.CopyFrom(self.library)
+        tail.versions.CopyFrom(self.versions)
+        add(tail.SerializeToString(deterministic=True))
+        return b"".join(parts)
 
     def __len__(self):
         return len(self.nodes)

@@ -115,6 +115,14 @@ def library():
             for fn, argtypes in _shape_fns:
                 getattr(lib, fn).argtypes = argtypes
                 getattr(lib, fn).restype = ctypes.c_int
+            for fn, argtypes in (
+                    ("NpuAmpItemIndex", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                         ctypes.POINTER(ctypes.c_size_t)]),
+                    ("NpuAmpGraphIndex", [ctypes.c_char_p, ctypes.c_size_t,
+                                          ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)])):
+                if hasattr(lib, fn):  # (a library built before them: Python builds the index)
+                    getattr(lib, fn).argtypes = argtypes
+                    getattr(lib, fn).restype = ctypes.c_int
             lib.NpuAmpSkipCount.argtypes = [ctypes.c_int]
             lib.NpuAmpSkipCount.restype = ctypes.c_uint64
             lib.NpuAmpClearSeen.restype = None
@@ -166,8 +174,10 @@ def last_reports(n: int | None = None) -> list[dict]:
     """The most recent bridge records, oldest first (at most 64 are kept).
 
     Each record: ``{"graph": item id, "status": "rewritten" | "unchanged" |
-    "cached" | "invalid_options" | "pass_failed" | "error", "time_s": ...,
-    "bridge_s": ..., "nodes": ..., "report": Report.to_json() or None,
+    "cached" | "invalid_options" | "pass_failed" | "error", "time_s": ... (wall),
+    "cpu_s": ... (this thread's CPU time: wall time on a loaded machine counts
+    the neighbours too), "bridge_s": ... (parsing the graph; the output is
+    serialized inside the pipeline), "nodes": ..., "report": Report.to_json() or None,
     "error": message or None}``."""
     with _lock:
         items = list(_reports)
@@ -265,6 +275,38 @@ def graph_shape_source(graph_def):
     return source
 
 
+# ---------------------------------------------------------------------------
+# the graph's indexes, built in C++ (graph_passes.graph.Graph(index=...))
+# ---------------------------------------------------------------------------
+def _index_call(fn, *args):
+    data, size = ctypes.c_void_p(), ctypes.c_size_t()
+    if fn(*args, ctypes.byref(data), ctypes.byref(size)) != 0 or not size.value:
+        return None
+    return ctypes.string_at(data, size.value)
+
+
+def item_index(sink):
+    """The indexes of the graph grappler is optimizing now (names, op types,
+    consumers, topological order), computed by the C++ side from the item it
+    holds; None when the library cannot (Python then builds them)."""
+    fn = getattr(_lib, "NpuAmpItemIndex", None) if _lib is not None else None
+    if fn is None or sink is None:
+        return None
+    return _index_call(fn, sink)
+
+
+def graph_index(graph_def):
+    """The same for an offline GraphDef (serialized, then parsed again in C++,
+    which costs about what the index saves: the pipeline does not use it
+    offline; tests compare it with the Python index); None when the library
+    is not loaded or cannot."""
+    fn = getattr(_lib, "NpuAmpGraphIndex", None) if _lib is not None else None
+    if fn is None:
+        return None
+    data = graph_def.SerializeToString()
+    return _index_call(fn, data, len(data))
+
+
 #: records whose report keeps its deferred figures (and so its graphs) alive
 _LAZY_REPORTS_MAX = 16
 
@@ -305,7 +347,7 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
                                _split(devices), (item_id or b"").decode("utf-8", "replace"),
-                               shapes=shapes)
+                               shapes=shapes, index=lambda: item_index(sink))
         finally:
             shapes.expire()
             _tls.active = False
@@ -403,17 +445,20 @@ def parse_options(config_bytes: bytes):
 
 
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
-           item_id: str = "graph", shapes=None):
+           item_id: str = "graph", shapes=None, index=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
-    the C++ inference runs on the parsed graph when a pass needs shapes."""
+    the C++ inference runs on the parsed graph when a pass needs shapes.
+    ``index``: the graph's indexes from C++ (:func:`item_index`), or a
+    callable giving them; by default :func:`pipeline.optimize` asks for them."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
 
     t0 = time.perf_counter()
-    entry = {"graph": item_id, "status": None, "report": None, "error": None}
+    entry = {"graph": item_id, "status": None, "report": None, "error": None,
+             "_cpu0": time.thread_time()}
 
     # 1. parameters
     try:
@@ -453,8 +498,9 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     from . import pipeline
 
     try:
-        new_gd, report = pipeline.optimize(gd, options, fetches=fetches, preserve=preserve,
-                                           devices=devices, graph_name=item_id, shapes=shapes)
+        out, report, nodes = pipeline.optimize_serialized(
+            gd, options, fetches=fetches, preserve=preserve, devices=devices, graph_name=item_id,
+            shapes=shapes, index=index)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)
@@ -481,19 +527,19 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         msg = report.warnings[-1]["message"] if report.warnings else f"pass '{failed}' failed"
         _remember(key, RC_UNCHANGED, b"")
         return _finish(entry, "pass_failed_kept", t0, msg, gd=gd, code=RC_UNCHANGED)
-    # byte comparison is useless here: C++ and Python order map keys differently;
-    # message equality costs ~40 ms on a 9k-node graph, so count nodes first
-    if len(new_gd.node) == len(gd.node) and new_gd == gd:
+    # byte comparison with graph_bytes is useless here: C++ and Python order
+    # map keys differently; message equality costs ~40 ms on a 9k-node graph,
+    # so count nodes first
+    if nodes == len(gd.node) and graph_pb2.GraphDef.FromString(out) == gd:
         _remember(key, RC_UNCHANGED, b"")
         entry["bridge_s"] = parse_s
         # (grappler's repeated call on our own output: keep the file of the call that rewrote it)
-        return _finish(entry, "unchanged", t0, None, gd=new_gd, code=RC_UNCHANGED)
+        return _finish(entry, "unchanged", t0, None, nodes=nodes, code=RC_UNCHANGED)
     _write_report_file(options, item_id, rep)
-    t_ser = time.perf_counter()
-    out = new_gd.SerializeToString(deterministic=True)
-    entry["bridge_s"] = parse_s + (time.perf_counter() - t_ser)
+    # (the rewritten graph is serialized inside the pipeline: Graph.serialize)
+    entry["bridge_s"] = parse_s
     _remember(key, RC_OK, out)
-    return _finish(entry, "rewritten", t0, None, out=out, gd=new_gd)
+    return _finish(entry, "rewritten", t0, None, out=out, nodes=nodes)
 
 
 def _remember(key, code, out):
@@ -503,12 +549,14 @@ def _remember(key, code, out):
             _memo.popitem(last=False)
 
 
-def _finish(entry, status, t0, error, out=None, gd=None, code=RC_OK):
+def _finish(entry, status, t0, error, out=None, gd=None, code=RC_OK, nodes=None):
     entry["status"] = status
     entry["error"] = error
     entry["time_s"] = round(time.perf_counter() - t0, 6)
+    cpu0 = entry.pop("_cpu0", None)
+    entry["cpu_s"] = round(time.thread_time() - cpu0, 6) if cpu0 is not None else None
     entry.setdefault("bridge_s", None)
-    entry["nodes"] = len(gd.node) if gd is not None else None
+    entry["nodes"] = len(gd.node) if gd is not None else nodes
     _record(entry)
     if out is None:
         return (RC_UNCHANGED if code == RC_OK else code), b""

@@ -80,16 +80,43 @@ def summarize(graph: Graph, report: Report):
 
 
 def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(), devices=(),
-             include_functions: bool = True, graph_name: str | None = None, shapes=None):
+             include_functions: bool = True, graph_name: str | None = None, shapes=None,
+             index=None):
     """Run the pipeline.  Returns ``(GraphDef, Report)``.
 
     ``shapes``: a lazy shape source for the main graph (see
     :func:`graph_passes.shapes.attach`); by default grappler's C++ shape
     inference runs on ``graph_def`` when, and if, a pass first needs a shape.
 
+    ``index``: the graph's indexes computed in C++ (bytes, or a callable
+    giving them; see :class:`graph_passes.graph.Graph`): the bridge hands
+    over those of grappler's item (:func:`npu_amp_tf.bridge.item_index`); by
+    default the ``Graph`` builds them in Python (offline, parsing the graph
+    again in C++ would cost as much as they save).
+
     On an internal pass failure the *original* graph is returned with a
     warning naming the pass and node, unless ``options.fail_on_error``.
     """
+    out, report, _ = _optimize(graph_def, options, fetches, preserve, devices, include_functions,
+                               graph_name, shapes, index, serialized=False)
+    return out, report
+
+
+def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
+                        devices=(), include_functions: bool = True, graph_name: str | None = None,
+                        shapes=None, index=None):
+    """:func:`optimize`, with the rewritten graph as its deterministic
+    serialization (what the grappler bridge hands back), written straight
+    from the indexed graph (``Graph.serialize``) instead of through a copied
+    GraphDef.  Returns ``(bytes, Report, nodes)``: ``nodes`` the rewritten
+    graph's node count; the bytes are ``graph_def``'s when the graph is left
+    unchanged after a failure."""
+    return _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
+                     shapes, index, serialized=True)
+
+
+def _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
+              shapes, index, serialized):
     options = options if options is not None else Options.from_kwargs()
     if isinstance(graph_def, (bytes, bytearray)):
         gd = graph_pb2.GraphDef()
@@ -111,7 +138,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
     for mod, err in _import_failures.items():
         report.warn(f"pass module {mod} failed to import and did not run: {err}")
     try:
-        graph = Graph(graph_def)
+        graph = Graph(graph_def, index=index)
         if shapes is None:
             from .bridge import graph_shape_source
 
@@ -124,7 +151,8 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
         if include_functions and graph.library.function:
             _optimize_functions(graph, mgr, options, devices, report)
         summarize(graph, report)
-        out = graph.to_graph_def()
+        out = graph.serialize() if serialized else graph.to_graph_def()
+        nodes = len(graph.nodes)
         # checked on the indexed graph itself (its nodes are `out`'s, bar the
         # private `_class` attrs to_graph_def drops): no second index to build;
         # only the nodes the passes created or edited and their readers
@@ -133,7 +161,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
         problems = _opdef_check.new_problems(graph_def, graph, ctx.default_device_type(), changed)
         if problems:
             _opdef_failure(problems, "main graph", options, report)
-            out = graph_def
+            out, nodes = _original(graph_def, serialized), len(graph_def.node)
     except PassError as exc:
         if options.fail_on_error:
             raise
@@ -141,14 +169,18 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
         log.warning("npu_amp_tf: %s", msg)
         report.warn(msg, node=exc.node, pass_name=exc.pass_name)
         report.raw_summary["failed_pass"] = exc.pass_name
-        out = graph_def
+        out, nodes = _original(graph_def, serialized), len(graph_def.node)
     if options.ge.get("enable_dump") or options.ge.get("enable_dump_debug"):
         report.summary["ge_dump"] = _ge_dump(graph_def, out, report, options, graph_name)
     report.raw_summary["pipeline"] = names
     # whether a pass needed shapes (else they are inferred when the report is read)
     report.raw_summary["shapes_inferred_in_pipeline"] = "shape_inference_s" in report.raw_summary
     report.raw_summary["time_s"] = round(time.perf_counter() - t0, 6)
-    return out, report
+    return out, report, nodes
+
+
+def _original(graph_def, serialized):
+    return graph_def.SerializeToString(deterministic=True) if serialized else graph_def
 
 
 def _timed(source, report):
@@ -288,7 +320,7 @@ def _ge_dump(before, after, report: Report, options: Options, graph_name) -> str
         with open(os.path.join(d, "before.pb"), "wb") as fh:
             fh.write(before.SerializeToString())
         with open(os.path.join(d, "after.pb"), "wb") as fh:
-            fh.write(after.SerializeToString())
+            fh.write(after if isinstance(after, bytes) else after.SerializeToString())
         with open(os.path.join(d, "report.json"), "w", encoding="utf-8") as fh:
             json.dump(report.to_json(), fh, indent=1, default=str)
         meta = {k: v for k, v in options.ge.items() if k.startswith(("dump", "enable_dump"))}

@@ -349,3 +349,106 @@ def test_edits_since_lists_every_tracked_edit_in_order():
     assert g.edits_since(mark2) == ([], mark2)
     g.touch_all()
     assert g.edits_since(mark2)[0] is None and g.changed_nodes() is None
+
+
+# ------------------------------------------- indexes from C++ (issue 17c)
+def _indexes(g):
+    return (list(g.nodes), list(g._consumers.items()),  # noqa: SLF001
+            [(op, list(names)) for op, names in g._by_op.items()],  # noqa: SLF001
+            g._seq, g._next_seq, g.version, g.topo_order(), g._has_cycle)  # noqa: SLF001
+
+
+def _odd_graph():
+    """Dangling inputs, ports, a name with a non-numeric ':' suffix, control
+    edges, a node reading the same source twice, and a cycle outside loops."""
+    gd = graph_pb2.GraphDef()
+    for name, op, inputs in [
+            ("a", "Placeholder", []), ("b:x", "Identity", ["a"]),
+            ("c", "AddV2", ["a", "a", "^b:x"]), ("d", "IdentityN", ["c", "gone:1", "^gone", "b:x"]),
+            ("e", "AddV2", ["f", "c:0"]), ("f", "Identity", ["e"]), ("g", "NoOp", ["^f", "^c", "^c"])]:
+        n = gd.node.add(name=name, op=op)
+        n.input.extend(inputs)
+    return gd
+
+
+@pytest.mark.parametrize("build", ALL + [_odd_graph], ids=lambda f: f.__name__)
+def test_cpp_index_equals_the_python_index(build):
+    """The indexes the C++ library computes (bridge.graph_index: the format
+    the grappler bridge hands over with grappler's item) give a Graph whose
+    names, consumers, op-type index, sequence numbers, version and
+    topological order (cycle flag included) equal the Python-built ones, key
+    order included; edits after it behave the same."""
+    from npu_amp_tf import bridge
+
+    bridge.register()
+    gd = build()
+    blob = bridge.graph_index(gd)
+    assert blob is not None
+    slow, fast = Graph(gd), Graph(gd, index=blob)
+    assert fast.prebuilt_index and not slow.prebuilt_index
+    assert _indexes(fast) == _indexes(slow)
+    assert fast.to_graph_def().SerializeToString(deterministic=True) == \
+        slow.to_graph_def().SerializeToString(deterministic=True)
+    # the same edits on both: the indexes stay equal
+    for g in (slow, fast):
+        first = next(iter(g.nodes))
+        g.new_node("NoOp", "npu_test/extra", [f"^{first}"])
+        g.remove_node("npu_test/extra")
+        g.new_node("Identity", "npu_test/id", [first], {"T": g.output_dtypes(g.nodes[first])[0]
+                                                         if g.output_dtypes(g.nodes[first]) else 1})
+    assert _indexes(fast) == _indexes(slow)
+    assert fast.index_problems() == []
+
+
+def test_cpp_index_refused_when_it_cannot_describe_the_graph():
+    """Duplicate names or a name outside printable ASCII: the library gives
+    no index (the Graph builds its own); an index of another graph, or a
+    damaged one, is not adopted."""
+    from npu_amp_tf import bridge
+
+    bridge.register()
+    dup = _odd_graph()
+    dup.node.add(name="a", op="NoOp")
+    assert bridge.graph_index(dup) is None
+    uni = _odd_graph()
+    uni.node.add(name="caf\u00e9", op="NoOp")
+    assert bridge.graph_index(uni) is None
+    gd = training_graph()
+    blob = bridge.graph_index(gd)
+    other = bridge.graph_index(_odd_graph())
+    for bad in (other, blob[:-4], blob.replace(b"NPUIDX3", b"NPUIDX9"), b"", b"\x03\x03"):
+        g = Graph(gd, index=bad)
+        assert not g.prebuilt_index
+        assert _indexes(g) == _indexes(Graph(gd))
+    assert Graph(gd, index=lambda: None).prebuilt_index is False
+    assert Graph(gd, index=lambda: blob).prebuilt_index is True
+
+
+def test_serialize_equals_to_graph_def_bytes():
+    """Graph.serialize (the bridge's output) is byte for byte the
+    deterministic serialization of to_graph_def(): unchanged, after removals,
+    re-adds, additions, in-place edits and a dangling colocation entry, with
+    a function library."""
+    for gd in (training_graph(), nested_function_graph(), v1_while_graph()):
+        g = Graph(gd)
+        assert g.serialize() == g.to_graph_def().SerializeToString(deterministic=True)
+    gd = training_graph()
+    gd.versions.producer = 1234
+    g = Graph(gd)
+    mm = g.nodes["MatMul"]
+    g.remove_node("MatMul", force=True)
+    new = node_def_pb2.NodeDef()
+    new.CopyFrom(mm)
+    g.add_node(new)
+    g.new_node("NoOp", "late")
+    g.nodes["x"].attr["_touched"].b = True
+    g.touch("x")
+    g.nodes["w"].attr["_class"].list.s.extend([b"loc:@x", b"loc:@gone", b"other"])
+    g.nodes["y"].attr["_class"].list.s.extend([b"loc:@gone"])
+    data = g.serialize()
+    assert data == g.to_graph_def().SerializeToString(deterministic=True)
+    out = graph_pb2.GraphDef.FromString(data)
+    assert [n.name for n in out.node][-2:] == ["MatMul", "late"]
+    assert "_class" not in {n.name: n for n in out.node}["y"].attr
+    # the graph itself keeps its colocation entries (only the output drops them)
+    assert b"loc:@gone" in list(g.nodes["w"].attr["_class"].list.s)

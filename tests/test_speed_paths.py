@@ -561,3 +561,59 @@ def test_validate_names_a_pass_that_changes_an_op_behind_the_graph():
     finally:
         for name in ("_test_op_in_place", "_test_set_op", "_test_op_untracked"):
             del manager.PASS_REGISTRY[name]
+
+
+# ------------------------------------------------------- issue 17c
+def test_bridge_hands_over_cpp_indexes_and_serializes_the_same_graph(monkeypatch):
+    """Inside grappler the pipeline's Graph takes its indexes (and the first
+    topological order) from the C++ item; the graph it hands back is byte for
+    byte the one the same callback gives with Python-built indexes and
+    through pipeline.optimize's GraphDef (bert-like training graph: fusion
+    and precision both edit it)."""
+    from tensorflow.core.framework import graph_pb2
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from tensorflow.python.grappler import tf_optimizer
+
+    calls, adopted = [], []
+    real_handle, real_adopt = bridge.handle, Graph._adopt_index
+
+    def handle(*args, **kw):
+        blob = kw["index"]()
+        calls.append((args, kw, blob))
+        kw["index"] = blob
+        return real_handle(*args, **kw)
+
+    def adopt(self, gd, blob):
+        ok = real_adopt(self, gd, blob)
+        adopted.append(ok)
+        return ok
+
+    monkeypatch.setattr(bridge, "handle", handle)
+    monkeypatch.setattr(Graph, "_adopt_index", adopt)
+    gd = bert_like_training_graph()
+    mg = meta_graph_pb2.MetaGraphDef()
+    mg.graph_def.CopyFrom(gd)
+    mg.collection_def["train_op"].node_list.value.extend(["loss", "train"])
+    cfg = tf1.ConfigProto()
+    ro = cfg.graph_options.rewrite_options
+    ro.min_graph_nodes = -1
+    ro.meta_optimizer_iterations = ro.ONE
+    ro.custom_optimizers.add().name = "NpuAmpOptimizer"
+    bridge.clear_reports()
+    tf_optimizer.OptimizeGraph(cfg, mg, graph_id=b"bert")
+    assert calls and adopted == [True]
+    args, kw, blob = calls[0]
+    assert blob is not None
+    bridge.clear_reports()
+    code, fast = real_handle(*args, **dict(kw, index=blob, shapes=None))
+    bridge.clear_reports()
+    code2, slow = real_handle(*args, **dict(kw, index=None, shapes=None))
+    assert adopted == [True, True]  # (index=None: built in Python, nothing to adopt)
+    assert code == code2 == bridge.RC_OK and fast == slow
+    in_gd = graph_pb2.GraphDef.FromString(args[0])
+    opts = bridge.parse_options(args[1])
+    out, _ = pipeline.optimize(in_gd, opts, fetches=args[2], preserve=args[3], devices=args[4],
+                               graph_name=args[5])
+    assert out.SerializeToString(deterministic=True) == fast
+    fused = {n.op for n in graph_pb2.GraphDef.FromString(fast).node}
+    assert "Cast" in fused
