@@ -20,7 +20,7 @@ import npu_amp_tf
 from graph_passes import registry
 from graph_passes.precision import amp
 from npu_amp_tf import bridge
-from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph
+from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph, plugin_only_grappler
 
 tf1 = tf.compat.v1
 
@@ -280,18 +280,10 @@ def test_v1_while_loop(monkeypatch):
 def test_through_grappler_keras_resnet50(k2, monkeypatch):
     """The same through the grappler callback (grappler's item, its own
     fetch list and shapes)."""
-    from tensorflow.core.protobuf import meta_graph_pb2
     from tensorflow.python.grappler import tf_optimizer
 
     gd = _keras_resnet_training_graph(k2)
-    mg = meta_graph_pb2.MetaGraphDef()
-    mg.graph_def.CopyFrom(gd)
-    mg.collection_def["train_op"].node_list.value.extend(["loss", "train"])
-    cfg = tf1.ConfigProto()
-    ro = cfg.graph_options.rewrite_options
-    ro.min_graph_nodes = -1
-    ro.meta_optimizer_iterations = ro.ONE
-    ro.custom_optimizers.add().name = "NpuAmpOptimizer"
+    mg, cfg = plugin_only_grappler(gd)
     results = []
     for fast in (True, False):
         monkeypatch.setattr(amp.PrecisionPass, "fast_paths", fast)

@@ -232,6 +232,22 @@ def test_report_shape_figures_are_computed_when_read_not_in_the_pass():
     assert rep.pass_stats("precision")["matrix_flops"] == rep.summary["matrix_flops"] > 0
 
 
+def plugin_only_grappler(gd, fetches=("loss", "train")):
+    """``(MetaGraphDef, ConfigProto)`` for ``tf_optimizer.OptimizeGraph`` with
+    our plugin the only optimizer, one meta-optimizer iteration."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    mg = meta_graph_pb2.MetaGraphDef()
+    mg.graph_def.CopyFrom(gd)
+    mg.collection_def["train_op"].node_list.value.extend(fetches)
+    cfg = tf1.ConfigProto()
+    ro = cfg.graph_options.rewrite_options
+    ro.min_graph_nodes = -1
+    ro.meta_optimizer_iterations = ro.ONE
+    ro.custom_optimizers.add().name = "NpuAmpOptimizer"
+    return mg, cfg
+
+
 def _keras_resnet_training_graph(k, batch=2, size=32):
     g = tf.Graph()
     with g.as_default():
@@ -571,7 +587,6 @@ def test_bridge_hands_over_cpp_indexes_and_serializes_the_same_graph(monkeypatch
     through pipeline.optimize's GraphDef (bert-like training graph: fusion
     and precision both edit it)."""
     from tensorflow.core.framework import graph_pb2
-    from tensorflow.core.protobuf import meta_graph_pb2
     from tensorflow.python.grappler import tf_optimizer
 
     calls, adopted = [], []
@@ -591,14 +606,7 @@ def test_bridge_hands_over_cpp_indexes_and_serializes_the_same_graph(monkeypatch
     monkeypatch.setattr(bridge, "handle", handle)
     monkeypatch.setattr(Graph, "_adopt_index", adopt)
     gd = bert_like_training_graph()
-    mg = meta_graph_pb2.MetaGraphDef()
-    mg.graph_def.CopyFrom(gd)
-    mg.collection_def["train_op"].node_list.value.extend(["loss", "train"])
-    cfg = tf1.ConfigProto()
-    ro = cfg.graph_options.rewrite_options
-    ro.min_graph_nodes = -1
-    ro.meta_optimizer_iterations = ro.ONE
-    ro.custom_optimizers.add().name = "NpuAmpOptimizer"
+    mg, cfg = plugin_only_grappler(gd)
     bridge.clear_reports()
     tf_optimizer.OptimizeGraph(cfg, mg, graph_id=b"bert")
     assert calls and adopted == [True]
