@@ -26,6 +26,20 @@ def run_worker(worker: str, kind: str, onednn: bool = True, timeout: int = 600) 
     return [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
 
 
+def cached_results(worker: str, timeout: int, transform=None):
+    """``results(kind, onednn=True)``: :func:`run_worker` once per (kind, oneDNN) in this
+    test session, its RESULT lines passed through ``transform`` when given."""
+    cache = {}
+
+    def results(kind: str, onednn: bool = True):
+        if (kind, onednn) not in cache:
+            out = run_worker(worker, kind, onednn, timeout=timeout)
+            cache[kind, onednn] = transform(out) if transform else out
+        return cache[kind, onednn]
+
+    return results
+
+
 def onednn_on() -> bool:
     from graph_passes.fusion.builtin import onednn_enabled
     return onednn_enabled()

@@ -28,25 +28,15 @@ import os
 import numpy as np
 import pytest
 
-from _worker_util import onednn_on, run_worker
+from _worker_util import cached_results, onednn_on
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_onednn_fusion_worker.py")
 EPS_BF16 = 2.0 ** -8
 
 
-def _run(kind, onednn=True):
-    out = run_worker(WORKER, kind, onednn, timeout=900)
-    return {(r.get("prec") or r["kind"], r["config"]): r for r in out}
-
-
-_CACHE = {}
-
-
-def results(kind, onednn=True):
-    if (kind, onednn) not in _CACHE:
-        _CACHE[kind, onednn] = _run(kind, onednn)
-    return _CACHE[kind, onednn]
+results = cached_results(WORKER, timeout=900,
+                         transform=lambda out: {(r.get("prec") or r["kind"], r["config"]): r for r in out})
 
 
 _onednn_on = onednn_on  # the skipif string below evaluates it in this module

@@ -411,13 +411,16 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
         roots.update(n for n in top if not succs[n] and n not in plumbing)
     roots = {r for r in roots if r in leaves and r not in plumbing}
     live = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n in live:
-            continue
-        live.add(n)
-        stack.extend(preds[n])
+
+    def reach(stack):  # add every node the stack's nodes depend on to live
+        while stack:
+            n = stack.pop()
+            if n in live:
+                continue
+            live.add(n)
+            stack.extend(preds[n])
+
+    reach(list(roots))
     # a function body that runs also runs its side effects (variable updates, asserts)
     by_ctx = {}
     for n in names:
@@ -430,13 +433,7 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
                 and leaves[grp[0]]["ctx"].call in running for n in grp if not succs[n] and n not in live]
         if not more:
             break
-        stack = more
-        while stack:
-            n = stack.pop()
-            if n in live:
-                continue
-            live.add(n)
-            stack.extend(preds[n])
+        reach(more)
     if not live:  # nothing recognisable as an output: show everything but the plumbing
         live = set(names) - plumbing
     # variable storage (the handles the reads and updates use) is bookkeeping
