@@ -164,14 +164,9 @@ class LayerNormGradOp : public OpKernel {
     const Tensor& gamma = ctx->input(2);
     const Tensor& mean = ctx->input(3);
     const Tensor& inv = ctx->input(4);
-    OP_REQUIRES(ctx, dy.shape() == x.shape(),
-                InvalidArgument("LayerNormGrad: dy ", dy.shape().DebugString(), " and x ",
-                                x.shape().DebugString(), " must have the same shape"));
     int64_t n = 0, d = 0;
-    OP_REQUIRES_OK(ctx, RowGeometry("LayerNorm", x, gamma, &n, &d));
-    OP_REQUIRES(ctx, mean.NumElements() == n && inv.NumElements() == n,
-                InvalidArgument("LayerNormGrad: mean/inv_std must have ", n, " elements, got ",
-                                mean.NumElements(), " and ", inv.NumElements()));
+    OP_REQUIRES_OK(ctx, GradGeometry("LayerNormGrad", "LayerNorm", dy, x, gamma, {&mean, &inv},
+                                     "mean/inv_std", &n, &d));
     Tensor *dx = nullptr, *dg = nullptr, *db = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, gamma.shape(), &dg));

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
@@ -51,6 +52,27 @@ inline Status RowGeometry(const char* op, const Tensor& x, const Tensor& gamma, 
                            gamma.shape().DebugString(), ")");
   }
   *n_rows = x.NumElements() / *d;
+  return ::tensorflow::OkStatus();
+}
+
+// The shared checks of a normalisation gradient: dy has x's shape, x fits gamma
+// (RowGeometry), and every per-row auxiliary input (mean, inv_std, inv_rms)
+// has N elements.  `op` names the gradient op, `norm` the forward op whose
+// geometry applies, `aux_names` the auxiliary inputs in the message.
+inline Status GradGeometry(const char* op, const char* norm, const Tensor& dy, const Tensor& x,
+                           const Tensor& gamma, std::initializer_list<const Tensor*> per_row,
+                           const char* aux_names, int64_t* n_rows, int64_t* d) {
+  if (dy.shape() != x.shape()) {
+    return InvalidArgument(op, ": dy ", dy.shape().DebugString(), " and x ",
+                           x.shape().DebugString(), " must have the same shape");
+  }
+  TF_RETURN_IF_ERROR(RowGeometry(norm, x, gamma, n_rows, d));
+  for (const Tensor* t : per_row) {
+    if (t->NumElements() != *n_rows) {
+      return InvalidArgument(op, ": ", aux_names, " must have ", *n_rows, " elements, got ",
+                             t->NumElements());
+    }
+  }
   return ::tensorflow::OkStatus();
 }
 

@@ -122,13 +122,9 @@ class RMSNormGradOp : public OpKernel {
     const Tensor& x = ctx->input(1);
     const Tensor& gamma = ctx->input(2);
     const Tensor& inv = ctx->input(3);
-    OP_REQUIRES(ctx, dy.shape() == x.shape(),
-                InvalidArgument("RMSNormGrad: dy ", dy.shape().DebugString(), " and x ",
-                                x.shape().DebugString(), " differ"));
     int64_t n = 0, d = 0;
-    OP_REQUIRES_OK(ctx, RowGeometry("RMSNorm", x, gamma, &n, &d));
-    OP_REQUIRES(ctx, inv.NumElements() == n,
-                InvalidArgument("RMSNormGrad: inv_rms must have ", n, " elements"));
+    OP_REQUIRES_OK(ctx, GradGeometry("RMSNormGrad", "RMSNorm", dy, x, gamma, {&inv}, "inv_rms",
+                                     &n, &d));
     Tensor *dx = nullptr, *dg = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, gamma.shape(), &dg));

@@ -46,6 +46,23 @@ def test_kernel_bad_input_one_clear_error():
         fused_ops.layer_norm(tf.zeros([2, 4]), tf.ones([4]), tf.zeros([4]), epsilon=-1.0)
 
 
+def test_gradient_kernels_bad_input_one_clear_error():
+    """Both gradient kernels name the op and the input that does not fit (one
+    shared check in custom_ops/norm_common.h)."""
+    lib = fused_ops._lib
+    x, g, row = tf.zeros([3, 4]), tf.ones([4]), tf.zeros([3])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"LayerNormGrad: dy \[2,4\] and x \[3,4\]"):
+        lib.layer_norm_grad(tf.zeros([2, 4]), x, g, row, row)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="LayerNormGrad: mean/inv_std must have 3 elements, got 2"):
+        lib.layer_norm_grad(x, x, g, row, tf.zeros([2]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"RMSNormGrad: dy \[3,5\] and x \[3,4\]"):
+        lib.rms_norm_grad(tf.zeros([3, 5]), x, g, row)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="RMSNormGrad: inv_rms must have 3 elements, got 4"):
+        lib.rms_norm_grad(x, x, g, tf.zeros([4]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="RMSNorm: the trailing dims of x"):
+        lib.rms_norm_grad(tf.zeros([3, 5]), tf.zeros([3, 5]), g, row)
+
+
 #: relative rounding of one value stored in the dtype (half an ulp): the kernel
 #: accumulates in fp32, so its only error beyond fp32 noise is that final rounding
 HALF_ULP = {tf.float32: 2.0 ** -24, tf.float16: 2.0 ** -11, tf.bfloat16: 2.0 ** -8}
