@@ -34,6 +34,12 @@ is the mean training loss of the last ``--loss-window`` of the
 by ``npu_amp_tf.tools.profile.summarize`` (the ``npu-amp profile`` code):
 BF16 compute share and Cast share of op time.
 
+``--op-profile N`` (session models): after the timed rounds, N more steps per
+configuration are traced (interleaved) and the op time of every executed node
+(step stats, ``op_end - op_start``) is summed per (op type, dtype) and printed
+per step for every configuration side by side, with the summed total: where
+the time goes, steadier than wall time on a shared machine.
+
 Prints the CPU's BF16/AMX flags; where they are absent the speed goals
 (ours >= 1.8x FP32, >= 1.0x the best of grappler/Keras) do not apply.
 Never asserts a time.
@@ -197,9 +203,61 @@ class SessionRunner:
                                 run_metadata=md)
         return _profile.summarize([md.step_stats])
 
+    def op_times(self, name):
+        """One traced step: {(op type, dtype): op microseconds} over the executed nodes."""
+        md = tf1.RunMetadata()
+        xb, yb = self.data.batch(0)
+        self.sessions[name].run(self.train, {self.x: xb, self.y: yb},
+                                options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE,
+                                                       output_partition_graphs=True),
+                                run_metadata=md)
+        return op_time_table(md)
+
     def close(self):
         for s in self.sessions.values():
             s.close()
+
+
+def op_time_table(md):
+    """{(op type, dtype name): summed op microseconds} of one traced run: node names
+    resolved through the partition graphs (dtype: attr T, else dtype, else DstT)."""
+    kinds = {}
+    for pg in md.partition_graphs:
+        for n in pg.node:
+            dt = ""
+            for key in ("T", "dtype", "DstT"):
+                if key in n.attr and n.attr[key].type:
+                    dt = tf.dtypes.as_dtype(n.attr[key].type).name
+                    break
+            kinds[n.name] = (n.op, dt)
+    out = {}
+    for dev in md.step_stats.dev_stats:
+        for ns in dev.node_stats:
+            name = ns.node_name.split(":")[0]
+            k = kinds.get(name)
+            if k is None:
+                continue
+            us = ns.op_end_rel_micros - ns.op_start_rel_micros
+            out[k] = out.get(k, 0) + us
+    return out
+
+
+def print_op_profile(model, runner, names, steps, top=25):
+    tabs = {n: {} for n in names}
+    for _ in range(steps):
+        for n in names:
+            for k, us in runner.op_times(n).items():
+                tabs[n][k] = tabs[n].get(k, 0) + us
+    keys = sorted(set().union(*tabs.values()), key=lambda k: -max(t.get(k, 0) for t in tabs.values()))
+    print(f"\n[{model}] op time per step (ms, summed over the executed nodes of {steps} traced steps / {steps}; "
+          f"load {os.getloadavg()[0]:.2f})")
+    print(f"{'op':34s} {'dtype':9s} " + " ".join(f"{n:>10s}" for n in names))
+    for k in keys[:top]:
+        print(f"{k[0][:34]:34s} {k[1][:9]:9s} " + " ".join(f"{tabs[n].get(k, 0) / 1e3 / steps:10.1f}" for n in names))
+    rest = keys[top:]
+    print(f"{'(the other ' + str(len(rest)) + ')':44s} "
+          + " ".join(f"{sum(tabs[n].get(k, 0) for k in rest) / 1e3 / steps:10.1f}" for n in names))
+    print(f"{'total':44s} " + " ".join(f"{sum(tabs[n].values()) / 1e3 / steps:10.1f}" for n in names))
 
 
 class FitRunner:
@@ -359,6 +417,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--op-profile", type=int, default=0, metavar="N",
+                    help="session models: trace N more steps per configuration and print the op time "
+                         "summed per (op type, dtype)")
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     global LR_SCALE
@@ -394,6 +455,8 @@ def main(argv=None):
         load2 = os.getloadavg()
         n_steps = args.warmup + args.rounds * args.steps
         prof = {n: r.profile(n) for n in ("grappler", "ours") if n in r.sessions}
+        if args.op_profile and hasattr(r, "op_times"):
+            print_op_profile(model, r, list(r.sessions), args.op_profile)
         base = times.get("fp32")
         peer_names = [n for n in ("grappler", "keras") if n in times]
         best_peer = [min(ts) for ts in zip(*(times[n] for n in peer_names))] if peer_names else None

@@ -20,6 +20,14 @@ Conv2DBackpropFilter vs the forms the ``filter_grad_1x1`` / ``filter_grad_im2col
 rules emit (a 1x1 conv: Reshape -> MatMul(transpose_a); a kxk conv: ExtractImagePatches ->
 the same), in BF16 and FP32, each timed as the minimum over 5 rounds of 4 runs, in one
 subprocess (the numbers behind the rules' limits in graph_passes/fusion/builtin.py).
+
+``--bias-grad``: the bias gradient (BiasAddGrad) of ResNet-50's conv outputs (batch 16,
+128x128 input), BF16 gradient in, FP32 [C] out (the bias variable is FP32), as TF's BF16
+BiasAddGrad (Eigen) vs the candidate forms the ``bias_grad`` fusion rule may emit: the
+same in FP32 after a Cast, a BF16 / FP32 ``Sum`` over (N, H, W), and a BF16 MatMul of a
+ones row with the flattened gradient (oneDNN accumulates in FP32); each timed as the
+minimum over 5 rounds of 4 runs, in one subprocess (the numbers behind
+graph_passes/fusion/bias_grad.py).
 """
 from __future__ import annotations
 
@@ -191,9 +199,197 @@ def filter_grad_main():
               f"{f['conv_ms'] / f['matmul_ms']:6.2f}")
 
 
+#: (N, H, W, C) of the conv outputs whose bias gradient Keras 2 ResNet-50 computes (b16, 128x128)
+BIAS_GRAD_SHAPES = [(16, 64, 64, 64), (16, 32, 32, 64), (16, 32, 32, 256), (16, 16, 16, 128),
+                    (16, 16, 16, 512), (16, 8, 8, 256), (16, 8, 8, 1024), (16, 4, 4, 512),
+                    (16, 4, 4, 2048),
+                    # rank 2 ([N, C]; a Dense layer's bias): BERT-like b8 s128 (1024 tokens), ResNet's head
+                    (1024, 768), (1024, 3072), (16, 100)]
+BIAS_GRAD_FORMS = ("fp32_ref", "bag_bf16", "bag_fp32", "sum_bf16", "sum_fp32", "mm_ones", "mm_ones_t")
+
+
+def _bias_grad_child(rounds=5, runs=4):
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    tf1 = tf.compat.v1
+    tf1.disable_eager_execution()
+    g = tf.Graph()
+    cases = []
+    with g.as_default():
+        for shp in BIAS_GRAD_SHAPES:
+            M, C = int(np.prod(shp[:-1])), shp[-1]
+            axes = list(range(len(shp) - 1))
+            d32 = tf.Variable(tf.random.normal(list(shp)))
+            d16 = tf.Variable(tf.cast(tf.random.normal(list(shp)), tf.bfloat16))
+            f32 = lambda t: tf.cast(t, tf.float32)  # noqa: E731
+            flat = tf.reshape(d16, [M, C])
+            forms = {
+                "fp32_ref": tf1.nn.bias_add_grad(d32) if hasattr(tf1.nn, "bias_add_grad")
+                else tf.raw_ops.BiasAddGrad(out_backprop=d32),
+                "bag_bf16": f32(tf.raw_ops.BiasAddGrad(out_backprop=d16)),
+                "bag_fp32": tf.raw_ops.BiasAddGrad(out_backprop=f32(d16)),
+                "sum_bf16": f32(tf.reduce_sum(d16, axes)),
+                "sum_fp32": tf.reduce_sum(f32(d16), axes),
+                "mm_ones": f32(tf.reshape(tf.matmul(tf.ones([1, M], tf.bfloat16), flat), [C])),
+                "mm_ones_t": f32(tf.reshape(tf.matmul(flat, tf.ones([M, 1], tf.bfloat16),
+                                                      transpose_a=True), [C])),
+            }
+            exact = tf.reduce_sum(tf.cast(d16, tf.float64), axes)
+            cases.append((shp, forms, exact))
+        init = tf1.global_variables_initializer()
+
+    def timed(sess, op):
+        for _ in range(3):
+            sess.run(op)
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(runs):
+                sess.run(op)
+            best = min(best, (time.perf_counter() - t0) / runs)
+        return best * 1e3
+
+    out = []
+    with tf1.Session(graph=g) as sess:
+        sess.run(init)
+        for shp, forms, exact in cases:
+            ex = sess.run(exact)
+            r = {"shape": shp}
+            for name, t in forms.items():
+                v = sess.run(t).astype(np.float64)
+                err = float(np.linalg.norm(v - ex) / max(np.linalg.norm(ex), 1e-30))
+                r[name] = {"ms": timed(sess, t.op), "rel_l2": err if name != "fp32_ref" else float("nan")}
+            out.append(r)
+    return out
+
+
+def bias_grad_main():
+    import tensorflow as tf
+
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--bias-grad-child"],
+                       capture_output=True, text=True, timeout=1800)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not line:
+        print(f"died rc={p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:200]}")
+        return
+    print(f"TF {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(default)')}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print("ms (min over rounds); fp32_ref = FP32 BiasAddGrad on an FP32 gradient; the others read a BF16 "
+          "gradient; [rel. L2 error vs the exact sum of the BF16 values]")
+    print(f"{'shape':20s} " + " ".join(f"{f:>17s}" for f in BIAS_GRAD_FORMS))
+    tot = {f: 0.0 for f in BIAS_GRAD_FORMS}
+    for r in json.loads(line[0][7:]):
+        cells = []
+        for f in BIAS_GRAD_FORMS:
+            tot[f] += r[f]["ms"]
+            e = r[f]["rel_l2"]
+            cells.append(f"{r[f]['ms']:7.3f}" + (f" [{e:7.1e}]" if e == e else " " * 10))
+        print(f"{str(tuple(r['shape'])):20s} " + " ".join(cells))
+    print(f"{'sum':20s} " + " ".join(f"{tot[f]:7.2f}" + " " * 10 for f in BIAS_GRAD_FORMS))
+
+
+#: (N, H, W, C) of the inputs of ResNet-50's stride-2 1x1 convs (b16, 128x128), and an odd size
+SUBSAMPLE_SHAPES = [(16, 32, 32, 256), (16, 16, 16, 512), (16, 8, 8, 1024), (16, 15, 15, 64)]
+SUBSAMPLE_FORMS = ("strided_slice", "maxpool_1x1", "avgpool_1x1", "reshape_slice")
+
+
+def _subsample_child(rounds=5, runs=8):
+    """x[:, ::2, ::2, :] (the ``filter_grad_1x1`` rule's subsample of a stride-2 1x1 conv's
+    input) as StridedSlice vs a 1x1 MaxPool / AvgPool with stride 2 (oneDNN pooling) vs
+    Reshape [N, H/2, 2, W/2, 2C] + Slice (even sizes only), BF16 and FP32."""
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    tf1 = tf.compat.v1
+    tf1.disable_eager_execution()
+    g = tf.Graph()
+    cases = []
+    with g.as_default():
+        for (N, H, W, C) in SUBSAMPLE_SHAPES:
+            row = {}
+            for dtn in ("bfloat16", "float32"):
+                x = tf.Variable(tf.cast(tf.random.normal([N, H, W, C]), getattr(tf, dtn)))
+                forms = {"strided_slice": x[:, ::2, ::2, :],
+                         "maxpool_1x1": tf.nn.max_pool2d(x, 1, 2, "SAME"),
+                         "avgpool_1x1": tf.nn.avg_pool2d(x, 1, 2, "SAME")}
+                if H % 2 == 0 and W % 2 == 0:
+                    r = tf.reshape(x, [N, H // 2, 2, W // 2, 2 * C])
+                    forms["reshape_slice"] = tf.reshape(tf.slice(r, [0, 0, 0, 0, 0], [N, H // 2, 1, W // 2, C]),
+                                                        [N, H // 2, W // 2, C])
+                # a consumer that reads the result (a subsample nobody reads is pruned)
+                row[dtn] = {k: tf.reduce_sum(tf.reshape(v, [-1])[:1]) for k, v in forms.items()}
+                row[dtn + "_vals"] = forms
+            cases.append(((N, H, W, C), row))
+        init = tf1.global_variables_initializer()
+
+    def timed(sess, t):
+        for _ in range(3):
+            sess.run(t)
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(runs):
+                sess.run(t)
+            best = min(best, (time.perf_counter() - t0) / runs)
+        return best * 1e3
+
+    out = []
+    with tf1.Session(graph=g) as sess:
+        sess.run(init)
+        for shp, row in cases:
+            r = {"shape": shp}
+            for dtn in ("bfloat16", "float32"):
+                vals = sess.run(row[dtn + "_vals"])
+                ref = vals["strided_slice"]
+                r[dtn] = {k: {"ms": timed(sess, row[dtn][k]),
+                              "equal": bool(np.array_equal(np.asarray(vals[k], np.float32),
+                                                           np.asarray(ref, np.float32)))}
+                          for k in row[dtn]}
+            out.append(r)
+    return out
+
+
+def subsample_main():
+    import tensorflow as tf
+
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--subsample-child"],
+                       capture_output=True, text=True, timeout=1800)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not line:
+        print(f"died rc={p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:200]}")
+        return
+    print(f"TF {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(default)')}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print("x[:, ::2, ::2, :], ms (min over rounds; includes reading one element of the result); "
+          "* = not bit-equal to StridedSlice's result")
+    print(f"{'shape':20s} {'dtype':9s} " + " ".join(f"{f:>14s}" for f in SUBSAMPLE_FORMS))
+    for r in json.loads(line[0][7:]):
+        for dtn in ("bfloat16", "float32"):
+            cells = [(f"{r[dtn][f]['ms']:13.3f}" + (" " if r[dtn][f]["equal"] else "*")) if f in r[dtn]
+                     else f"{'-':>14s}" for f in SUBSAMPLE_FORMS]
+            print(f"{str(tuple(r['shape'])):20s} {dtn:9s} " + " ".join(cells))
+
+
 def main():
     if sys.argv[1:] == ["--filter-grad-child"]:
         print("RESULT " + json.dumps(_filter_grad_child()), flush=True)
+        return
+    if sys.argv[1:] == ["--subsample-child"]:
+        print("RESULT " + json.dumps(_subsample_child()), flush=True)
+        return
+    if sys.argv[1:] == ["--subsample"]:
+        subsample_main()
+        return
+    if sys.argv[1:] == ["--bias-grad-child"]:
+        print("RESULT " + json.dumps(_bias_grad_child()), flush=True)
+        return
+    if sys.argv[1:] == ["--bias-grad"]:
+        bias_grad_main()
         return
     if sys.argv[1:] == ["--filter-grad"]:
         filter_grad_main()

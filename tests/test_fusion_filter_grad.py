@@ -67,7 +67,9 @@ def test_bf16_filter_gradients_of_1x1_convs_run_as_matmuls():
     assert _count(ours, "Conv2DBackpropFilter", "bfloat16") == 1
     assert _count(ours, "Conv2DBackpropFilter") == 1
     assert _count(ours, "MatMul", "bfloat16") == _count(lvl1, "MatMul", "bfloat16") + 3
-    assert _count(ours, "StridedSlice", "bfloat16") == 1  # the stride-2 conv's input subsample
+    # the stride-2 conv's input subsample (StridedSlice; a Slice after strided_subsample, 18d;
+    # _count matches by substring, so "Slice" counts both)
+    assert _count(ours, "Slice", "bfloat16") == 1
     assert _count(ours, "ExtractImagePatches", "bfloat16") == 1  # the 3x3 conv's im2col
     # no new casts: the MatMuls read the BF16 activations and gradients the convs read
     assert _count(ours, "Cast") == _count(lvl1, "Cast")
@@ -90,7 +92,7 @@ def test_rule_fires_for_bf16_only_and_reports_why_not():
     bf16, fp32 = off["allow_mix_precision_bf16"], off["must_keep_origin_dtype"]
     assert bf16["fused"] == {"filter_grad_1x1": 2, "filter_grad_im2col": 1}
     assert bf16["ops"].get("Conv2DBackpropFilter", 0) == 1
-    assert bf16["ops"].get("StridedSlice", 0) >= 1
+    assert bf16["ops"].get("StridedSlice", 0) + bf16["ops"].get("Slice", 0) >= 1  # (18d: strided_subsample)
     assert bf16["ops"].get("ExtractImagePatches", 0) == 1
     # the 3x3 on 8x8 (64 positions, 16 channels): the reason names the measured limit
     assert any("8x8 output positions" in why for why in bf16["reasons"]["filter_grad_im2col"])

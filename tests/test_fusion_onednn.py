@@ -64,7 +64,22 @@ def assert_equivalent(res, prec, depth):
     else:
         loss_tol, upd_tol = EPS_BF16, depth * EPS_BF16
     assert abs(ours["loss"] - ref["loss"]) <= loss_tol * abs(ref["loss"]), (prec, ours["loss"], ref["loss"])
-    err = rel_l2(ours["update"], ref["update"])
+    upd_o, upd_r = ours["update"], ref["update"]
+    if prec != "fp32" and ("fp32", "ours") in res:
+        # (18d) a weight whose exact gradient is zero (a conv bias before a training batch norm,
+        # which removes any per-channel shift) gets only rounding noise: FP32 ~1e-8, the unfused
+        # BF16 BiasAddGrad (BF16 accumulation) ~1e-3, ours (bias_grad_matmul: FP32 accumulation)
+        # ~1e-5.  Those are compared with FP32's update instead: ours no further from it.
+        f32 = [np.asarray(u, np.float64) for u in res["fp32", "ours"]["update"]]
+        total = float(np.linalg.norm(np.concatenate(f32)))
+        zero = {i for i, u in enumerate(f32) if np.linalg.norm(u) <= 1e-5 * total}
+        for i in zero:
+            d_o = np.linalg.norm(np.asarray(upd_o[i]) - f32[i])
+            d_r = np.linalg.norm(np.asarray(upd_r[i]) - f32[i])
+            assert d_o <= d_r + 1e-6 * total, (prec, i, d_o, d_r)
+        upd_o = [u for i, u in enumerate(upd_o) if i not in zero]
+        upd_r = [u for i, u in enumerate(upd_r) if i not in zero]
+    err = rel_l2(upd_o, upd_r)
     assert err <= upd_tol, f"{prec}: weight update differs from the unfused graph's by {err:.3g} > {upd_tol:.3g}"
 
 
