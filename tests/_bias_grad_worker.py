@@ -131,9 +131,9 @@ def run(norule=False):
         _emit(config=name, update=upd, ops=_ops(md), fetched=fetched, norule=norule)
 
 
-def _offline(gd, fetches):
+def _offline(gd, fetches, modes=("allow_mix_precision_bf16", "must_keep_origin_dtype")):
     out = {}
-    for mode in ("allow_mix_precision_bf16", "must_keep_origin_dtype"):
+    for mode in modes:
         rgd, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, precision_mode=mode, graph_level=2)
         st = rep.pass_stats("fusion")
         reasons = sorted({d.get("fusion_reason", "") for d in rep.decisions.values()
@@ -151,7 +151,8 @@ def offline():
     g = tf.Graph()
     with g.as_default():
         _, loss, train, _ = build()
-    res = _offline(g.as_graph_def(), [loss.op.name, train.name])
+    res = _offline(g.as_graph_def(), [loss.op.name, train.name],
+                   ("allow_mix_precision_bf16", "must_keep_origin_dtype", "allow_mix_precision"))
     _emit(config="offline", onednn=onednn_enabled(), modes=res)
 
 

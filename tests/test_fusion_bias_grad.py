@@ -120,6 +120,10 @@ def test_rule_fires_for_bf16_only_and_reports_why_not():
     assert any("8 rows" in why for why in bf16["reasons"]), bf16["reasons"]
     assert fp32["fused"] == 0 and fp32["ops"]["BiasAddGrad"] == 4
     assert any("BF16 only" in why for why in fp32["reasons"]), fp32["reasons"]
+    # FP16 mode (offline only: FP16 kernels are not run here): not measured, refused
+    fp16 = r["allow_mix_precision"]
+    assert fp16["fused"] == 0 and fp16["ops"]["BiasAddGrad"] == 4
+    assert any("MatMul runs in float16" in why for why in fp16["reasons"]), fp16["reasons"]
 
 
 def test_without_onednn_the_rule_does_not_fire():
