@@ -21,7 +21,7 @@ Configurations:
   ours      ``npu_amp_tf`` ``precision_mode="allow_mix_precision_bf16"``,
             ``graph_level=2`` (``session_config`` / ``enable``);
   ours_nodelay  the same with ``delay_fp32_copies=False`` (``--configs``);
-  ours_no18d    ours without issue 18d's ``bias_grad_matmul`` / ``strided_subsample``
+  ours_no18d    ours without issue 18d's bias_grad_bn_zero / _matmul, strided_subsample
                 rules (sessions only; the A/B of those rules);
   fp32_again    a second FP32 session (sessions only): FP32's own run-to-run
                 spread, the yardstick for the loss differences.
@@ -92,7 +92,7 @@ OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False},
         # the keep_dtype_nodes entry names no node, it only gives the bridge's memo another key
         "ours_no18d": {"keep_dtype_nodes": ["__end_to_end_ours_no18d__"]}}
 #: fusion rules removed while a configuration's session runs (its graph is rewritten at its first run)
-WITHOUT_RULES = {"ours_no18d": ("bias_grad_matmul", "strided_subsample")}
+WITHOUT_RULES = {"ours_no18d": ("bias_grad_bn_zero", "bias_grad_matmul", "strided_subsample")}
 
 
 class _RulesRemoved:
