@@ -22,7 +22,7 @@ Configurations:
             ``graph_level=2`` (``session_config`` / ``enable``);
   ours_nodelay  the same with ``delay_fp32_copies=False`` (``--configs``);
   ours_no18d    ours without issue 18d's bias_grad_bn_zero / _matmul, strided_subsample
-                rules (sessions only; the A/B of those rules);
+                rules (removed from the registry around its steps; the A/B of those rules);
   fp32_again    a second FP32 session (sessions only): FP32's own run-to-run
                 spread, the yardstick for the loss differences.
 
@@ -87,7 +87,7 @@ def cpu_flags() -> list[str]:
 OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False},
         # BF16 Mean and Sum kept FP32 (as before issue 18's reduction rule, and as on TF 2.15)
         "ours_black_reductions": {"custom_black_list": ["Mean", "Sum"]},
-        # the A/B of issue 18d's rules (sessions only): ours with ``bias_grad_matmul`` and
+        # the A/B of issue 18d's rules: ours with ``bias_grad_bn_zero``, ``bias_grad_matmul`` and
         # ``strided_subsample`` removed from the rule registry while this configuration runs;
         # the keep_dtype_nodes entry names no node, it only gives the bridge's memo another key
         "ours_no18d": {"keep_dtype_nodes": ["__end_to_end_ours_no18d__"]}}
@@ -297,9 +297,6 @@ class FitRunner:
         self.models, self.notes = {}, {}
         w0 = None
         for name in names:
-            if name in WITHOUT_RULES:
-                self.notes[name] = "sessions only (the rules are removed around Session.run)"
-                continue
             try:
                 if name == "grappler":
                     tf.config.optimizer.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": True})
@@ -317,7 +314,8 @@ class FitRunner:
                 m.compile(K.optimizers.SGD(0.01 * LR_SCALE, momentum=0.9), "sparse_categorical_crossentropy")
                 # instantiate the train function in this config (on a throw-away copy of the
                 # weights' start: every configuration then trains from w0 on the same batches)
-                m.train_on_batch(*data.batch(0))
+                with _RulesRemoved(WITHOUT_RULES.get(name, ())):
+                    m.train_on_batch(*data.batch(0))
                 m.set_weights(w0)
                 self.models[name] = m
             except Exception as exc:  # noqa: BLE001 - report a configuration that TF refuses
@@ -344,7 +342,8 @@ class FitRunner:
 
     def step(self, name):
         self.activate(name)
-        out = self.models[name].train_on_batch(*self.data.batch(len(self.losses[name])))
+        with _RulesRemoved(WITHOUT_RULES.get(name, ())):  # (the function is rewritten at its first call)
+            out = self.models[name].train_on_batch(*self.data.batch(len(self.losses[name])))
         self.losses[name].append(float(out[0] if isinstance(out, (list, tuple)) else out))
 
     def profile(self, name):
