@@ -138,6 +138,11 @@ def _offline(gd, fetches, modes=("allow_mix_precision_bf16", "must_keep_origin_d
         st = rep.pass_stats("fusion")
         reasons = sorted({d.get("fusion_reason", "") for d in rep.decisions.values()
                           if d.get("fusion_skipped") == RULE})
+        again, rep2 = npu_amp_tf.rewrite_graph(rgd, fetches=fetches, precision_mode=mode, graph_level=2)
+        fused2 = rep2.pass_stats("fusion").get("fused", {})
+        out[mode + ":again"] = {"ops": dict(Counter(n.op for n in again.node)),
+                                "fused": {k: fused2.get(k, 0) for k in
+                                          ("bias_grad_bn_zero", "bias_grad_matmul", "strided_subsample")}}
         out[mode] = {"fused": st.get("fused", {}).get(RULE, 0), "reasons": reasons,
                      "fused_zero": st.get("fused", {}).get("bias_grad_bn_zero", 0),
                      "ops": dict(Counter(n.op for n in rgd.node)),

@@ -126,6 +126,16 @@ def test_rule_fires_for_bf16_only_and_reports_why_not():
     assert any("MatMul runs in float16" in why for why in fp16["reasons"]), fp16["reasons"]
 
 
+@needs_onednn
+def test_rewriting_the_rewritten_graph_changes_nothing_more():
+    for kind in ("offline", "keras"):
+        r = results(kind)[0]["modes"]
+        again = r["allow_mix_precision_bf16:again"]
+        assert again["fused"] == {"bias_grad_bn_zero": 0, "bias_grad_matmul": 0, "strided_subsample": 0}, kind
+        assert again["ops"].get("BiasAddGrad", 0) == r["allow_mix_precision_bf16"]["ops"].get("BiasAddGrad", 0)
+        assert again["ops"].get("StridedSlice", 0) == r["allow_mix_precision_bf16"]["ops"].get("StridedSlice", 0)
+
+
 def test_without_onednn_the_rule_does_not_fire():
     r = results("offline", onednn=False)[0]
     assert r["onednn"] is False
