@@ -21,6 +21,8 @@ Configurations:
   ours      ``npu_amp_tf`` ``precision_mode="allow_mix_precision_bf16"``,
             ``graph_level=2`` (``session_config`` / ``enable``);
   ours_nodelay  the same with ``delay_fp32_copies=False`` (``--configs``);
+  ours_no18d    ours without issue 18d's bias_grad_bn_zero / _matmul, strided_subsample
+                rules (removed from the registry around its steps; the A/B of those rules);
   fp32_again    a second FP32 session (sessions only): FP32's own run-to-run
                 spread, the yardstick for the loss differences.
 
@@ -84,7 +86,30 @@ def cpu_flags() -> list[str]:
 #: our configurations: name -> extra options (``ours_nodelay``: ``delay_fp32_copies=False``)
 OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False},
         # BF16 Mean and Sum kept FP32 (as before issue 18's reduction rule, and as on TF 2.15)
-        "ours_black_reductions": {"custom_black_list": ["Mean", "Sum"]}}
+        "ours_black_reductions": {"custom_black_list": ["Mean", "Sum"]},
+        # the A/B of issue 18d's rules: ours with ``bias_grad_bn_zero``, ``bias_grad_matmul`` and
+        # ``strided_subsample`` removed from the rule registry while this configuration runs;
+        # the keep_dtype_nodes entry names no node, it only gives the bridge's memo another key
+        "ours_no18d": {"keep_dtype_nodes": ["__end_to_end_ours_no18d__"]}}
+#: fusion rules removed while a configuration's session runs (its graph is rewritten at its first run)
+WITHOUT_RULES = {"ours_no18d": ("bias_grad_bn_zero", "bias_grad_matmul", "strided_subsample")}
+
+
+class _RulesRemoved:
+    """Context: the named fusion rules are out of the registry inside it."""
+
+    def __init__(self, names):
+        self.names, self.saved = names, {}
+
+    def __enter__(self):
+        from graph_passes.fusion import RULES
+
+        self.saved = {n: RULES.pop(n) for n in self.names if n in RULES}
+
+    def __exit__(self, *exc):
+        from graph_passes.fusion import RULES
+
+        RULES.update(self.saved)
 
 
 def session_configs(names):
@@ -192,25 +217,28 @@ class SessionRunner:
 
     def step(self, name):
         xb, yb = self.data.batch(len(self.losses[name]))
-        lv, _ = self.sessions[name].run([self.loss, self.train], {self.x: xb, self.y: yb})
+        with _RulesRemoved(WITHOUT_RULES.get(name, ())):
+            lv, _ = self.sessions[name].run([self.loss, self.train], {self.x: xb, self.y: yb})
         self.losses[name].append(float(lv))
 
     def profile(self, name):
         md = tf1.RunMetadata()
         xb, yb = self.data.batch(0)
-        self.sessions[name].run(self.train, {self.x: xb, self.y: yb},
-                                options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE),
-                                run_metadata=md)
+        with _RulesRemoved(WITHOUT_RULES.get(name, ())):
+            self.sessions[name].run(self.train, {self.x: xb, self.y: yb},
+                                    options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE),
+                                    run_metadata=md)
         return _profile.summarize([md.step_stats])
 
     def op_times(self, name):
         """One traced step: {(op type, dtype): op microseconds} over the executed nodes."""
         md = tf1.RunMetadata()
         xb, yb = self.data.batch(0)
-        self.sessions[name].run(self.train, {self.x: xb, self.y: yb},
-                                options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE,
-                                                       output_partition_graphs=True),
-                                run_metadata=md)
+        with _RulesRemoved(WITHOUT_RULES.get(name, ())):
+            self.sessions[name].run(self.train, {self.x: xb, self.y: yb},
+                                    options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE,
+                                                           output_partition_graphs=True),
+                                    run_metadata=md)
         return op_time_table(md)
 
     def close(self):
@@ -286,7 +314,8 @@ class FitRunner:
                 m.compile(K.optimizers.SGD(0.01 * LR_SCALE, momentum=0.9), "sparse_categorical_crossentropy")
                 # instantiate the train function in this config (on a throw-away copy of the
                 # weights' start: every configuration then trains from w0 on the same batches)
-                m.train_on_batch(*data.batch(0))
+                with _RulesRemoved(WITHOUT_RULES.get(name, ())):
+                    m.train_on_batch(*data.batch(0))
                 m.set_weights(w0)
                 self.models[name] = m
             except Exception as exc:  # noqa: BLE001 - report a configuration that TF refuses
@@ -313,7 +342,8 @@ class FitRunner:
 
     def step(self, name):
         self.activate(name)
-        out = self.models[name].train_on_batch(*self.data.batch(len(self.losses[name])))
+        with _RulesRemoved(WITHOUT_RULES.get(name, ())):  # (the function is rewritten at its first call)
+            out = self.models[name].train_on_batch(*self.data.batch(len(self.losses[name])))
         self.losses[name].append(float(out[0] if isinstance(out, (list, tuple)) else out))
 
     def profile(self, name):
@@ -399,7 +429,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="slim_resnet50,keras_resnet50,keras_fit,bert")
     ap.add_argument("--configs", default="fp32,grappler,keras,ours",
-                    help="subset of fp32,fp32_again,grappler,keras,ours,ours_nodelay,ours_black_reductions")
+                    help="subset of fp32,fp32_again,grappler,keras,ours,ours_nodelay,ours_black_reductions,"
+                         "ours_no18d")
     ap.add_argument("--data", choices=("fixed", "teacher"), default="fixed",
                     help="fixed: one synthetic batch (timing); teacher: a fresh seeded batch per step "
                          "labelled by a fixed random teacher (the loss comparison)")

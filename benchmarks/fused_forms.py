@@ -299,7 +299,7 @@ SUBSAMPLE_FORMS = ("strided_slice", "maxpool_1x1", "avgpool_1x1", "reshape_slice
 def _subsample_child(rounds=5, runs=8):
     """x[:, ::2, ::2, :] (the ``filter_grad_1x1`` rule's subsample of a stride-2 1x1 conv's
     input) as StridedSlice vs a 1x1 MaxPool / AvgPool with stride 2 (oneDNN pooling) vs
-    Reshape [N, H/2, 2, W/2, 2C] + Slice (even sizes only), BF16 and FP32."""
+    Reshape [N, H/2, 2, W/2, 2C] + Slice (even sizes only), BF16, FP32 and FP16."""
     import time
 
     import numpy as np
@@ -312,7 +312,7 @@ def _subsample_child(rounds=5, runs=8):
     with g.as_default():
         for (N, H, W, C) in SUBSAMPLE_SHAPES:
             row = {}
-            for dtn in ("bfloat16", "float32"):
+            for dtn in ("bfloat16", "float32", "float16"):
                 x = tf.Variable(tf.cast(tf.random.normal([N, H, W, C]), getattr(tf, dtn)))
                 forms = {"strided_slice": x[:, ::2, ::2, :],
                          "maxpool_1x1": tf.nn.max_pool2d(x, 1, 2, "SAME"),
@@ -343,7 +343,7 @@ def _subsample_child(rounds=5, runs=8):
         sess.run(init)
         for shp, row in cases:
             r = {"shape": shp}
-            for dtn in ("bfloat16", "float32"):
+            for dtn in ("bfloat16", "float32", "float16"):
                 vals = sess.run(row[dtn + "_vals"])
                 ref = vals["strided_slice"]
                 r[dtn] = {k: {"ms": timed(sess, row[dtn][k]),
@@ -369,7 +369,7 @@ def subsample_main():
           "* = not bit-equal to StridedSlice's result")
     print(f"{'shape':20s} {'dtype':9s} " + " ".join(f"{f:>14s}" for f in SUBSAMPLE_FORMS))
     for r in json.loads(line[0][7:]):
-        for dtn in ("bfloat16", "float32"):
+        for dtn in ("bfloat16", "float32", "float16"):
             cells = [(f"{r[dtn][f]['ms']:13.3f}" + (" " if r[dtn][f]["equal"] else "*")) if f in r[dtn]
                      else f"{'-':>14s}" for f in SUBSAMPLE_FORMS]
             print(f"{str(tuple(r['shape'])):20s} {dtn:9s} " + " ".join(cells))

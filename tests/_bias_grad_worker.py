@@ -131,14 +131,20 @@ def run(norule=False):
         _emit(config=name, update=upd, ops=_ops(md), fetched=fetched, norule=norule)
 
 
-def _offline(gd, fetches):
+def _offline(gd, fetches, modes=("allow_mix_precision_bf16", "must_keep_origin_dtype")):
     out = {}
-    for mode in ("allow_mix_precision_bf16", "must_keep_origin_dtype"):
+    for mode in modes:
         rgd, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, precision_mode=mode, graph_level=2)
         st = rep.pass_stats("fusion")
         reasons = sorted({d.get("fusion_reason", "") for d in rep.decisions.values()
                           if d.get("fusion_skipped") == RULE})
+        again, rep2 = npu_amp_tf.rewrite_graph(rgd, fetches=fetches, precision_mode=mode, graph_level=2)
+        fused2 = rep2.pass_stats("fusion").get("fused", {})
+        out[mode + ":again"] = {"ops": dict(Counter(n.op for n in again.node)),
+                                "fused": {k: fused2.get(k, 0) for k in
+                                          ("bias_grad_bn_zero", "bias_grad_matmul", "strided_subsample")}}
         out[mode] = {"fused": st.get("fused", {}).get(RULE, 0), "reasons": reasons,
+                     "fused_zero": st.get("fused", {}).get("bias_grad_bn_zero", 0),
                      "ops": dict(Counter(n.op for n in rgd.node)),
                      "matmul_dtypes": dict(Counter(str(n.attr["T"].type) for n in rgd.node
                                                    if n.op == "MatMul" and "/BiasAddGrad" in n.name))}
@@ -151,7 +157,8 @@ def offline():
     g = tf.Graph()
     with g.as_default():
         _, loss, train, _ = build()
-    res = _offline(g.as_graph_def(), [loss.op.name, train.name])
+    res = _offline(g.as_graph_def(), [loss.op.name, train.name],
+                   ("allow_mix_precision_bf16", "must_keep_origin_dtype", "allow_mix_precision"))
     _emit(config="offline", onednn=onednn_enabled(), modes=res)
 
 
@@ -177,6 +184,67 @@ def keras():
                 rows.append(int(np.prod(shp[:-1])))
     res = _offline(g.as_graph_def(), [loss.op.name, train.name])
     _emit(config="keras", onednn=onednn_enabled(), modes=res, rows=rows)
+
+
+def build_bn():
+    """tf_keras (Keras 2) Conv2D(bias) -> BatchNormalization -> ReLU, twice, then Dense, in a TF1
+    graph in training mode (FusedBatchNormV3 is_training=True), plain SGD (learning rate 1)."""
+    K = _keras2()
+    tf1.set_random_seed(1)
+    K.backend.set_learning_phase(1)
+    x = tf1.placeholder(tf.float32, [8, 8, 8, 16], name="x")
+    y = tf1.placeholder(tf.int32, [8], name="y")
+    h = x
+    for i in range(2):
+        h = K.layers.Conv2D(16, 3, padding="same", name=f"conv{i}",
+                            bias_initializer=K.initializers.RandomUniform(-0.1, 0.1))(h)
+        h = K.layers.BatchNormalization(name=f"bn{i}")(h)
+        h = K.layers.ReLU()(h)
+    logits = K.layers.Dense(5, name="dense")(tf.reduce_mean(h, [1, 2]))
+    loss = tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    train = tf1.train.GradientDescentOptimizer(1.0).minimize(loss)
+    rng = np.random.RandomState(0)
+    feeds = {x: rng.uniform(-1, 1, [8, 8, 8, 16]).astype(np.float32), y: np.arange(8) % 5}
+    return feeds, loss, train
+
+
+def _keras2():
+    if tuple(int(p) for p in tf.__version__.split(".")[:2]) >= (2, 16):
+        import tf_keras
+        return tf_keras
+    return tf.keras
+
+
+def run_bn():
+    """fp32 / ours / ours without the two bias-gradient rules (``norule``) on ``build_bn``."""
+    from graph_passes.fusion import RULES
+
+    mode = "allow_mix_precision_bf16"
+    cfgs = {"fp32": tf1.ConfigProto(),
+            "ours": npu_amp_tf.session_config(precision_mode=mode, graph_level=2, fail_on_error=True),
+            "norule": npu_amp_tf.session_config(precision_mode=mode, graph_level=2, fail_on_error=True,
+                                                keep_dtype_nodes=["__no_such_node__"])}
+    start = None
+    for name, cfg in cfgs.items():
+        g = tf.Graph()
+        with g.as_default():
+            feeds, loss, train = build_bn()
+            tvars = {v.op.name: v for v in tf1.trainable_variables()}
+            init = tf1.global_variables_initializer()
+        saved = {k: RULES.pop(k) for k in ("bias_grad_bn_zero", "bias_grad_matmul")} if name == "norule" else {}
+        try:
+            with tf1.Session(graph=g, config=cfg) as s:
+                s.run(init)
+                if start is None:
+                    start = {k: s.run(v) for k, v in tvars.items()}
+                for k, v in tvars.items():
+                    v.load(start[k], s)
+                md = tf1.RunMetadata()
+                s.run(train, feeds, options=tf1.RunOptions(output_partition_graphs=True), run_metadata=md)
+                upd = {k: (s.run(v) - start[k]).ravel().tolist() for k, v in tvars.items()}
+        finally:
+            RULES.update(saved)
+        _emit(config=name, update=upd, ops=_ops(md))
 
 
 def subsample():
@@ -220,6 +288,6 @@ def subsample():
 
 if __name__ == "__main__":
     kind = sys.argv[1]
-    {"run": run, "run_norule": lambda: run(norule=True), "offline": offline, "keras": keras,
+    {"run": run, "run_norule": lambda: run(norule=True), "offline": offline, "keras": keras, "run_bn": run_bn,
      "subsample": subsample}[kind]()
     print("DONE", flush=True)

@@ -68,8 +68,9 @@ def assert_equivalent(res, prec, depth):
     if prec != "fp32" and ("fp32", "ours") in res:
         # (18d) a weight whose exact gradient is zero (a conv bias before a training batch norm,
         # which removes any per-channel shift) gets only rounding noise: FP32 ~1e-8, the unfused
-        # BF16 BiasAddGrad (BF16 accumulation) ~1e-3, ours (bias_grad_matmul: FP32 accumulation)
-        # ~1e-5.  Those are compared with FP32's update instead: ours no further from it.
+        # BF16 BiasAddGrad (BF16 accumulation) ~1e-3, ours 0 (bias_grad_bn_zero; bias_grad_matmul's
+        # FP32 accumulation gave ~1e-5).  Those are compared with FP32's update instead: ours no
+        # further from it.
         f32 = [np.asarray(u, np.float64) for u in res["fp32", "ours"]["update"]]
         total = float(np.linalg.norm(np.concatenate(f32)))
         zero = {i for i, u in enumerate(f32) if np.linalg.norm(u) <= 1e-5 * total}

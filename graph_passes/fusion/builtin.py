@@ -24,6 +24,8 @@ level 2  ``filter_grad_1x1``    Conv2DBackpropFilter of a 1x1 conv (any stride),
 level 2  ``filter_grad_im2col`` Conv2DBackpropFilter of a kxk conv with few output positions
                                  (<= 16, or <= 49 with >= 512 input channels), BF16 under oneDNN
                                  => ExtractImagePatches -> Reshape -> MatMul(transpose_a) -> Reshape
+level 2  ``bias_grad_bn_zero``  BiasAddGrad of a training batch norm's dx (BF16 plan, oneDNN) => zero Const
+                                 (exactly zero: the norm removes any per-channel shift; bias_grad.py)
 level 2  ``bias_grad_matmul``   BiasAddGrad of a BF16 gradient, under oneDNN => ones[1,M] x Reshape(dy,[M,C])
                                  as one BF16 MatMul (measured 1.8x faster, FP32 accumulation; bias_grad.py)
 level 2  ``strided_subsample`` StridedSlice x[:, ::sh, ::sw, :] (H, W divisible) => Reshape -> Slice -> Reshape

@@ -21,7 +21,7 @@ Conditions (each refusal is reported): the slice takes every element of dims 0 a
 (``begin_mask`` and ``end_mask`` cover them, or begin 0 / end 0 with the masks) and all of H
 and W with a positive stride (masks, or begin 0 and end >= the size), no ellipsis, new-axis
 or shrink masks; H, W, C static (N may be unknown); H and W divisible by their strides (an
-odd size needs padding: left alone); dtype float32 or bfloat16 (measured; others refused).
+odd size needs padding: left alone); dtype float32, bfloat16 or float16 (measured; others refused).
 The rule changes no value (an exact selection), so it runs in any precision mode.
 """
 from __future__ import annotations
@@ -34,11 +34,13 @@ from .. import registry
 #: FP32 2.10 / 0.28.  TF 2.15.1 (load 3.3): BF16 8.70 / 0.37, 4.37 / 0.23, 2.24 / 0.10; FP32 8.93 /
 #: 0.53, 4.14 / 0.32, 2.26 / 0.24.  TF 2.21.0 oneDNN off (load 3.8): BF16 9.12 / 0.37, 4.69 / 0.26,
 #: 3.50 / 0.11; FP32 13.98 / 0.79, 7.44 / 0.37, 2.93 / 0.20.  (A 1x1 MaxPool / AvgPool with the stride,
-#: oneDNN pooling, also exact: 0.2-1.5 ms; they would serve odd sizes, not done.)
+#: oneDNN pooling, also exact: 0.2-1.5 ms; they would serve odd sizes, not done.)  FP16 (a second run,
+#: load 3.9-4.2): TF 2.21 11.47 / 0.42, 4.55 / 0.28, 1.77 / 0.12; TF 2.15 9.65 / 0.33, 4.39 / 0.32, 1.19 / 0.14.
 MEASURED = {"2.21": "Reshape+Slice 13-31x faster than StridedSlice (BF16), 9-16x (FP32); oneDNN off 19-33x / 18-20x",
-            "2.15": "Reshape+Slice 19-23x faster (BF16), 9-17x (FP32)"}
+            "2.15": "Reshape+Slice 19-23x faster (BF16), 9-17x (FP32)",
+            "fp16": "Reshape+Slice 15-27x (2.21), 9-29x (2.15) faster"}
 
-_DTYPES = (registry.DT_FLOAT, registry.DT_BFLOAT16)
+_DTYPES = (registry.DT_FLOAT, registry.DT_BFLOAT16, registry.DT_HALF)
 
 
 def _predicate(node, graph):
@@ -52,7 +54,7 @@ def _build(m, b):
     node = b.anchor
     x, beg, end, stp = b.graph.data_inputs(node)[:4]
     dt = node.attr["T"].type
-    b.require(dt in _DTYPES, f"StridedSlice in {registry.dtype_name(dt)}: measured for float32 / bfloat16 only")
+    b.require(dt in _DTYPES, f"StridedSlice in {registry.dtype_name(dt)}: measured for float32 / bfloat16 / float16 only")
     xs = b.shape(x)
     b.require(xs is not None and len(xs) == 4, f"input shape {xs}: needs rank 4")
     vb, ve, vs = b.const(beg), b.const(end), b.const(stp)
