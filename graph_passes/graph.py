@@ -131,6 +131,7 @@ class Graph:
         self.version = 0
         if callable(index):
             index = index()
+        self._classes = None  # (names, int32 signature classes) from the C++ index
         adopted = index is not None and self._adopt_index(graph_def, index)
         #: True when the indexes came from ``index`` (C++), not from reindex()
         self.prebuilt_index = adopted
@@ -172,8 +173,9 @@ class Graph:
             magic, count, cycle, nsrc = head.split(b"\x02")
             n, ns = int(count), int(nsrc)
             gnodes = graph_def.node
-            if magic != b"NPUIDX3" or n != len(gnodes):
+            if magic not in (b"NPUIDX3", b"NPUIDX4") or n != len(gnodes):
                 return False
+            ncls = n if magic == b"NPUIDX4" else 0  # (issue 17f: signature classes)
             names = names_b.decode("ascii").split("\x01") if n else []
             nodes = dict(zip(names, gnodes))
             if len(names) != n or len(nodes) != n:
@@ -193,7 +195,7 @@ class Graph:
             op_counts, src_counts = ints[:no], ints[no:no + ns]
             e = sum(src_counts)
             at = no + ns
-            if len(ints) != at + 2 * n + 2 * e or sum(op_counts) != n:
+            if len(ints) != at + 2 * n + 2 * e + ncls or sum(op_counts) != n:
                 return False
             nget = names.__getitem__
             # (C-level loops: no Python statement per node or edge)
@@ -204,7 +206,7 @@ class Graph:
             pairs = list(zip(map(nget, ints[at + n:at + n + e]), ints[at + n + e:at + n + 2 * e]))
             ends = list(accumulate(src_counts))
             cons = defaultdict(list, zip(srcs, map(pairs.__getitem__, map(slice, [0, *ends[:-1]], ends))))
-            order = list(map(nget, ints[at + n + 2 * e:]))
+            order = list(map(nget, ints[at + n + 2 * e:at + 2 * n + 2 * e]))
             if len(by_op) != no or len(cons) != ns:
                 return False
         except (ValueError, IndexError, UnicodeDecodeError, TypeError):
@@ -216,8 +218,33 @@ class Graph:
         self._next_seq = n
         self._has_cycle = cycle == b"1"
         self._topo_cache = (order, bool(n) and self._has_cycle)
+        self._classes = (names, ints[at + 2 * n + 2 * e:]) if ncls else None
         self.version += 1
         return True
+
+    def signature_classes(self):
+        """{name: signature class} from the C++ index (see ``GraphIndexText``
+        in custom_ops/grappler_bridge.cc), for the nodes left as they were
+        when it was built: nodes of one class have the same op and equal
+        :func:`registry.signature_key`; classes are ints >= 0 (nodes of an op
+        the C++ registry does not know are left out).  Nodes created, edited
+        through this object's methods or declared with :meth:`touch` are left
+        out too (a pass that edits a node's attrs in place declares it, as the
+        OpDef guard needs: ``Pass.tracks_edits``); None without a C++ index
+        or after :meth:`touch_all`.  A fresh dict: the caller may drop
+        entries (nodes it edits itself)."""
+        cl = self._classes
+        if cl is None or self._all_modified:
+            return None
+        names, classes = cl
+        out = dict(zip(names, classes))
+        for name in self.created:
+            out.pop(name, None)
+        for name in self.modified:
+            out.pop(name, None)
+        if -1 in classes:
+            out = {k: v for k, v in out.items() if v >= 0}
+        return out
 
     def reindex(self):
         """Rebuild the consumers and op-type indexes (after editing

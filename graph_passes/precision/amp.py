@@ -163,8 +163,14 @@ class PrecisionPass(Pass):
         self._painted = None  # (fast path) names _paint decided: float, not fixed, not Const
         self._rmemo = None  # (fast path) tensor -> its readers, while edges and Casts stay
         self._dts = {}  # name -> (node, input dtypes, output dtypes) memo (see in_dtypes)
-        self._sig_dts = {}  # registry.signature_key -> (input dtypes, output dtypes)
-        self._sig_info = {}  # registry.signature_key -> _NodeInfo (ops outside COND_OPS)
+        self._sig_dts = {}  # signature key (see _key) -> (input dtypes, output dtypes)
+        self._sig_info = {}  # signature key -> _NodeInfo (ops outside COND_OPS)
+        self._keys = {}  # (fast path) name -> (node, registry.signature_key), while unedited
+        # (fast path, issue 17f) name -> the C++ index's signature class (an
+        # int: equal classes, equal signature keys) of the nodes no pass has
+        # edited yet; this pass drops a node's entry before editing it
+        self._cls = _usable_classes(graph) if self.fast_paths else None
+        self._cls_cur = {}  # signature class -> current() of its nodes
         self._other_types = {}  # (op, changeable attrs) -> the op's other type attrs, sorted
         self._dev_types = {}  # device string -> device type
         self._kernel_cache = {}
@@ -208,6 +214,13 @@ class PrecisionPass(Pass):
 
     # ------------------------------------------------------- node facts
     def info(self, node) -> _NodeInfo:
+        cls = self._cls
+        if cls is not None:  # (fast path: per signature class, for unedited nodes outside COND_OPS)
+            c = cls.get(node.name)
+            if c is not None:
+                res = self._sig_info.get(c)
+                if res is not None:
+                    return res
         inf = self._info.get(node.name)
         if inf is not None and inf[0] == node.op:
             return inf[1]
@@ -224,8 +237,33 @@ class PrecisionPass(Pass):
             return node, None if ins is None else tuple(ins), None if outs is None else tuple(outs)
         hit = self._dts.get(node.name)
         if hit is None or hit[0] is not node:
-            hit = self._fill_dts(node, registry.signature_key(node))
+            hit = self._fill_dts(node, self._key(node))
         return hit
+
+    def _key(self, node):
+        """The node's signature key for the per-signature memos (fast path):
+        its C++ signature class (an int) while the node is as the index saw
+        it, else ``registry.signature_key`` (a tuple or None), computed once
+        per node while the node is unedited."""
+        name = node.name
+        cls = self._cls
+        if cls is not None:
+            c = cls.get(name)
+            if c is not None:
+                return c
+        hit = self._keys.get(name)
+        if hit is not None and hit[0] is node:
+            return hit[1]
+        key = registry.signature_key(node)
+        self._keys[name] = (node, key)
+        return key
+
+    def _edited(self, name):
+        """Drop ``name``'s per-node memos before its attrs change."""
+        self._dts.pop(name, None)
+        self._keys.pop(name, None)
+        if self._cls is not None:
+            self._cls.pop(name, None)
 
     def _fill_dts(self, node, key):
         facts = self._sig_dts.get(key) if key is not None else None
@@ -259,13 +297,13 @@ class PrecisionPass(Pass):
 
     def _retype(self, node, attrs, dt):
         self._before.save(node.name)
+        self._edited(node.name)
         registry.retype(node, attrs, dt)  # fused args (TArgs) follow
-        self._dts.pop(node.name, None)
 
     def _set_type(self, node, attr, dt):
         self._before.save(node.name)
+        self._edited(node.name)
         node.attr[attr].type = dt
-        self._dts.pop(node.name, None)
 
     def _float_inputs(self, node, info):
         """[(index, input)] of the data inputs typed by a changeable attr of
@@ -298,7 +336,7 @@ class PrecisionPass(Pass):
         # signature key); Switch/Merge also from their producers
         if node.op in COND_OPS or not self.fast_paths:
             return self._compute_info_of(node)
-        key = registry.signature_key(node)
+        key = self._key(node)
         if key is None:
             return self._compute_info_of(node)
         res = self._sig_info.get(key)
@@ -332,6 +370,20 @@ class PrecisionPass(Pass):
         return _NodeInfo(tuple(attrs), in_attr, fixed)
 
     def current(self, node, info):
+        """The dtype ``node`` runs in now (its first changeable attr's).
+        Fast path: per signature class for a node no pass has edited (the
+        attr is one its class fixes)."""
+        cls = self._cls
+        if cls is not None:
+            c = cls.get(node.name)
+            if c is not None:
+                cur = self._cls_cur.get(c)
+                if cur is None:
+                    cur = self._cls_cur[c] = self._current_of(node, info)
+                return cur
+        return self._current_of(node, info)
+
+    def _current_of(self, node, info):
         a = info.attrs[0]
         if a in node.attr:
             return node.attr[a].type
@@ -875,8 +927,8 @@ class PrecisionPass(Pass):
             if w != FP32 and self.unsafe_const(node, w):
                 continue
             self._before.save(name)
+            self._edited(name)
             _convert_const(node, w)
-            self._dts.pop(name, None)
             self.touched.add(name)
             self._record(node, "const", f"constant converted in place to {registry.dtype_name(w)}",
                          lst="const", dtype=w, was=registry.dtype_name(cur))
@@ -1249,6 +1301,20 @@ def _shape_figures(g, shapes, before, matrix, redo, stats, report):
         summary["shape_inference_error"] = error
     report.raw_summary.update(summary)
     stats.update(summary)
+
+
+def _usable_classes(graph):
+    """``graph.signature_classes()`` without the nodes of ops Python's
+    registry does not know (their facts are computed per node), or None."""
+    get = getattr(graph, "signature_classes", None)
+    cls = get() if get is not None else None
+    if not cls:
+        return None
+    for op in graph._by_op:
+        if registry.op_def(op) is None:
+            for name in graph.nodes_of_type(op):
+                cls.pop(name, None)
+    return cls
 
 
 @functools.lru_cache(maxsize=None)
