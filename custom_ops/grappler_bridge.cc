@@ -630,6 +630,50 @@ NPU_AMP_EXPORT int NpuAmpGraphIndex(const char* graph, size_t graph_len, const c
   return 0;
 }
 
+// Kahn's topological order over integer arrays (issue 17f), the rule of
+// graph_passes.graph.Graph._compute_topo_order: nodes 0..n-1 in graph order,
+// counts[u] consumer entries of node u (data and control, in the consumers
+// index's order) flattened in readers[] (a reader's node index, -1 for a
+// reader that is no node: ignored); a node with back[u] != 0 (NextIteration)
+// is ordered but releases no reader (loop back edges).  FIFO; the first
+// nodes without inputs in graph order.  Writes the order to order[] and
+// returns its length (< n when a cycle outside loops leaves nodes out; the
+// caller appends them), or -1 on a bad array.
+NPU_AMP_EXPORT int NpuAmpKahnOrder(int32_t n, const int32_t* counts, const int32_t* readers,
+                                   int64_t n_readers, const uint8_t* back, int32_t* order) {
+  if (n < 0) return -1;
+  std::vector<int64_t> start(static_cast<size_t>(n) + 1, 0);
+  for (int32_t u = 0; u < n; ++u) {
+    if (counts[u] < 0) return -1;
+    start[u + 1] = start[u] + counts[u];
+  }
+  if (start[n] != n_readers) return -1;
+  std::vector<int32_t> indeg(n, 0);
+  for (int64_t e = 0; e < n_readers; ++e) {
+    if (readers[e] >= n) return -1;
+  }
+  for (int32_t u = 0; u < n; ++u) {
+    if (back[u]) continue;
+    for (int64_t e = start[u]; e < start[u + 1]; ++e) {
+      if (readers[e] >= 0) ++indeg[readers[e]];
+    }
+  }
+  // the order doubles as the FIFO queue: nodes are appended when ready
+  int32_t tail = 0;
+  for (int32_t u = 0; u < n; ++u) {
+    if (indeg[u] == 0) order[tail++] = u;
+  }
+  for (int32_t head = 0; head < tail; ++head) {
+    const int32_t u = order[head];
+    if (back[u]) continue;
+    for (int64_t e = start[u]; e < start[u + 1]; ++e) {
+      const int32_t r = readers[e];
+      if (r >= 0 && --indeg[r] == 0) order[tail++] = r;
+    }
+  }
+  return tail;
+}
+
 // Optimize() calls answered without calling Python: kind 0 = a graph seen
 // before (our own output, or left unchanged), 1 = tf.data function, 2 = no float.
 NPU_AMP_EXPORT uint64_t NpuAmpSkipCount(int kind) {

@@ -27,8 +27,8 @@ import functools
 import logging
 from array import array
 from collections import defaultdict, deque
-from itertools import accumulate, filterfalse
-from operator import methodcaller
+from itertools import accumulate, chain, filterfalse, repeat
+from operator import itemgetter, methodcaller
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
@@ -39,6 +39,14 @@ log = logging.getLogger("npu_amp_tf")
 
 LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
 _is_control = methodcaller("startswith", "^")
+_first = itemgetter(0)
+
+#: Kahn's order in C++ over integer arrays (issue 17f):
+#: ``fn(n, counts, readers, back) -> array of node indices or None``, the rule
+#: of :meth:`Graph._compute_topo_order` (see ``NpuAmpKahnOrder`` in
+#: custom_ops/grappler_bridge.cc).  graph_passes never imports npu_amp_tf:
+#: the package installs it when its library is loaded; None: Python sorts.
+native_kahn = None
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -589,11 +597,27 @@ class Graph:
             found.sort(key=seq.__getitem__)
         return found
 
+    #: sort in C++ when :data:`native_kahn` is installed (False: the Python
+    #: reference below, which tests compare it with)
+    native_sort = True
+
     def _compute_topo_order(self, strict: bool) -> list[str]:
         self._has_cycle = False
         nodes = self.nodes
         back = set(self.nodes_of_type(LOOP_BACK_OPS))
         consumers = self._consumers
+        fn = native_kahn
+        if fn is not None and self.native_sort and nodes:
+            order = self._native_topo_order(fn, back)
+            if order is not None:
+                if len(order) < len(nodes):
+                    self._has_cycle = True
+                    seen = set(order)
+                    rest = [n for n in nodes if n not in seen]
+                    if strict:
+                        raise GraphError(f"graph has a cycle outside loops through: {rest[:10]}")
+                    order.extend(rest)
+                return order
         # in-degree = inputs from nodes of the graph that are not loop back
         # edges, counted through the consumers index (the same edges)
         indeg = dict.fromkeys(nodes, 0)
@@ -625,6 +649,25 @@ class Graph:
                 raise GraphError(f"graph has a cycle outside loops through: {rest[:10]}")
             order.extend(rest)
         return order
+
+    def _native_topo_order(self, fn, back):
+        """The nodes Kahn's rule orders (cycle nodes left out), from
+        :data:`native_kahn` over this graph's consumers index as integer
+        arrays (built with C-level loops: no Python statement per edge);
+        None when it refuses."""
+        names = list(self.nodes)
+        n = len(names)
+        idx = dict(zip(names, range(n)))
+        lists = list(map(self._consumers.get, names, repeat((), n)))
+        counts = array("i", map(len, lists))
+        readers = array("i", map(idx.get, map(_first, chain.from_iterable(lists)), repeat(-1)))
+        flags = array("B", bytes(n))
+        for name in back:
+            flags[idx[name]] = 1
+        res = fn(n, counts, readers, flags)
+        if res is None:
+            return None
+        return list(map(names.__getitem__, res))
 
     # ----------------------------------------------------------- validate
     def validate(self, raise_error: bool = False, check_dtypes: bool = True) -> list[str]:

@@ -907,9 +907,19 @@ class PrecisionPass(Pass):
     def _convert_consts(self):
         g = self.g
         fast = self.fast_paths
+        cls = self._cls
+        float_cls = {}  # (fast path) signature class of Consts -> holds a float
         for name in (g.nodes_of_type("Const") if fast else list(g.nodes)):
             node = g.nodes[name]
             if fast:  # (the same tests, the cheap one first: most constants are ints)
+                c = cls.get(name) if cls is not None else None
+                if c is not None:  # (its class fixes its dtype attr: Const's output type)
+                    fl = float_cls.get(c)
+                    if fl is None:
+                        outs = self.out_dtypes(node)
+                        fl = float_cls[c] = bool(outs) and outs[0] in FLOATS
+                    if not fl:
+                        continue
                 a = node.attr.get("dtype")
                 if a is None or a.type not in FLOATS or name in self.protected or self.is_keep(node):
                     continue
