@@ -566,7 +566,15 @@ class PrecisionPass(Pass):
         g = self.g
         changed = 0
         painted = set() if self.fast_paths and len(order) == len(g.nodes) else None
+        cls_get = self._cls.get if self._cls is not None else None
+        sig_info = self._sig_info
         for name in order:
+            if cls_get is not None:  # (fast path: a node whose class has no float attr is
+                c = cls_get(name)    # skipped without reading its NodeDef)
+                if c is not None:
+                    info = sig_info.get(c)
+                    if info is not None and not info.attrs:
+                        continue
             node = g.nodes[name]
             if node.op == "Const":
                 continue
