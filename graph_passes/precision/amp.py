@@ -171,7 +171,9 @@ class PrecisionPass(Pass):
         # edited yet; this pass drops a node's entry before editing it
         self._cls = _usable_classes(graph) if self.fast_paths else None
         self._cls_cur = {}  # signature class -> current() of its nodes
-        self._other_types = {}  # (op, changeable attrs) -> the op's other type attrs, sorted
+        self._kernel_cls = {}  # (class, device string, dtype) -> (kernel_ok before fused_ops, device type)
+        self._other_types = {}  # (op, changeable attrs) -> (the op's other type attrs, sorted;
+        #                         all of them fixed by a signature class)
         self._dev_types = {}  # device string -> device type
         self._kernel_cache = {}
         self._unsafe_cache = {}
@@ -400,12 +402,29 @@ class PrecisionPass(Pass):
         return t
 
     def kernel_ok(self, node, info, dt):
+        ckey = None
         if self.fast_paths:
-            names = self._other_types.get((node.op, info.attrs))
-            if names is None:
-                names = self._other_types[(node.op, info.attrs)] = tuple(sorted(
-                    a.name for a in registry.op_def(node.op).attr
-                    if a.type == "type" and a.name not in info.attrs))
+            # (issue 17f) per signature class, device string and dtype when the
+            # class fixes every type attr the check reads
+            c = self._cls.get(node.name) if self._cls is not None else None
+            if c is not None:
+                ckey = (c, node.device, dt)
+                hit = self._kernel_cls.get(ckey)
+                if hit is not None:
+                    ok, dev_type = hit
+                    if ok and "fused_ops" in node.attr and registry.fused_ops_broken(
+                            node.op, dev_type, dt, node.attr["fused_ops"].list.s):
+                        return False
+                    return ok
+            entry = self._other_types.get((node.op, info.attrs))
+            if entry is None:
+                names = tuple(sorted(a.name for a in registry.op_def(node.op).attr
+                                     if a.type == "type" and a.name not in info.attrs))
+                sig = {n for n, _ in registry._signature_attrs(node.op) or ()}
+                entry = self._other_types[(node.op, info.attrs)] = (names, set(names) <= sig)
+            names, covered = entry
+            if not covered:
+                ckey = None
             nattr = node.attr
             others = dict((a, nattr[a].type) for a in names if a in nattr)
             key = (node.op, self.device_type(node), dt, tuple(others.items()))
@@ -422,6 +441,8 @@ class PrecisionPass(Pass):
             for a in info.attrs:
                 want[a] = dt
             ok = self._kernel_cache[key] = registry.has_kernel(node.op, key[1], want)
+        if ckey is not None:
+            self._kernel_cls[ckey] = (ok, key[1])
         if ok and "fused_ops" in node.attr and registry.fused_ops_broken(
                 node.op, key[1], dt, node.attr["fused_ops"].list.s):
             return False
