@@ -164,7 +164,7 @@ bool InferShapesText(const tensorflow::grappler::GrapplerItem& item, std::string
 // ResNet-50 training graph has 63k edges).  Format (decoded by
 // Graph._adopt_index): four ASCII sections ended by '\x03', then int32 arrays
 // (native byte order):
-//   "NPUIDX3" \x02 <node count n> \x02 <1 if a cycle outside loops else 0>
+//   "NPUIDX4" \x02 <node count n> \x02 <1 if a cycle outside loops else 0>
 //             \x02 <count of consumed names s> \x03
 //   node names, graph order, joined by \x01 \x03
 //   op types, first appearance order, joined by \x01 \x03
@@ -176,6 +176,12 @@ bool InferShapesText(const tensorflow::grappler::GrapplerItem& item, std::string
 //             then graph order and input order, as Graph.reindex appends them)
 //   int32[E]  its input position (-1: a control edge)
 //   int32[n]  the topological order (node indices)
+//   int32[n]  per node, its signature class (issue 17f): nodes of one class
+//             have the same op and the same values of the attrs its OpDef's
+//             args name (type_attr / type_list_attr / number_attr), i.e. equal
+//             graph_passes.registry.signature_key; -1 for an op that is not
+//             registered (a function call).  Classes are numbered in first
+//             appearance order.
 // Returns false (nothing written) when Python must build the index itself:
 // duplicate node names, or a byte outside printable ASCII in a name, op or
 // input (Python's str.isdigit accepts non-ASCII digits in a port; control
@@ -198,6 +204,80 @@ void AppendJoined(const std::vector<std::string_view>& items, std::string* out) 
     out->append(items[j].data(), items[j].size());
   }
   out->push_back('\x03');
+}
+
+// The signature classes of GraphIndexText (see there).  Per op, the attrs
+// its args name, in the order graph_passes.registry._signature_attrs finds
+// them (input args, then output args; type_attr, type_list_attr,
+// number_attr; the first kind seen wins), so equal keys here are equal keys
+// there.  An attr the node does not carry is keyed as absent (Python: None),
+// not as its OpDef default.
+std::vector<int32_t> SignatureClasses(const tensorflow::GraphDef& graph,
+                                      const std::vector<int32_t>& op_of_node,
+                                      const std::vector<std::string_view>& op_order) {
+  const int32_t n = graph.node_size();
+  std::vector<int32_t> classes(n, -1);
+  // per op slot: the (attr, kind) list, or registered = false
+  struct OpSig {
+    bool registered = false;
+    std::vector<std::pair<std::string, int>> attrs;
+  };
+  std::vector<OpSig> sigs(op_order.size());
+  for (size_t j = 0; j < op_order.size(); ++j) {
+    const tensorflow::OpDef* od = nullptr;
+    if (!tensorflow::OpRegistry::Global()->LookUpOpDef(std::string(op_order[j]), &od).ok() ||
+        od == nullptr) {
+      continue;
+    }
+    OpSig& sig = sigs[j];
+    sig.registered = true;
+    auto add = [&sig](const std::string& name, int kind) {
+      if (name.empty()) return;
+      for (const auto& a : sig.attrs) {
+        if (a.first == name) return;
+      }
+      sig.attrs.emplace_back(name, kind);
+    };
+    for (const auto* args : {&od->input_arg(), &od->output_arg()}) {
+      for (const auto& arg : *args) {
+        add(arg.type_attr(), 0);
+        add(arg.type_list_attr(), 1);
+        add(arg.number_attr(), 2);
+      }
+    }
+  }
+  std::unordered_map<std::string, int32_t> class_of;
+  std::string key;
+  for (int32_t i = 0; i < n; ++i) {
+    const OpSig& sig = sigs[op_of_node[i]];
+    if (!sig.registered) continue;
+    const auto& node = graph.node(i);
+    key.clear();
+    key.append(std::to_string(op_of_node[i]));
+    for (const auto& a : sig.attrs) {
+      key.push_back('|');
+      auto it = node.attr().find(a.first);
+      if (it == node.attr().end()) {
+        key.push_back('-');  // absent
+        continue;
+      }
+      const tensorflow::AttrValue& v = it->second;
+      if (a.second == 0) {
+        key.append(std::to_string(static_cast<int>(v.type())));
+      } else if (a.second == 1) {
+        key.push_back('[');
+        for (int t : v.list().type()) {
+          key.append(std::to_string(t));
+          key.push_back(',');
+        }
+      } else {
+        key.append(std::to_string(v.i()));
+      }
+    }
+    auto it = class_of.emplace(key, static_cast<int32_t>(class_of.size())).first;
+    classes[i] = it->second;
+  }
+  return classes;
 }
 
 bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
@@ -321,9 +401,11 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
   std::vector<int32_t> members(n);
   for (int32_t i = 0; i < n; ++i) members[op_start[op_of_node[i]]++] = i;
 
+  const std::vector<int32_t> classes = SignatureClasses(graph, op_of_node, op_order);
+
   out->clear();
-  out->reserve(static_cast<size_t>(n) * 48 + ns * 48 + (3 * n + 2 * ne + ns) * 4 + 64);
-  out->append("NPUIDX3\x02");
+  out->reserve(static_cast<size_t>(n) * 48 + ns * 48 + (4 * n + 2 * ne + ns) * 4 + 64);
+  out->append("NPUIDX4\x02");
   out->append(std::to_string(n));
   out->push_back('\x02');
   out->push_back(cycle ? '1' : '0');
@@ -343,6 +425,7 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
   AppendInt32s(readers, out);
   AppendInt32s(positions, out);
   AppendInt32s(order, out);
+  AppendInt32s(classes, out);
   return true;
 }
 
@@ -545,6 +628,50 @@ NPU_AMP_EXPORT int NpuAmpGraphIndex(const char* graph, size_t graph_len, const c
   *data = buf.data();
   *len = buf.size();
   return 0;
+}
+
+// Kahn's topological order over integer arrays (issue 17f), the rule of
+// graph_passes.graph.Graph._compute_topo_order: nodes 0..n-1 in graph order,
+// counts[u] consumer entries of node u (data and control, in the consumers
+// index's order) flattened in readers[] (a reader's node index, -1 for a
+// reader that is no node: ignored); a node with back[u] != 0 (NextIteration)
+// is ordered but releases no reader (loop back edges).  FIFO; the first
+// nodes without inputs in graph order.  Writes the order to order[] and
+// returns its length (< n when a cycle outside loops leaves nodes out; the
+// caller appends them), or -1 on a bad array.
+NPU_AMP_EXPORT int NpuAmpKahnOrder(int32_t n, const int32_t* counts, const int32_t* readers,
+                                   int64_t n_readers, const uint8_t* back, int32_t* order) {
+  if (n < 0) return -1;
+  std::vector<int64_t> start(static_cast<size_t>(n) + 1, 0);
+  for (int32_t u = 0; u < n; ++u) {
+    if (counts[u] < 0) return -1;
+    start[u + 1] = start[u] + counts[u];
+  }
+  if (start[n] != n_readers) return -1;
+  std::vector<int32_t> indeg(n, 0);
+  for (int64_t e = 0; e < n_readers; ++e) {
+    if (readers[e] >= n) return -1;
+  }
+  for (int32_t u = 0; u < n; ++u) {
+    if (back[u]) continue;
+    for (int64_t e = start[u]; e < start[u + 1]; ++e) {
+      if (readers[e] >= 0) ++indeg[readers[e]];
+    }
+  }
+  // the order doubles as the FIFO queue: nodes are appended when ready
+  int32_t tail = 0;
+  for (int32_t u = 0; u < n; ++u) {
+    if (indeg[u] == 0) order[tail++] = u;
+  }
+  for (int32_t head = 0; head < tail; ++head) {
+    const int32_t u = order[head];
+    if (back[u]) continue;
+    for (int64_t e = start[u]; e < start[u + 1]; ++e) {
+      const int32_t r = readers[e];
+      if (r >= 0 && --indeg[r] == 0) order[tail++] = r;
+    }
+  }
+  return tail;
 }
 
 // Optimize() calls answered without calling Python: kind 0 = a graph seen

@@ -27,8 +27,8 @@ import functools
 import logging
 from array import array
 from collections import defaultdict, deque
-from itertools import accumulate, filterfalse
-from operator import methodcaller
+from itertools import accumulate, chain, filterfalse, repeat
+from operator import itemgetter, methodcaller
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
@@ -39,6 +39,14 @@ log = logging.getLogger("npu_amp_tf")
 
 LOOP_BACK_OPS = frozenset({"NextIteration", "RefNextIteration"})
 _is_control = methodcaller("startswith", "^")
+_first = itemgetter(0)
+
+#: Kahn's order in C++ over integer arrays (issue 17f):
+#: ``fn(n, counts, readers, back) -> array of node indices or None``, the rule
+#: of :meth:`Graph._compute_topo_order` (see ``NpuAmpKahnOrder`` in
+#: custom_ops/grappler_bridge.cc).  graph_passes never imports npu_amp_tf:
+#: the package installs it when its library is loaded; None: Python sorts.
+native_kahn = None
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -131,6 +139,7 @@ class Graph:
         self.version = 0
         if callable(index):
             index = index()
+        self._classes = None  # (names, int32 signature classes) from the C++ index
         adopted = index is not None and self._adopt_index(graph_def, index)
         #: True when the indexes came from ``index`` (C++), not from reindex()
         self.prebuilt_index = adopted
@@ -172,8 +181,9 @@ class Graph:
             magic, count, cycle, nsrc = head.split(b"\x02")
             n, ns = int(count), int(nsrc)
             gnodes = graph_def.node
-            if magic != b"NPUIDX3" or n != len(gnodes):
+            if magic not in (b"NPUIDX3", b"NPUIDX4") or n != len(gnodes):
                 return False
+            ncls = n if magic == b"NPUIDX4" else 0  # (issue 17f: signature classes)
             names = names_b.decode("ascii").split("\x01") if n else []
             nodes = dict(zip(names, gnodes))
             if len(names) != n or len(nodes) != n:
@@ -193,7 +203,7 @@ class Graph:
             op_counts, src_counts = ints[:no], ints[no:no + ns]
             e = sum(src_counts)
             at = no + ns
-            if len(ints) != at + 2 * n + 2 * e or sum(op_counts) != n:
+            if len(ints) != at + 2 * n + 2 * e + ncls or sum(op_counts) != n:
                 return False
             nget = names.__getitem__
             # (C-level loops: no Python statement per node or edge)
@@ -204,7 +214,7 @@ class Graph:
             pairs = list(zip(map(nget, ints[at + n:at + n + e]), ints[at + n + e:at + n + 2 * e]))
             ends = list(accumulate(src_counts))
             cons = defaultdict(list, zip(srcs, map(pairs.__getitem__, map(slice, [0, *ends[:-1]], ends))))
-            order = list(map(nget, ints[at + n + 2 * e:]))
+            order = list(map(nget, ints[at + n + 2 * e:at + 2 * n + 2 * e]))
             if len(by_op) != no or len(cons) != ns:
                 return False
         except (ValueError, IndexError, UnicodeDecodeError, TypeError):
@@ -216,8 +226,33 @@ class Graph:
         self._next_seq = n
         self._has_cycle = cycle == b"1"
         self._topo_cache = (order, bool(n) and self._has_cycle)
+        self._classes = (names, ints[at + 2 * n + 2 * e:]) if ncls else None
         self.version += 1
         return True
+
+    def signature_classes(self):
+        """{name: signature class} from the C++ index (see ``GraphIndexText``
+        in custom_ops/grappler_bridge.cc), for the nodes left as they were
+        when it was built: nodes of one class have the same op and equal
+        :func:`registry.signature_key`; classes are ints >= 0 (nodes of an op
+        the C++ registry does not know are left out).  Nodes created, edited
+        through this object's methods or declared with :meth:`touch` are left
+        out too (a pass that edits a node's attrs in place declares it, as the
+        OpDef guard needs: ``Pass.tracks_edits``); None without a C++ index
+        or after :meth:`touch_all`.  A fresh dict: the caller may drop
+        entries (nodes it edits itself)."""
+        cl = self._classes
+        if cl is None or self._all_modified:
+            return None
+        names, classes = cl
+        out = dict(zip(names, classes))
+        for name in self.created:
+            out.pop(name, None)
+        for name in self.modified:
+            out.pop(name, None)
+        if -1 in classes:
+            out = {k: v for k, v in out.items() if v >= 0}
+        return out
 
     def reindex(self):
         """Rebuild the consumers and op-type indexes (after editing
@@ -562,11 +597,27 @@ class Graph:
             found.sort(key=seq.__getitem__)
         return found
 
+    #: sort in C++ when :data:`native_kahn` is installed (False: the Python
+    #: reference below, which tests compare it with)
+    native_sort = True
+
     def _compute_topo_order(self, strict: bool) -> list[str]:
         self._has_cycle = False
         nodes = self.nodes
         back = set(self.nodes_of_type(LOOP_BACK_OPS))
         consumers = self._consumers
+        fn = native_kahn
+        if fn is not None and self.native_sort and nodes:
+            order = self._native_topo_order(fn, back)
+            if order is not None:
+                if len(order) < len(nodes):
+                    self._has_cycle = True
+                    seen = set(order)
+                    rest = [n for n in nodes if n not in seen]
+                    if strict:
+                        raise GraphError(f"graph has a cycle outside loops through: {rest[:10]}")
+                    order.extend(rest)
+                return order
         # in-degree = inputs from nodes of the graph that are not loop back
         # edges, counted through the consumers index (the same edges)
         indeg = dict.fromkeys(nodes, 0)
@@ -598,6 +649,25 @@ class Graph:
                 raise GraphError(f"graph has a cycle outside loops through: {rest[:10]}")
             order.extend(rest)
         return order
+
+    def _native_topo_order(self, fn, back):
+        """The nodes Kahn's rule orders (cycle nodes left out), from
+        :data:`native_kahn` over this graph's consumers index as integer
+        arrays (built with C-level loops: no Python statement per edge);
+        None when it refuses."""
+        names = list(self.nodes)
+        n = len(names)
+        idx = dict(zip(names, range(n)))
+        lists = list(map(self._consumers.get, names, repeat((), n)))
+        counts = array("i", map(len, lists))
+        readers = array("i", map(idx.get, map(_first, chain.from_iterable(lists)), repeat(-1)))
+        flags = array("B", bytes(n))
+        for name in back:
+            flags[idx[name]] = 1
+        res = fn(n, counts, readers, flags)
+        if res is None:
+            return None
+        return list(map(names.__getitem__, res))
 
     # ----------------------------------------------------------- validate
     def validate(self, raise_error: bool = False, check_dtypes: bool = True) -> list[str]:

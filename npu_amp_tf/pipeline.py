@@ -7,6 +7,7 @@ the library, and returns the new GraphDef and one Report.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import logging
@@ -83,7 +84,7 @@ def summarize(graph: Graph, report: Report):
 
 def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(), devices=(),
              include_functions: bool = True, graph_name: str | None = None, shapes=None,
-             index=None):
+             index="auto"):
     """Run the pipeline.  Returns ``(GraphDef, Report)``.
 
     ``shapes``: a lazy shape source for the main graph (see
@@ -92,9 +93,13 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 
     ``index``: the graph's indexes computed in C++ (bytes, or a callable
     giving them; see :class:`graph_passes.graph.Graph`): the bridge hands
-    over those of grappler's item (:func:`npu_amp_tf.bridge.item_index`); by
-    default the ``Graph`` builds them in Python (offline, parsing the graph
-    again in C++ would cost as much as they save).
+    over those of grappler's item (:func:`npu_amp_tf.bridge.item_index`).
+    By default (``"auto"``, offline) they are computed by the C++ library
+    from ``graph_def``'s bytes when the library is loaded
+    (:func:`npu_amp_tf.bridge.graph_index`; about what building them in
+    Python costs, and they carry the per-node signature classes the precision
+    pass reads instead of NodeDef attrs, issue 17f); with ``index=None``, or
+    without the library, the ``Graph`` builds them in Python.
 
     On an internal pass failure the *original* graph is returned with a
     warning naming the pass and node, unless ``options.fail_on_error``.
@@ -106,7 +111,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 
 def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
                         devices=(), include_functions: bool = True, graph_name: str | None = None,
-                        shapes=None, index=None):
+                        shapes=None, index="auto"):
     """:func:`optimize`, with the rewritten graph as its deterministic
     serialization (what the grappler bridge hands back), written straight
     from the indexed graph (``Graph.serialize``) instead of through a copied
@@ -138,10 +143,16 @@ def _optimize(*args, **kwargs):
 def _optimize_run(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                   shapes, index, serialized):
     options = options if options is not None else Options.from_kwargs()
+    data = None
     if isinstance(graph_def, (bytes, bytearray)):
+        data = bytes(graph_def)
         gd = graph_pb2.GraphDef()
-        gd.ParseFromString(bytes(graph_def))
+        gd.ParseFromString(data)
         graph_def = gd
+    if isinstance(index, str) and index == "auto":  # offline: the C++ index, when the library is loaded
+        from .bridge import graph_index
+
+        index = functools.partial(graph_index, graph_def, data)
     report = Report()
     report.graph_name = graph_name
     report.options = options.rewrite_params()

@@ -416,7 +416,7 @@ def test_cpp_index_refused_when_it_cannot_describe_the_graph():
     gd = training_graph()
     blob = bridge.graph_index(gd)
     other = bridge.graph_index(_odd_graph())
-    for bad in (other, blob[:-4], blob.replace(b"NPUIDX3", b"NPUIDX9"), b"", b"\x03\x03"):
+    for bad in (other, blob[:-4], blob.replace(b"NPUIDX4", b"NPUIDX9"), b"", b"\x03\x03"):
         g = Graph(gd, index=bad)
         assert not g.prebuilt_index
         assert _indexes(g) == _indexes(Graph(gd))
@@ -452,3 +452,102 @@ def test_serialize_equals_to_graph_def_bytes():
     assert "_class" not in {n.name: n for n in out.node}["y"].attr
     # the graph itself keeps its colocation entries (only the output drops them)
     assert b"loc:@gone" in list(g.nodes["w"].attr["_class"].list.s)
+
+
+# ------------------------------------------- the C++ Kahn sort (issue 17f)
+def _kahn_cases():
+    """Real graphs, the odd one (a cycle outside loops, dangling inputs,
+    duplicate reads), a v1 loop (NextIteration back edges), an empty one,
+    and the same graphs after edits (new nodes, removed nodes, rewired
+    edges) so the graph order is not the original one."""
+    from test_speed_paths import bert_like_training_graph
+
+    cases = [(b.__name__, b()) for b in ALL] + [("odd", _odd_graph()), ("empty", graph_pb2.GraphDef()),
+                                                ("bert_like", bert_like_training_graph())]
+    out = []
+    for name, gd in cases:
+        out.append((name, Graph(gd)))
+        g = Graph(gd)
+        names = list(g.nodes)
+        if len(names) > 3:
+            g.remove_node(names[0], force=True)  # its readers now read a dangling name
+            g.new_node("NoOp", "npu_test/after", [f"^{names[-1]}", f"^{names[1]}"])
+            node = g.nodes[names[2]]
+            if node.input:
+                g.set_input(names[2], 0, names[-1]) if not node.input[0].startswith("^") else None
+            out.append((name + "_edited", g))
+    return out
+
+
+def test_native_kahn_order_equals_the_python_sort():
+    """bridge.kahn_order (C++, installed as graph.native_kahn when the
+    library loads) gives Graph.topo_order the same order, cycle flag and
+    strict error as the Python sort, on real, odd and edited graphs."""
+    from graph_passes import graph as graph_mod
+    from npu_amp_tf import bridge
+
+    bridge.register()
+    assert graph_mod.native_kahn is bridge.kahn_order
+    cycles = 0
+    for name, g in _kahn_cases():
+        g.native_sort = True
+        fast, fast_cycle = g._compute_topo_order(False), g._has_cycle
+        g.native_sort = False
+        slow, slow_cycle = g._compute_topo_order(False), g._has_cycle
+        assert fast == slow and fast_cycle == slow_cycle, name
+        assert sorted(fast) == sorted(g.nodes), name
+        cycles += slow_cycle
+        for native in (True, False):
+            g.native_sort = native
+            g._topo_cache = None
+            if slow_cycle:
+                with pytest.raises(GraphError, match="cycle"):
+                    g.topo_order(strict=True)
+            else:
+                assert g.topo_order(strict=True) == slow
+    assert cycles, "no cycle among the cases"
+
+
+def test_native_kahn_planted_fault_and_refusal(monkeypatch):
+    """A C++ sort that breaks ties the other way is caught by the comparison
+    above; one that refuses (None) leaves the Python sort's answer."""
+    from graph_passes import graph as graph_mod
+    from npu_amp_tf import bridge
+
+    bridge.register()
+    gd = training_graph()
+
+    def lifo(n, counts, readers, back):  # a valid topological order, not Kahn's FIFO one
+        from array import array
+        start = [0]
+        for c in counts:
+            start.append(start[-1] + c)
+        indeg = [0] * n
+        for u in range(n):
+            if not back[u]:
+                for e in range(start[u], start[u + 1]):
+                    if readers[e] >= 0:
+                        indeg[readers[e]] += 1
+        stack = [u for u in range(n) if indeg[u] == 0][::-1]
+        out = array("i")
+        while stack:
+            u = stack.pop()
+            out.append(u)
+            if back[u]:
+                continue
+            for e in range(start[u], start[u + 1]):
+                r = readers[e]
+                if r >= 0:
+                    indeg[r] -= 1
+                    if indeg[r] == 0:
+                        stack.append(r)
+        return out
+
+    ref = Graph(gd)
+    ref.native_sort = False
+    want = ref.topo_order()
+    monkeypatch.setattr(graph_mod, "native_kahn", lifo)
+    bad = Graph(gd).topo_order()
+    assert sorted(bad) == sorted(want) and bad != want  # caught: not the reference order
+    monkeypatch.setattr(graph_mod, "native_kahn", lambda *a: None)
+    assert Graph(gd).topo_order() == want

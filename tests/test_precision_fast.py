@@ -132,6 +132,25 @@ def _memo_problems(p):
         fresh = p._compute_info_of(node)
         if (info.attrs, info.in_attr, info.fixed) != (fresh.attrs, fresh.in_attr, fresh.fixed):
             out.append(f"facts of {name}: memo {info.attrs} {info.fixed}, fresh {fresh.attrs} {fresh.fixed}")
+    # (issue 17f) the memos keyed by the C++ signature class, for every node
+    # still unedited: facts, dtypes and current dtype of its class
+    for name, c in (p._cls or {}).items():
+        node = p.g.nodes.get(name)
+        if node is None:
+            continue
+        info = p._sig_info.get(c)
+        fresh = p._compute_info_of(node)
+        if info is not None and node.op not in amp.COND_OPS and \
+                (info.attrs, info.in_attr, info.fixed) != (fresh.attrs, fresh.in_attr, fresh.fixed):
+            out.append(f"class facts of {name}: memo {info.attrs} {info.fixed}, fresh {fresh.attrs} {fresh.fixed}")
+        dts = p._sig_dts.get(c)
+        if dts is not None:
+            want_in, want_out = registry.input_dtypes(node, p.g.functions), registry.output_dtypes(node, p.g.functions)
+            if dts != (None if want_in is None else tuple(want_in), None if want_out is None else tuple(want_out)):
+                out.append(f"class dtypes of {name}: memo {dts}, registry {want_in} -> {want_out}")
+        cur = p._cls_cur.get(c)
+        if cur is not None and fresh.attrs and cur != p._current_of(node, fresh):
+            out.append(f"class dtype of {name}: memo {cur}, node {p._current_of(node, fresh)}")
     return out
 
 

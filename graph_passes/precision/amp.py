@@ -163,9 +163,17 @@ class PrecisionPass(Pass):
         self._painted = None  # (fast path) names _paint decided: float, not fixed, not Const
         self._rmemo = None  # (fast path) tensor -> its readers, while edges and Casts stay
         self._dts = {}  # name -> (node, input dtypes, output dtypes) memo (see in_dtypes)
-        self._sig_dts = {}  # registry.signature_key -> (input dtypes, output dtypes)
-        self._sig_info = {}  # registry.signature_key -> _NodeInfo (ops outside COND_OPS)
-        self._other_types = {}  # (op, changeable attrs) -> the op's other type attrs, sorted
+        self._sig_dts = {}  # signature key (see _key) -> (input dtypes, output dtypes)
+        self._sig_info = {}  # signature key -> _NodeInfo (ops outside COND_OPS)
+        self._keys = {}  # (fast path) name -> (node, registry.signature_key), while unedited
+        # (fast path, issue 17f) name -> the C++ index's signature class (an
+        # int: equal classes, equal signature keys) of the nodes no pass has
+        # edited yet; this pass drops a node's entry before editing it
+        self._cls = _usable_classes(graph) if self.fast_paths else None
+        self._cls_cur = {}  # signature class -> current() of its nodes
+        self._kernel_cls = {}  # (class, device string, dtype) -> (kernel_ok before fused_ops, device type)
+        self._other_types = {}  # (op, changeable attrs) -> (the op's other type attrs, sorted;
+        #                         all of them fixed by a signature class)
         self._dev_types = {}  # device string -> device type
         self._kernel_cache = {}
         self._unsafe_cache = {}
@@ -208,6 +216,13 @@ class PrecisionPass(Pass):
 
     # ------------------------------------------------------- node facts
     def info(self, node) -> _NodeInfo:
+        cls = self._cls
+        if cls is not None:  # (fast path: per signature class, for unedited nodes outside COND_OPS)
+            c = cls.get(node.name)
+            if c is not None:
+                res = self._sig_info.get(c)
+                if res is not None:
+                    return res
         inf = self._info.get(node.name)
         if inf is not None and inf[0] == node.op:
             return inf[1]
@@ -224,8 +239,33 @@ class PrecisionPass(Pass):
             return node, None if ins is None else tuple(ins), None if outs is None else tuple(outs)
         hit = self._dts.get(node.name)
         if hit is None or hit[0] is not node:
-            hit = self._fill_dts(node, registry.signature_key(node))
+            hit = self._fill_dts(node, self._key(node))
         return hit
+
+    def _key(self, node):
+        """The node's signature key for the per-signature memos (fast path):
+        its C++ signature class (an int) while the node is as the index saw
+        it, else ``registry.signature_key`` (a tuple or None), computed once
+        per node while the node is unedited."""
+        name = node.name
+        cls = self._cls
+        if cls is not None:
+            c = cls.get(name)
+            if c is not None:
+                return c
+        hit = self._keys.get(name)
+        if hit is not None and hit[0] is node:
+            return hit[1]
+        key = registry.signature_key(node)
+        self._keys[name] = (node, key)
+        return key
+
+    def _edited(self, name):
+        """Drop ``name``'s per-node memos before its attrs change."""
+        self._dts.pop(name, None)
+        self._keys.pop(name, None)
+        if self._cls is not None:
+            self._cls.pop(name, None)
 
     def _fill_dts(self, node, key):
         facts = self._sig_dts.get(key) if key is not None else None
@@ -259,13 +299,13 @@ class PrecisionPass(Pass):
 
     def _retype(self, node, attrs, dt):
         self._before.save(node.name)
+        self._edited(node.name)
         registry.retype(node, attrs, dt)  # fused args (TArgs) follow
-        self._dts.pop(node.name, None)
 
     def _set_type(self, node, attr, dt):
         self._before.save(node.name)
+        self._edited(node.name)
         node.attr[attr].type = dt
-        self._dts.pop(node.name, None)
 
     def _float_inputs(self, node, info):
         """[(index, input)] of the data inputs typed by a changeable attr of
@@ -298,7 +338,7 @@ class PrecisionPass(Pass):
         # signature key); Switch/Merge also from their producers
         if node.op in COND_OPS or not self.fast_paths:
             return self._compute_info_of(node)
-        key = registry.signature_key(node)
+        key = self._key(node)
         if key is None:
             return self._compute_info_of(node)
         res = self._sig_info.get(key)
@@ -332,6 +372,20 @@ class PrecisionPass(Pass):
         return _NodeInfo(tuple(attrs), in_attr, fixed)
 
     def current(self, node, info):
+        """The dtype ``node`` runs in now (its first changeable attr's).
+        Fast path: per signature class for a node no pass has edited (the
+        attr is one its class fixes)."""
+        cls = self._cls
+        if cls is not None:
+            c = cls.get(node.name)
+            if c is not None:
+                cur = self._cls_cur.get(c)
+                if cur is None:
+                    cur = self._cls_cur[c] = self._current_of(node, info)
+                return cur
+        return self._current_of(node, info)
+
+    def _current_of(self, node, info):
         a = info.attrs[0]
         if a in node.attr:
             return node.attr[a].type
@@ -348,12 +402,29 @@ class PrecisionPass(Pass):
         return t
 
     def kernel_ok(self, node, info, dt):
+        ckey = None
         if self.fast_paths:
-            names = self._other_types.get((node.op, info.attrs))
-            if names is None:
-                names = self._other_types[(node.op, info.attrs)] = tuple(sorted(
-                    a.name for a in registry.op_def(node.op).attr
-                    if a.type == "type" and a.name not in info.attrs))
+            # (issue 17f) per signature class, device string and dtype when the
+            # class fixes every type attr the check reads
+            c = self._cls.get(node.name) if self._cls is not None else None
+            if c is not None:
+                ckey = (c, node.device, dt)
+                hit = self._kernel_cls.get(ckey)
+                if hit is not None:
+                    ok, dev_type = hit
+                    if ok and "fused_ops" in node.attr and registry.fused_ops_broken(
+                            node.op, dev_type, dt, node.attr["fused_ops"].list.s):
+                        return False
+                    return ok
+            entry = self._other_types.get((node.op, info.attrs))
+            if entry is None:
+                names = tuple(sorted(a.name for a in registry.op_def(node.op).attr
+                                     if a.type == "type" and a.name not in info.attrs))
+                sig = {n for n, _ in registry._signature_attrs(node.op) or ()}
+                entry = self._other_types[(node.op, info.attrs)] = (names, set(names) <= sig)
+            names, covered = entry
+            if not covered:
+                ckey = None
             nattr = node.attr
             others = dict((a, nattr[a].type) for a in names if a in nattr)
             key = (node.op, self.device_type(node), dt, tuple(others.items()))
@@ -370,6 +441,8 @@ class PrecisionPass(Pass):
             for a in info.attrs:
                 want[a] = dt
             ok = self._kernel_cache[key] = registry.has_kernel(node.op, key[1], want)
+        if ckey is not None:
+            self._kernel_cls[ckey] = (ok, key[1])
         if ok and "fused_ops" in node.attr and registry.fused_ops_broken(
                 node.op, key[1], dt, node.attr["fused_ops"].list.s):
             return False
@@ -514,7 +587,15 @@ class PrecisionPass(Pass):
         g = self.g
         changed = 0
         painted = set() if self.fast_paths and len(order) == len(g.nodes) else None
+        cls_get = self._cls.get if self._cls is not None else None
+        sig_info = self._sig_info
         for name in order:
+            if cls_get is not None:  # (fast path: a node whose class has no float attr is
+                c = cls_get(name)    # skipped without reading its NodeDef)
+                if c is not None:
+                    info = sig_info.get(c)
+                    if info is not None and not info.attrs:
+                        continue
             node = g.nodes[name]
             if node.op == "Const":
                 continue
@@ -855,9 +936,19 @@ class PrecisionPass(Pass):
     def _convert_consts(self):
         g = self.g
         fast = self.fast_paths
+        cls = self._cls
+        float_cls = {}  # (fast path) signature class of Consts -> holds a float
         for name in (g.nodes_of_type("Const") if fast else list(g.nodes)):
             node = g.nodes[name]
             if fast:  # (the same tests, the cheap one first: most constants are ints)
+                c = cls.get(name) if cls is not None else None
+                if c is not None:  # (its class fixes its dtype attr: Const's output type)
+                    fl = float_cls.get(c)
+                    if fl is None:
+                        outs = self.out_dtypes(node)
+                        fl = float_cls[c] = bool(outs) and outs[0] in FLOATS
+                    if not fl:
+                        continue
                 a = node.attr.get("dtype")
                 if a is None or a.type not in FLOATS or name in self.protected or self.is_keep(node):
                     continue
@@ -875,8 +966,8 @@ class PrecisionPass(Pass):
             if w != FP32 and self.unsafe_const(node, w):
                 continue
             self._before.save(name)
+            self._edited(name)
             _convert_const(node, w)
-            self._dts.pop(name, None)
             self.touched.add(name)
             self._record(node, "const", f"constant converted in place to {registry.dtype_name(w)}",
                          lst="const", dtype=w, was=registry.dtype_name(cur))
@@ -1249,6 +1340,20 @@ def _shape_figures(g, shapes, before, matrix, redo, stats, report):
         summary["shape_inference_error"] = error
     report.raw_summary.update(summary)
     stats.update(summary)
+
+
+def _usable_classes(graph):
+    """``graph.signature_classes()`` without the nodes of ops Python's
+    registry does not know (their facts are computed per node), or None."""
+    get = getattr(graph, "signature_classes", None)
+    cls = get() if get is not None else None
+    if not cls:
+        return None
+    for op in graph._by_op:
+        if registry.op_def(op) is None:
+            for name in graph.nodes_of_type(op):
+                cls.pop(name, None)
+    return cls
 
 
 @functools.lru_cache(maxsize=None)
