@@ -32,9 +32,16 @@ MODES = {
 }
 
 
+#: the fusion pass's shortcuts (issue 17e, 17g): True each in the optimized
+#: path, False in the reference
+SHORTCUTS = ("skip_untouched", "share_shapes")
+
+
 def _rewrite(monkeypatch, gd, fetches, skip, kw):
-    """(GraphDef bytes, report without timings, [(sweep, rule) skipped])."""
-    monkeypatch.setattr(fusion_pass.FusionPass, "skip_untouched", skip)
+    """(GraphDef bytes, report without timings, [(sweep, rule) skipped]);
+    ``skip`` False: the reference (every shortcut off)."""
+    for flag in SHORTCUTS:
+        monkeypatch.setattr(fusion_pass.FusionPass, flag, skip)
     passes = []
     orig = fusion_pass.FusionPass.run
 
@@ -171,3 +178,31 @@ def test_anchor_candidates_hold_every_match(k2):
                     assert [(m.anchor, m.matched) for m in fast] == [(m.anchor, m.matched) for m in ref], \
                         (name, rule.name)
     assert narrowed > 10 and checked > 20, (narrowed, checked)
+
+
+# ------------------------------------------------------------ shared shapes
+def test_rule_runs_on_an_unchanged_graph_share_one_shape_oracle(monkeypatch):
+    """``FusionPass.share_shapes`` (17g): the rule runs between two changes of
+    the graph get the same ``ShapeOracle`` (its memo of producer-walked
+    shapes), a change gets a fresh one, and the reference makes one per rule
+    run; the graphs and reports of both are compared above."""
+    from graph_passes.fusion import core
+
+    gd = bert_like_training_graph()
+    counts = {}
+    for share in (True, False):
+        made = []
+        orig_init = core.ShapeOracle.__init__
+
+        def init(self, graph, _orig=orig_init, _made=made):
+            _made.append((graph.version, fusion_pass._edit_mark(graph)))
+            _orig(self, graph)
+
+        monkeypatch.setattr(core.ShapeOracle, "__init__", init)
+        monkeypatch.setattr(fusion_pass.FusionPass, "share_shapes", share)
+        npu_amp_tf.rewrite_graph(gd, fetches=["loss", "train"], **MODES["bf16"])
+        monkeypatch.setattr(core.ShapeOracle, "__init__", orig_init)
+        counts[share] = made
+    shared, ref = counts[True], counts[False]
+    assert len(set(shared)) == len(shared), "one oracle per state of the graph when shared"
+    assert len(ref) > len(shared) > 0, (len(ref), len(shared))

@@ -109,6 +109,7 @@ import dataclasses
 import re
 from typing import Callable, Iterable
 
+from .. import registry
 from ..graph import Graph, parse_tensor
 
 #: op types TF's gradient functions emit for the forward ops these rules fuse
@@ -424,6 +425,8 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         n, p, _ = parse_tensor(ref)
         return n in fwd and (n, p) not in out_nodes_ports
 
+    roots: dict[str, str] = {}  # _identity_root per tensor (the graph does not change)
+
     def classify_input(ref):
         """'g' (region), 'f' (forward inner), 'in', 'static', 'dy', 'out', or 'ext'."""
         n, p, ctrl = parse_tensor(ref)
@@ -435,8 +438,12 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             return "f"
         if _canon(ref) in ins or from_inputs(n):
             return "in"
-        if dy[0] is not None and _identity_root(graph, ref) == dy[0]:
-            return "dy"
+        if dy[0] is not None:
+            root = roots.get(ref)
+            if root is None:
+                root = roots[ref] = _identity_root(graph, ref)
+            if root == dy[0]:
+                return "dy"
         if is_static(n):
             return "static"
         return "ext"
@@ -506,6 +513,8 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         anc_memo[start] = hit
         return hit
 
+    owners: dict[str, str | None] = {}  # attributed_forward per name
+
     def try_add(name) -> bool:
         if name in region or name in fwd:
             return False
@@ -518,22 +527,25 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         if name in protected:
             why_not[name] = "it is fetched or preserved"
             return False
-        if not _AUTODIFF.search(name) and node.op not in AGGREGATIONS:
+        autodiff = _AUTODIFF.search(name) is not None
+        if not autodiff and node.op not in AGGREGATIONS:
             # an optimizer's Neg(grad) or Mul(grad, lr), a user's clip: not autodiff's
             why_not[name] = "its name is not in an autodiff scope (gradients/, gradient_tape/)"
             return False
-        owner = attributed_forward(graph, name)
+        # (the graph does not change during a search: one answer per name)
+        owner = owners.get(name, owners)
+        if owner is owners:
+            owner = owners[name] = attributed_forward(graph, name)
         if owner is not None and owner not in fwd:
             why_not[name] = f"its name makes it part of the gradient of '{owner}'"
             return False
         # an autodiff op attributed to no node (TF2 names ops after the forward op's
         # scope; grappler may have renamed the forward op) must lie under F's own
         # scope: the gradient of a renamed op upstream of x does not
-        outside_scope = (owner is None and fscope and _AUTODIFF.search(name) is not None
-                         and not _under_scope(name, fscope))
+        outside_scope = (owner is None and fscope and autodiff and not _under_scope(name, fscope))
         if owner is None:
             owner = _tf2_scope_owner(name, fwd)
-        if owner is None and any(_AUTODIFF.search(name) and _under_scope(name, sc) for sc in owner_scopes):
+        if owner is None and autodiff and any(_under_scope(name, sc) for sc in owner_scopes):
             owner = next(iter(sorted(fwd)))
         kinds = []
         new_dy = None
@@ -549,7 +561,6 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             k = classify_input(inp)
             if k == "ext":
                 dt = graph.tensor_dtype(inp)
-                from .. import registry
                 if dy[0] is None and new_dy is None and dt in registry.FLOAT_TYPES \
                         and _shape_eq(shapes.shape(inp), y_shape, partial_shapes) and not after_forward(inp):
                     new_dy = _identity_root(graph, inp)
@@ -568,7 +579,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                 and node.op not in ("NoOp", "Const"):
             why_not[name] = f"its name is outside the fused ops' scope '{fscope}'"
             return False
-        if not _AUTODIFF.search(name) and any(k != "g" for k in data_kinds):
+        if not autodiff and any(k != "g" for k in data_kinds):
             why_not[name] = "a sum outside an autodiff scope that reads more than the region"
             return False
         if node.op in AGGREGATIONS and reads_dy:
