@@ -33,7 +33,7 @@ MODES = {
 
 
 #: the fusion pass's shortcuts (issue 17e, 17g): True each in the optimized
-#: path, False in the reference
+#: path, False in the reference (and ``pattern.PREDICATE_CANDIDATES``)
 SHORTCUTS = ("skip_untouched", "share_shapes")
 
 
@@ -42,6 +42,7 @@ def _rewrite(monkeypatch, gd, fetches, skip, kw):
     ``skip`` False: the reference (every shortcut off)."""
     for flag in SHORTCUTS:
         monkeypatch.setattr(fusion_pass.FusionPass, flag, skip)
+    monkeypatch.setattr(pattern, "PREDICATE_CANDIDATES", skip)
     passes = []
     orig = fusion_pass.FusionPass.run
 
@@ -206,3 +207,52 @@ def test_rule_runs_on_an_unchanged_graph_share_one_shape_oracle(monkeypatch):
     shared, ref = counts[True], counts[False]
     assert len(set(shared)) == len(shared), "one oracle per state of the graph when shared"
     assert len(ref) > len(shared) > 0, (len(ref), len(shared))
+
+
+# ----------------------------------------------------- predicate candidates
+def _norm_graphs():
+    """LayerNorm / RMSNorm as plain ops in the forms analyze_norm knows, in
+    one graph, with their gradients (a training graph) and look-alikes."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [4, 8], name="x")
+        w = tf1.get_variable("w", [8, 8])
+        gamma = tf1.get_variable("gamma", [8], initializer=tf1.ones_initializer())
+        beta = tf1.get_variable("beta", [8], initializer=tf1.zeros_initializer())
+        h = tf.matmul(x, w)
+        mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
+        ln1 = (h - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta  # moments, rsqrt
+        m2 = tf.reduce_mean(ln1, -1, keepdims=True)
+        v2 = tf.reduce_mean(tf.square(ln1 - m2), -1, keepdims=True)
+        ln2 = (ln1 - m2) / tf.sqrt(v2 + 1e-5) * gamma  # reduce_variance, sqrt/div, no beta
+        rms = ln2 * tf.math.rsqrt(tf.reduce_mean(tf.square(ln2), -1, keepdims=True) + 1e-6) * gamma
+        odd = tf.math.rsqrt(tf.abs(rms) + 1.0) * rms * 2.0 + 1.0  # an Rsqrt product, no norm
+        loss = tf.reduce_mean(tf.square(odd), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g.as_graph_def()
+
+
+def test_norm_predicate_candidates_hold_every_node_it_accepts(k2):
+    """The LayerNorm rule's predicate narrows its anchors through a
+    ``candidates`` hook (``builtin._norm_candidates``): on plain-op norms of
+    every form, the BERT-like, Keras ResNet50 and TF-Slim graphs, raw and
+    rewritten, every Add/Mul/RealDiv the predicate accepts is a candidate,
+    and find_matches equals the visit of every node in topological order."""
+    from graph_passes.fusion import builtin
+
+    rule = RULES["layer_norm"]
+    assert rule.pattern.predicate.candidates is builtin._norm_candidates
+    accepted = 0
+    graphs = [("norms", _norm_graphs())] + list(_graphs_for_narrowing(k2))
+    for name, gd in graphs:
+        out, _ = npu_amp_tf.rewrite_graph(gd, fetches=["loss", "train"], graph_level=1)
+        for g in (Graph(gd), Graph(out)):
+            cands = builtin._norm_candidates(g)
+            for anchor in g.nodes_of_type(pattern._anchor_ops(rule.pattern)):
+                if builtin._norm_predicate(g.nodes[anchor], g):
+                    accepted += 1
+                    assert anchor in cands, (name, anchor)
+            fast = pattern.find_matches(g, rule.pattern, escapes_ok=True)
+            ref = pattern.find_matches(g, rule.pattern, order=g.topo_order(), escapes_ok=True)
+            assert [m.anchor for m in fast] == [m.anchor for m in ref], name
+    assert accepted >= 4, accepted
