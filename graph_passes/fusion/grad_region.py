@@ -547,16 +547,20 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             owner = _tf2_scope_owner(name, fwd)
         if owner is None and autodiff and any(_under_scope(name, sc) for sc in owner_scopes):
             owner = next(iter(sorted(fwd)))
-        kinds = []
+        kinds = []  # (kind, input ref, source node) per input (ctrl_ext for outside control inputs)
         new_dy = None
+        ctrl_in_region = False  # a control input from G (not in kinds)
         for inp in node.input:
             src, _, ctrl = parse_tensor(inp)
             if ctrl:
-                if src in region or src in fwd or (dy[0] is not None and src == parse_tensor(dy[0])[0]):
+                if src in region:
+                    ctrl_in_region = True
+                    continue
+                if src in fwd or (dy[0] is not None and src == parse_tensor(dy[0])[0]):
                     continue
                 if is_static(src):
                     continue
-                kinds.append(("ctrl_ext", inp))
+                kinds.append(("ctrl_ext", inp, src))
                 continue
             k = classify_input(inp)
             if k == "ext":
@@ -571,48 +575,49 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             if k == "out" and not grad_reads_output:
                 why_not[name] = f"it reads the fused op's output '{inp}'"
                 return False
-            kinds.append((k, inp))
-        data_kinds = [k for k, _ in kinds if k != "ctrl_ext"]
+            kinds.append((k, inp, src))
+        data_kinds = [k for k, _, _ in kinds if k != "ctrl_ext"]
         reads_dy = "dy" in data_kinds
-        if outside_scope and not (node.op in AGGREGATIONS and data_kinds and all(k == "g" for k in data_kinds)) \
-                and not (node.op in VALUE_STATIC_OPS and data_kinds and all(k in ("f", "static") for k in data_kinds)) \
-                and node.op not in ("NoOp", "Const"):
+        # a data input from G that depends on dy (one lookup for the checks below)
+        g_dy = any(k == "g" and dy_dep.get(src) for k, _, src in kinds)
+        op = node.op
+        if outside_scope and not (op in AGGREGATIONS and data_kinds and all(k == "g" for k in data_kinds)) \
+                and not (op in VALUE_STATIC_OPS and data_kinds and all(k in ("f", "static") for k in data_kinds)) \
+                and op not in ("NoOp", "Const"):
             why_not[name] = f"its name is outside the fused ops' scope '{fscope}'"
             return False
         if not autodiff and any(k != "g" for k in data_kinds):
             why_not[name] = "a sum outside an autodiff scope that reads more than the region"
             return False
-        if node.op in AGGREGATIONS and reads_dy:
+        if op in AGGREGATIONS and reads_dy:
             why_not[name] = "it sums the incoming gradient with another gradient (a residual path)"
             return False
-        if "out" in data_kinds and not (reads_dy or new_dy is not None or any(
-                k == "g" and dy_dep.get(parse_tensor(r)[0]) for k, r in kinds)):
+        if "out" in data_kinds and not (reads_dy or new_dy is not None or g_dy):
             why_not[name] = "it reads the fused op's output but no gradient (a forward reader)"
             return False
-        if reads_dy and not grad_reads_output and any(k == "g" and dy_dep.get(parse_tensor(r)[0])
-                                                      for k, r in kinds):
+        if reads_dy and not grad_reads_output and g_dy:
             why_not[name] = "it combines the incoming gradient with a gradient already derived from it"
             return False
         if not node.input:
             return False
-        if not any(k in ("g", "f", "dy") for k in data_kinds) and not any(
-                parse_tensor(i)[0] in region for i in node.input):
+        # an input (data or control) from G
+        from_g = ctrl_in_region or "g" in data_kinds
+        if not from_g and "f" not in data_kinds and not reads_dy:
             return False
-        via_dy = not any(k in ("g", "f") for k in data_kinds) and not any(
-            parse_tensor(i)[0] in region for i in node.input)
-        if via_dy and (owner is None or node.op in AGGREGATIONS):
+        via_dy = not from_g and "f" not in data_kinds
+        if via_dy and (owner is None or op in AGGREGATIONS):
             why_not[name] = "it reads only the incoming gradient and its name ties it to no fused op"
             return False
         if new_dy is not None:
             dy[0] = new_dy
         region[name] = None
-        fwd_dep[name] = any((k == "f" and node.op not in VALUE_STATIC_OPS)
-                            or (k == "g" and fwd_dep.get(parse_tensor(r)[0])) for k, r in kinds)
-        dy_dep[name] = reads_dy or any(k == "g" and dy_dep.get(parse_tensor(r)[0]) for k, r in kinds)
+        fwd_dep[name] = any((k == "f" and op not in VALUE_STATIC_OPS) or (k == "g" and fwd_dep.get(src))
+                            for k, _, src in kinds)
+        dy_dep[name] = reads_dy or g_dy
         # the value depends on no data (only shapes): Shape(inner), ZerosLike(inner), int math on them
-        val_static[name] = node.op in VALUE_STATIC_OPS or (
-            node.op in _STATIC_ARITH and all(k == "static" or (k == "g" and val_static.get(parse_tensor(r)[0]))
-                                             for k, r in kinds if k != "ctrl_ext"))
+        val_static[name] = op in VALUE_STATIC_OPS or (
+            op in _STATIC_ARITH and all(k == "static" or (k == "g" and val_static.get(src))
+                                        for k, _, src in kinds if k != "ctrl_ext"))
         if len(region) > max_nodes:
             raise GradRegionRefused(f"the gradient region grew beyond {max_nodes} nodes")
         return True
