@@ -329,9 +329,11 @@ def _rarest(graph: Graph, pat: Pat):
 def _candidates(graph: Graph, pat: Pat):
     """A set of nodes holding every node a match can put at position ``pat``
     (inner or root; a superset: each is a reader, with an op the position
-    accepts, of a candidate of its rarest inner input position), or None when
-    that narrows nothing below the nodes of the position's op types.  Exact
-    filter for :func:`find_matches`: an anchor outside it has no match."""
+    accepts, of a candidate of its rarest inner input position, and within
+    what the position's predicate narrows to, see :func:`_predicate_candidates`),
+    or None when that narrows nothing below the nodes of the position's op
+    types.  Exact filter for :func:`find_matches`: an anchor outside it has
+    no match."""
     if pat.leaf:
         return None
     if pat.alternatives:
@@ -346,8 +348,9 @@ def _candidates(graph: Graph, pat: Pat):
             out |= sub
         return out
     ops = pat._opset()
+    hooked = _predicate_candidates(graph, pat)
     if ops is None or not pat.inputs:
-        return None
+        return hooked
     n0 = _count(graph, ops)
     best = None
     for child in pat.inputs:
@@ -367,14 +370,30 @@ def _candidates(graph: Graph, pat: Pat):
         if best is None or len(sub) < len(best):
             best = sub
     if best is None:
-        return None
+        return hooked
     nodes = graph.nodes
     out = set()
     for name in best:
         for r, idx in graph.consumers(name):
             if idx >= 0 and nodes[r].op in ops:
                 out.add(r)
-    return out
+    return out if hooked is None else out & hooked
+
+
+#: PREDICATE_CANDIDATES: use a predicate's ``candidates`` hook (False: the reference)
+PREDICATE_CANDIDATES = True
+
+
+def _predicate_candidates(graph: Graph, pat: Pat):
+    """The set a position's predicate narrows its nodes to, or None.
+
+    A predicate may carry a ``candidates(graph)`` attribute: a function
+    returning a set holding every node at which the predicate can be true
+    (a superset, computed from a rare op the predicate requires nearby, as
+    the LayerNorm rule's needs an Rsqrt or Sqrt a few products upstream),
+    or None when it cannot narrow."""
+    hook = getattr(pat.predicate, "candidates", None) if PREDICATE_CANDIDATES else None
+    return None if hook is None else hook(graph)
 
 
 # ------------------------------------------------------- what a change can reach

@@ -106,7 +106,8 @@ class Unfuse(Pass):
         default_dev = ctx.default_device_type()
         black = plan.lists["black"]
         unfused = kept = 0
-        for name in list(graph.nodes):
+        # the fused nodes in graph order, from the op index (not a walk of every node)
+        for name in graph.nodes_of_type(FUSED_OPS):
             node = graph.nodes.get(name)
             if node is None or node.op not in FUSED_OPS:
                 continue

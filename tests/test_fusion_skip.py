@@ -32,9 +32,17 @@ MODES = {
 }
 
 
+#: the fusion pass's shortcuts (issue 17e, 17g): True each in the optimized
+#: path, False in the reference (and ``pattern.PREDICATE_CANDIDATES``)
+SHORTCUTS = ("skip_untouched", "share_shapes")
+
+
 def _rewrite(monkeypatch, gd, fetches, skip, kw):
-    """(GraphDef bytes, report without timings, [(sweep, rule) skipped])."""
-    monkeypatch.setattr(fusion_pass.FusionPass, "skip_untouched", skip)
+    """(GraphDef bytes, report without timings, [(sweep, rule) skipped]);
+    ``skip`` False: the reference (every shortcut off)."""
+    for flag in SHORTCUTS:
+        monkeypatch.setattr(fusion_pass.FusionPass, flag, skip)
+    monkeypatch.setattr(pattern, "PREDICATE_CANDIDATES", skip)
     passes = []
     orig = fusion_pass.FusionPass.run
 
@@ -171,3 +179,87 @@ def test_anchor_candidates_hold_every_match(k2):
                     assert [(m.anchor, m.matched) for m in fast] == [(m.anchor, m.matched) for m in ref], \
                         (name, rule.name)
     assert narrowed > 10 and checked > 20, (narrowed, checked)
+
+
+# ------------------------------------------------------------ shared shapes
+def test_rule_runs_on_an_unchanged_graph_share_one_shape_oracle(monkeypatch):
+    """``FusionPass.share_shapes`` (17g): the rule runs between two changes of
+    the graph get the same ``ShapeOracle`` (its memo of producer-walked
+    shapes), a change gets a fresh one, and the reference makes one per rule
+    run; the graphs and reports of both are compared above."""
+    from graph_passes.fusion import core
+
+    gd = bert_like_training_graph()
+    counts = {}
+    for share in (True, False):
+        made = []
+        orig_init = core.ShapeOracle.__init__
+
+        def init(self, graph, _orig=orig_init, _made=made):
+            _made.append((graph.version, fusion_pass._edit_mark(graph)))
+            _orig(self, graph)
+
+        monkeypatch.setattr(core.ShapeOracle, "__init__", init)
+        monkeypatch.setattr(fusion_pass.FusionPass, "share_shapes", share)
+        npu_amp_tf.rewrite_graph(gd, fetches=["loss", "train"], **MODES["bf16"])
+        monkeypatch.setattr(core.ShapeOracle, "__init__", orig_init)
+        counts[share] = made
+    shared, ref = counts[True], counts[False]
+    assert len(set(shared)) == len(shared), "one oracle per state of the graph when shared"
+    assert len(ref) > len(shared) > 0, (len(ref), len(shared))
+
+
+# ----------------------------------------------------- predicate candidates
+def _norm_graphs():
+    """LayerNorm / RMSNorm as plain ops in the forms analyze_norm knows, in
+    one graph, with their gradients (a training graph) and look-alikes."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [4, 8], name="x")
+        w = tf1.get_variable("w", [8, 8])
+        gamma = tf1.get_variable("gamma", [8], initializer=tf1.ones_initializer())
+        beta = tf1.get_variable("beta", [8], initializer=tf1.zeros_initializer())
+        h = tf.matmul(x, w)
+        mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
+        ln1 = (h - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta  # moments, rsqrt
+        m2 = tf.reduce_mean(ln1, -1, keepdims=True)
+        v2 = tf.reduce_mean(tf.square(ln1 - m2), -1, keepdims=True)
+        ln2 = (ln1 - m2) / tf.sqrt(v2 + 1e-5) * gamma  # reduce_variance, sqrt/div, no beta
+        rms = ln2 * tf.math.rsqrt(tf.reduce_mean(tf.square(ln2), -1, keepdims=True) + 1e-6) * gamma
+        odd = tf.math.rsqrt(tf.abs(rms) + 1.0) * rms * 2.0 + 1.0  # an Rsqrt product, no norm
+        # a training batch norm as moments over (0, 1, 2) (batch_norm_moments), with and
+        # without scale/offset
+        x4 = tf.reshape(odd, [2, 4, 2, 2])
+        m4, v4 = tf.nn.moments(x4, axes=[0, 1, 2], keepdims=True)
+        bn = tf.nn.batch_normalization(x4, m4, v4, tf.ones([2]), tf.zeros([2]), 1e-3)
+        m5, v5 = tf.nn.moments(bn, axes=[0, 1, 2])
+        bn2 = tf.nn.batch_normalization(bn, m5, v5, None, None, 1e-3)
+        loss = tf.reduce_mean(tf.square(bn2), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("rule_name,least", [("layer_norm", 4), ("batch_norm_moments", 2)])
+def test_norm_predicate_candidates_hold_every_node_it_accepts(k2, rule_name, least):
+    """The LayerNorm and batch-norm rules' predicates narrow their anchors
+    through a ``candidates`` hook (``builtin._norm_candidates``,
+    ``batch_norm._candidates``): on plain-op norms of every form, the
+    BERT-like, Keras ResNet50 and TF-Slim graphs, raw and rewritten, every
+    node the predicate accepts is a candidate, and find_matches equals the
+    visit of every node in topological order."""
+    rule = RULES[rule_name]
+    hook = rule.pattern.predicate.candidates
+    accepted = 0
+    graphs = [("norms", _norm_graphs())] + list(_graphs_for_narrowing(k2))
+    for name, gd in graphs:
+        out, _ = npu_amp_tf.rewrite_graph(gd, fetches=["loss", "train"], graph_level=1)
+        for g in (Graph(gd), Graph(out)):
+            cands = hook(g)
+            for anchor in g.nodes_of_type(pattern._anchor_ops(rule.pattern)):
+                if rule.pattern.predicate(g.nodes[anchor], g):
+                    accepted += 1
+                    assert anchor in cands, (name, anchor)
+            fast = pattern.find_matches(g, rule.pattern, escapes_ok=True)
+            ref = pattern.find_matches(g, rule.pattern, order=g.topo_order(), escapes_ok=True)
+            assert [m.anchor for m in fast] == [m.anchor for m in ref], name
+    assert accepted >= least, accepted

@@ -65,3 +65,49 @@ def test_no_split_when_precision_keeps_fp32():
     out, rep = npu_amp_tf.rewrite_graph(gd, fetches=["fused"], precision_mode="must_keep_origin_dtype")
     assert [n.op for n in out.node if n.name == "fused"] == ["_FusedMatMul"]
     assert rep.pass_stats("unfuse")["unfused"] == 0
+
+
+def test_fused_nodes_visited_in_graph_order_from_the_op_index(monkeypatch):
+    """17g: the pass finds the fused nodes through ``Graph.nodes_of_type``
+    (graph order) instead of walking every node: the rewritten graph and the
+    report equal those of a walk of every node in graph order (the
+    reference), on a graph whose fused nodes are interleaved with others and
+    chained (each split re-adds the fused node's name)."""
+    gd = fused_matmul_graph("Relu")
+    prev = "fused"
+    for i in range(4):  # a chain: fused_i reads the previous one, a Tanh between
+        t = gd.node.add(name=f"t{i}", op="Tanh")
+        t.input.append(prev)
+        t.attr["T"].type = types_pb2.DT_FLOAT
+        w = gd.node.add(name=f"w{i}", op="Const")
+        w.attr["dtype"].type = types_pb2.DT_FLOAT
+        w.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.eye(4, dtype=np.float32)))
+        n = gd.node.add()
+        n.CopyFrom(next(x for x in gd.node if x.name == "fused"))
+        n.name = f"fused{i}"
+        n.input[:] = [f"t{i}", f"w{i}", "b"]
+        prev = n.name
+    # the fused nodes out of name order in the GraphDef
+    nodes = list(gd.node)
+    nodes.insert(0, nodes.pop(len(nodes) - 4))
+    del gd.node[:]
+    gd.node.extend(nodes)
+
+    def rewrite():
+        out, rep = npu_amp_tf.rewrite_graph(gd, fetches=[prev], precision_mode="allow_mix_precision")
+        decided = [n for n, d in rep.decisions.items() if "unfuse" in d]
+        return out.SerializeToString(deterministic=True), decided, rep.pass_stats("unfuse")
+
+    fast = rewrite()
+    from graph_passes import unfuse
+
+    def walk_all(graph, ops):  # the reference: every node, in graph order
+        ops = (ops,) if isinstance(ops, str) else tuple(ops)
+        return [n for n, node in graph.nodes.items() if node.op in ops]
+
+    monkeypatch.setattr(Graph, "nodes_of_type", walk_all)
+    ref = rewrite()
+    assert unfuse.FUSED_OPS == ("_FusedConv2D", "_FusedMatMul")
+    assert fast == ref
+    assert fast[2]["unfused"] == 5 and len(fast[1]) == 5, fast[1:]
+    assert fast[1] == [n.name for n in gd.node if n.op == "_FusedMatMul"]

@@ -248,6 +248,35 @@ def _predicate(node, graph):
     return True
 
 
+def _candidates(graph):
+    """Every node at which :func:`_predicate` can be true (a superset), without
+    running it at each Add/AddV2/Mul of the graph (≈ 580 in a 12-layer BERT
+    training graph).  ``analyze_batch_norm`` needs ``xinv = Mul(x, inv)`` with
+    ``inv`` an Rsqrt or a Mul reading one (:func:`_inv`), read directly; the
+    anchor is ``xinv`` (the split form) or an Add/AddV2 reading it."""
+    from ..pattern import _of_type
+
+    nodes = graph.nodes
+    xinv, level = set(), _of_type(graph, ("Rsqrt",))
+    for _ in range(2):  # readers of the Rsqrt, then of an inv = Mul(Rsqrt, gamma)
+        nxt = set()
+        for name in level:
+            for c, idx in graph.consumers(name):
+                if idx >= 0 and nodes[c].op == "Mul":
+                    nxt.add(c)
+        xinv |= nxt
+        level = nxt
+    out = set(xinv)
+    for name in xinv:
+        for c, idx in graph.consumers(name):
+            if idx >= 0 and nodes[c].op in _ADDS:
+                out.add(c)
+    return out
+
+
+_predicate.candidates = _candidates
+
+
 def _build(m, b):
     res = analyze_batch_norm(b.graph, b.anchor)
     b.require(res is not None, "the batch norm subgraph changed")

@@ -49,15 +49,37 @@ class FusionPass(Pass):
     #: skip a declaring rule when no change since its last run reaches what it reads
     #: (False: the reference, every rule runs again after any change)
     skip_untouched = True
+    #: rule runs on an unchanged graph share one ShapeOracle (False: the
+    #: reference, a fresh oracle per rule run; see :meth:`_shapes`)
+    share_shapes = True
 
     def run(self, graph, ctx):
         #: (sweep, rule name) of every rule run skipped by skip_untouched (for tests)
         self.skipped_runs = []
+        self._oracle = None
         setattr(graph, CONST_MEMO_ATTR, {})
         try:
             return self._run(graph, ctx)
         finally:
             delattr(graph, CONST_MEMO_ATTR)
+            self._oracle = None
+
+    def _shapes(self, graph) -> ShapeOracle:
+        """A ``ShapeOracle`` for the graph as it is now: the previous one (and
+        its memo of producer-walked shapes) while nothing changed the graph
+        since that one was made (``graph.version`` and the edit log: attr
+        edits declared with ``touch`` too), else a fresh one.  The reference
+        gave every rule run a fresh oracle; on an unchanged graph both answer
+        every question the same (``shapes.local_shape`` is a function of the
+        graph), only the walks are not repeated (BERT-12: the residual side
+        inputs of ``bias_add``, then of ``bias``, each walked down the whole
+        forward pass)."""
+        if not self.share_shapes:
+            return ShapeOracle(graph)
+        key = (graph.version, _edit_mark(graph))
+        if self._oracle is None or self._oracle[0] != key:
+            self._oracle = (key, ShapeOracle(graph))
+        return self._oracle[1]
 
     def _run(self, graph, ctx):
         level = ctx.option("graph_level", 2) if ctx is not None else 2
@@ -91,7 +113,7 @@ class FusionPass(Pass):
                         continue
                 v = graph.version
                 marks = (_edit_mark(graph), len(trail.removed_inputs))
-                n = apply_rule(graph, rule, ctx, ShapeOracle(graph), stats, trail)
+                n = apply_rule(graph, rule, ctx, self._shapes(graph), stats, trail)
                 changed += n
                 if n:
                     active.append(rule.name)
@@ -137,7 +159,7 @@ class FusionPass(Pass):
         anchors = affected_anchors(graph, rule.pattern, dirty, rule.reads)
         if not anchors:
             return True
-        return quiet_at(graph, rule, ctx, ShapeOracle(graph), stats, sorted(anchors), trail)
+        return quiet_at(graph, rule, ctx, self._shapes(graph), stats, sorted(anchors), trail)
 
 
 def _edit_mark(graph) -> int:

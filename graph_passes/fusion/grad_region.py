@@ -109,6 +109,7 @@ import dataclasses
 import re
 from typing import Callable, Iterable
 
+from .. import registry
 from ..graph import Graph, parse_tensor
 
 #: op types TF's gradient functions emit for the forward ops these rules fuse
@@ -424,6 +425,8 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         n, p, _ = parse_tensor(ref)
         return n in fwd and (n, p) not in out_nodes_ports
 
+    roots: dict[str, str] = {}  # _identity_root per tensor (the graph does not change)
+
     def classify_input(ref):
         """'g' (region), 'f' (forward inner), 'in', 'static', 'dy', 'out', or 'ext'."""
         n, p, ctrl = parse_tensor(ref)
@@ -435,8 +438,12 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             return "f"
         if _canon(ref) in ins or from_inputs(n):
             return "in"
-        if dy[0] is not None and _identity_root(graph, ref) == dy[0]:
-            return "dy"
+        if dy[0] is not None:
+            root = roots.get(ref)
+            if root is None:
+                root = roots[ref] = _identity_root(graph, ref)
+            if root == dy[0]:
+                return "dy"
         if is_static(n):
             return "static"
         return "ext"
@@ -506,6 +513,8 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         anc_memo[start] = hit
         return hit
 
+    owners: dict[str, str | None] = {}  # attributed_forward per name
+
     def try_add(name) -> bool:
         if name in region or name in fwd:
             return False
@@ -518,38 +527,44 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         if name in protected:
             why_not[name] = "it is fetched or preserved"
             return False
-        if not _AUTODIFF.search(name) and node.op not in AGGREGATIONS:
+        autodiff = _AUTODIFF.search(name) is not None
+        if not autodiff and node.op not in AGGREGATIONS:
             # an optimizer's Neg(grad) or Mul(grad, lr), a user's clip: not autodiff's
             why_not[name] = "its name is not in an autodiff scope (gradients/, gradient_tape/)"
             return False
-        owner = attributed_forward(graph, name)
+        # (the graph does not change during a search: one answer per name)
+        owner = owners.get(name, owners)
+        if owner is owners:
+            owner = owners[name] = attributed_forward(graph, name)
         if owner is not None and owner not in fwd:
             why_not[name] = f"its name makes it part of the gradient of '{owner}'"
             return False
         # an autodiff op attributed to no node (TF2 names ops after the forward op's
         # scope; grappler may have renamed the forward op) must lie under F's own
         # scope: the gradient of a renamed op upstream of x does not
-        outside_scope = (owner is None and fscope and _AUTODIFF.search(name) is not None
-                         and not _under_scope(name, fscope))
+        outside_scope = (owner is None and fscope and autodiff and not _under_scope(name, fscope))
         if owner is None:
             owner = _tf2_scope_owner(name, fwd)
-        if owner is None and any(_AUTODIFF.search(name) and _under_scope(name, sc) for sc in owner_scopes):
+        if owner is None and autodiff and any(_under_scope(name, sc) for sc in owner_scopes):
             owner = next(iter(sorted(fwd)))
-        kinds = []
+        kinds = []  # (kind, input ref, source node) per input (ctrl_ext for outside control inputs)
         new_dy = None
+        ctrl_in_region = False  # a control input from G (not in kinds)
         for inp in node.input:
             src, _, ctrl = parse_tensor(inp)
             if ctrl:
-                if src in region or src in fwd or (dy[0] is not None and src == parse_tensor(dy[0])[0]):
+                if src in region:
+                    ctrl_in_region = True
+                    continue
+                if src in fwd or (dy[0] is not None and src == parse_tensor(dy[0])[0]):
                     continue
                 if is_static(src):
                     continue
-                kinds.append(("ctrl_ext", inp))
+                kinds.append(("ctrl_ext", inp, src))
                 continue
             k = classify_input(inp)
             if k == "ext":
                 dt = graph.tensor_dtype(inp)
-                from .. import registry
                 if dy[0] is None and new_dy is None and dt in registry.FLOAT_TYPES \
                         and _shape_eq(shapes.shape(inp), y_shape, partial_shapes) and not after_forward(inp):
                     new_dy = _identity_root(graph, inp)
@@ -560,48 +575,49 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             if k == "out" and not grad_reads_output:
                 why_not[name] = f"it reads the fused op's output '{inp}'"
                 return False
-            kinds.append((k, inp))
-        data_kinds = [k for k, _ in kinds if k != "ctrl_ext"]
+            kinds.append((k, inp, src))
+        data_kinds = [k for k, _, _ in kinds if k != "ctrl_ext"]
         reads_dy = "dy" in data_kinds
-        if outside_scope and not (node.op in AGGREGATIONS and data_kinds and all(k == "g" for k in data_kinds)) \
-                and not (node.op in VALUE_STATIC_OPS and data_kinds and all(k in ("f", "static") for k in data_kinds)) \
-                and node.op not in ("NoOp", "Const"):
+        # a data input from G that depends on dy (one lookup for the checks below)
+        g_dy = any(k == "g" and dy_dep.get(src) for k, _, src in kinds)
+        op = node.op
+        if outside_scope and not (op in AGGREGATIONS and data_kinds and all(k == "g" for k in data_kinds)) \
+                and not (op in VALUE_STATIC_OPS and data_kinds and all(k in ("f", "static") for k in data_kinds)) \
+                and op not in ("NoOp", "Const"):
             why_not[name] = f"its name is outside the fused ops' scope '{fscope}'"
             return False
-        if not _AUTODIFF.search(name) and any(k != "g" for k in data_kinds):
+        if not autodiff and any(k != "g" for k in data_kinds):
             why_not[name] = "a sum outside an autodiff scope that reads more than the region"
             return False
-        if node.op in AGGREGATIONS and reads_dy:
+        if op in AGGREGATIONS and reads_dy:
             why_not[name] = "it sums the incoming gradient with another gradient (a residual path)"
             return False
-        if "out" in data_kinds and not (reads_dy or new_dy is not None or any(
-                k == "g" and dy_dep.get(parse_tensor(r)[0]) for k, r in kinds)):
+        if "out" in data_kinds and not (reads_dy or new_dy is not None or g_dy):
             why_not[name] = "it reads the fused op's output but no gradient (a forward reader)"
             return False
-        if reads_dy and not grad_reads_output and any(k == "g" and dy_dep.get(parse_tensor(r)[0])
-                                                      for k, r in kinds):
+        if reads_dy and not grad_reads_output and g_dy:
             why_not[name] = "it combines the incoming gradient with a gradient already derived from it"
             return False
         if not node.input:
             return False
-        if not any(k in ("g", "f", "dy") for k in data_kinds) and not any(
-                parse_tensor(i)[0] in region for i in node.input):
+        # an input (data or control) from G
+        from_g = ctrl_in_region or "g" in data_kinds
+        if not from_g and "f" not in data_kinds and not reads_dy:
             return False
-        via_dy = not any(k in ("g", "f") for k in data_kinds) and not any(
-            parse_tensor(i)[0] in region for i in node.input)
-        if via_dy and (owner is None or node.op in AGGREGATIONS):
+        via_dy = not from_g and "f" not in data_kinds
+        if via_dy and (owner is None or op in AGGREGATIONS):
             why_not[name] = "it reads only the incoming gradient and its name ties it to no fused op"
             return False
         if new_dy is not None:
             dy[0] = new_dy
         region[name] = None
-        fwd_dep[name] = any((k == "f" and node.op not in VALUE_STATIC_OPS)
-                            or (k == "g" and fwd_dep.get(parse_tensor(r)[0])) for k, r in kinds)
-        dy_dep[name] = reads_dy or any(k == "g" and dy_dep.get(parse_tensor(r)[0]) for k, r in kinds)
+        fwd_dep[name] = any((k == "f" and op not in VALUE_STATIC_OPS) or (k == "g" and fwd_dep.get(src))
+                            for k, _, src in kinds)
+        dy_dep[name] = reads_dy or g_dy
         # the value depends on no data (only shapes): Shape(inner), ZerosLike(inner), int math on them
-        val_static[name] = node.op in VALUE_STATIC_OPS or (
-            node.op in _STATIC_ARITH and all(k == "static" or (k == "g" and val_static.get(parse_tensor(r)[0]))
-                                             for k, r in kinds if k != "ctrl_ext"))
+        val_static[name] = op in VALUE_STATIC_OPS or (
+            op in _STATIC_ARITH and all(k == "static" or (k == "g" and val_static.get(src))
+                                        for k, _, src in kinds if k != "ctrl_ext"))
         if len(region) > max_nodes:
             raise GradRegionRefused(f"the gradient region grew beyond {max_nodes} nodes")
         return True
