@@ -179,20 +179,30 @@ def _filter_grad_child():
     return out
 
 
-def filter_grad_main():
+def _child_result(flag):
+    """Run this file with ``flag`` in a fresh process (a form may abort TF) and return
+    its decoded RESULT line, printing the TF version and load first; None (and why)
+    when the child died."""
     import tensorflow as tf
 
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--filter-grad-child"],
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), flag],
                        capture_output=True, text=True, timeout=1800)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if not line:
         print(f"died rc={p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:200]}")
-        return
+        return None
     print(f"TF {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(default)')}; "
           f"load average {os.getloadavg()[0]:.2f}")
+    return json.loads(line[0][7:])
+
+
+def filter_grad_main():
+    rows = _child_result("--filter-grad-child")
+    if rows is None:
+        return
     print(f"{'N,H,W,Ci,Co,k,stride':28s} {'BF16 conv':>9s} {'BF16 mm':>8s} {'ratio':>6s} "
           f"{'FP32 conv':>9s} {'FP32 mm':>8s} {'ratio':>6s}  (ms; ratio = conv / MatMul form)")
-    for r in json.loads(line[0][7:]):
+    for r in rows:
         b, f = r["bfloat16"], r["float32"]
         print(f"{str(tuple(r['shape'])):28s} {b['conv_ms']:9.2f} {b['matmul_ms']:8.2f} "
               f"{b['conv_ms'] / b['matmul_ms']:6.2f} {f['conv_ms']:9.2f} {f['matmul_ms']:8.2f} "
@@ -267,21 +277,14 @@ def _bias_grad_child(rounds=5, runs=4):
 
 
 def bias_grad_main():
-    import tensorflow as tf
-
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--bias-grad-child"],
-                       capture_output=True, text=True, timeout=1800)
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if not line:
-        print(f"died rc={p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:200]}")
+    rows = _child_result("--bias-grad-child")
+    if rows is None:
         return
-    print(f"TF {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(default)')}; "
-          f"load average {os.getloadavg()[0]:.2f}")
     print("ms (min over rounds); fp32_ref = FP32 BiasAddGrad on an FP32 gradient; the others read a BF16 "
           "gradient; [rel. L2 error vs the exact sum of the BF16 values]")
     print(f"{'shape':20s} " + " ".join(f"{f:>17s}" for f in BIAS_GRAD_FORMS))
     tot = {f: 0.0 for f in BIAS_GRAD_FORMS}
-    for r in json.loads(line[0][7:]):
+    for r in rows:
         cells = []
         for f in BIAS_GRAD_FORMS:
             tot[f] += r[f]["ms"]
@@ -355,20 +358,13 @@ def _subsample_child(rounds=5, runs=8):
 
 
 def subsample_main():
-    import tensorflow as tf
-
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--subsample-child"],
-                       capture_output=True, text=True, timeout=1800)
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if not line:
-        print(f"died rc={p.returncode}: {(p.stderr.strip().splitlines() or [''])[-1][:200]}")
+    rows = _child_result("--subsample-child")
+    if rows is None:
         return
-    print(f"TF {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(default)')}; "
-          f"load average {os.getloadavg()[0]:.2f}")
     print("x[:, ::2, ::2, :], ms (min over rounds; includes reading one element of the result); "
           "* = not bit-equal to StridedSlice's result")
     print(f"{'shape':20s} {'dtype':9s} " + " ".join(f"{f:>14s}" for f in SUBSAMPLE_FORMS))
-    for r in json.loads(line[0][7:]):
+    for r in rows:
         for dtn in ("bfloat16", "float32", "float16"):
             cells = [(f"{r[dtn][f]['ms']:13.3f}" + (" " if r[dtn][f]["equal"] else "*")) if f in r[dtn]
                      else f"{'-':>14s}" for f in SUBSAMPLE_FORMS]

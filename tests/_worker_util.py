@@ -40,6 +40,14 @@ def cached_results(worker: str, timeout: int, transform=None):
     return results
 
 
+def rel_l2(a, b) -> float:
+    """||a - b|| / ||b|| in float64 (0-safe)."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
 def onednn_on() -> bool:
     from graph_passes.fusion.builtin import onednn_enabled
     return onednn_enabled()

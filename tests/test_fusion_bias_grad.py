@@ -24,7 +24,7 @@ import os
 import numpy as np
 import pytest
 
-from _worker_util import onednn_on, run_worker
+from _worker_util import cached_results, onednn_on, rel_l2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_bias_grad_worker.py")
@@ -33,23 +33,12 @@ RULE = "bias_grad_matmul"
 MATCHED = ("Conv/biases", "Conv_1/biases")
 LEFT = ("Conv_2/biases", "fully_connected/biases")
 
-_CACHE = {}
-
-
-def results(kind, onednn=True):
-    if (kind, onednn) not in _CACHE:
-        _CACHE[kind, onednn] = run_worker(WORKER, kind, onednn, timeout=900)
-    return _CACHE[kind, onednn]
+results = cached_results(WORKER, timeout=900)
 
 
 _onednn_on = onednn_on  # the skipif string below evaluates it in this module
 needs_onednn = pytest.mark.skipif("not _onednn_on()", reason="the rule fires only under oneDNN "
                                                             "(measured there); this TF runs without it")
-
-
-def rel_l2(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _count(ops, op, dtype=None):

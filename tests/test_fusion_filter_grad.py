@@ -26,7 +26,7 @@ import os
 import numpy as np
 import pytest
 
-from _worker_util import cached_results, onednn_on
+from _worker_util import cached_results, onednn_on, rel_l2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_filter_grad_worker.py")
@@ -41,11 +41,6 @@ _onednn_on = onednn_on  # the skipif string below evaluates it in this module
 
 needs_onednn = pytest.mark.skipif("not _onednn_on()", reason="the rule fires only under oneDNN "
                                                             "(measured there); this TF runs without it")
-
-
-def rel_l2(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _by_config():
