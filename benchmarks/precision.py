@@ -52,10 +52,12 @@ from tensorflow.python.grappler import tf_optimizer  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import npu_amp_tf  # noqa: E402
 from graph_passes import registry  # noqa: E402
 from graph_passes.graph import Graph, parse_tensor  # noqa: E402
 from graph_passes.precision import stats  # noqa: E402
+from real_models import bert_training_graph  # noqa: E402,F401  (report_html.py / memory.py import it from here)
 
 v1 = tf.compat.v1
 TF_VERSION = tuple(int(x) for x in tf.__version__.split(".")[:2])
@@ -83,52 +85,6 @@ def resnet50_training_graph(batch=8):
         opt = v1.train.MomentumOptimizer(0.1, 0.9)
         with tf.control_dependencies(model.updates if hasattr(model, "updates") else []):
             train = opt.minimize(loss, var_list=model.trainable_weights, name="train")
-    return g, ["loss", train.name.split(":")[0]]
-
-
-def bert_training_graph(layers=12, hidden=768, heads=12, seq=128, batch=8, vocab=30522, ffn=3072):
-    g = tf.Graph()
-    with g.as_default():
-        init = v1.truncated_normal_initializer(stddev=0.02)
-        ids = v1.placeholder(tf.int32, [batch, seq], name="input_ids")
-        labels = v1.placeholder(tf.int32, [batch], name="labels")
-        emb = v1.get_variable("word_embeddings", [vocab, hidden], initializer=init)
-        pos = v1.get_variable("position_embeddings", [seq, hidden], initializer=init)
-
-        def dense(z, n_out, name, act=None):
-            with v1.variable_scope(name):
-                w = v1.get_variable("kernel", [z.shape[-1], n_out], initializer=init)
-                b = v1.get_variable("bias", [n_out], initializer=tf.zeros_initializer())
-                out = tf.nn.bias_add(tf.matmul(z, w), b)
-                return act(out) if act is not None else out
-
-        def layer_norm(z, name):
-            with v1.variable_scope(name):
-                gamma = v1.get_variable("gamma", [hidden], initializer=tf.ones_initializer())
-                beta = v1.get_variable("beta", [hidden], initializer=tf.zeros_initializer())
-                mean, var = tf.nn.moments(z, axes=[-1], keepdims=True)
-                return (z - mean) * tf.math.rsqrt(var + 1e-12) * gamma + beta
-
-        h = tf.reshape(tf.gather(emb, ids) + pos, [batch * seq, hidden])
-        h = layer_norm(h, "emb_ln")
-        dh = hidden // heads
-        for i in range(layers):
-            with v1.variable_scope(f"layer_{i}"):
-                def split(z):
-                    return tf.transpose(tf.reshape(z, [batch, seq, heads, dh]), [0, 2, 1, 3])
-                q, k_, v = (split(dense(h, hidden, n)) for n in ("query", "key", "value"))
-                scores = tf.matmul(q, k_, transpose_b=True) * (1.0 / float(np.sqrt(dh)))
-                probs = tf.nn.softmax(scores)
-                ctx = tf.reshape(tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3]), [batch * seq, hidden])
-                h = layer_norm(h + dense(ctx, hidden, "attn_out"), "attn_ln")
-                inter = dense(h, ffn, "intermediate", act=tf.nn.gelu)
-                h = layer_norm(h + dense(inter, hidden, "output"), "out_ln")
-        first = tf.reshape(h, [batch, seq, hidden])[:, 0]
-        pooled = dense(first, hidden, "pooler", act=tf.tanh)
-        logits = dense(pooled, 2, "classifier")
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
-                              name="loss")
-        train = v1.train.AdamOptimizer(1e-4).minimize(loss, name="train")
     return g, ["loss", train.name.split(":")[0]]
 
 

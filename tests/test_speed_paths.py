@@ -16,6 +16,7 @@ from graph_passes import shapes as shapes_mod
 from graph_passes.functions import function_graph
 from graph_passes.graph import Graph
 from npu_amp_tf import bridge, pipeline
+from real_models import bert_training_graph
 
 tf1 = tf.compat.v1
 
@@ -330,47 +331,10 @@ def test_deferred_figures_equal_eager_ones_on_keras_resnet50(k2, tmp_path):
 
 # ------------------------------------------------------- issue 17, step 3
 def bert_like_training_graph(layers=2, hidden=16, heads=2, seq=8, batch=2, vocab=50, ffn=32):
-    """A BERT-style encoder from raw ops (embedding, attention, GELU, layer
-    norms from ``tf.nn.moments``) + Adam: the residual adds the fusion pass
-    asks shapes about, and a backward pass full of ``Shape``/``Reshape``."""
-    g = tf.Graph()
-    with g.as_default():
-        init = tf1.truncated_normal_initializer(stddev=0.02)
-        ids = tf1.placeholder(tf.int32, [batch, seq], name="input_ids")
-        labels = tf1.placeholder(tf.int32, [batch], name="labels")
-        emb = tf1.get_variable("emb", [vocab, hidden], initializer=init)
-        pos = tf1.get_variable("pos", [seq, hidden], initializer=init)
-
-        def dense(z, n, name, act=None):
-            with tf1.variable_scope(name):
-                w = tf1.get_variable("kernel", [z.shape[-1], n], initializer=init)
-                b = tf1.get_variable("bias", [n], initializer=tf.zeros_initializer())
-                out = tf.nn.bias_add(tf.matmul(z, w), b)
-                return act(out) if act is not None else out
-
-        def layer_norm(z, name):
-            with tf1.variable_scope(name):
-                gamma = tf1.get_variable("gamma", [hidden], initializer=tf.ones_initializer())
-                beta = tf1.get_variable("beta", [hidden], initializer=tf.zeros_initializer())
-                mean, var = tf.nn.moments(z, axes=[-1], keepdims=True)
-                return (z - mean) * tf.math.rsqrt(var + 1e-12) * gamma + beta
-
-        h = layer_norm(tf.reshape(tf.gather(emb, ids) + pos, [batch * seq, hidden]), "emb_ln")
-        dh = hidden // heads
-        for i in range(layers):
-            with tf1.variable_scope(f"layer_{i}"):
-                def split(z):
-                    return tf.transpose(tf.reshape(z, [batch, seq, heads, dh]), [0, 2, 1, 3])
-                q, k_, v = (split(dense(h, hidden, n)) for n in ("query", "key", "value"))
-                probs = tf.nn.softmax(tf.matmul(q, k_, transpose_b=True) * (1.0 / float(np.sqrt(dh))))
-                ctx = tf.reshape(tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3]), [batch * seq, hidden])
-                h = layer_norm(h + dense(ctx, hidden, "attn_out"), "attn_ln")
-                inter = dense(h, ffn, "intermediate", act=tf.nn.gelu)
-                h = layer_norm(h + dense(inter, hidden, "output"), "out_ln")
-        logits = dense(tf.reshape(h, [batch, seq, hidden])[:, 0], 2, "classifier")
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
-                              name="loss")
-        tf1.train.AdamOptimizer(1e-4).minimize(loss, name="train")
+    """A small BERT-style encoder from raw ops + Adam (``real_models.bert_training_graph``,
+    no pooler): the residual adds the fusion pass asks shapes about, and a
+    backward pass full of ``Shape``/``Reshape``."""
+    g, _ = bert_training_graph(layers, hidden, heads, seq, batch, vocab, ffn, pooler=False)
     return g.as_graph_def()
 
 
