@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -43,7 +44,6 @@ FORMS = [(k, f, d) for k in ("conv", "matmul") for f in ("plain", "generic", "on
 
 
 def _child(kind, form, dtn, reps=15):
-    import time
 
     import numpy as np
     import tensorflow as tf
@@ -124,8 +124,20 @@ FILTER_GRAD_SHAPES = [
 ]
 
 
+def _session_ms(sess, fetch, rounds=5, runs=4):
+    """ms per ``sess.run(fetch)``: the best of ``rounds`` rounds of ``runs`` runs, after 3 warm-up runs."""
+    for _ in range(3):
+        sess.run(fetch)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            sess.run(fetch)
+        best = min(best, (time.perf_counter() - t0) / runs)
+    return best * 1e3
+
+
 def _filter_grad_child():
-    import time
 
     import numpy as np
     import tensorflow as tf
@@ -154,17 +166,6 @@ def _filter_grad_child():
             cases.append(((N, H, W, Ci, Co, k, st), row))
         init = tf1.global_variables_initializer()
 
-    def timed(sess, op):
-        for _ in range(3):
-            sess.run(op)
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(4):
-                sess.run(op)
-            best = min(best, (time.perf_counter() - t0) / 4)
-        return best * 1e3
-
     out = []
     with tf1.Session(graph=g) as sess:
         sess.run(init)
@@ -173,7 +174,7 @@ def _filter_grad_child():
             for dtn, (conv, mm) in row.items():
                 a, b = sess.run([conv, mm])
                 a, b = a.astype(np.float64), b.astype(np.float64)
-                r[dtn] = {"conv_ms": timed(sess, conv.op), "matmul_ms": timed(sess, mm.op),
+                r[dtn] = {"conv_ms": _session_ms(sess, conv.op), "matmul_ms": _session_ms(sess, mm.op),
                           "rel_l2": float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))}
             out.append(r)
     return out
@@ -219,7 +220,6 @@ BIAS_GRAD_FORMS = ("fp32_ref", "bag_bf16", "bag_fp32", "sum_bf16", "sum_fp32", "
 
 
 def _bias_grad_child(rounds=5, runs=4):
-    import time
 
     import numpy as np
     import tensorflow as tf
@@ -251,17 +251,6 @@ def _bias_grad_child(rounds=5, runs=4):
             cases.append((shp, forms, exact))
         init = tf1.global_variables_initializer()
 
-    def timed(sess, op):
-        for _ in range(3):
-            sess.run(op)
-        best = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(runs):
-                sess.run(op)
-            best = min(best, (time.perf_counter() - t0) / runs)
-        return best * 1e3
-
     out = []
     with tf1.Session(graph=g) as sess:
         sess.run(init)
@@ -271,7 +260,7 @@ def _bias_grad_child(rounds=5, runs=4):
             for name, t in forms.items():
                 v = sess.run(t).astype(np.float64)
                 err = float(np.linalg.norm(v - ex) / max(np.linalg.norm(ex), 1e-30))
-                r[name] = {"ms": timed(sess, t.op), "rel_l2": err if name != "fp32_ref" else float("nan")}
+                r[name] = {"ms": _session_ms(sess, t.op, rounds, runs), "rel_l2": err if name != "fp32_ref" else float("nan")}
             out.append(r)
     return out
 
@@ -303,7 +292,6 @@ def _subsample_child(rounds=5, runs=8):
     """x[:, ::2, ::2, :] (the ``filter_grad_1x1`` rule's subsample of a stride-2 1x1 conv's
     input) as StridedSlice vs a 1x1 MaxPool / AvgPool with stride 2 (oneDNN pooling) vs
     Reshape [N, H/2, 2, W/2, 2C] + Slice (even sizes only), BF16, FP32 and FP16."""
-    import time
 
     import numpy as np
     import tensorflow as tf
@@ -330,17 +318,6 @@ def _subsample_child(rounds=5, runs=8):
             cases.append(((N, H, W, C), row))
         init = tf1.global_variables_initializer()
 
-    def timed(sess, t):
-        for _ in range(3):
-            sess.run(t)
-        best = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(runs):
-                sess.run(t)
-            best = min(best, (time.perf_counter() - t0) / runs)
-        return best * 1e3
-
     out = []
     with tf1.Session(graph=g) as sess:
         sess.run(init)
@@ -349,7 +326,7 @@ def _subsample_child(rounds=5, runs=8):
             for dtn in ("bfloat16", "float32", "float16"):
                 vals = sess.run(row[dtn + "_vals"])
                 ref = vals["strided_slice"]
-                r[dtn] = {k: {"ms": timed(sess, row[dtn][k]),
+                r[dtn] = {k: {"ms": _session_ms(sess, row[dtn][k], rounds, runs),
                               "equal": bool(np.array_equal(np.asarray(vals[k], np.float32),
                                                            np.asarray(ref, np.float32)))}
                           for k in row[dtn]}

@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import npu_amp_tf  # noqa: E402
+from _worker_util import run_from  # noqa: E402
 
 tf1 = tf.compat.v1
 BF16 = "allow_mix_precision_bf16"
@@ -185,14 +186,7 @@ def slim():
         conf = npu_amp_tf.session_config(**cfg) if cfg is not None else tf1.ConfigProto()
         with tf1.Session(graph=g, config=conf) as s:
             s.run(init)
-            if start is None:
-                start = {k: s.run(v) for k, v in allv.items()}
-            for k, v in allv.items():
-                v.load(start[k], s)
-            md = tf1.RunMetadata()
-            lv, _ = s.run([loss, train], feeds, options=tf1.RunOptions(output_partition_graphs=True),
-                          run_metadata=md)
-            after = {k: s.run(v) for k, v in allv.items()}
+            start, (lv, _), md, after = run_from(s, allv, start, [loss, train], feeds)
         ran = [n for pg in md.partition_graphs for n in pg.node]
         _emit(config=name, loss=float(lv),
               update={k: (after[k] - start[k]).ravel().tolist() for k in tvars},

@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import npu_amp_tf  # noqa: E402
+from _worker_util import run_from  # noqa: E402
 
 tf1 = tf.compat.v1
 RULE = "bias_grad_matmul"
@@ -235,13 +236,8 @@ def run_bn():
         try:
             with tf1.Session(graph=g, config=cfg) as s:
                 s.run(init)
-                if start is None:
-                    start = {k: s.run(v) for k, v in tvars.items()}
-                for k, v in tvars.items():
-                    v.load(start[k], s)
-                md = tf1.RunMetadata()
-                s.run(train, feeds, options=tf1.RunOptions(output_partition_graphs=True), run_metadata=md)
-                upd = {k: (s.run(v) - start[k]).ravel().tolist() for k, v in tvars.items()}
+                start, _, md, after = run_from(s, tvars, start, train, feeds)
+                upd = {k: (after[k] - start[k]).ravel().tolist() for k in tvars}
         finally:
             RULES.update(saved)
         _emit(config=name, update=upd, ops=_ops(md))

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import npu_amp_tf  # noqa: E402
+from _worker_util import run_from  # noqa: E402
 
 tf1 = tf.compat.v1
 #: the weights whose gradient the rules rewrite and those they leave
@@ -81,13 +82,8 @@ def run():
             init = tf1.global_variables_initializer()
         with tf1.Session(graph=g, config=cfg) as s:
             s.run(init)
-            if start is None:
-                start = {k: s.run(v) for k, v in tvars.items()}
-            for k, v in tvars.items():
-                v.load(start[k], s)
-            md = tf1.RunMetadata()
-            s.run(train, feeds, options=tf1.RunOptions(output_partition_graphs=True), run_metadata=md)
-            upd = {k: (s.run(v) - start[k]).ravel().tolist() for k, v in tvars.items()}
+            start, _, md, after = run_from(s, tvars, start, train, feeds)
+            upd = {k: (after[k] - start[k]).ravel().tolist() for k in tvars}
         ops = Counter()
         for pg in md.partition_graphs:
             for n in pg.node:

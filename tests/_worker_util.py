@@ -40,6 +40,23 @@ def cached_results(worker: str, timeout: int, transform=None):
     return results
 
 
+def run_from(sess, variables: dict, start, fetches, feeds):
+    """In a worker: load ``start`` (name -> value; None: read the initialised values,
+    so later configurations start where the first one did) into ``variables``,
+    run ``fetches`` once with the executed partition graphs recorded, and return
+    ``(start, outputs, RunMetadata, {name: value after the run})``."""
+    import tensorflow as tf
+
+    tf1 = tf.compat.v1
+    if start is None:
+        start = {k: sess.run(v) for k, v in variables.items()}
+    for k, v in variables.items():
+        v.load(start[k], sess)
+    md = tf1.RunMetadata()
+    out = sess.run(fetches, feeds, options=tf1.RunOptions(output_partition_graphs=True), run_metadata=md)
+    return start, out, md, {k: sess.run(v) for k, v in variables.items()}
+
+
 def rel_l2(a, b) -> float:
     """||a - b|| / ||b|| in float64 (0-safe)."""
     import numpy as np

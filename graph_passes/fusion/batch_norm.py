@@ -53,7 +53,7 @@ import numpy as np
 from .. import registry
 from ..graph import parse_tensor, tensor_name
 from ..pattern import Pat
-from .builtin import _precision_plan, _squeeze_lead, const_scalar, reemit_aggregator
+from .builtin import _precision_plan, _squeeze_lead, const_scalar, reemit_aggregator, with_add_readers
 from .core import Skip, const_value
 
 _ADDS = ("Add", "AddV2")
@@ -266,12 +266,7 @@ def _candidates(graph):
                     nxt.add(c)
         xinv |= nxt
         level = nxt
-    out = set(xinv)
-    for name in xinv:
-        for c, idx in graph.consumers(name):
-            if idx >= 0 and nodes[c].op in _ADDS:
-                out.add(c)
-    return out
+    return with_add_readers(graph, xinv)
 
 
 _predicate.candidates = _candidates

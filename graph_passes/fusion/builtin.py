@@ -952,8 +952,15 @@ def _norm_candidates(graph):
                     nxt.add(c)
         roots |= nxt
         level = nxt
-    out = set(roots)
-    for name in roots:
+    return with_add_readers(graph, roots)
+
+
+def with_add_readers(graph, names) -> set:
+    """``names`` and the Add/AddV2 nodes reading them (data inputs): a norm's
+    final op is a product or the Add of its offset (the candidates hooks)."""
+    nodes = graph.nodes
+    out = set(names)
+    for name in names:
         for c, idx in graph.consumers(name):
             if idx >= 0 and nodes[c].op in _ADDS:
                 out.add(c)
