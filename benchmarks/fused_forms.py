@@ -260,7 +260,8 @@ def _bias_grad_child(rounds=5, runs=4):
             for name, t in forms.items():
                 v = sess.run(t).astype(np.float64)
                 err = float(np.linalg.norm(v - ex) / max(np.linalg.norm(ex), 1e-30))
-                r[name] = {"ms": _session_ms(sess, t.op, rounds, runs), "rel_l2": err if name != "fp32_ref" else float("nan")}
+                r[name] = {"ms": _session_ms(sess, t.op, rounds, runs),
+                           "rel_l2": err if name != "fp32_ref" else float("nan")}
             out.append(r)
     return out
 
