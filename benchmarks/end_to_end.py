@@ -276,16 +276,22 @@ def print_op_profile(model, runner, names, steps, top=25):
         for n in names:
             for k, us in runner.op_times(n).items():
                 tabs[n][k] = tabs[n].get(k, 0) + us
-    keys = sorted(set().union(*tabs.values()), key=lambda k: -max(t.get(k, 0) for t in tabs.values()))
+    row = lambda k: " ".join(f"{tabs[n].get(k, 0) / 1e3 / steps:10.1f}" for n in names)  # noqa: E731
+    timing = sorted(k for k in set().union(*tabs.values()) if k[0].startswith("("))  # the step's own rows
+    keys = sorted((k for k in set().union(*tabs.values()) if k not in timing),
+                  key=lambda k: -max(t.get(k, 0) for t in tabs.values()))
     print(f"\n[{model}] op time per step (ms, summed over the executed nodes of {steps} traced steps / {steps}; "
           f"load {os.getloadavg()[0]:.2f})")
     print(f"{'op':34s} {'dtype':9s} " + " ".join(f"{n:>10s}" for n in names))
+    for k in timing:
+        print(f"{k[0][:44]:44s} " + row(k))
     for k in keys[:top]:
-        print(f"{k[0][:34]:34s} {k[1][:9]:9s} " + " ".join(f"{tabs[n].get(k, 0) / 1e3 / steps:10.1f}" for n in names))
+        print(f"{k[0][:34]:34s} {k[1][:9]:9s} " + row(k))
     rest = keys[top:]
     print(f"{'(the other ' + str(len(rest)) + ')':44s} "
           + " ".join(f"{sum(tabs[n].get(k, 0) for k in rest) / 1e3 / steps:10.1f}" for n in names))
-    print(f"{'total':44s} " + " ".join(f"{sum(tabs[n].values()) / 1e3 / steps:10.1f}" for n in names))
+    print(f"{'total op time':44s} "
+          + " ".join(f"{sum(tabs[n].get(k, 0) for k in keys) / 1e3 / steps:10.1f}" for n in names))
 
 
 class FitRunner:
@@ -349,8 +355,62 @@ class FitRunner:
     def profile(self, name):
         return None
 
+    def op_times(self, name):
+        """One step under ``tf.profiler``: {(op type, ""): op microseconds} from the host
+        plane's executor threads (a function's ops carry no dtype there), plus three
+        bracketed rows to read idle time and concurrency off: ``(step wall)``, the
+        ``train_on_batch`` call's wall time; ``(executor busy, union)``, the time at least
+        one executor thread was processing the step; ``(ops running, union)``, the time at
+        least one op kernel ran."""
+        import glob
+        import tempfile
+
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+        self.activate(name)
+        with tempfile.TemporaryDirectory() as d, _RulesRemoved(WITHOUT_RULES.get(name, ())):
+            tf.profiler.experimental.start(d)
+            t0 = time.perf_counter()
+            self.models[name].train_on_batch(*self.data.batch(0))
+            wall = time.perf_counter() - t0
+            tf.profiler.experimental.stop()
+            space = xplane_pb2.XSpace()
+            with open(sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1], "rb") as fh:
+                space.ParseFromString(fh.read())
+        out, ops, busy = {}, [], []
+        for plane in space.planes:
+            if plane.name != "/host:CPU":
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("tf_Compute"):
+                    continue
+                for ev in line.events:
+                    label = plane.event_metadata[ev.metadata_id].name
+                    span = (line.timestamp_ns * 1000 + ev.offset_ps,
+                            line.timestamp_ns * 1000 + ev.offset_ps + ev.duration_ps)
+                    if label == "ExecutorState::Process":
+                        busy.append(span)
+                    elif ":" in label and "::" not in label:  # "node name:op type"
+                        op = label.rsplit(":", 1)[1]
+                        ops.append(span)
+                        out[(op, "")] = out.get((op, ""), 0) + ev.duration_ps / 1e6
+        out[("(ops running, union)", "")] = _union_ps(ops) / 1e6
+        out[("(executor busy, union)", "")] = _union_ps(busy) / 1e6
+        out[("(step wall)", "")] = wall * 1e6
+        return out
+
     def close(self):
         pass
+
+
+def _union_ps(spans):
+    """Length of the union of (start, end) intervals."""
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
 
 
 class Data:
@@ -449,8 +509,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--op-profile", type=int, default=0, metavar="N",
-                    help="session models: trace N more steps per configuration and print the op time "
-                         "summed per (op type, dtype)")
+                    help="trace N more steps per configuration and print the op time summed per (op type, "
+                         "dtype); keras_fit: per op type, from tf.profiler, with the step's wall time and "
+                         "the time any op ran")
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     global LR_SCALE
