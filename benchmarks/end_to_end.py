@@ -304,12 +304,9 @@ class FitRunner:
         w0 = None
         for name in names:
             try:
-                if name == "grappler":
-                    tf.config.optimizer.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": True})
-                elif name == "keras":
+                self.activate(name)
+                if name == "keras":
                     K.mixed_precision.set_global_policy("mixed_bfloat16")
-                elif name in OURS:
-                    npu_amp_tf.enable(precision_mode=MODE, graph_level=2, **OURS[name])
                 tf.random.set_seed(1)
                 m = K.applications.ResNet50(weights=None, input_shape=(args.size, args.size, 3),
                                             classes=args.classes)
@@ -327,12 +324,8 @@ class FitRunner:
             except Exception as exc:  # noqa: BLE001 - report a configuration that TF refuses
                 self.notes[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
             finally:
-                if name == "grappler":
-                    tf.config.optimizer.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": False})
-                elif name == "keras":
-                    K.mixed_precision.set_global_policy("float32")
-                elif name in OURS:
-                    npu_amp_tf.disable()
+                self.activate(None)  # every rewrite off, then the next configuration's own
+                K.mixed_precision.set_global_policy("float32")
         self.sessions = self.models
         self.losses = {n: [] for n in self.models}
 
