@@ -698,40 +698,92 @@ class Graph:
                     return i
         return len(order)
 
-    def _dtype_problems(self, names=None):
+    def _in_graph_order(self, names):
+        """The names of ``names`` that are nodes here, in graph order (the
+        order of ``nodes``: ``_seq`` ranks new nodes last, in the order
+        they were added, as the dict does)."""
+        nodes = self.nodes
+        found = [n for n in names if n in nodes]
+        try:
+            found.sort(key=self._seq.__getitem__)
+        except KeyError:  # (a node put in ``nodes`` by hand: the dict's order)
+            keep = set(found)
+            found = [n for n in nodes if n in keep]
+        return found
+
+    def _dtype_problems(self, names=None, partial=None):
         """Arity and edge-dtype problems of every node (of the nodes in
-        ``names`` only, when given), in graph order."""
+        ``names`` only, when given), in graph order.
+
+        ``partial`` (with ``names``): {node name: raw input indices}, nodes
+        outside ``names`` of which only the data edges at those input
+        indices are checked, and only when the node's arity is right (the
+        full check reports an arity problem instead of any edge problem).
+        The OpDef guard gives the unchanged readers of changed nodes and the
+        edges from changed producers there: their other edges, and their
+        arity, are the input graph's (:func:`opdef_check.new_problems`)."""
         problems = []
         out_cache = {}
-        for name, n in self.nodes.items():
-            if names is not None and name not in names:
-                continue
+        if names is None:
+            order = self.nodes.values()
+        else:
+            nodes = self.nodes
+            order = map(nodes.__getitem__,
+                        self._in_graph_order(set(names) | set(partial) if partial else names))
+        for n in order:
             want = self.input_dtypes(n)
             if want is None:
+                continue
+            idxs = partial.get(n.name) if partial else None
+            if idxs is not None and n.name not in names:
+                self._edge_problems_at(n, want, idxs, out_cache, problems)
                 continue
             data = list(filterfalse(_is_control, n.input))
             if len(data) != len(want):
                 problems.append(f"node '{n.name}' ({n.op}) has {len(data)} data inputs, its signature wants {len(want)}")
                 continue
             for k, inp in enumerate(data):
-                src, port, _ = parse_tensor(inp)
-                srcn = self.nodes.get(src)
-                if srcn is None:
-                    continue
-                dts = out_cache.get(src)
-                if dts is None:
-                    dts = out_cache[src] = self.output_dtypes(srcn) or ()
-                if port >= len(dts):
-                    if dts:
-                        problems.append(f"node '{n.name}' reads output {port} of '{src}', which has {len(dts)}")
-                    continue
-                have = registry.base_dtype(dts[port])
-                w = registry.base_dtype(want[k])
-                if have != w and not (have == registry.DT_RESOURCE or w == registry.DT_RESOURCE):
-                    problems.append(
-                        f"edge '{inp}' -> '{n.name}':{k} carries {registry.dtype_name(have)} "
-                        f"but {n.op} expects {registry.dtype_name(w)}")
+                self._edge_problem(n, k, inp, want, out_cache, problems)
         return problems
+
+    def _edge_problem(self, n, k, inp, want, out_cache, problems):
+        """The problem of data input ``k`` (reference ``inp``) of ``n``, if any."""
+        src, port, _ = parse_tensor(inp)
+        srcn = self.nodes.get(src)
+        if srcn is None:
+            return
+        dts = out_cache.get(src)
+        if dts is None:
+            dts = out_cache[src] = self.output_dtypes(srcn) or ()
+        if port >= len(dts):
+            if dts:
+                problems.append(f"node '{n.name}' reads output {port} of '{src}', which has {len(dts)}")
+            return
+        have = registry.base_dtype(dts[port])
+        w = registry.base_dtype(want[k])
+        if have != w and not (have == registry.DT_RESOURCE or w == registry.DT_RESOURCE):
+            problems.append(
+                f"edge '{inp}' -> '{n.name}':{k} carries {registry.dtype_name(have)} "
+                f"but {n.op} expects {registry.dtype_name(w)}")
+
+    def _edge_problems_at(self, n, want, idxs, out_cache, problems):
+        """The problems of ``n``'s data edges at raw input indices ``idxs``,
+        as the full check gives them: none when the arity is wrong (read only
+        then, and only when an edge has a problem: a node's input list can
+        hold hundreds of control inputs)."""
+        inputs = n.input
+        found = []
+        for idx in sorted(set(idxs)):
+            inp = inputs[idx]
+            if inp.startswith("^"):
+                continue
+            before = inputs[:idx]
+            k = idx - sum(map(_is_control, before)) if before else 0
+            if k >= len(want):
+                continue  # an arity problem: the full check stops there
+            self._edge_problem(n, k, inp, want, out_cache, found)
+        if found and sum(1 for _ in filterfalse(_is_control, inputs)) == len(want):
+            problems.extend(found)
 
     # ---------------------------------------------------------- functions
     # (graph_passes.functions.function_graph(graph, name) gives a body as a Graph)
