@@ -29,6 +29,7 @@ from array import array
 from collections import defaultdict, deque
 from itertools import accumulate, chain, filterfalse, repeat
 from operator import itemgetter, methodcaller
+from typing import NamedTuple
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
@@ -114,6 +115,14 @@ def tensor_name(node: str, port: int = 0) -> str:
     return node if port == 0 else f"{node}:{port}"
 
 
+class GraphPatch(NamedTuple):
+    """A rewritten graph as a patch of its input (:meth:`Graph.serialize_patch`)."""
+
+    order: array  #: int32 per output node: its index in the input, or -1 (next of payload)
+    payload: bytes  #: serialized GraphDef: the created / edited nodes, library, versions
+    nodes: int  #: the output's node count
+
+
 class Graph:
     """Mutable graph with a name index and a consumers index."""
 
@@ -168,6 +177,8 @@ class Graph:
         if not adopted:
             self.reindex()
         self._dirty = False
+        #: the input graph's node names in its order (serialize_patch)
+        self._base_names = None if self.duplicates else list(self.nodes)
 
     # ------------------------------------------------------------ indexes
     def _adopt_index(self, graph_def, blob) -> bool:
@@ -597,6 +608,10 @@ class Graph:
             found.sort(key=seq.__getitem__)
         return found
 
+    def count_of_type(self, op: str) -> int:
+        """How many nodes have op type ``op`` (from the op-type index)."""
+        return len(self._by_op.get(op, ()))
+
     #: sort in C++ when :data:`native_kahn` is installed (False: the Python
     #: reference below, which tests compare it with)
     native_sort = True
@@ -820,23 +835,79 @@ class Graph:
         names = {name.encode() for name in nodes}
         parts = []
         add = parts.append
+        entry = self._node_entry
         for n in nodes.values():
-            b = n.SerializeToString(deterministic=True)
-            # (only a node whose bytes hold "_class" can carry colocation entries)
-            keep = _colocation_kept(n, names) if b"_class" in b else None
-            if keep is not None:  # colocated with a node that is gone: a fixed copy
-                c = node_def_pb2.NodeDef()
-                c.CopyFrom(n)
-                _drop_colocation(c, keep)
-                b = c.SerializeToString(deterministic=True)
-            add(b"\x0a")  # field 1 (node), length-delimited
-            add(_varint(len(b)))
-            add(b)
+            entry(n, names, add)
+        add(self._tail())
+        return b"".join(parts)
+
+    def _node_entry(self, n, names, add):
+        """Append ``n``'s bytes as a GraphDef ``node`` entry (field 1), with
+        colocation entries naming a node not in ``names`` (bytes; or a
+        callable giving them) dropped."""
+        b = n.SerializeToString(deterministic=True)
+        # (only a node whose bytes hold "_class" can carry colocation entries)
+        keep = _colocation_kept(n, names() if callable(names) else names) if b"_class" in b else None
+        if keep is not None:  # colocated with a node that is gone: a fixed copy
+            c = node_def_pb2.NodeDef()
+            c.CopyFrom(n)
+            _drop_colocation(c, keep)
+            b = c.SerializeToString(deterministic=True)
+        add(b"\x0a")  # field 1 (node), length-delimited
+        add(_varint(len(b)))
+        add(b)
+
+    def _tail(self) -> bytes:
         tail = graph_pb2.GraphDef()
         tail.library.CopyFrom(self.library)
         tail.versions.CopyFrom(self.versions)
-        add(tail.SerializeToString(deterministic=True))
-        return b"".join(parts)
+        return tail.SerializeToString(deterministic=True)
+
+    #: hand the bridge a patch (:meth:`serialize_patch`) instead of the whole
+    #: graph's bytes; False: always :meth:`serialize` (the reference)
+    patch_output = True
+
+    def serialize_patch(self):
+        """The rewritten graph as a patch of the graph this object was built
+        from, or None (then use :meth:`serialize`): a :class:`GraphPatch`
+        whose ``order`` gives, per output node, its index in the input graph
+        (a node no pass created or edited: :meth:`changed_nodes`) or -1 (the
+        next node of ``payload``), and ``payload`` the serialized GraphDef of
+        those created or edited nodes, in output order, with the output's
+        library and versions.  Taking the input's nodes for the
+        non-negative entries (``AssemblePatch`` in
+        custom_ops/grappler_bridge.cc, which also drops their colocation
+        entries naming a node that is gone, as :meth:`serialize` does) gives
+        the GraphDef :meth:`serialize`'s bytes parse to.
+
+        None when the patch would not pay or could be wrong: nothing changed,
+        the node count is the input's (the bridge then compares the output
+        with the input, on :meth:`serialize`'s bytes), duplicate names,
+        :meth:`touch_all` (an untracked pass), or :attr:`patch_output` off."""
+        base = self._base_names
+        if (not self.patch_output or base is None or self.duplicates or self._all_modified
+                or not self._dirty):
+            return None
+        nodes = self.nodes
+        if len(nodes) == len(base):
+            return None
+        keys = list(nodes)
+        order = list(map(dict(zip(base, range(len(base)))).get, keys, repeat(-1)))
+        special = self.created | self.modified
+        if special:
+            at = dict(zip(keys, range(len(keys))))
+            for name in special:
+                k = at.get(name)
+                if k is not None:
+                    order[k] = -1
+        parts = []
+        add = parts.append
+        entry = self._node_entry
+        names = functools.lru_cache(maxsize=1)(lambda: {name.encode() for name in keys})
+        for k in [i for i, v in enumerate(order) if v < 0]:
+            entry(nodes[keys[k]], names, add)
+        add(self._tail())
+        return GraphPatch(array("i", order), b"".join(parts), len(keys))
 
     def __len__(self):
         return len(self.nodes)

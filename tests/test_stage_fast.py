@@ -113,3 +113,129 @@ def test_guard_fast_readers_on_training_graphs_with_planted_faults(params):
     g.touch(low)  # ...only the producer's
     ref, fast = _guard(gd, g, g.changed_nodes(), False), _guard(gd, g, g.changed_nodes(), True)
     assert fast == ref and any(f"'{low}' -> '{reader}':0" in p for p in fast), fast
+
+
+# ------------------------------------------------------ the output as a patch
+from npu_amp_tf import bridge  # noqa: E402
+from test_precision_core import GRAPHS, _build  # noqa: E402
+from test_speed_paths import plugin_only_grappler  # noqa: E402
+
+
+def _patch_and_reference(gd, fetches, **params):
+    """(patch, reference bytes) of the pipeline on ``gd``'s deterministic
+    bytes, the patch assembled by the C++ library on those bytes."""
+    data = gd.SerializeToString(deterministic=True)
+    opts = npu_amp_tf.Options.from_kwargs(**params)
+    ref, _, n_ref = pipeline.optimize_serialized(data, opts, fetches=fetches)
+    patch, _, n = pipeline.optimize_serialized(data, opts, fetches=fetches, patch=True)
+    assert n == n_ref
+    return data, patch, ref
+
+
+def _assembled_equals_reference(data, patch, ref):
+    out = bridge.assemble_patch(data, patch)
+    assert out is not None, "the library has no NpuAmpAssemblePatch"
+    a, b = graph_pb2.GraphDef.FromString(out), graph_pb2.GraphDef.FromString(ref)
+    # the same message, and byte-identical once serialized by the same side
+    return a == b and a.SerializeToString(deterministic=True) == ref
+
+
+@pytest.mark.parametrize("name", GRAPHS)
+@pytest.mark.parametrize("mode", ["allow_mix_precision", "allow_mix_precision_bf16"])
+def test_patch_assembles_to_the_reference_bytes(k2, name, mode):
+    """On every test graph (Keras ResNet50 training, BERT-like, a learning
+    phase with functions, control inputs, a v1 loop, type lists and an
+    unknown op, TF-Slim resnet_v1_50), FP16 and BF16: the patch assembled
+    in C++ from the input graph is the GraphDef of ``Graph.serialize``'s
+    bytes, and re-serialized, those very bytes."""
+    gd, fetches = _build(name, k2)
+    data, patch, ref = _patch_and_reference(gd, fetches, precision_mode=mode)
+    if isinstance(patch, bytes):  # the node count did not change: the reference bytes
+        assert patch == ref
+        return
+    assert patch.nodes == len(graph_pb2.GraphDef.FromString(ref).node)
+    assert sum(1 for k in patch.order if k < 0) < len(patch.order)  # most nodes copied
+    assert _assembled_equals_reference(data, patch, ref)
+
+
+def test_patch_drops_colocation_with_missing_nodes_like_the_reference():
+    """Unchanged nodes colocated with a node that does not exist: the
+    reference serialization drops those entries (keeping the others), and so
+    does the C++ assembly of the patch."""
+    gd, fetches = bert_training_graph(layers=1, hidden=16, heads=2, seq=4, batch=2, vocab=20, ffn=16)
+    gd = gd.as_graph_def()
+    _, _, first = _patch_and_reference(gd, fetches, precision_mode="allow_mix_precision")
+    kept = {n.name: n for n in graph_pb2.GraphDef.FromString(first).node}
+    unchanged = [n for n in gd.node if n.op == "Const" and "_class" not in n.attr
+                 and kept.get(n.name) == n][:3]
+    assert len(unchanged) == 3
+    unchanged[0].attr["_class"].list.s.extend([b"loc:@ghost"])
+    unchanged[1].attr["_class"].list.s.extend([b"loc:@ghost", f"loc:@{gd.node[0].name}".encode(), b"x"])
+    unchanged[2].attr["_class"].list.s.extend([f"loc:@{gd.node[0].name}".encode()])
+    data, patch, ref = _patch_and_reference(gd, fetches, precision_mode="allow_mix_precision")
+    assert not isinstance(patch, bytes)
+    out = {n.name: n for n in graph_pb2.GraphDef.FromString(ref).node}
+    assert "_class" not in out[unchanged[0].name].attr
+    assert list(out[unchanged[1].name].attr["_class"].list.s) == [f"loc:@{gd.node[0].name}".encode(), b"x"]
+    assert len(out[unchanged[2].name].attr["_class"].list.s) == 1
+    # they are among the nodes the C++ side copies from the input
+    copied = {gd.node[k].name for k in patch.order if k >= 0}
+    assert {n.name for n in unchanged} <= copied
+    assert _assembled_equals_reference(data, patch, ref)
+
+
+def test_patch_planted_fault_is_caught(k2, monkeypatch):
+    """A patch that takes one edited node from the input (its edit not
+    declared): the comparison above fails."""
+    gd, fetches = _build("keras_resnet50_training", k2)
+    real = Graph.serialize_patch
+
+    def forgetful(self):
+        victim = sorted(self.modified)[0]
+        self.modified.discard(victim)
+        return real(self)
+
+    monkeypatch.setattr(Graph, "serialize_patch", forgetful)
+    data, patch, ref = _patch_and_reference(gd, fetches, precision_mode="allow_mix_precision")
+    assert not _assembled_equals_reference(data, patch, ref)
+
+
+def test_patch_that_does_not_fit_is_refused():
+    gd, fetches = _build("control_inputs", None)
+    data, patch, _ = _patch_and_reference(gd, fetches, precision_mode="allow_mix_precision")
+    bad = patch._replace(order=type(patch.order)("i", [*patch.order, len(gd.node) + 5]))
+    with pytest.raises(ValueError, match="does not have"):
+        bridge.assemble_patch(data, bad)
+    bad = patch._replace(order=type(patch.order)("i", [*patch.order, -1]))
+    with pytest.raises(ValueError, match="fewer nodes"):
+        bridge.assemble_patch(data, bad)
+
+
+@pytest.mark.parametrize("name", ["bert_like", "keras_resnet50_training", "learning_phase_functions"])
+def test_patch_through_grappler_equals_bytes(k2, monkeypatch, name):
+    """Inside grappler: the optimized graph with the patch handed to C++
+    equals the one with the whole graph's bytes (``Graph.patch_output =
+    False``), byte for byte."""
+    from tensorflow.python.grappler import tf_optimizer
+
+    gd, fetches = _build(name, k2)
+    mg, cfg = plugin_only_grappler(gd, fetches)
+    outs, kinds = [], []
+    real = Graph.serialize_patch
+    for on in (True, False):
+        made = []
+
+        def spy(self, made=made):
+            p = real(self)
+            made.append(p is not None)
+            return p
+
+        monkeypatch.setattr(Graph, "serialize_patch", spy)
+        monkeypatch.setattr(Graph, "patch_output", on)
+        bridge.clear_reports()
+        out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=name.encode())
+        assert [r for r in bridge.last_reports() if r["status"] == "rewritten"]
+        outs.append(out.SerializeToString(deterministic=True))
+        kinds.append(made)
+    assert kinds[0] and kinds[0][0] and not any(kinds[1])
+    assert outs[0] == outs[1]
