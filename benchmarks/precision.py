@@ -28,6 +28,7 @@ Quality rows: Cast nodes added, low-precision share of matrix/conv FLOPs and
 activation MiB from static shapes.  Times are printed, never asserted.
 
     python benchmarks/precision.py [--graphs resnet50,bert,scale] [--repeat 3]
+    python benchmarks/precision.py --graphs resnet50,bert --stage-ab --repeat 7   (issue 17h A/B)
 """
 from __future__ import annotations
 
@@ -303,6 +304,45 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
     return res
 
 
+def ab_stage_paths(name, graph, fetches, repeat):
+    """Issue 17h: the stages outside the passes with their fast paths on and
+    off (the OpDef guard's reader edges, ``opdef_check.FAST_READERS``; the
+    output handed to C++ as a patch, ``Graph.patch_output``), interleaved in
+    this process: plugin-alone OptimizeGraph minus nothing-on, process CPU,
+    minimum of ``repeat``; and the whole callback's CPU from its record."""
+    from graph_passes import opdef_check
+    from npu_amp_tf import bridge
+
+    mg = metagraph(graph, fetches)
+    cfgs = {m: grappler_config(m) for m in ("off", "ours")}
+    runs = {"off": [], "on": [], "ref": []}
+    cb = {"on": [], "ref": []}
+    outs = {}
+    try:
+        for _ in range(repeat):
+            for mode in (("off", "on", "ref") if _ % 2 else ("off", "ref", "on")):
+                opdef_check.FAST_READERS = Graph.patch_output = mode != "ref"
+                bridge.clear_reports()
+                t0 = time.process_time()
+                out = tf_optimizer.OptimizeGraph(cfgs["off" if mode == "off" else "ours"], mg,
+                                                 graph_id=b"bench")
+                runs[mode].append(time.process_time() - t0)
+                if mode != "off":
+                    outs[mode] = out.SerializeToString(deterministic=True)
+                    recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
+                    cb[mode].append(recs[-1]["cpu_s"] if recs else float("nan"))
+    finally:
+        opdef_check.FAST_READERS = Graph.patch_output = True
+    off = min(runs["off"])
+    on, ref = min(runs["on"]) - off, min(runs["ref"]) - off
+    print(f"\n== {name}: 17h stage paths, {repeat} interleaved rounds (process CPU, minus nothing-on "
+          f"{_ms(off)})")
+    print(f"  ours end to end: reference {_ms(ref)} -> fast {_ms(on)} ({_ms(ref - on)} less); "
+          f"whole callback CPU {_ms(min(cb['ref']))} -> {_ms(min(cb['on']))}; outputs "
+          f"{'identical' if outs['on'] == outs['ref'] else 'DIFFER'}")
+    return {"graph": name, "ref_s": ref, "fast_s": on}
+
+
 def _ratio(a, b):
     return f"{a / b:.2f}" if b else "n/a"
 
@@ -312,6 +352,8 @@ def main(argv=None):
     ap.add_argument("--graphs", default="resnet50,bert,scale")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bert-layers", type=int, default=12)
+    ap.add_argument("--stage-ab", action="store_true",
+                    help="only the issue-17h A/B of the stages outside the passes (fast vs reference)")
     args = ap.parse_args(argv)
     from npu_amp_tf import bridge
 
@@ -320,6 +362,15 @@ def main(argv=None):
           f"{os.environ['TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_EMULATE_FP16']}; load average "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs")
     results = []
+    if args.stage_ab:
+        for name in args.graphs.split(","):
+            if name == "resnet50":
+                results.append(ab_stage_paths("ResNet50 + Momentum (training)",
+                                              *resnet50_training_graph(), args.repeat))
+            elif name == "bert":
+                results.append(ab_stage_paths(f"BERT-base-like ({args.bert_layers} layers) + Adam",
+                                              *bert_training_graph(layers=args.bert_layers), args.repeat))
+        return results
     for name in args.graphs.split(","):
         if name == "resnet50":
             g, fetches = resnet50_training_graph()

@@ -10,10 +10,12 @@
 //        g_callback(sink, ...)      <- a plain C function pointer, set from
 //          │                           Python with ctypes (NpuAmpSetCallback);
 //          │                           ctypes takes the GIL itself
-//          │ Python calls NpuAmpWriteResult(sink, bytes) or
+//          │ Python calls NpuAmpWriteResult(sink, bytes),
+//          │ NpuAmpWritePatch(sink, order, changed nodes) or
 //          │ NpuAmpWriteError(sink, message) before returning
 //          ▼
-//        parse the bytes back into `out`
+//        parse the bytes back into `out` (a patch: the item's unchanged
+//        nodes copied, the changed ones parsed; AssemblePatch)
 //
 // Shapes (issue 17): while the callback runs, Python may call
 // NpuAmpItemShapes(sink) to get grappler's own static shape inference
@@ -73,6 +75,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "tensorflow/core/framework/graph.pb.h"
@@ -109,6 +112,10 @@ struct Sink {
   std::string error;
   bool has_result = false;
   bool has_error = false;
+  // a result given as a patch of the item's graph (NpuAmpWritePatch)
+  std::vector<int32_t> patch_order;
+  std::string patch;
+  bool has_patch = false;
   // the item being optimized (valid while the callback runs) and its shapes
   const tensorflow::grappler::GrapplerItem* item = nullptr;
   std::string shapes;
@@ -515,6 +522,78 @@ bool HasNoFloat(const tensorflow::GraphDef& graph) {
   return true;
 }
 
+// The rewritten graph from a patch of `base` (issue 17h): output node k is
+// base.node(order[k]) when order[k] >= 0, else the next node of `patch` (a
+// serialized GraphDef holding the created or edited nodes, in output order,
+// and the output's library and versions).  The same GraphDef as parsing
+// graph_passes.graph.Graph.serialize()'s bytes: the nodes the pipeline left
+// alone are the item's own (copied here, not serialized in Python and parsed
+// again).  False (message in *error) when the patch does not fit `base`.
+bool AssemblePatch(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
+                   const std::string& patch_bytes, tensorflow::GraphDef* out, std::string* error) {
+  tensorflow::GraphDef patch;
+  if (!patch.ParseFromString(patch_bytes)) {
+    *error = "the patch does not parse as a GraphDef";
+    return false;
+  }
+  out->Clear();
+  out->mutable_node()->Reserve(static_cast<int>(order.size()));
+  int next = 0;
+  const int n_base = base.node_size();
+  for (const int32_t k : order) {
+    if (k >= 0) {
+      if (k >= n_base) {
+        *error = "the patch names a node the graph does not have";
+        return false;
+      }
+      *out->add_node() = base.node(k);
+    } else {
+      if (next >= patch.node_size()) {
+        *error = "the patch holds fewer nodes than its order needs";
+        return false;
+      }
+      out->add_node()->Swap(patch.mutable_node(next++));
+    }
+  }
+  if (next != patch.node_size()) {
+    *error = "the patch holds more nodes than its order uses";
+    return false;
+  }
+  out->mutable_library()->Swap(patch.mutable_library());
+  out->mutable_versions()->Swap(patch.mutable_versions());
+  // colocation with a node that is gone: the rule of Python's
+  // graph_passes.graph._colocation_kept / _drop_colocation, on the copied
+  // nodes (the patch's nodes come with it applied)
+  std::unordered_set<std::string_view> names;
+  names.reserve(static_cast<size_t>(out->node_size()) * 2);
+  for (const auto& node : out->node()) names.insert(node.name());
+  constexpr std::string_view kLoc = "loc:@";
+  auto dangling = [&names, kLoc](const std::string& v) {
+    return v.size() >= kLoc.size() && std::string_view(v).substr(0, kLoc.size()) == kLoc &&
+           names.count(std::string_view(v).substr(kLoc.size())) == 0;
+  };
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (order[k] < 0) continue;
+    auto* attrs = out->mutable_node(static_cast<int>(k))->mutable_attr();
+    auto it = attrs->find("_class");
+    if (it == attrs->end()) continue;
+    const auto& vals = it->second.list().s();
+    if (std::none_of(vals.begin(), vals.end(), dangling)) continue;
+    std::vector<std::string> keep;
+    for (const auto& v : vals) {
+      if (!dangling(v)) keep.push_back(v);
+    }
+    if (keep.empty()) {
+      attrs->erase(it);
+    } else {
+      auto* s = it->second.mutable_list()->mutable_s();
+      s->Clear();
+      for (auto& v : keep) s->Add(std::move(v));
+    }
+  }
+  return true;
+}
+
 std::string JoinLines(const std::vector<std::string>& items) {
   std::string out;
   for (const auto& s : items) {
@@ -537,6 +616,40 @@ NPU_AMP_EXPORT void NpuAmpWriteResult(void* sink, const char* data, size_t len) 
   auto* s = static_cast<Sink*>(sink);
   s->result.assign(data, len);
   s->has_result = true;
+}
+
+// The result as a patch of the item's graph (see AssemblePatch): `order`
+// holds n int32 entries, `data` the serialized GraphDef of the changed nodes.
+NPU_AMP_EXPORT void NpuAmpWritePatch(void* sink, const int32_t* order, size_t n, const char* data,
+                                     size_t len) {
+  auto* s = static_cast<Sink*>(sink);
+  s->patch_order.assign(order, order + n);
+  s->patch.assign(data, len);
+  s->has_patch = true;
+}
+
+// AssemblePatch offline, for tests: `graph` a serialized GraphDef; writes the
+// assembled graph's deterministic serialization.  Returns 0, or 1 and a
+// message in *out.  The bytes stay valid until the next call on the thread.
+NPU_AMP_EXPORT int NpuAmpAssemblePatch(const char* graph, size_t graph_len, const int32_t* order,
+                                       size_t n, const char* data, size_t len, const char** out,
+                                       size_t* out_len) {
+  thread_local std::string buf;
+  tensorflow::GraphDef base, result;
+  int rc = 0;
+  if (!base.ParseFromArray(graph, static_cast<int>(graph_len))) {
+    buf = "the bytes do not parse as a GraphDef";
+    rc = 1;
+  } else if (!AssemblePatch(base, std::vector<int32_t>(order, order + n), std::string(data, len),
+                            &result, &buf)) {
+    rc = 1;
+  } else if (!tensorflow::SerializeToStringDeterministic(result, &buf)) {
+    buf = "cannot serialize the assembled graph";
+    rc = 1;
+  }
+  *out = buf.data();
+  *out_len = buf.size();
+  return rc;
 }
 
 NPU_AMP_EXPORT void NpuAmpWriteError(void* sink, const char* msg, size_t len) {
@@ -785,12 +898,18 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       if (rc == 1) Remember(fp_in);
       return errors::Aborted("NpuAmpOptimizer left graph '", item.id, "' unchanged");
     }
-    if (rc != 0 || sink.has_error || !sink.has_result) {
+    if (rc != 0 || sink.has_error || !(sink.has_result || sink.has_patch)) {
       return errors::Internal("NpuAmpOptimizer failed on graph '", item.id, "': ",
                               sink.has_error ? sink.error
                                              : std::string("the Python bridge returned no graph"));
     }
-    if (!optimized_graph->ParseFromString(sink.result)) {
+    if (sink.has_patch) {
+      std::string why;
+      if (!AssemblePatch(item.graph, sink.patch_order, sink.patch, optimized_graph, &why)) {
+        return errors::Internal("NpuAmpOptimizer: the Python bridge returned a patch that does "
+                                "not fit graph '", item.id, "': ", why);
+      }
+    } else if (!optimized_graph->ParseFromString(sink.result)) {
       return errors::Internal("NpuAmpOptimizer: the Python bridge returned bytes that do not "
                               "parse as a GraphDef for graph '", item.id, "'");
     }

@@ -29,6 +29,7 @@ from array import array
 from collections import defaultdict, deque
 from itertools import accumulate, chain, filterfalse, repeat
 from operator import itemgetter, methodcaller
+from typing import NamedTuple
 
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
@@ -114,6 +115,14 @@ def tensor_name(node: str, port: int = 0) -> str:
     return node if port == 0 else f"{node}:{port}"
 
 
+class GraphPatch(NamedTuple):
+    """A rewritten graph as a patch of its input (:meth:`Graph.serialize_patch`)."""
+
+    order: array  #: int32 per output node: its index in the input, or -1 (next of payload)
+    payload: bytes  #: serialized GraphDef: the created / edited nodes, library, versions
+    nodes: int  #: the output's node count
+
+
 class Graph:
     """Mutable graph with a name index and a consumers index."""
 
@@ -168,6 +177,8 @@ class Graph:
         if not adopted:
             self.reindex()
         self._dirty = False
+        #: the input graph's node names in its order (serialize_patch)
+        self._base_names = None if self.duplicates else list(self.nodes)
 
     # ------------------------------------------------------------ indexes
     def _adopt_index(self, graph_def, blob) -> bool:
@@ -597,6 +608,10 @@ class Graph:
             found.sort(key=seq.__getitem__)
         return found
 
+    def count_of_type(self, op: str) -> int:
+        """How many nodes have op type ``op`` (from the op-type index)."""
+        return len(self._by_op.get(op, ()))
+
     #: sort in C++ when :data:`native_kahn` is installed (False: the Python
     #: reference below, which tests compare it with)
     native_sort = True
@@ -698,40 +713,92 @@ class Graph:
                     return i
         return len(order)
 
-    def _dtype_problems(self, names=None):
+    def _in_graph_order(self, names):
+        """The names of ``names`` that are nodes here, in graph order (the
+        order of ``nodes``: ``_seq`` ranks new nodes last, in the order
+        they were added, as the dict does)."""
+        nodes = self.nodes
+        found = [n for n in names if n in nodes]
+        try:
+            found.sort(key=self._seq.__getitem__)
+        except KeyError:  # (a node put in ``nodes`` by hand: the dict's order)
+            keep = set(found)
+            found = [n for n in nodes if n in keep]
+        return found
+
+    def _dtype_problems(self, names=None, partial=None):
         """Arity and edge-dtype problems of every node (of the nodes in
-        ``names`` only, when given), in graph order."""
+        ``names`` only, when given), in graph order.
+
+        ``partial`` (with ``names``): {node name: raw input indices}, nodes
+        outside ``names`` of which only the data edges at those input
+        indices are checked, and only when the node's arity is right (the
+        full check reports an arity problem instead of any edge problem).
+        The OpDef guard gives the unchanged readers of changed nodes and the
+        edges from changed producers there: their other edges, and their
+        arity, are the input graph's (:func:`opdef_check.new_problems`)."""
         problems = []
         out_cache = {}
-        for name, n in self.nodes.items():
-            if names is not None and name not in names:
-                continue
+        if names is None:
+            order = self.nodes.values()
+        else:
+            nodes = self.nodes
+            order = map(nodes.__getitem__,
+                        self._in_graph_order(set(names) | set(partial) if partial else names))
+        for n in order:
             want = self.input_dtypes(n)
             if want is None:
+                continue
+            idxs = partial.get(n.name) if partial else None
+            if idxs is not None and n.name not in names:
+                self._edge_problems_at(n, want, idxs, out_cache, problems)
                 continue
             data = list(filterfalse(_is_control, n.input))
             if len(data) != len(want):
                 problems.append(f"node '{n.name}' ({n.op}) has {len(data)} data inputs, its signature wants {len(want)}")
                 continue
             for k, inp in enumerate(data):
-                src, port, _ = parse_tensor(inp)
-                srcn = self.nodes.get(src)
-                if srcn is None:
-                    continue
-                dts = out_cache.get(src)
-                if dts is None:
-                    dts = out_cache[src] = self.output_dtypes(srcn) or ()
-                if port >= len(dts):
-                    if dts:
-                        problems.append(f"node '{n.name}' reads output {port} of '{src}', which has {len(dts)}")
-                    continue
-                have = registry.base_dtype(dts[port])
-                w = registry.base_dtype(want[k])
-                if have != w and not (have == registry.DT_RESOURCE or w == registry.DT_RESOURCE):
-                    problems.append(
-                        f"edge '{inp}' -> '{n.name}':{k} carries {registry.dtype_name(have)} "
-                        f"but {n.op} expects {registry.dtype_name(w)}")
+                self._edge_problem(n, k, inp, want, out_cache, problems)
         return problems
+
+    def _edge_problem(self, n, k, inp, want, out_cache, problems):
+        """The problem of data input ``k`` (reference ``inp``) of ``n``, if any."""
+        src, port, _ = parse_tensor(inp)
+        srcn = self.nodes.get(src)
+        if srcn is None:
+            return
+        dts = out_cache.get(src)
+        if dts is None:
+            dts = out_cache[src] = self.output_dtypes(srcn) or ()
+        if port >= len(dts):
+            if dts:
+                problems.append(f"node '{n.name}' reads output {port} of '{src}', which has {len(dts)}")
+            return
+        have = registry.base_dtype(dts[port])
+        w = registry.base_dtype(want[k])
+        if have != w and not (have == registry.DT_RESOURCE or w == registry.DT_RESOURCE):
+            problems.append(
+                f"edge '{inp}' -> '{n.name}':{k} carries {registry.dtype_name(have)} "
+                f"but {n.op} expects {registry.dtype_name(w)}")
+
+    def _edge_problems_at(self, n, want, idxs, out_cache, problems):
+        """The problems of ``n``'s data edges at raw input indices ``idxs``,
+        as the full check gives them: none when the arity is wrong (read only
+        then, and only when an edge has a problem: a node's input list can
+        hold hundreds of control inputs)."""
+        inputs = n.input
+        found = []
+        for idx in sorted(set(idxs)):
+            inp = inputs[idx]
+            if inp.startswith("^"):
+                continue
+            before = inputs[:idx]
+            k = idx - sum(map(_is_control, before)) if before else 0
+            if k >= len(want):
+                continue  # an arity problem: the full check stops there
+            self._edge_problem(n, k, inp, want, out_cache, found)
+        if found and sum(1 for _ in filterfalse(_is_control, inputs)) == len(want):
+            problems.extend(found)
 
     # ---------------------------------------------------------- functions
     # (graph_passes.functions.function_graph(graph, name) gives a body as a Graph)
@@ -768,23 +835,79 @@ class Graph:
         names = {name.encode() for name in nodes}
         parts = []
         add = parts.append
+        entry = self._node_entry
         for n in nodes.values():
-            b = n.SerializeToString(deterministic=True)
-            # (only a node whose bytes hold "_class" can carry colocation entries)
-            keep = _colocation_kept(n, names) if b"_class" in b else None
-            if keep is not None:  # colocated with a node that is gone: a fixed copy
-                c = node_def_pb2.NodeDef()
-                c.CopyFrom(n)
-                _drop_colocation(c, keep)
-                b = c.SerializeToString(deterministic=True)
-            add(b"\x0a")  # field 1 (node), length-delimited
-            add(_varint(len(b)))
-            add(b)
+            entry(n, names, add)
+        add(self._tail())
+        return b"".join(parts)
+
+    def _node_entry(self, n, names, add):
+        """Append ``n``'s bytes as a GraphDef ``node`` entry (field 1), with
+        colocation entries naming a node not in ``names`` (bytes; or a
+        callable giving them) dropped."""
+        b = n.SerializeToString(deterministic=True)
+        # (only a node whose bytes hold "_class" can carry colocation entries)
+        keep = _colocation_kept(n, names() if callable(names) else names) if b"_class" in b else None
+        if keep is not None:  # colocated with a node that is gone: a fixed copy
+            c = node_def_pb2.NodeDef()
+            c.CopyFrom(n)
+            _drop_colocation(c, keep)
+            b = c.SerializeToString(deterministic=True)
+        add(b"\x0a")  # field 1 (node), length-delimited
+        add(_varint(len(b)))
+        add(b)
+
+    def _tail(self) -> bytes:
         tail = graph_pb2.GraphDef()
         tail.library.CopyFrom(self.library)
         tail.versions.CopyFrom(self.versions)
-        add(tail.SerializeToString(deterministic=True))
-        return b"".join(parts)
+        return tail.SerializeToString(deterministic=True)
+
+    #: hand the bridge a patch (:meth:`serialize_patch`) instead of the whole
+    #: graph's bytes; False: always :meth:`serialize` (the reference)
+    patch_output = True
+
+    def serialize_patch(self):
+        """The rewritten graph as a patch of the graph this object was built
+        from, or None (then use :meth:`serialize`): a :class:`GraphPatch`
+        whose ``order`` gives, per output node, its index in the input graph
+        (a node no pass created or edited: :meth:`changed_nodes`) or -1 (the
+        next node of ``payload``), and ``payload`` the serialized GraphDef of
+        those created or edited nodes, in output order, with the output's
+        library and versions.  Taking the input's nodes for the
+        non-negative entries (``AssemblePatch`` in
+        custom_ops/grappler_bridge.cc, which also drops their colocation
+        entries naming a node that is gone, as :meth:`serialize` does) gives
+        the GraphDef :meth:`serialize`'s bytes parse to.
+
+        None when the patch would not pay or could be wrong: nothing changed,
+        the node count is the input's (the bridge then compares the output
+        with the input, on :meth:`serialize`'s bytes), duplicate names,
+        :meth:`touch_all` (an untracked pass), or :attr:`patch_output` off."""
+        base = self._base_names
+        if (not self.patch_output or base is None or self.duplicates or self._all_modified
+                or not self._dirty):
+            return None
+        nodes = self.nodes
+        if len(nodes) == len(base):
+            return None
+        keys = list(nodes)
+        order = list(map(dict(zip(base, range(len(base)))).get, keys, repeat(-1)))
+        special = self.created | self.modified
+        if special:
+            at = dict(zip(keys, range(len(keys))))
+            for name in special:
+                k = at.get(name)
+                if k is not None:
+                    order[k] = -1
+        parts = []
+        add = parts.append
+        entry = self._node_entry
+        names = functools.lru_cache(maxsize=1)(lambda: {name.encode() for name in keys})
+        for k in [i for i, v in enumerate(order) if v < 0]:
+            entry(nodes[keys[k]], names, add)
+        add(self._tail())
+        return GraphPatch(array("i", order), b"".join(parts), len(keys))
 
     def __len__(self):
         return len(self.nodes)

@@ -123,11 +123,50 @@ def graph_problems(graph, default_device: str = "CPU", names=None, edge_names=No
         graph = Graph(graph, copy=False)
     lib = graph.functions
     out = []
-    for node in graph.nodes.values():
-        if names is None or node.name in names:
+    if names is None:
+        for node in graph.nodes.values():
             out.extend(node_problems(node, lib, default_device))
+    else:
+        nodes = graph.nodes
+        for name in graph._in_graph_order(names):  # noqa: SLF001
+            out.extend(node_problems(nodes[name], lib, default_device))
     # arity and producer dtypes, through the graph's own signature resolution
     out.extend(graph._dtype_problems(names if edge_names is None else edge_names))  # noqa: SLF001
+    return out
+
+
+#: check the unchanged readers of changed nodes only at the edges from those
+#: nodes (:func:`changed_problems`); False: every edge of every reader (the
+#: reference, :func:`nodes_to_check`), which tests compare it with
+FAST_READERS = True
+
+
+def changed_problems(after: Graph, changed, default_device: str = "CPU") -> list[str]:
+    """The problems of ``after`` at the nodes in ``changed`` (created or
+    edited) and at the data edges from them into other nodes: in the order
+    :func:`graph_problems` gives them and, once the input's problems are
+    dropped, the same list as ``graph_problems(after, ..., *nodes_to_check(after,
+    changed))``.  A reader outside ``changed`` is the input's NodeDef: its
+    arity and its edges from unchanged producers are the input's, so only its
+    edges from changed producers can hold a new problem (reported, as by the
+    full check, only when its arity is right)."""
+    nodes = after.nodes
+    names = {n for n in changed if n in nodes}
+    partial = {}
+    cons = after._consumers  # noqa: SLF001
+    for p in names:
+        for c, idx in cons.get(p, ()):
+            if idx >= 0 and c not in names:
+                lst = partial.get(c)
+                if lst is None:
+                    partial[c] = [idx]
+                else:
+                    lst.append(idx)
+    out = []
+    lib = after.functions
+    for name in after._in_graph_order(names):  # noqa: SLF001
+        out.extend(node_problems(nodes[name], lib, default_device))
+    out.extend(after._dtype_problems(names, {c: v for c, v in partial.items() if c in nodes}))  # noqa: SLF001
     return out
 
 
@@ -156,6 +195,15 @@ def new_problems(before, after, default_device: str = "CPU", changed=None) -> li
     if changed is not None:
         if not isinstance(after, Graph):
             after = Graph(after, copy=False)
+        if FAST_READERS and not after.duplicates:
+            if not any(n in after.nodes for n in changed):
+                return []
+            now = changed_problems(after, changed, default_device)
+            if not now:
+                return []
+            names, edges = nodes_to_check(after, changed)
+            old = set(graph_problems(before, default_device, names, edges))
+            return [p for p in now if p not in old]
         names, edges = nodes_to_check(after, changed)
         if not edges:
             return []
@@ -166,4 +214,4 @@ def new_problems(before, after, default_device: str = "CPU", changed=None) -> li
     return [p for p in now if p not in old]
 
 
-__all__ = ["node_problems", "graph_problems", "new_problems", "nodes_to_check"]
+__all__ = ["node_problems", "graph_problems", "new_problems", "nodes_to_check", "changed_problems"]

@@ -124,6 +124,15 @@ def library():
                 if hasattr(lib, fn):  # (a library built before them: Python builds the index)
                     getattr(lib, fn).argtypes = argtypes
                     getattr(lib, fn).restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpWritePatch"):  # (issue 17h; an older library: bytes)
+                lib.NpuAmpWritePatch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                 ctypes.c_char_p, ctypes.c_size_t]
+                lib.NpuAmpWritePatch.restype = None
+                lib.NpuAmpAssemblePatch.argtypes = [
+                    ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                    ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
+                    ctypes.POINTER(ctypes.c_size_t)]
+                lib.NpuAmpAssemblePatch.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpKahnOrder"):  # (issue 17f; an older library: Python sorts)
                 lib.NpuAmpKahnOrder.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -383,12 +392,17 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
                                _split(devices), (item_id or b"").decode("utf-8", "replace"),
-                               shapes=shapes, index=lambda: item_index(sink))
+                               shapes=shapes, index=lambda: item_index(sink),
+                               patch=_patch_fn() is not None)
         finally:
             shapes.expire()
             _tls.active = False
         if code == RC_OK:
-            _lib.NpuAmpWriteResult(sink, out, len(out))
+            if isinstance(out, bytes):
+                _lib.NpuAmpWriteResult(sink, out, len(out))
+            else:  # a GraphPatch of the item's graph
+                _patch_fn()(sink, out.order.buffer_info()[0], len(out.order), out.payload,
+                            len(out.payload))
         return code
     except Exception as exc:  # noqa: BLE001 - must not cross the C boundary
         _report_error(sink, exc)
@@ -400,6 +414,29 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         _report_error(sink, exc)
         _redeliver(exc)
         return RC_ERROR
+
+
+def _patch_fn():
+    """``NpuAmpWritePatch`` when the library has it (else results go back as bytes)."""
+    return getattr(_lib, "NpuAmpWritePatch", None) if _lib is not None else None
+
+
+def assemble_patch(graph_bytes: bytes, patch) -> bytes | None:
+    """The C++ side's assembly of ``patch`` (a :class:`graph_passes.graph.GraphPatch`)
+    on the graph ``graph_bytes``, as deterministic bytes (tests compare it
+    with ``Graph.serialize``); None without the library; ValueError when
+    the patch does not fit the graph."""
+    fn = getattr(library(), "NpuAmpAssemblePatch", None)
+    if fn is None:
+        return None
+    data, size = ctypes.c_void_p(), ctypes.c_size_t()
+    order = patch.order
+    rc = fn(graph_bytes, len(graph_bytes), order.buffer_info()[0] if len(order) else None,
+            len(order), patch.payload, len(patch.payload), ctypes.byref(data), ctypes.byref(size))
+    out = ctypes.string_at(data, size.value) if size.value else b""
+    if rc != 0:
+        raise ValueError(out.decode("utf-8", "replace"))
+    return out
 
 
 _redelivery: threading.Event | None = None
@@ -481,13 +518,17 @@ def parse_options(config_bytes: bytes):
 
 
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
-           item_id: str = "graph", shapes=None, index=None):
+           item_id: str = "graph", shapes=None, index=None, patch: bool = False):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
     the C++ inference runs on the parsed graph when a pass needs shapes.
     ``index``: the graph's indexes from C++ (:func:`item_index`), or a
-    callable giving them; by default :func:`pipeline.optimize` asks for them."""
+    callable giving them; by default :func:`pipeline.optimize` asks for them.
+    ``patch``: a rewritten graph may come back as a
+    :class:`graph_passes.graph.GraphPatch` of ``graph_bytes``'s graph
+    (:func:`pipeline.optimize_serialized`) instead of bytes: the grappler
+    callback hands it to C++ (``NpuAmpWritePatch``)."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -515,7 +556,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     #    parse_options on every call), not its path: an edited file is seen.
     mix = json.dumps(options.mixlist, sort_keys=True, default=list) if options.mixlist else None
     key = (hash(options), mix, hashlib.sha1(graph_bytes).digest(), tuple(fetches), tuple(preserve),
-           tuple(devices))
+           tuple(devices), bool(patch))
     with _lock:
         cached = _memo.get(key)
         if cached is not None:
@@ -527,7 +568,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     t_parse = time.perf_counter()
     gd = graph_pb2.GraphDef.FromString(graph_bytes)
     parse_s = time.perf_counter() - t_parse
-    if _has_poison(gd):
+    if _has_poison(gd, graph_bytes):
         return _finish(entry, "unchanged", t0, None, gd=gd, code=RC_UNCHANGED)
 
     # 3. the pipeline
@@ -536,7 +577,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     try:
         out, report, nodes = pipeline.optimize_serialized(
             gd, options, fetches=fetches, preserve=preserve, devices=devices, graph_name=item_id,
-            shapes=shapes, index=index)
+            shapes=shapes, index=index, patch=patch)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)
@@ -566,7 +607,8 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     # byte comparison with graph_bytes is useless here: C++ and Python order
     # map keys differently; message equality costs ~40 ms on a 9k-node graph,
     # so count nodes first
-    if nodes == len(gd.node) and graph_pb2.GraphDef.FromString(out) == gd:
+    # (a patch only comes with a changed node count)
+    if nodes == len(gd.node) and isinstance(out, bytes) and graph_pb2.GraphDef.FromString(out) == gd:
         _remember(key, RC_UNCHANGED, b"")
         entry["bridge_s"] = parse_s
         # (grappler's repeated call on our own output: keep the file of the call that rewrote it)
@@ -618,7 +660,12 @@ def _write_report_file(options, item_id, rep):
 # ---------------------------------------------------------------------------
 # delivering an error through the graph
 # ---------------------------------------------------------------------------
-def _has_poison(gd) -> bool:
+def _has_poison(gd, data: bytes | None = None) -> bool:
+    """Does ``gd`` hold one of our error nodes?  (``data``: its bytes; without
+    the op's name in them it cannot, which a substring search of the bytes
+    answers at once instead of visiting every node.)"""
+    if data is not None and RAISE_OP.encode() not in data:
+        return False
     return any(n.name in _POISON_NODES and n.op == RAISE_OP for n in gd.node)
 
 

@@ -73,12 +73,10 @@ def pass_names(options: Options) -> list[str]:
 
 def summarize(graph: Graph, report: Report):
     """Totals over the final graph, whatever passes ran."""
-    counts = {"nodes": len(graph.nodes), "casts": 0, "transdata": 0}
-    for n in graph.nodes.values():
-        if n.op == "Cast":
-            counts["casts"] += 1
-        elif n.op == "TransData":
-            counts["transdata"] += 1
+    # (from the op-type index, which every pass keeps true or the manager
+    # rebuilds after an untracked pass: Graph.index_problems)
+    counts = {"nodes": len(graph.nodes), "casts": graph.count_of_type("Cast"),
+              "transdata": graph.count_of_type("TransData")}
     report.raw_summary.update(counts)
 
 
@@ -111,15 +109,22 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 
 def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
                         devices=(), include_functions: bool = True, graph_name: str | None = None,
-                        shapes=None, index="auto"):
+                        shapes=None, index="auto", patch: bool = False):
     """:func:`optimize`, with the rewritten graph as its deterministic
     serialization (what the grappler bridge hands back), written straight
     from the indexed graph (``Graph.serialize``) instead of through a copied
     GraphDef.  Returns ``(bytes, Report, nodes)``: ``nodes`` the rewritten
     graph's node count; the bytes are ``graph_def``'s when the graph is left
-    unchanged after a failure."""
+    unchanged after a failure.
+
+    ``patch``: the rewritten graph may instead be a
+    :class:`graph_passes.graph.GraphPatch` of ``graph_def`` (its changed
+    nodes and the positions of the others, ``Graph.serialize_patch``; the
+    grappler bridge assembles it in C++ from the item it holds): when the
+    node count changed, no GE dump is asked for and no pass left the graph
+    untracked."""
     return _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
-                     shapes, index, serialized=True)
+                     shapes, index, serialized="patch" if patch else True)
 
 
 def _optimize(*args, **kwargs):
@@ -182,7 +187,10 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         if include_functions and graph.library.function:
             _optimize_functions(graph, mgr, options, devices, report)
         summarize(graph, report)
-        out = graph.serialize() if serialized else graph.to_graph_def()
+        dump = options.ge.get("enable_dump") or options.ge.get("enable_dump_debug")
+        out = graph.serialize_patch() if serialized == "patch" and not dump else None
+        if out is None:
+            out = graph.serialize() if serialized else graph.to_graph_def()
         nodes = len(graph.nodes)
         # checked on the indexed graph itself (its nodes are `out`'s, bar the
         # private `_class` attrs to_graph_def drops): no second index to build;

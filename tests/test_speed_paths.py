@@ -576,10 +576,11 @@ def test_bridge_hands_over_cpp_indexes_and_serializes_the_same_graph(monkeypatch
     assert calls and adopted == [True]
     args, kw, blob = calls[0]
     assert blob is not None
+    assert kw.get("patch") is True  # (the callback takes a patch: tests/test_stage_fast.py)
     bridge.clear_reports()
-    code, fast = real_handle(*args, **dict(kw, index=blob, shapes=None))
+    code, fast = real_handle(*args, **dict(kw, index=blob, shapes=None, patch=False))
     bridge.clear_reports()
-    code2, slow = real_handle(*args, **dict(kw, index=None, shapes=None))
+    code2, slow = real_handle(*args, **dict(kw, index=None, shapes=None, patch=False))
     assert adopted == [True, True]  # (index=None: built in Python, nothing to adopt)
     assert code == code2 == bridge.RC_OK and fast == slow
     in_gd = graph_pb2.GraphDef.FromString(args[0])
