@@ -10,6 +10,8 @@ the comparison catches.
   of inner positions that ``match_at`` refuses as inner nodes whatever the
   match (fetched or preserved, or, without escapes, a control consumer of an
   op no position accepts).
+* ``builtin.NORM_MEMO``: ``analyze_norm`` answers kept while the graph does
+  not change.
 """
 import numpy as np
 import pytest
@@ -185,3 +187,58 @@ def test_a_too_strict_inner_filter_is_caught(monkeypatch):
     g = Graph(_identity_chains())
     got = [(m.anchor, m.matched) for m in pattern.find_matches(g, pat)]
     assert got != _visit_all(g, pat, frozenset(), False)
+
+
+# ------------------------------------------------------------ norm memo
+def _norm_answers(g, names):
+    from graph_passes.fusion import builtin
+
+    return {n: builtin.analyze_norm(g, g.nodes[n]) for n in names if n in g.nodes}
+
+
+def test_norm_memo_answers_like_the_analysis_and_follows_edits(monkeypatch):
+    """On the BERT-like graph: asked twice with the memo, every Add/Mul/RealDiv
+    gets the reference's answer; after an edit that breaks a LayerNorm (its
+    final Add reads x instead), the memo answers for the new graph."""
+    from graph_passes.fusion import builtin
+
+    g = Graph(bert_like_training_graph())
+    names = g.nodes_of_type(("Add", "AddV2", "Mul", "RealDiv"))
+    monkeypatch.setattr(builtin, "NORM_MEMO", False)
+    ref = _norm_answers(g, names)
+    monkeypatch.setattr(builtin, "NORM_MEMO", True)
+    assert _norm_answers(g, names) == ref and _norm_answers(g, names) == ref
+    found = [n for n, r in ref.items() if r is not None and r["kind"] == "layer_norm" and r["beta"]]
+    assert len(found) >= 3, found
+    anchor = found[0]
+    node = g.nodes[anchor]
+    beta_idx = [i for i, inp in enumerate(node.input) if inp == ref[anchor]["beta"]][0]
+    g.set_input(anchor, 1 - beta_idx, ref[anchor]["x"])  # y = x + beta: no norm any more
+    monkeypatch.setattr(builtin, "NORM_MEMO", False)
+    after = builtin.analyze_norm(g, g.nodes[anchor])
+    monkeypatch.setattr(builtin, "NORM_MEMO", True)
+    assert after != ref[anchor]
+    assert builtin.analyze_norm(g, g.nodes[anchor]) == after
+
+
+def test_a_norm_memo_blind_to_edits_is_caught(monkeypatch):
+    """Planted fault: a memo keyed on nothing but the node name keeps the
+    answer of the graph before the edit; the check above sees it."""
+    from graph_passes.fusion import builtin
+
+    g = Graph(bert_like_training_graph())
+    names = g.nodes_of_type(("Add", "AddV2"))
+    monkeypatch.setattr(builtin, "NORM_MEMO", True)
+    ref = _norm_answers(g, names)
+    anchor = next(n for n, r in ref.items() if r is not None and r["beta"])
+    monkeypatch.setattr(g, "edits_since", lambda mark: ([], 0))  # the fault: no edit is ever seen
+    g.version = 0
+    builtin.analyze_norm(g, g.nodes[anchor])  # (memoised under the constant key)
+    node = g.nodes[anchor]
+    beta_idx = [i for i, inp in enumerate(node.input) if inp == ref[anchor]["beta"]][0]
+    g.set_input(anchor, 1 - beta_idx, ref[anchor]["x"])
+    g.version = 0  # (the fault: the version is not seen either)
+    monkeypatch.setattr(builtin, "NORM_MEMO", False)
+    truth = builtin.analyze_norm(g, g.nodes[anchor])
+    monkeypatch.setattr(builtin, "NORM_MEMO", True)
+    assert builtin.analyze_norm(g, g.nodes[anchor]) != truth

@@ -18,7 +18,7 @@ import tensorflow as tf
 import npu_amp_tf
 from graph_passes import pattern, shapes
 from graph_passes.fusion import RULES, register_fusion_rule, unregister_fusion_rule
-from graph_passes.fusion import fusion_pass, grad_region
+from graph_passes.fusion import builtin, fusion_pass, grad_region
 from graph_passes.graph import Graph
 from test_precision_fast import _strip_times, slim_resnet_graph
 from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph
@@ -35,7 +35,7 @@ MODES = {
 #: the fusion pass's shortcuts (issue 17e, 17g): True each in the optimized
 #: path, False in the reference (and ``pattern.PREDICATE_CANDIDATES``,
 #: ``grad_region.STOP_AT_DY``, ``pattern.INNER_FILTER``,
-#: ``shapes.FAST_TENSOR_DECODE`` (17i))
+#: ``shapes.FAST_TENSOR_DECODE``, ``builtin.NORM_MEMO`` (17i))
 SHORTCUTS = ("skip_untouched", "share_shapes")
 
 
@@ -48,6 +48,7 @@ def _rewrite(monkeypatch, gd, fetches, skip, kw):
     monkeypatch.setattr(grad_region, "STOP_AT_DY", skip)
     monkeypatch.setattr(pattern, "INNER_FILTER", skip)
     monkeypatch.setattr(shapes, "FAST_TENSOR_DECODE", skip)
+    monkeypatch.setattr(builtin, "NORM_MEMO", skip)
     passes = []
     orig = fusion_pass.FusionPass.run
 

@@ -106,6 +106,7 @@ Before/after (LayerNorm; the rule's part)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Callable, Iterable
 
@@ -269,8 +270,11 @@ def _tf2_scope_owner(name: str, fwd) -> str | None:
 ORIGINAL_NAMES_ATTR = "_names_before_fusion"
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def is_autodiff_name(name: str) -> bool:
-    """Whether ``name`` is in an autodiff scope (``gradients[_N]/``, ``gradient_tape/``)."""
+    """Whether ``name`` is in an autodiff scope (``gradients[_N]/``, ``gradient_tape/``).
+    (A function of the string: memoised, the region searches and the norm
+    predicates ask it of the same names again and again.)"""
     return _AUTODIFF.search(name) is not None
 
 
@@ -536,7 +540,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         if name in protected:
             why_not[name] = "it is fetched or preserved"
             return False
-        autodiff = _AUTODIFF.search(name) is not None
+        autodiff = is_autodiff_name(name)
         if not autodiff and node.op not in AGGREGATIONS:
             # an optimizer's Neg(grad) or Mul(grad, lr), a user's clip: not autodiff's
             why_not[name] = "its name is not in an autodiff scope (gradients/, gradient_tape/)"
