@@ -235,7 +235,7 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
         # index by the anchor's op type first: most rules find no anchor at all,
         # and then no topological order is needed; narrowed by a rarer inner
         # position where the pattern has one (only anchors match_at refuses go)
-        narrowed = _candidates(graph, pat)
+        narrowed = _candidates(graph, pat, _inner_filter(graph, pat, protected, escapes_ok))
         if narrowed is None:
             anchors = graph.nodes_of_type(first_ops)
         else:
@@ -326,20 +326,81 @@ def _rarest(graph: Graph, pat: Pat):
     return best
 
 
-def _candidates(graph: Graph, pat: Pat):
+#: INNER_FILTER: candidates of inner positions leave out the nodes match_at
+#: refuses as inner nodes whatever the match (fetched or preserved ones, and,
+#: when inner tensors may not escape, nodes with a control consumer of an op
+#: no position of the pattern accepts: it cannot be in the match); issue 17,
+#: 17i: the Identity chains of TF1 gradient tuples (every inner Identity waits
+#: on a group_deps NoOp).  False: the reference
+INNER_FILTER = True
+
+
+def _pattern_ops(pat: Pat):
+    """The op types any position of ``pat`` accepts (a frozenset), or None
+    when one accepts any op.  Cached on the pattern."""
+    cached = pat.__dict__.get("_all_ops_cache", False)
+    if cached is not False:
+        return cached
+    ops: set | None = set()
+
+    def walk(p: Pat):
+        nonlocal ops
+        if ops is None or p.leaf:
+            return
+        for alt in p.alternatives:
+            walk(alt)
+        if not p.alternatives:
+            o = p._opset()
+            if o is None:
+                ops = None
+                return
+            ops |= o
+        for child in p.inputs or ():
+            walk(child)
+
+    walk(pat)
+    res = None if ops is None else frozenset(ops)
+    pat.__dict__["_all_ops_cache"] = res
+    return res
+
+
+def _inner_filter(graph: Graph, pat: Pat, protected, escapes_ok: bool):
+    """A test a node must pass to sit at an inner position of any match of
+    ``pat`` that :func:`match_at` returns (with these ``protected`` and
+    ``escapes_ok``), or None when it would pass every node."""
+    ops = None if escapes_ok else _pattern_ops(pat)
+    if not INNER_FILTER or (ops is None and not protected):
+        return None
+    cons, nodes = graph._consumers, graph.nodes  # noqa: SLF001 - read only
+
+    def inner_ok(name) -> bool:
+        if name in protected:
+            return False
+        if ops is not None:
+            for c, idx in cons.get(name, ()):
+                if idx < 0 and nodes[c].op not in ops:  # a reader outside any match
+                    return False
+        return True
+
+    return inner_ok
+
+
+def _candidates(graph: Graph, pat: Pat, inner_ok=None):
     """A set of nodes holding every node a match can put at position ``pat``
     (inner or root; a superset: each is a reader, with an op the position
     accepts, of a candidate of its rarest inner input position, and within
     what the position's predicate narrows to, see :func:`_predicate_candidates`),
     or None when that narrows nothing below the nodes of the position's op
-    types.  Exact filter for :func:`find_matches`: an anchor outside it has
+    types.  ``inner_ok``: a test every node at an inner position of a match
+    passes (:func:`_inner_filter`): the nodes failing it are not read
+    through.  Exact filter for :func:`find_matches`: an anchor outside it has
     no match."""
     if pat.leaf:
         return None
     if pat.alternatives:
         out = set()
         for alt in pat.alternatives:
-            sub = _candidates(graph, alt)
+            sub = _candidates(graph, alt, inner_ok)
             if sub is None:
                 ops = _anchor_ops(alt)
                 if ops is None:
@@ -359,7 +420,7 @@ def _candidates(graph: Graph, pat: Pat):
         rare = _rarest(graph, child)
         if rare is None or rare > n0 or (best is not None and rare >= len(best)):
             continue  # nothing below is rarer than this position: no narrowing to expect
-        sub = _candidates(graph, child)  # (narrowed by a rarer position below it)
+        sub = _candidates(graph, child, inner_ok)  # (narrowed by a rarer position below it)
         if sub is None:
             bound = _bound(graph, child)
             if bound is None or bound > n0 or (best is not None and bound >= len(best)):
@@ -374,6 +435,8 @@ def _candidates(graph: Graph, pat: Pat):
     nodes = graph.nodes
     out = set()
     for name in best:
+        if inner_ok is not None and not inner_ok(name):
+            continue  # (best holds candidates of an inner position)
         for r, idx in graph.consumers(name):
             if idx >= 0 and nodes[r].op in ops:
                 out.add(r)

@@ -16,9 +16,9 @@ import pytest
 import tensorflow as tf
 
 import npu_amp_tf
-from graph_passes import pattern
+from graph_passes import pattern, shapes
 from graph_passes.fusion import RULES, register_fusion_rule, unregister_fusion_rule
-from graph_passes.fusion import fusion_pass
+from graph_passes.fusion import builtin, fusion_pass, grad_region
 from graph_passes.graph import Graph
 from test_precision_fast import _strip_times, slim_resnet_graph
 from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph
@@ -33,7 +33,9 @@ MODES = {
 
 
 #: the fusion pass's shortcuts (issue 17e, 17g): True each in the optimized
-#: path, False in the reference (and ``pattern.PREDICATE_CANDIDATES``)
+#: path, False in the reference (and ``pattern.PREDICATE_CANDIDATES``,
+#: ``grad_region.STOP_AT_DY``, ``pattern.INNER_FILTER``,
+#: ``shapes.FAST_TENSOR_DECODE``, ``builtin.NORM_MEMO`` (17i))
 SHORTCUTS = ("skip_untouched", "share_shapes")
 
 
@@ -43,6 +45,10 @@ def _rewrite(monkeypatch, gd, fetches, skip, kw):
     for flag in SHORTCUTS:
         monkeypatch.setattr(fusion_pass.FusionPass, flag, skip)
     monkeypatch.setattr(pattern, "PREDICATE_CANDIDATES", skip)
+    monkeypatch.setattr(grad_region, "STOP_AT_DY", skip)
+    monkeypatch.setattr(pattern, "INNER_FILTER", skip)
+    monkeypatch.setattr(shapes, "FAST_TENSOR_DECODE", skip)
+    monkeypatch.setattr(builtin, "NORM_MEMO", skip)
     passes = []
     orig = fusion_pass.FusionPass.run
 
@@ -93,6 +99,29 @@ def test_slim_resnet_v1_50_skips_equal_reference(monkeypatch):
     pytest.importorskip("tf_slim", reason="tf_slim is not installed in this environment")
     gd, fetches = slim_resnet_graph()
     assert_skips_change_nothing(monkeypatch, gd, fetches, ("bf16", "bf16_l3"))
+
+
+def keras_transformer_block_training_graph(k, batch=2, seq=8, d=16, heads=2):
+    """A post-LN Keras 2 transformer block (MultiHeadAttention, two
+    LayerNormalization, GELU feed-forward) trained by Adam, as a TF1 graph."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [batch, seq, d], name="x")
+        y = tf1.placeholder(tf.float32, [batch, seq, d], name="y")
+        att = k.layers.MultiHeadAttention(num_heads=heads, key_dim=d // heads)(x, x)
+        h = k.layers.LayerNormalization()(x + att)
+        f = k.layers.Dense(d)(k.layers.Dense(2 * d, activation="gelu")(h))
+        out = k.layers.LayerNormalization()(h + f)
+        loss = tf.reduce_mean(tf.square(out - y), name="loss")
+        tf1.train.AdamOptimizer(1e-3).minimize(loss, name="train")
+    return g.as_graph_def()
+
+
+def test_keras_transformer_block_skips_equal_reference(k2, monkeypatch):
+    """Keras 2 LayerNormalization (its own rule) and, at level 3, attention
+    with its gradient region (``attention_train``)."""
+    gd = keras_transformer_block_training_graph(k2)
+    assert_skips_change_nothing(monkeypatch, gd, ["loss", "train"], tuple(MODES))
 
 
 def test_a_wrong_declaration_misses_a_fusion_the_reference_makes(monkeypatch):

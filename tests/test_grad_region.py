@@ -309,3 +309,84 @@ def test_positions_recheck_a_node_edited_again():
     graph.set_input("h_copy", 0, late)
     pos4 = _positions(graph)
     assert _valid_order(graph, pos4) and pos4[late] < pos4["h_copy"] < pos4[reader]
+
+
+# ------------------------------------------ issue 17 (17i): pass A stops at dy
+def _searches(monkeypatch, gd, stop_at_dy, grow=None, mode="allow_mix_precision_bf16"):
+    """Rewrite ``gd`` and record every region search: its outcome (region
+    nodes, dy, outputs, or the refusal) and how many nodes pass A tried."""
+    import npu_amp_tf
+    from graph_passes.fusion import grad_region as gr
+
+    monkeypatch.setattr(gr, "STOP_AT_DY", stop_at_dy)
+    calls, tries = [], []
+    orig_find, orig_grow = gr.find_grad_region, grow or gr._grow
+
+    def counting_grow(graph, seeds, try_add, pos, region, stop=None):
+        n = [0]
+
+        def counted(name):
+            n[0] += 1
+            return try_add(name)
+
+        try:
+            return orig_grow(graph, seeds, counted, pos, region, stop=stop)
+        finally:
+            tries.append(n[0])
+
+    def recording_find(*a, **kw):
+        try:
+            r = orig_find(*a, **kw)
+        except GradRegionRefused as exc:
+            calls.append(("refused", str(exc)))
+            raise
+        calls.append((tuple(r.nodes), r.dy, sorted(r.outputs.items()), r.ctrl_inputs, r.ctrl_consumers))
+        return r
+
+    monkeypatch.setattr(gr, "_grow", counting_grow)
+    monkeypatch.setattr(gr, "find_grad_region", recording_find)
+    import graph_passes.fusion.builtin  # noqa: F401 - its rules import find_grad_region at call time
+    out, _ = npu_amp_tf.rewrite_graph(gd, fetches=["loss", "train"], precision_mode=mode)
+    monkeypatch.undo()
+    return out.SerializeToString(deterministic=True), calls, tries[0::2], tries[1::2]
+
+
+def test_pass_a_stopping_at_dy_finds_the_same_regions(monkeypatch):
+    """``STOP_AT_DY``: every region search of the BERT-like training graph
+    (25 LayerNorms at 12 layers; 5 here) gives the same region, dy, outputs
+    and refusals as the reference (pass A grown to the end), the rewritten
+    graphs are byte-identical, and pass A tried fewer nodes (not vacuous)."""
+    from test_speed_paths import bert_like_training_graph
+
+    gd = bert_like_training_graph(layers=2)
+    fast, calls_fast, a_fast, b_fast = _searches(monkeypatch, gd, True)
+    ref, calls_ref, a_ref, b_ref = _searches(monkeypatch, gd, False)
+    assert len(calls_ref) >= 5 and all(c[0] != "refused" for c in calls_ref), calls_ref[:2]
+    assert calls_fast == calls_ref
+    assert fast == ref
+    assert b_fast == b_ref  # pass B is untouched
+    assert sum(a_fast) < sum(a_ref), (a_fast, a_ref)
+
+
+def test_stopping_pass_a_too_early_is_caught(monkeypatch):
+    """The comparison above has teeth: a pass A that stops before the try
+    that finds dy (here: before its first try; on this graph the first node
+    that joins pass A is the one that finds dy, so any stop after a join
+    gives the same regions) leaves every search without dy: the LayerNorms
+    are refused, and the comparison sees it."""
+    from graph_passes.fusion import grad_region as gr
+    from test_speed_paths import bert_like_training_graph
+
+    orig = gr._grow
+
+    def early(graph, seeds, try_add, pos, region, stop=None):
+        if stop is not None:  # pass A: nothing tried
+            return orig(graph, [], try_add, pos, region, stop=stop)
+        return orig(graph, seeds, try_add, pos, region)
+
+    gd = bert_like_training_graph(layers=2)
+    bad, calls_bad, _, _ = _searches(monkeypatch, gd, True, grow=early)
+    ref, calls_ref, _, _ = _searches(monkeypatch, gd, False)
+    assert calls_bad != calls_ref
+    assert all(c[0] == "refused" for c in calls_bad)
+    assert bad != ref

@@ -42,6 +42,7 @@ along the last dim, as Keras 3 writes it.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -819,7 +820,35 @@ def _mean_square(graph, ref, inner):
     return d[0], mv[1]
 
 
+#: ``analyze_norm`` answers kept per state of the graph (issue 17, 17i: the
+#: LayerNorm predicate asks it at an anchor and at its reader
+#: (``_would_extend``), the build asks again: 182 calls, 107 distinct, per
+#: BERT-12 run).  False: the reference, every call analyses
+NORM_MEMO = True
+#: attribute of a Graph holding ((version, edit mark), {name: (node, answer)})
+NORM_MEMO_ATTR = "_fusion_norm_memo"
+
+
 def analyze_norm(graph, anchor):
+    """:func:`_analyze_norm`, memoised while the graph does not change
+    (``graph.version`` and its edit log: the answer is a function of the
+    nodes' structure and constant values).  Returns a fresh dict (its
+    ``inner`` list a copy) on every call."""
+    if not NORM_MEMO or not hasattr(graph, "edits_since"):
+        return _analyze_norm(graph, anchor)
+    key = (graph.version, graph.edits_since(sys.maxsize)[1])
+    memo = getattr(graph, NORM_MEMO_ATTR, None)
+    if memo is None or memo[0] != key:
+        memo = (key, {})
+        setattr(graph, NORM_MEMO_ATTR, memo)
+    hit = memo[1].get(anchor.name)
+    if hit is None or hit[0] is not anchor:
+        hit = memo[1][anchor.name] = (anchor, _analyze_norm(graph, anchor))
+    res = hit[1]
+    return None if res is None else dict(res, inner=list(res["inner"]))
+
+
+def _analyze_norm(graph, anchor):
     """Match LayerNorm / RMSNorm written as plain ops, rooted at ``anchor``.
 
     LayerNorm: ``[gamma *] (x - mean) {* rsqrt(var + eps) | / sqrt(var + eps)} [+ beta]``,

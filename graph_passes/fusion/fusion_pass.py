@@ -34,6 +34,7 @@ from ..manager import Pass, register_pass
 from ..pattern import Changes, affected_anchors
 from .cleanups import merge_duplicate_casts
 from .core import CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, quiet_at
+from .builtin import NORM_MEMO_ATTR
 from .grad_region import ORIGINAL_NAMES_ATTR
 
 #: safety bound on sweeps: this many per node of the input graph (a fix-point is
@@ -62,6 +63,8 @@ class FusionPass(Pass):
             return self._run(graph, ctx)
         finally:
             delattr(graph, CONST_MEMO_ATTR)
+            if hasattr(graph, NORM_MEMO_ATTR):  # (builtin.analyze_norm's answers)
+                delattr(graph, NORM_MEMO_ATTR)
             self._oracle = None
 
     def _shapes(self, graph) -> ShapeOracle:
