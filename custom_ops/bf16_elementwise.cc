@@ -3,7 +3,7 @@
 // slower than its FP32 ones; these load 16 BF16 values, widen them to FP32
 // (a shift), compute in FP32 and round back to BF16 with round-to-nearest-even
 // exactly as TF's bfloat16 conversion does (Eigen's float_to_bfloat16_rtne:
-// add 0x7fff + lsb, keep the high half; a NaN becomes a quiet NaN), so every
+// add 0x7fff + lsb, keep the high half; a NaN becomes 0x7fc0), so every
 // output equals TF's "compute in FP32, round once" bit for bit.  Emitted by
 // the fusion rules in graph_passes/fusion/bf16_elementwise.py.
 //
@@ -38,6 +38,15 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "norm_common.h"
+
+// No contraction of a*b + c into an FMA: the AVX-512 loops (whose target has FMA) and the
+// portable loop (whose target may not) must round the same way, so that both give
+// identical bits (the tests compare them).
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -115,12 +124,13 @@ inline float Widen(uint16_t v) {
   return f;
 }
 
-// Eigen's float_to_bfloat16_rtne<false> (TF's bfloat16(float)): NaN -> 0x7fc0 /
-// 0xffc0, otherwise round to nearest even on the bit pattern (denormals too).
+// TF's float -> bfloat16 rounding as its vectorised Eigen kernels do it (F32ToBf16):
+// round to nearest even on the bit pattern (denormals too), any NaN -> 0x7fc0
+// (measured: TF's BF16 ReluGrad of inf * 0 gives 0x7fc0, not x86's default 0xffc0).
 inline uint16_t Round(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return (u & 0x80000000u) ? 0xffc0 : 0x7fc0;
+  if (std::isnan(f)) return 0x7fc0;
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
@@ -173,16 +183,14 @@ NPU_AMP_AVX512 inline __m512 Load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// 16 floats -> 16 bf16 bit patterns, exactly as Round() (NaN keeps its sign bit)
+// 16 floats -> 16 bf16 bit patterns, exactly as Round()
 NPU_AMP_AVX512 inline __m256i Round16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   __m512i t = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   t = _mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), u);
   t = _mm512_srli_epi32(t, 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  const __m512i qnan = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000)),
-                                       _mm512_set1_epi32(0x7fc0));
-  t = _mm512_mask_blend_epi32(nan, t, qnan);
+  t = _mm512_mask_blend_epi32(nan, t, _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(t);
 }
 
@@ -375,8 +383,9 @@ NPU_AMP_AVX512 void BnSumsAvx512(const uint16_t* dy, const uint16_t* x, const ui
       __m512 g = Load16(dy + o);
       if (relu != nullptr) g = MaskPos(g, Load16(relu + o));
       _mm512_storeu_ps(sdy + k, _mm512_add_ps(_mm512_loadu_ps(sdy + k), g));
-      _mm512_storeu_ps(sdx + k, _mm512_fmadd_ps(g, _mm512_sub_ps(Load16(x + o), _mm512_loadu_ps(mean + k)),
-                                                _mm512_loadu_ps(sdx + k)));
+      // mul then add (no FMA): the same roundings as the portable loop
+      _mm512_storeu_ps(sdx + k, _mm512_add_ps(_mm512_loadu_ps(sdx + k),
+                                              _mm512_mul_ps(g, _mm512_sub_ps(Load16(x + o), _mm512_loadu_ps(mean + k)))));
     }
   }
 }
