@@ -214,9 +214,14 @@ def _ops(md):
 
 
 def train_runs(build):
+    """One step per configuration from the same start; emits the executed ops and loss per
+    configuration, then (``config="updates"``) the relative L2 distances between the three
+    configurations' updates of all variables (the moving statistics included), concatenated in
+    name order (the updates themselves are 25M numbers: not printed)."""
     from graph_passes.fusion import RULES as REG
 
     start = None
+    upd = {}
     for name in ("fp32", "ours", "norule"):
         cfg = tf1.ConfigProto() if name == "fp32" else npu_amp_tf.session_config(
             precision_mode=MODE, graph_level=2, fail_on_error=True,
@@ -226,22 +231,29 @@ def train_runs(build):
             g = tf.Graph()
             with g.as_default():
                 feeds, loss, train = build()
-                gvars = {v.op.name: v for v in tf1.global_variables()}
+                gvars = {v.op.name: v for v in tf1.global_variables() if "momentum" not in v.op.name.lower()}
                 init = tf1.global_variables_initializer()
             with tf1.Session(graph=g, config=cfg) as s:
                 s.run(init)
                 if start is None:
-                    start = {k: s.run(v) for k, v in gvars.items()}
-                for k, v in gvars.items():
-                    v.load(start[k], s)
+                    start = s.run(gvars)
+                else:
+                    for k, v in gvars.items():
+                        v.load(start[k], s)
                 md = tf1.RunMetadata()
                 lv, _ = s.run([loss, train], feeds, options=tf1.RunOptions(output_partition_graphs=True),
                               run_metadata=md)
-                upd = {k: (s.run(v) - start[k]).astype(np.float64).ravel().tolist() for k, v in gvars.items()
-                       if "momentum" not in k.lower()}
+                after = s.run(gvars)
+                upd[name] = np.concatenate([(after[k] - start[k]).astype(np.float64).ravel() for k in sorted(gvars)])
         finally:
             REG.update(saved)
-        _emit(config=name, loss=float(lv), ops=_ops(md), update=upd)
+        _emit(config=name, loss=float(lv), ops=_ops(md))
+
+    def rl(a, b):
+        return float(np.linalg.norm(upd[a] - upd[b]) / max(np.linalg.norm(upd[b]), 1e-30))
+
+    _emit(config="updates", ours_fp32=rl("ours", "fp32"), norule_fp32=rl("norule", "fp32"),
+          ours_norule=rl("ours", "norule"), finite=bool(np.all(np.isfinite(upd["ours"]))), size=int(upd["ours"].size))
 
 
 def _count_fused(rep):
@@ -270,9 +282,8 @@ def offline():
         x = tf1.placeholder(tf.float32, [2, 4, 4, 16], name="x")
         w = tf1.get_variable("w", [1, 1, 16, 16])
         c = tf.nn.conv2d(x, w, 1, "SAME")
-        # a broadcasting join: [2,4,4,16] + [1,1,1,16]
-        bvec = tf1.get_variable("bv", [1, 1, 1, 16])
-        r1 = tf.nn.relu(c + bvec, name="bcast_relu")
+        # a broadcasting join: [2,4,4,16] + [2,1,1,16] (not a bias: a per-sample mean)
+        r1 = tf.nn.relu(tf.add(c, tf.reduce_mean(c, [1, 2], keepdims=True), name="bcast_add"), name="bcast_relu")
         # a relu read three times: its gradient is an AddN of 3
         r2 = tf.nn.relu(tf.nn.conv2d(r1, w, 1, "SAME"), name="tri_relu")
         h = tf.nn.conv2d(r2, w, 1, "SAME") + tf.nn.conv2d(r2, w, 1, "SAME") + tf.nn.conv2d(r2, w, 1, "SAME")

@@ -59,12 +59,19 @@ from ..pattern import Pat
 #: bn_grad 16.36 / 11.17 / 21.44, relu_bn_grad 25.23 / 13.85 / 30.73 (CPU ms: 6.77 / 4.18 / 5.58,
 #: 7.54 / 4.15 / 6.79, 14.57 / 10.70 / 19.94, 23.52 / 13.06 / 26.07).  Elementwise: bit-equal to TF's
 #: BF16 result on every shape.  bn_grad at N*H*W = 256 ([16,4,4,512], [16,4,4,2048]): 0.67 vs 0.35 and
-#: 1.25 vs 1.01 ms wall, CPU at parity: not paying, hence MIN_BN_ROWS.
+#: 1.25 vs 1.01 ms wall, CPU at parity: not paying, hence MIN_BN_ROWS.  TF 2.15.1 oneDNN on (load 4.8):
+#: add_relu 11.54 / 5.06 / 4.88, addn_relugrad 7.39 / 3.84 / 7.41, bn_grad 14.53 / 9.63 / 23.80,
+#: relu_bn_grad 21.61 / 12.02 / 32.85 (CPU ms 6.92 / 3.79 / 5.34, 7.39 / 3.96 / 7.62, 13.74 / 10.15 /
+#: 18.84, 21.50 / 11.48 / 28.34); bit-equal on every shape; bn_grad at [16,4,4,2048] 1.11 vs 0.80 wall.
 MEASURED = {
     ("2.21", "add_relu"): "1.7x faster than TF's BF16 AddV2+Relu (5.20 vs 8.87 ms), 1.5x FP32's (7.60)",
     ("2.21", "addn_relugrad"): "2.4x faster than TF's BF16 AddN+ReluGrad (3.69 vs 8.90 ms), 2.1x FP32's (7.58)",
     ("2.21", "bn_grad"): "1.5x faster than oneDNN's BF16 FusedBatchNormGradV3 (11.17 vs 16.36 ms), 1.9x FP32's",
     ("2.21", "relu_bn_grad"): "1.8x faster than TF's BF16 ReluGrad+FusedBatchNormGradV3 (13.85 vs 25.23 ms)",
+    ("2.15", "add_relu"): "2.3x faster than TF's BF16 AddV2+Relu (5.06 vs 11.54 ms), at FP32's wall (4.88)",
+    ("2.15", "addn_relugrad"): "1.9x faster than TF's BF16 AddN+ReluGrad (3.84 vs 7.39 ms), 1.9x FP32's",
+    ("2.15", "bn_grad"): "1.5x faster than oneDNN's BF16 FusedBatchNormGradV3 (9.63 vs 14.53 ms), 2.5x FP32's",
+    ("2.15", "relu_bn_grad"): "1.8x faster than TF's BF16 ReluGrad+FusedBatchNormGradV3 (12.02 vs 21.61 ms)",
 }
 #: N*H*W from which the plain batch-norm gradient rule fires (measured to pay from [16, 8, 8, C])
 MIN_BN_ROWS = 1024
