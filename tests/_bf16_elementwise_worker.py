@@ -14,7 +14,8 @@ Kinds (each prints ``RESULT {json}`` lines, then ``DONE``):
   Momentum step from the same weights under fp32, ours (``allow_mix_precision_bf16``,
   graph_level 2) and ours with this project's bf16_* rules removed (``norule``): executed op
   types with dtypes (partition graphs), the loss and every weight's update.
-* ``slim``: the same for TF-Slim ``resnet_v1_50`` at 64x64, batch 2.
+* ``slim`` / ``slim_bn``: the same for TF-Slim ``resnet_v1_50`` at 64x64, batch 2, without and
+  with ``resnet_arg_scope()`` (batch norms).
 * ``offline``: the Keras ResNet50 graph rewritten offline in FP32 (must_keep_origin_dtype), FP16
   (allow_mix_precision) and BF16 modes, and a small graph of cases the rules refuse
   (a broadcasting add, an AddN of 3, a small plain batch norm, NCHW): fusion counts and reasons.
@@ -185,16 +186,23 @@ def build_keras():
     return feeds, loss, train
 
 
-def build_slim():
+def build_slim(bn=False):
+    """TF-Slim resnet_v1_50: as benchmarks/end_to_end.py builds it (no arg scope: conv + bias, the
+    residual add and Relu fused into the conv by ``bias_add_act``), or (``bn``) under
+    ``resnet_arg_scope()`` (conv -> fused batch norm -> Relu, as TF-Slim's training scripts)."""
+    import contextlib
+
     from real_models import import_slim
 
     import_slim()
+    import tf_slim as slim
     from tf_slim.nets import resnet_v1
 
     tf1.set_random_seed(1)
     x = tf1.placeholder(tf.float32, [2, 64, 64, 3], name="images")
     y = tf1.placeholder(tf.int32, [2], name="labels")
-    logits, _ = resnet_v1.resnet_v1_50(x, num_classes=10, is_training=True, global_pool=True)
+    with (slim.arg_scope(resnet_v1.resnet_arg_scope()) if bn else contextlib.nullcontext()):
+        logits, _ = resnet_v1.resnet_v1_50(x, num_classes=10, is_training=True, global_pool=True)
     logits = tf.reshape(logits, [2, 10])
     loss = tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
@@ -307,5 +315,6 @@ def offline():
 if __name__ == "__main__":
     kind = sys.argv[1]
     {"kernels": kernels, "keras": lambda: train_runs(build_keras), "slim": lambda: train_runs(build_slim),
+     "slim_bn": lambda: train_runs(lambda: build_slim(bn=True)),
      "offline": offline}[kind]()
     print("DONE", flush=True)
