@@ -275,9 +275,10 @@ def offline():
         _, loss, train = build_keras()
     gd = g.as_graph_def()
     orig = Counter(n.op for n in gd.node)
-    for mode in (MODE, "must_keep_origin_dtype", "allow_mix_precision"):
-        rgd, rep = npu_amp_tf.rewrite_graph(gd, fetches=[loss.op.name, train.name], precision_mode=mode,
-                                            graph_level=2)
+    for mode in (MODE, "must_keep_origin_dtype", "allow_mix_precision", MODE + ":NC1HWC0"):
+        extra = {"format_mode": "NC1HWC0"} if mode.endswith(":NC1HWC0") else {}
+        rgd, rep = npu_amp_tf.rewrite_graph(gd, fetches=[loss.op.name, train.name], precision_mode=mode.split(":")[0],
+                                            graph_level=2, **extra)
         reasons = sorted({d.get("fusion_reason", "") for d in rep.decisions.values()
                           if d.get("fusion_skipped") in RULES})
         _emit(kind="offline_keras", mode=mode, fused=_count_fused(rep), reasons=reasons,

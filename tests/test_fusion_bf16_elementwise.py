@@ -135,6 +135,12 @@ def test_rules_refused_in_fp32_and_fp16_modes(mode):
     assert r["reasons"] and all("BF16 only" in s for s in r["reasons"])
 
 
+def test_rules_refused_with_ge_5hd_layout():
+    r = _offline("offline_keras", "allow_mix_precision_bf16:NC1HWC0")
+    assert r["fused"] == {k: 0 for k in RULES}
+    assert r["reasons"] and all("NC1HWC0" in s for s in r["reasons"])
+
+
 def test_refusals_broadcast_addn3_small_and_nchw_batch_norms():
     r = _offline("offline_refusals")
     assert r["fused"] == {k: 0 for k in RULES}

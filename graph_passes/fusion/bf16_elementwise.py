@@ -33,7 +33,7 @@ formula (``FusedBatchNormGradV3``, ``is_training``) in FP32 with FP32 column sum
 blocks and rounds dx once to BF16: its error against a float64 reference equals TF's BF16
 kernel's (max |err| / max |dx| 2.2-2.6e-3 on every ResNet-50 shape, both).
 
-Conditions (each refusal is reported): CPU; a precision plan that lowers to BF16
+Conditions (each refusal is reported): CPU; format_mode not NC1HWC0; a precision plan that lowers to BF16
 (``allow_mix_precision_bf16`` and the other BF16 modes; FP32 and FP16 modes: refused, the
 kernels are measured for BF16 only); the op in float32 (the precision pass will paint the
 emitted op: it is gray, like the ops it replaces, and the float kernels are there if it stays
@@ -85,6 +85,9 @@ def _require_bf16_cpu(b, node, what):
 
     dev = b.device_type()
     b.require(dev == "CPU", f"{what}: the kernels are CPU kernels (device {dev})")
+    fmt = b.ctx.option("format_mode", "origin") if b.ctx is not None else "origin"
+    b.require(str(fmt).upper() != "NC1HWC0",
+              f"{what}: not with format_mode=NC1HWC0 (GE's 5HD emulation works on the plain GE op set)")
     plan = _precision_plan(b.ctx)
     b.require(plan is not None and plan.lowers_matrix_ops and plan.low == registry.DT_BFLOAT16,
               f"{what}: measured to pay in BF16 only (precision mode "
