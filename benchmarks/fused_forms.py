@@ -349,6 +349,142 @@ def subsample_main():
             print(f"{str(tuple(r['shape'])):20s} {dtn:9s} " + " ".join(cells))
 
 
+#: ResNet-50's (b16, 128x128) residual joins (Add + Relu forward, AddN + ReluGrad backward) and
+#: batch-norm shapes (every BN's [N, H, W, C]), for ``--bf16-elementwise``
+RESIDUAL_SHAPES = [(16, 32, 32, 256), (16, 16, 16, 512), (16, 8, 8, 1024), (16, 4, 4, 2048)]
+BN_SHAPES = [(16, 64, 64, 64), (16, 32, 32, 64), (16, 32, 32, 256), (16, 16, 16, 128), (16, 16, 16, 512),
+             (16, 8, 8, 256), (16, 8, 8, 1024), (16, 4, 4, 512), (16, 4, 4, 2048)]
+ELEMENTWISE_FORMS = ("tf_bf16", "ours_bf16", "tf_fp32")
+
+
+def _timed(sess, op, rounds, runs):
+    """(wall ms, CPU ms) per run of ``op``: each the minimum over ``rounds`` rounds of ``runs`` runs."""
+    for _ in range(3):
+        sess.run(op)
+    wall = cpu = float("inf")
+    for _ in range(rounds):
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(runs):
+            sess.run(op)
+        wall = min(wall, (time.perf_counter() - t0) / runs)
+        cpu = min(cpu, (time.process_time() - c0) / runs)
+    return wall * 1e3, cpu * 1e3
+
+
+def _bf16_elementwise_child(rounds=5, runs=8):
+    """TF's BF16 form vs this project's kernel (``custom_ops/bf16_elementwise.cc``) vs TF's FP32
+    form, per ResNet-50 shape, for the rules in graph_passes/fusion/bf16_elementwise.py:
+    add_relu (AddV2 -> Relu), addn_relugrad (AddN -> ReluGrad), bn_grad
+    (FusedBatchNormGradV3 training NHWC) and relu_bn_grad (ReluGrad -> FusedBatchNormGradV3).
+    Elementwise forms also report whether ours equals TF's BF16 result bit for bit; the
+    batch-norm forms their max |dx error| relative to max |dx| against a float64 reference."""
+
+    import numpy as np
+    import tensorflow as tf
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from npu_amp_tf import _loader
+
+    lib = _loader.load()
+    tf1 = tf.compat.v1
+    tf1.disable_eager_execution()
+    bf, f32 = tf.bfloat16, tf.float32
+    g = tf.Graph()
+    cases = []
+    with g.as_default():
+        tf1.set_random_seed(0)
+
+        def init(shp, seed):  # the same values at every call (graph and op seeds fixed)
+            return tf.cast(tf.cast(tf.random.normal(list(shp), seed=seed), bf), f32)
+
+        def var(shp, dt, seed):
+            return tf.Variable(tf.cast(init(shp, seed), dt))
+
+        for shp in RESIDUAL_SHAPES:
+            a, b, f = var(shp, bf, 1), var(shp, bf, 2), var(shp, bf, 3)
+            a32, b32, f32v = var(shp, f32, 1), var(shp, f32, 2), var(shp, f32, 3)
+            cases.append(("add_relu", shp, {
+                "tf_bf16": tf.nn.relu(a + b), "ours_bf16": lib.add_relu(a, b),
+                "tf_fp32": tf.nn.relu(a32 + b32)}, None))
+            cases.append(("addn_relugrad", shp, {
+                "tf_bf16": tf.raw_ops.ReluGrad(gradients=tf.add_n([a, b]), features=f),
+                "ours_bf16": lib.add_n_relu_grad(a, b, f),
+                "tf_fp32": tf.raw_ops.ReluGrad(gradients=tf.add_n([a32, b32]), features=f32v)}, None))
+        for shp in BN_SHAPES:
+            C = shp[-1]
+            x, dy, ry = var(shp, bf, 4), var(shp, bf, 5), var(shp, bf, 6)
+            x32, dy32, ry32 = var(shp, f32, 4), var(shp, f32, 5), var(shp, f32, 6)
+            m, v = tf.nn.moments(init(shp, 4), [0, 1, 2])
+            mean, variance = tf.Variable(m), tf.Variable(v)
+            scale = tf.Variable(tf.random.uniform([C], 0.5, 1.5, seed=7))
+            eps = 1e-3
+
+            def tf_grad(d, xx):
+                return tf.raw_ops.FusedBatchNormGradV3(
+                    y_backprop=d, x=xx, scale=scale, reserve_space_1=mean, reserve_space_2=variance,
+                    reserve_space_3=tf.zeros([0]), epsilon=eps, data_format="NHWC", is_training=True)[0]
+
+            def ref(d):  # float64 reference from the BF16 values
+                d64, x64 = tf.cast(d, tf.float64), tf.cast(x, tf.float64)
+                m64, v64 = tf.cast(mean, tf.float64), tf.cast(variance, tf.float64)
+                r = tf.math.rsqrt(v64 + eps)
+                xh = (x64 - m64) * r
+                n = float(np.prod(shp[:-1]))
+                return tf.cast(scale, tf.float64) * r * (d64 - tf.reduce_sum(d64, [0, 1, 2]) / n
+                                                        - xh * tf.reduce_sum(d64 * xh, [0, 1, 2]) / n)
+
+            relu_dy = tf.raw_ops.ReluGrad(gradients=dy, features=ry)
+            cases.append(("bn_grad", shp, {
+                "tf_bf16": tf_grad(dy, x),
+                "ours_bf16": lib.batch_norm_grad_nhwc(dy, x, scale, mean, variance, [], epsilon=eps)[0],
+                "tf_fp32": tf_grad(dy32, x32)}, ref(dy)))
+            cases.append(("relu_bn_grad", shp, {
+                "tf_bf16": tf_grad(relu_dy, x),
+                "ours_bf16": lib.batch_norm_grad_nhwc(dy, x, scale, mean, variance, [ry], epsilon=eps)[0],
+                "tf_fp32": tf_grad(tf.raw_ops.ReluGrad(gradients=dy32, features=ry32), x32)}, ref(relu_dy)))
+        init = tf1.global_variables_initializer()
+
+    out = []
+    with tf1.Session(graph=g) as sess:
+        sess.run(init)
+        for kind, shp, forms, ref in cases:
+            r = {"kind": kind, "shape": shp}
+            vals = {k: sess.run(t) for k, t in forms.items()}
+            if ref is None:
+                r["bit_equal"] = bool(np.array_equal(vals["tf_bf16"].view(np.uint16),
+                                                     vals["ours_bf16"].view(np.uint16)))
+            else:
+                rv = sess.run(ref)
+                scl = max(float(np.abs(rv).max()), 1e-30)
+                r["err"] = {k: float(np.abs(vals[k].astype(np.float64) - rv).max() / scl)
+                            for k in ("tf_bf16", "ours_bf16")}
+            for k, t in forms.items():
+                r[k] = _timed(sess, t.op, rounds, runs)
+            out.append(r)
+    return out
+
+
+def bf16_elementwise_main():
+    rows = _child_result("--bf16-elementwise-child")
+    if rows is None:
+        return
+    print("ms per run (min over rounds): wall / CPU; tf_bf16 = TF's BF16 ops, ours_bf16 = "
+          "custom_ops/bf16_elementwise.cc, tf_fp32 = TF's ops on FP32 data")
+    print(f"{'form':14s} {'shape':20s} " + " ".join(f"{f:>15s}" for f in ELEMENTWISE_FORMS) + "  check")
+    tot = {}
+    for r in rows:
+        t = tot.setdefault(r["kind"], {f: [0.0, 0.0] for f in ELEMENTWISE_FORMS})
+        for f in ELEMENTWISE_FORMS:
+            t[f][0] += r[f][0]
+            t[f][1] += r[f][1]
+        chk = ("bit-equal" if r["bit_equal"] else "DIFFERS") if "bit_equal" in r else \
+            f"max err tf {r['err']['tf_bf16']:.1e} ours {r['err']['ours_bf16']:.1e}"
+        print(f"{r['kind']:14s} {str(tuple(r['shape'])):20s} "
+              + " ".join(f"{r[f][0]:7.3f}/{r[f][1]:7.3f}" for f in ELEMENTWISE_FORMS) + "  " + chk)
+    for kind, t in tot.items():
+        print(f"{kind:14s} {'sum':20s} " + " ".join(f"{t[f][0]:7.2f}/{t[f][1]:7.2f}" for f in ELEMENTWISE_FORMS))
+
+
 def main():
     if sys.argv[1:] == ["--filter-grad-child"]:
         print("RESULT " + json.dumps(_filter_grad_child()), flush=True)
@@ -364,6 +500,12 @@ def main():
         return
     if sys.argv[1:] == ["--bias-grad"]:
         bias_grad_main()
+        return
+    if sys.argv[1:] == ["--bf16-elementwise-child"]:
+        print("RESULT " + json.dumps(_bf16_elementwise_child()), flush=True)
+        return
+    if sys.argv[1:] == ["--bf16-elementwise"]:
+        bf16_elementwise_main()
         return
     if sys.argv[1:] == ["--filter-grad"]:
         filter_grad_main()

@@ -46,11 +46,12 @@ def _keras2():
 
 
 def fused_counts(graphs) -> dict:
-    """{"<op>[fused_ops]:<dtype>": n} for every fused/oneDNN node, plus Relu/AddV2."""
+    """{"<op>[fused_ops]:<dtype>": n} for every fused/oneDNN node, plus Relu/AddV2 (and the 18f
+    kernels AddRelu / AddNReluGrad / BatchNormGradNHWC)."""
     c = Counter()
     for g in graphs:
         for n in g.node:
-            if "Fused" in n.op or n.op in ("Relu", "AddV2", "Add"):
+            if "Fused" in n.op or n.op in ("Relu", "AddV2", "Add", "AddRelu", "AddNReluGrad", "BatchNormGradNHWC"):
                 key = n.op
                 if "fused_ops" in n.attr:
                     key += "[" + ",".join(s.decode() for s in n.attr["fused_ops"].list.s) + "]"
@@ -188,7 +189,8 @@ def keras_fit():
             graphs = []  # the training function: the graphs that hold the batch-norm gradient
             for fg in md.function_graphs:
                 for pg in fg.partition_graphs or [fg.post_optimization_graph]:
-                    if any(n.op.endswith("FusedBatchNormGradV3") for n in pg.node):
+                    if any(n.op.endswith("FusedBatchNormGradV3") or n.op == "BatchNormGradNHWC"  # (18f's form)
+                           for n in pg.node):
                         graphs.append(pg)
             trained = model.get_weights()
             upd = [(b - a).ravel().tolist() for a, b in zip(w0, trained)]

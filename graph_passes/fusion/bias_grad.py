@@ -146,7 +146,8 @@ def _build(m, b):
            {"T": ("type", dt), "Tshape": ("type", i32)})
 
 
-_BN_GRADS = ("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3")
+# (BatchNormGradNHWC: the bf16_*bn_grad rules' form, NHWC and training by definition)
+_BN_GRADS = ("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3", "BatchNormGradNHWC")
 
 
 def _bn_training_dx(graph, ref):

@@ -117,6 +117,10 @@ GRAY = {
     "Add": "elementwise arithmetic",
     "AddV2": "elementwise arithmetic",
     "AddN": "elementwise sum of few tensors",
+    "AddRelu": "fused relu(a + b) (fusion rule bf16_add_relu): elementwise, as AddV2 and Relu",
+    "AddNReluGrad": "fused ReluGrad(AddN(a, b)) (fusion rule bf16_addn_relu_grad): elementwise",
+    "BatchNormGradNHWC": "fused batch-norm gradient (bf16_*bn_grad rules): FP32 sums inside, FP32 "
+                         "scale/statistics inputs, as FusedBatchNormGradV3",
     "Sub": "elementwise arithmetic",
     "Mul": "elementwise arithmetic",
     "RealDiv": "elementwise arithmetic",
