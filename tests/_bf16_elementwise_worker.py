@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import npu_amp_tf  # noqa: E402
+from _worker_util import executed_ops as _ops  # noqa: E402
 
 tf1 = tf.compat.v1
 RULES = ("bf16_add_relu", "bf16_addn_relu_grad", "bf16_relu_bn_grad", "bf16_bn_grad")
@@ -210,15 +211,6 @@ def build_slim(bn=False):
     rng = np.random.RandomState(0)
     feeds = {x: rng.uniform(0, 1, [2, 64, 64, 3]).astype(np.float32), y: np.arange(2)}
     return feeds, loss, train
-
-
-def _ops(md):
-    ops = Counter()
-    for pg in md.partition_graphs:
-        for n in pg.node:
-            dt = tf.dtypes.as_dtype(n.attr["T"].type).name if "T" in n.attr else ""
-            ops[f"{n.op}:{dt}"] += 1
-    return dict(ops)
 
 
 def train_runs(build):

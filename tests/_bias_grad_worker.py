@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import npu_amp_tf  # noqa: E402
-from _worker_util import run_from  # noqa: E402
+from _worker_util import executed_ops as _ops, run_from  # noqa: E402
 
 tf1 = tf.compat.v1
 RULE = "bias_grad_matmul"
@@ -86,15 +86,6 @@ def _configs():
 
 def _emit(**kw):
     print("RESULT " + json.dumps(kw), flush=True)
-
-
-def _ops(md):
-    ops = Counter()
-    for pg in md.partition_graphs:
-        for n in pg.node:
-            dt = tf.dtypes.as_dtype(n.attr["T"].type).name if "T" in n.attr else ""
-            ops[f"{n.op}:{dt}"] += 1
-    return dict(ops)
 
 
 def run(norule=False):

@@ -68,3 +68,16 @@ def rel_l2(a, b) -> float:
 def onednn_on() -> bool:
     from graph_passes.fusion.builtin import onednn_enabled
     return onednn_enabled()
+
+
+def executed_ops(md) -> dict:
+    """{"op:dtype": count} over the partition graphs of a traced run (dtype: attr T, else "")."""
+    from collections import Counter
+
+    import tensorflow as tf
+    ops = Counter()
+    for pg in md.partition_graphs:
+        for n in pg.node:
+            dt = tf.dtypes.as_dtype(n.attr["T"].type).name if "T" in n.attr else ""
+            ops[f"{n.op}:{dt}"] += 1
+    return dict(ops)
