@@ -124,17 +124,24 @@ FILTER_GRAD_SHAPES = [
 ]
 
 
-def _session_ms(sess, fetch, rounds=5, runs=4):
-    """ms per ``sess.run(fetch)``: the best of ``rounds`` rounds of ``runs`` runs, after 3 warm-up runs."""
+def _timed(sess, op, rounds=5, runs=4):
+    """(wall ms, CPU ms) per ``sess.run(op)``: each the minimum over ``rounds`` rounds of ``runs``
+    runs, after 3 warm-up runs."""
     for _ in range(3):
-        sess.run(fetch)
-    best = float("inf")
+        sess.run(op)
+    wall = cpu = float("inf")
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(runs):
-            sess.run(fetch)
-        best = min(best, (time.perf_counter() - t0) / runs)
-    return best * 1e3
+            sess.run(op)
+        wall = min(wall, (time.perf_counter() - t0) / runs)
+        cpu = min(cpu, (time.process_time() - c0) / runs)
+    return wall * 1e3, cpu * 1e3
+
+
+def _session_ms(sess, fetch, rounds=5, runs=4):
+    """Wall ms per ``sess.run(fetch)`` (see :func:`_timed`)."""
+    return _timed(sess, fetch, rounds, runs)[0]
 
 
 def _filter_grad_child():
@@ -355,20 +362,6 @@ RESIDUAL_SHAPES = [(16, 32, 32, 256), (16, 16, 16, 512), (16, 8, 8, 1024), (16, 
 BN_SHAPES = [(16, 64, 64, 64), (16, 32, 32, 64), (16, 32, 32, 256), (16, 16, 16, 128), (16, 16, 16, 512),
              (16, 8, 8, 256), (16, 8, 8, 1024), (16, 4, 4, 512), (16, 4, 4, 2048)]
 ELEMENTWISE_FORMS = ("tf_bf16", "ours_bf16", "tf_fp32")
-
-
-def _timed(sess, op, rounds, runs):
-    """(wall ms, CPU ms) per run of ``op``: each the minimum over ``rounds`` rounds of ``runs`` runs."""
-    for _ in range(3):
-        sess.run(op)
-    wall = cpu = float("inf")
-    for _ in range(rounds):
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(runs):
-            sess.run(op)
-        wall = min(wall, (time.perf_counter() - t0) / runs)
-        cpu = min(cpu, (time.process_time() - c0) / runs)
-    return wall * 1e3, cpu * 1e3
 
 
 def _bf16_elementwise_child(rounds=5, runs=8):
