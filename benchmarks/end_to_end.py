@@ -25,6 +25,7 @@ Configurations:
                 rules (removed from the registry around its steps; the A/B of those rules);
   ours_no18f    ours without issue 18f's bf16_add_relu, bf16_addn_relu_grad, bf16_relu_bn_grad,
                 bf16_bn_grad rules (the same way);
+  ours_no18g    ours without issue 18g's bf16_gelu rule (the same way);
   fp32_again    a second FP32 session (sessions only): FP32's own run-to-run
                 spread, the yardstick for the loss differences.
 
@@ -94,10 +95,13 @@ OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False},
         # the keep_dtype_nodes entry names no node, it only gives the bridge's memo another key
         "ours_no18d": {"keep_dtype_nodes": ["__end_to_end_ours_no18d__"]},
         # the A/B of issue 18f's BF16 elementwise / batch-norm gradient kernels (same mechanism)
-        "ours_no18f": {"keep_dtype_nodes": ["__end_to_end_ours_no18f__"]}}
+        "ours_no18f": {"keep_dtype_nodes": ["__end_to_end_ours_no18f__"]},
+        # the A/B of issue 18g's BF16 transformer rules (same mechanism)
+        "ours_no18g": {"keep_dtype_nodes": ["__end_to_end_ours_no18g__"]}}
 #: fusion rules removed while a configuration's session runs (its graph is rewritten at its first run)
 WITHOUT_RULES = {"ours_no18d": ("bias_grad_bn_zero", "bias_grad_matmul", "strided_subsample"),
-                 "ours_no18f": ("bf16_add_relu", "bf16_addn_relu_grad", "bf16_relu_bn_grad", "bf16_bn_grad")}
+                 "ours_no18f": ("bf16_add_relu", "bf16_addn_relu_grad", "bf16_relu_bn_grad", "bf16_bn_grad"),
+                 "ours_no18g": ("bf16_gelu",)}
 
 
 class _RulesRemoved:
@@ -488,7 +492,7 @@ def main(argv=None):
     ap.add_argument("--models", default="slim_resnet50,keras_resnet50,keras_fit,bert")
     ap.add_argument("--configs", default="fp32,grappler,keras,ours",
                     help="subset of fp32,fp32_again,grappler,keras,ours,ours_nodelay,ours_black_reductions,"
-                         "ours_no18d,ours_no18f")
+                         "ours_no18d,ours_no18f,ours_no18g")
     ap.add_argument("--data", choices=("fixed", "teacher"), default="fixed",
                     help="fixed: one synthetic batch (timing); teacher: a fresh seeded batch per step "
                          "labelled by a fixed random teacher (the loss comparison)")

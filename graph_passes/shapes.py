@@ -380,7 +380,8 @@ _SAME_SHAPE = frozenset({
     "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "TanhGrad",
     "SigmoidGrad", "RsqrtGrad", "SqrtGrad", "SoftplusGrad", "SoftsignGrad", "ReciprocalGrad",
     # this project's ops whose output 0 has input 0's shape (their C++ shape functions)
-    "LayerNorm", "RMSNorm", "ScaleMaskSoftmax", "AddRelu", "AddNReluGrad", "BatchNormGradNHWC"})
+    "LayerNorm", "RMSNorm", "ScaleMaskSoftmax", "AddRelu", "AddNReluGrad", "BatchNormGradNHWC",
+    "GeluErf", "GeluErfGrad"})
 #: elementwise with NumPy broadcasting of inputs 0 and 1
 _BROADCAST = frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",

@@ -1500,6 +1500,7 @@ def register():
     __import__(__package__ + ".bias_grad", fromlist=["register"]).register(reg)  # its own file (18d)
     __import__(__package__ + ".subsample", fromlist=["register"]).register(reg)  # its own file (18d)
     __import__(__package__ + ".bf16_elementwise", fromlist=["register"]).register(reg)  # its own file (18f)
+    __import__(__package__ + ".bf16_transformer", fromlist=["register"]).register(reg)  # its own file (18g)
     reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments, escapes=True,
         reason="10 elementwise/reduction ops become one fp32-accumulating kernel")
     reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments, escapes=True,

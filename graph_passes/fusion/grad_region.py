@@ -120,6 +120,8 @@ GRAD_OPS = frozenset({
     "Mul", "RealDiv", "Div", "DivNoNan", "Neg", "Sub", "Add", "AddV2", "AddN", "Square", "Sqrt",
     "Rsqrt", "Reciprocal", "Pow", "Maximum", "Minimum", "FloorDiv", "SquaredDifference",
     "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "SoftmaxGrad", "Exp", "Log",
+    # grappler's arithmetic optimizer chains unary ops (Erf's gradient: Neg -> Exp) into one
+    "_UnaryOpsComposition",
     # reductions and broadcasting
     "Sum", "Mean", "Prod", "Tile", "BroadcastTo", "BroadcastGradientArgs",
     # shape plumbing

@@ -121,6 +121,8 @@ GRAY = {
     "AddNReluGrad": "fused ReluGrad(AddN(a, b)) (fusion rule bf16_addn_relu_grad): elementwise",
     "BatchNormGradNHWC": "fused batch-norm gradient (bf16_*bn_grad rules): FP32 sums inside, FP32 "
                          "scale/statistics inputs, as FusedBatchNormGradV3",
+    "GeluErf": "fused exact GELU (fusion rule bf16_gelu): elementwise, FP32 erf inside, as Erf/Mul",
+    "GeluErfGrad": "fused exact-GELU gradient (bf16_gelu): elementwise, FP32 exp/erf inside",
     "Sub": "elementwise arithmetic",
     "Mul": "elementwise arithmetic",
     "RealDiv": "elementwise arithmetic",
