@@ -25,7 +25,7 @@ Configurations:
                 rules (removed from the registry around its steps; the A/B of those rules);
   ours_no18f    ours without issue 18f's bf16_add_relu, bf16_addn_relu_grad, bf16_relu_bn_grad,
                 bf16_bn_grad rules (the same way);
-  ours_no18g    ours without issue 18g's bf16_gelu rule (the same way);
+  ours_no18g    ours without issue 18g's bf16_gelu, bf16_attention_train rules (the same way);
   fp32_again    a second FP32 session (sessions only): FP32's own run-to-run
                 spread, the yardstick for the loss differences.
 
@@ -101,7 +101,7 @@ OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False},
 #: fusion rules removed while a configuration's session runs (its graph is rewritten at its first run)
 WITHOUT_RULES = {"ours_no18d": ("bias_grad_bn_zero", "bias_grad_matmul", "strided_subsample"),
                  "ours_no18f": ("bf16_add_relu", "bf16_addn_relu_grad", "bf16_relu_bn_grad", "bf16_bn_grad"),
-                 "ours_no18g": ("bf16_gelu",)}
+                 "ours_no18g": ("bf16_gelu", "bf16_attention_train")}
 
 
 class _RulesRemoved:

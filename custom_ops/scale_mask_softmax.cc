@@ -25,6 +25,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -209,6 +211,73 @@ RowFn PickRow() {
   return &SoftmaxRowBase;
 }
 
+
+// ------------------------------------------------------------------ BF16 rows (18g)
+// bfloat16 rows widened to / rounded from fp32 16 at a time (AVX-512, chosen at run time): the
+// element-by-element static_cast of the generic path cost more than the softmax arithmetic.
+// Rounding is round-to-nearest-even on the bit pattern, as Eigen's float -> bfloat16 (a NaN
+// becomes 0x7fc0).  NPU_AMP_TF_BF16_PORTABLE=1 before the first call keeps the scalar loops.
+bool SmUseAvx512() {
+  static const bool use = [] {
+    const char* env = std::getenv("NPU_AMP_TF_BF16_PORTABLE");
+    if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
+#ifdef NPU_AMP_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return false;
+#endif
+  }();
+  return use;
+}
+
+#ifdef NPU_AMP_X86
+#define NPU_AMP_SM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+NPU_AMP_SM_AVX512 static inline __mmask16 SmTail(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+}
+NPU_AMP_SM_AVX512 static inline __m512 SmLoad16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+NPU_AMP_SM_AVX512 static inline __m256i SmRound16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  __m512i t = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), u), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, t, _mm512_set1_epi32(0x7fc0)));
+}
+// z = widen(in) * scale
+NPU_AMP_SM_AVX512 void WidenScaleRowAvx512(const uint16_t* in, float* z, int64_t n, float scale) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = SmTail(n - i);
+    _mm512_mask_storeu_ps(z + i, m, _mm512_mul_ps(SmLoad16(in + i, m), vs));
+  }
+}
+NPU_AMP_SM_AVX512 void RoundRowAvx512(const float* z, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = SmTail(n - i);
+    _mm256_mask_storeu_epi16(out + i, m, SmRound16(_mm512_maskz_loadu_ps(m, z + i)));
+  }
+}
+// out = (dp - sum(dp * p)) * (scale * p), straight from and to bfloat16 (two passes over the row)
+NPU_AMP_SM_AVX512 void SoftmaxGradRowBf16Avx512(const uint16_t* dp, const uint16_t* p, uint16_t* out,
+                                                int64_t n, float scale) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = SmTail(n - i);
+    acc = _mm512_fmadd_ps(SmLoad16(dp + i, m), SmLoad16(p + i, m), acc);
+  }
+  const __m512 vd = _mm512_set1_ps(_mm512_reduce_add_ps(acc)), vs = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = SmTail(n - i);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(SmLoad16(dp + i, m), vd), _mm512_mul_ps(SmLoad16(p + i, m), vs));
+    _mm256_mask_storeu_epi16(out + i, m, SmRound16(r));
+  }
+}
+#endif
+
 template <typename T>
 class ScaleMaskSoftmaxOp : public OpKernel {
  public:
@@ -254,6 +323,8 @@ class ScaleMaskSoftmaxOp : public OpKernel {
     const int64_t col_stride = mstride[r - 1];
     RowFn row_fn = row_fn_;
     FusedRowFn fused_fn = fused_fn_;
+    const bool avx512 = SmUseAvx512();
+    (void)avx512;
     auto work = [&](int64_t begin, int64_t end) {
       std::vector<float> buf(std::is_same<T, float>::value ? 0 : NC);
       for (int64_t row = begin; row < end; ++row) {
@@ -283,6 +354,11 @@ class ScaleMaskSoftmaxOp : public OpKernel {
         if constexpr (std::is_same<T, float>::value) {
           z = Eigen::Map<const Eigen::ArrayXf>(in, NC) * scale;
         } else {
+#ifdef NPU_AMP_X86
+          if (std::is_same<T, Eigen::bfloat16>::value && avx512) {
+            WidenScaleRowAvx512(reinterpret_cast<const uint16_t*>(in), zp, NC, scale);
+          } else
+#endif
           for (int64_t j = 0; j < NC; ++j) zp[j] = static_cast<float>(in[j]) * scale;
         }
         if (mp != nullptr) {
@@ -304,6 +380,12 @@ class ScaleMaskSoftmaxOp : public OpKernel {
         }
         row_fn(zp, NC);
         if constexpr (!std::is_same<T, float>::value) {
+#ifdef NPU_AMP_X86
+          if (std::is_same<T, Eigen::bfloat16>::value && avx512) {
+            RoundRowAvx512(zp, reinterpret_cast<uint16_t*>(op + row * NC), NC);
+            continue;
+          }
+#endif
           for (int64_t j = 0; j < NC; ++j) op[row * NC + j] = static_cast<T>(zp[j]);
         }
       }
@@ -380,6 +462,8 @@ class ScaleMaskSoftmaxGradOp : public OpKernel {
     T* op = out->flat<T>().data();
     const float scale = scale_;
     GradRowFn row_fn = row_fn_;
+    const bool avx512 = SmUseAvx512();
+    (void)avx512;
     auto work = [&](int64_t begin, int64_t end) {
       constexpr bool kF32 = std::is_same<T, float>::value;
       std::vector<float> a(kF32 ? 0 : NC), b(kF32 ? 0 : NC), c(kF32 ? 0 : NC);
@@ -388,6 +472,14 @@ class ScaleMaskSoftmaxGradOp : public OpKernel {
         if constexpr (kF32) {
           row_fn(dyp + off, yp + off, op + off, NC, scale);
         } else {
+#ifdef NPU_AMP_X86
+          if (std::is_same<T, Eigen::bfloat16>::value && avx512) {
+            SoftmaxGradRowBf16Avx512(reinterpret_cast<const uint16_t*>(dyp + off),
+                                     reinterpret_cast<const uint16_t*>(yp + off),
+                                     reinterpret_cast<uint16_t*>(op + off), NC, scale);
+            continue;
+          }
+#endif
           for (int64_t j = 0; j < NC; ++j) a[j] = static_cast<float>(dyp[off + j]);
           for (int64_t j = 0; j < NC; ++j) b[j] = static_cast<float>(yp[off + j]);
           row_fn(a.data(), b.data(), c.data(), NC, scale);

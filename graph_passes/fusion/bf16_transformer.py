@@ -153,11 +153,28 @@ def _gelu_backward(m, b, x, dt, reemit_aggregator):
     b.region(region.nodes, rewire, gname)
 
 
+def _build_attention_train_bf16(m, b):
+    """``attention_train`` (builtin.py, graph_level 3) at level 2 where the plan is BF16: the level-3
+    reason (rounding changes) does not hold against a BF16 plan, whose TF ops round every step to
+    BF16 while the fused kernels compute in FP32 and round once."""
+    from .bf16_elementwise import _require_bf16_cpu
+    from .builtin import _build_attention_train
+
+    _require_bf16_cpu(b, b.anchor, "ScaleMaskSoftmax")
+    return _build_attention_train(m, b)
+
+
 def register(reg):
     """Called from ``builtin.register`` with its registering function (after ``bias_gelu_exact``)."""
+    from .builtin import _softmax_grad_signature
+
     reg("bf16_gelu", _pattern(), _build_gelu, follows_precision=True, escapes=True,
         reason="BF16 exact GELU and its gradient as one vectorised pass each (TF: 5 forward and ~12 "
                "backward BF16/FP32 ops with casts); FP32 arithmetic, one rounding")
+    reg("bf16_attention_train", Pat("Softmax", predicate=_softmax_grad_signature), _build_attention_train_bf16,
+        follows_precision=True, escapes=True,
+        reason="BF16 training graph: scale + mask + softmax and their backward region (an FP32 island with "
+               "casts on TF 2.15) become ScaleMaskSoftmax / ScaleMaskSoftmaxGrad in BF16 I/O, FP32 inside")
 
 
 __all__ = ["register", "MEASURED"]

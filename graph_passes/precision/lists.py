@@ -93,6 +93,10 @@ BF16_GRAY = {
                      "range under loss scaling, not FP16's",
     "RMSNorm": "as LayerNorm",
     "RMSNormGrad": "as LayerNormGrad",
+    "ScaleMaskSoftmax": "max, exp and the row sum in FP32 inside (18g); BF16 I/O has FP32's range, so it "
+                        "follows its producers, like oneDNN's BF16 Softmax",
+    "ScaleMaskSoftmaxGrad": "the row sum(dp * p) in FP32 inside; BF16 I/O (probabilities as ScaleMaskSoftmax "
+                            "gave them)",
 }
 
 #: black reductions whose FP16 reasons (range; an FP16 accumulator) do not hold for
