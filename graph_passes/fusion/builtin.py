@@ -36,6 +36,9 @@ level 2  ``bf16_relu_bn_grad``  FusedBatchNormGradV3(ReluGrad(g, f), ...) traini
                                  => BatchNormGradNHWC(num_relu=1); ``bf16_bn_grad`` the same without
                                  the ReluGrad (N*H*W >= 1024)  (custom_ops/bf16_elementwise.cc; 1.5-2.4x
                                  faster than TF's BF16 ops; bf16_elementwise.py)
+level 2  ``bf16_gelu``           exact GELU (erf/erfc forms) + its autodiff gradient, BF16 plan, CPU => GeluErf /
+                                 GeluErfGrad (custom_ops/gelu.cc); ``bf16_attention_train`` ``attention_train``
+                                 at level 2 under a BF16 plan (bf16_transformer.py)
 level 2  ``batch_norm_moments`` training batch norm as moments + arithmetic (Keras 3, tf.nn.moments),
                                  BF16 under oneDNN => FusedBatchNormV3 / FusedBatchNormGradV3 (batch_norm.py)
 level 3  ``attention``          BatchMatMul/Einsum -> scale (q, k or scores) -> [mask add | where]
