@@ -3,8 +3,8 @@ graphs may abort TF, so every run happens here, never in the pytest process).
 
 Kinds (each prints ``RESULT {json}`` lines, then ``DONE``):
 
-* ``kernels``: ``GeluErf`` / ``GeluErfGrad`` (custom_ops/gelu.cc) and ``ScaleMaskSoftmax`` /
-  ``ScaleMaskSoftmaxGrad`` (BF16 rows) on BF16 data of tiny shapes (tails of 1-15 elements),
+* ``kernels``: ``GeluErf`` / ``GeluErfGrad`` (custom_ops/gelu.cc), ``ScaleMaskSoftmax`` /
+  ``ScaleMaskSoftmaxGrad`` and ``LayerNorm`` / ``LayerNormGrad`` (BF16 rows) on BF16 data of tiny shapes (tails of 1-15 elements),
   with a float64 reference computed here with NumPy / math.erf from the same BF16 inputs; TF's
   own BF16 op chain (the GELU as tf.nn.gelu writes it, and its autodiff gradient) on the same
   data for comparison; and the float kernels.
@@ -111,6 +111,24 @@ def kernels():
         refg = scale * (dp64 - (dp64 * p64).sum(-1, keepdims=True)) * p64
         _emit(kind="softmax", shape=list(shape), fwd=_worst(p64, ref, 1e-6),
               grad=_worst(g, refg, 1e-5 * np.max(np.abs(refg))), dtype=str(p.dtype.name))
+    for n, d in ((3, 17), (4, 40), (2, 768)):
+        x = _bf16(rng.standard_normal((n, d)) * 2 + 0.5)
+        dy = _bf16(rng.standard_normal((n, d)))
+        gam, bet = _bf16(rng.standard_normal(d)), _bf16(rng.standard_normal(d))
+        y, mu, rs = lib.layer_norm(x, gam, bet, epsilon=1e-12)
+        dx, dg, db = lib.layer_norm_grad(dy, x, gam, mu, rs)
+        x64, g64, b64, dy64 = _f64(x), _f64(gam), _f64(bet), _f64(dy)
+        m = x64.mean(-1, keepdims=True)
+        xh = (x64 - m) / np.sqrt(((x64 - m) ** 2).mean(-1, keepdims=True) + 1e-12)
+        ref = xh * g64 + b64
+        gi = dy64 * g64
+        refdx = (gi - gi.mean(-1, keepdims=True) - xh * (gi * xh).mean(-1, keepdims=True)) * \
+            (1 / np.sqrt(((x64 - m) ** 2).mean(-1, keepdims=True) + 1e-12))
+        refdg, refdb = (dy64 * xh).sum(0), dy64.sum(0)
+        _emit(kind="layer_norm", shape=[n, d], fwd=_worst(_f64(y), ref, 1e-5 * np.max(np.abs(ref))),
+              dx=_worst(_f64(dx), refdx, 1e-4 * np.max(np.abs(refdx))),
+              dgamma=_worst(_f64(dg), refdg, 1e-4 * np.max(np.abs(refdg))),
+              dbeta=_worst(_f64(db), refdb, 1e-4 * np.max(np.abs(refdb))), dtype=str(y.dtype.name))
 
 
 # ------------------------------------------------------------------ graphs

@@ -7,7 +7,8 @@ with BF16 I/O (graph_passes/fusion/bf16_transformer.py).  Measured on the BERT-l
 Every run happens in a subprocess (``_bf16_transformer_worker.py``): a kernel may abort TF.
 
 Tolerances.
-* Kernels: each computes its formula in FP32 and rounds once to BF16, so against a float64
+* Kernels (GeluErf/Grad, the BF16 rows of ScaleMaskSoftmax/Grad and LayerNorm/Grad): each computes
+  its formula in FP32 and rounds once to BF16, so against a float64
   reference computed from the same BF16 inputs each element is off by at most half a BF16 ulp of
   itself (2^-8 |ref|: 8 significant bits) plus the FP32 error of erf / exp / the row sums
   (``floor``: 2e-6 max(|x|, 1) for the GELU, scaled by |dy| for its gradient; 1e-6 for the
@@ -75,6 +76,18 @@ def test_softmax_bf16_rows_round_once_from_fp32(kernel_runs, path):
     for r in rows:
         assert r["dtype"] == "bfloat16", r
         assert r["fwd"] <= 1.0 and r["grad"] <= 1.0, r
+
+
+@pytest.mark.parametrize("path", ["dispatch", "portable"])
+def test_layer_norm_bf16_rows_round_once_from_fp32(kernel_runs, path):
+    """LayerNorm / LayerNormGrad BF16 rows (AVX-512 rows since 18g): y and dx one rounding from an
+    FP32 computation whose sums over D <= 768 terms err by < D * 2^-24 of the largest value (the
+    1e-5 / 1e-4 max|ref| floors); dgamma / dbeta sum over rows in FP32, rounded to BF16."""
+    rows = [r for r in (kernel_runs[0] if path == "dispatch" else kernel_runs[1]) if r["kind"] == "layer_norm"]
+    assert len(rows) == 3 and any(r["shape"][1] % 16 for r in rows)
+    for r in rows:
+        assert r["dtype"] == "bfloat16", r
+        assert max(r["fwd"], r["dx"], r["dgamma"], r["dbeta"]) <= 1.0, r
 
 
 @pytest.fixture(scope="module")
