@@ -334,6 +334,8 @@ class Graph:
         With ``port`` set, only data consumers of that output."""
         out = self._consumers.get(name, ())
         if port is None:
+            if control and self.fast_consumers:
+                return list(out)  # (issue 17j: the same list, copied in C)
             return [c for c in out if control or c[1] >= 0]
         res = []
         nodes = self.nodes
@@ -358,8 +360,9 @@ class Graph:
         return res
 
     #: (issue 17j) :meth:`consumers` with ``port`` compares each input with
-    #: the canonical reference before parsing it; False: parse every one
-    #: (the reference; the same lists)
+    #: the canonical reference before parsing it, and copies the whole list
+    #: in C for ``port=None, control=True``; False: parse every one, filter
+    #: every entry (the reference; the same lists)
     fast_consumers = True
 
     def data_inputs(self, node) -> list[str]:

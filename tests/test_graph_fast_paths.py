@@ -8,6 +8,9 @@ comparison catches.
   use it;
 * ``Graph.consumers(name, port)`` compares each input with the canonical
   reference before parsing it (``Graph.fast_consumers = False``: parse each);
+* ``pipeline.PROMOTE_SURVIVORS``: after a run the objects it leaves alive
+  are moved to the oldest GC generation (no young collection traverses
+  them), nothing stays frozen and garbage cycles are still collected;
 * the whole pipeline (fusion, precision, cleanup) gives byte-identical
   GraphDefs and equal reports with the switches on and off, on Keras
   ResNet-50, TF-Slim ResNet-v1-50, the BERT-like builder and a Keras
@@ -17,12 +20,15 @@ The precision pass's own shortcuts of this session (``_wanted``,
 ``_float_inputs``, ``_finish``) sit under ``PrecisionPass.fast_paths`` and
 are compared with its reference in ``test_precision_fast.py``.
 """
+import gc
 import random
+import weakref
 
 import pytest
 from tensorflow.core.framework import graph_pb2
 
 import npu_amp_tf
+from npu_amp_tf import pipeline
 from graph_passes.graph import Graph
 from test_fusion_skip import MODES, keras_transformer_block_training_graph
 from test_precision_fast import _strip_times, slim_resnet_graph
@@ -168,6 +174,13 @@ def test_consumers_by_port_equal_parsing_every_input(real_graphs):
             fast, ref = _consumers_both(g, name, port)
             assert fast == ref, (label, name, port)
             checked += bool(ref)
+        for name in g.nodes:
+            for control in (True, False):
+                g.fast_consumers = True
+                fast = g.consumers(name, control=control)
+                g.fast_consumers = False
+                assert fast == g.consumers(name, control=control), (label, name, control)
+        g.fast_consumers = True
     assert checked > 1000
 
 
@@ -207,6 +220,7 @@ def test_a_fast_consumers_without_the_parse_is_caught(monkeypatch):
 def _rewrite(monkeypatch, gd, fetches, fast, kw, calls):
     for flag in SWITCHES:
         monkeypatch.setattr(Graph, flag, fast)
+    monkeypatch.setattr(pipeline, "PROMOTE_SURVIVORS", fast)
     orig = Graph.remove_nodes
 
     def counted(self, names, force=False):
@@ -232,3 +246,56 @@ def test_pipeline_equals_reference_on_real_graphs(real_graphs, monkeypatch, mode
         assert fast_rep == ref_rep, f"{label} {mode}: the shortcuts changed the report"
         batched += sum(1 for c in calls if c > 1)
     assert batched > 0, "no fusion removed a batch: the comparison is vacuous"
+
+
+class _Node:
+    pass
+
+
+def _young_after_run(gd, promote, monkeypatch):
+    """(objects in generations 0 and 1 after a rewrite, the report) with the
+    collector enabled around it."""
+    monkeypatch.setattr(pipeline, "PROMOTE_SURVIVORS", promote)
+    gc.collect()
+    out, rep = npu_amp_tf.rewrite_graph(gd, fetches=["loss", "train"])
+    young = len(gc.get_objects(generation=0)) + len(gc.get_objects(generation=1))
+    return young, (out, rep)
+
+
+def test_survivors_are_promoted_nothing_stays_frozen_and_cycles_are_found(monkeypatch):
+    gd = bert_like_training_graph()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    # a garbage cycle made before the run: still collected after it
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    dead = weakref.ref(a)
+    del a, b
+    young_ref, kept_ref = _young_after_run(gd, False, monkeypatch)
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    dead2 = weakref.ref(a)
+    del a, b
+    young, kept = _young_after_run(gd, True, monkeypatch)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    # the reference leaves the run's survivors young (thousands: graph
+    # indexes kept by the lazy report); promoted, only what the caller made
+    # after the run is young
+    assert young_ref > 5000 and young < young_ref // 10, (young, young_ref)
+    gc.collect()
+    assert dead() is None and dead2() is None
+    assert kept[0].SerializeToString(deterministic=True) == kept_ref[0].SerializeToString(deterministic=True)
+
+
+def test_objects_the_process_froze_stay_frozen(monkeypatch):
+    """A process that froze objects itself (a pre-fork server): the run does
+    not unfreeze them (no promotion then)."""
+    monkeypatch.setattr(pipeline, "PROMOTE_SURVIVORS", True)
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        npu_amp_tf.rewrite_graph(bert_like_training_graph(layers=1), fetches=["loss", "train"])
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
