@@ -257,8 +257,13 @@ def _young_after_run(gd, promote, monkeypatch):
     collector enabled around it."""
     monkeypatch.setattr(pipeline, "PROMOTE_SURVIVORS", promote)
     gc.collect()
-    out, rep = npu_amp_tf.rewrite_graph(gd, fetches=["loss", "train"])
-    young = len(gc.get_objects(generation=0)) + len(gc.get_objects(generation=1))
+    threshold = gc.get_threshold()
+    gc.set_threshold(10 ** 8, 10, 10)  # (no automatic collection moves them meanwhile)
+    try:
+        out, rep = npu_amp_tf.rewrite_graph(gd, fetches=["loss", "train"])
+        young = len(gc.get_objects(generation=0)) + len(gc.get_objects(generation=1))
+    finally:
+        gc.set_threshold(*threshold)
     return young, (out, rep)
 
 
