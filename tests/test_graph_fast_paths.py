@@ -285,7 +285,7 @@ def test_survivors_are_promoted_nothing_stays_frozen_and_cycles_are_found(monkey
     # the reference leaves the run's survivors young (thousands: graph
     # indexes kept by the lazy report); promoted, only what the caller made
     # after the run is young
-    assert young_ref > 5000 and young < young_ref // 10, (young, young_ref)
+    assert young_ref > 1000 and young < young_ref // 10, (young, young_ref)
     gc.collect()
     assert dead() is None and dead2() is None
     assert kept[0].SerializeToString(deterministic=True) == kept_ref[0].SerializeToString(deterministic=True)
@@ -301,6 +301,8 @@ def test_objects_the_process_froze_stay_frozen(monkeypatch):
         frozen = gc.get_freeze_count()
         assert frozen > 0
         npu_amp_tf.rewrite_graph(bert_like_training_graph(layers=1), fetches=["loss", "train"])
-        assert gc.get_freeze_count() == frozen
+        # (frozen objects freed by reference counting meanwhile leave the
+        # count; an unfreeze would have emptied it)
+        assert gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
