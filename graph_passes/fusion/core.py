@@ -740,12 +740,8 @@ def _commit(graph: Graph, m: Match, plan, ctx, trail: Trail | None) -> Outcome:
     if trail is not None:
         for name in (*b.region_nodes, *m.matched, *b.replaced):
             trail.note_removal(graph, name)
-    for name in b.region_nodes:
-        graph.remove_node(name, force=True)
-    for name in m.matched:
-        graph.remove_node(name, force=True)
-    for name in b.replaced:
-        graph.remove_node(name, force=True)
+    # one batch (Graph.remove_nodes: as remove_node per name, in this order)
+    graph.remove_nodes((*b.region_nodes, *m.matched, *b.replaced), force=True)
     for n in b.emitted:
         graph.add_node(n)
     for r, cons in kept.items():

@@ -77,6 +77,7 @@ from .. import registry
 from ..errors import GraphError, OptionError
 from ..graph import parse_tensor, tensor_name
 from ..manager import Pass, register_pass
+from ..report import Report
 from . import stats as _stats
 from .planner import MODES, canonical_mode, plan_for  # noqa: F401  (re-exported)
 
@@ -318,7 +319,8 @@ class PrecisionPass(Pass):
             return [(k, inp) for k, inp in enumerate(ins)
                     if not (inp.startswith("^") or k >= len(in_attr) or not in_attr[k])]
         n = len(ins)
-        return [(k, ins[k]) for k in info.fidx if k < n and not ins[k].startswith("^")]
+        # (one read of each input: a protobuf container's item is a new str each time)
+        return [(k, inp) for k in info.fidx if k < n for inp in (ins[k],) if inp[:1] != "^"]
 
     def in_loop_plumbing(self, node):
         """A Switch fed a ``LoopCond`` predicate (or a loop-carried value
@@ -650,8 +652,21 @@ class PrecisionPass(Pass):
     def _wanted(self, ref, exclude=None):
         """Base dtypes the readers of ``ref`` (other than ``exclude``) expect."""
         wants = set()
+        nodes = self.g.nodes
+        if self.fast_paths:  # (issue 17j: in_dtypes' memo read inline)
+            memo = self._dts
+            for cname, idx in self._readers(ref, exclude):
+                node = nodes[cname]
+                hit = memo.get(cname)
+                if hit is None or hit[0] is not node:
+                    hit = self._memo_dts(node)
+                want = hit[1]
+                if want is not None and idx < len(want):
+                    dt = want[idx]
+                    wants.add(dt - registry.REF_OFFSET if dt > registry.REF_OFFSET else dt)
+            return wants
         for cname, idx in self._readers(ref, exclude):
-            want = self.in_dtypes(self.g.nodes[cname])
+            want = self.in_dtypes(nodes[cname])
             if want is not None and idx < len(want):
                 wants.add(registry.base_dtype(want[idx]))
         return wants
@@ -1224,8 +1239,14 @@ class PrecisionPass(Pass):
             if node.op in _stats.MATRIX_OPS:
                 matrix.append((node, low))
         redo = [n for n in self.touched if n in g.nodes] + list(self.new_casts)
-        for n, fields in self.decisions.items():
-            rep.decide(n, **fields)
+        if self.fast_paths and type(rep).decide is Report.decide:
+            # (issue 17j) Report.decide inline: no call and no keyword dict per decision
+            get = rep.decisions.setdefault
+            for n, fields in self.decisions.items():
+                get(n, {}).update(fields)
+        else:
+            for n, fields in self.decisions.items():
+                rep.decide(n, **fields)
         summary = {
             "precision_mode": self.mode,
             "low_dtype": self.low_name,
