@@ -416,6 +416,53 @@ def offline():
           ops={n.name: n.op for n in rgd.node if n.name in ("none_relu", "none_bcast_relu")})
 
 
+def keras_fit():
+    """The small Keras ResNet trained by ``train_on_batch`` (the ``fit`` train function, TF2: its
+    graph is rewritten when the function is instantiated) under ours and ``norule``, from the same
+    weights: executed ops with dtypes (run metadata of the function graphs) and the loss."""
+    from tensorflow.python.eager import context
+
+    from graph_passes.fusion import RULES as REG
+
+    K = _keras2()
+    resnet = _keras_resnet_module()
+
+    def stack_fn(t):
+        t = resnet.stack1(t, 16, 2, stride1=1, name="conv2")
+        return resnet.stack1(t, 32, 2, name="conv3")
+
+    rng = np.random.RandomState(0)
+    x, y = rng.uniform(0, 1, [4, 64, 64, 3]).astype(np.float32), np.arange(4)
+    w0 = None
+    for name in ("ours", "norule"):
+        # a model per configuration (its own variables: another function graph, rewritten anew)
+        K.backend.clear_session()
+        tf.random.set_seed(1)
+        model = resnet.ResNet(stack_fn, False, True, "resnet_small", weights=None, input_shape=(64, 64, 3),
+                              classes=10)
+        w0 = model.get_weights() if w0 is None else w0
+        saved = {k: REG.pop(k) for k in RULES} if name == "norule" else {}
+        # (another option for norule: the plugin caches rewrites per graph and options)
+        npu_amp_tf.enable(precision_mode=MODE, graph_level=2, keep_dtype_nodes=["__norule__"] if name == "norule" else [])
+        ctx = context.context()
+        try:
+            model.set_weights(w0)
+            model.compile(K.optimizers.SGD(0.01, momentum=0.9), "sparse_categorical_crossentropy")
+            ctx.enable_run_metadata()
+            lv = model.train_on_batch(x, y)
+            md = ctx.export_run_metadata()
+        finally:
+            ctx.disable_run_metadata()
+            npu_amp_tf.disable()
+            REG.update(saved)
+        ops = Counter()
+        for fg in md.function_graphs:
+            for pg in fg.partition_graphs or [fg.post_optimization_graph]:
+                for n in pg.node:
+                    ops[f"{n.op}:{tf.dtypes.as_dtype(n.attr['T'].type).name if 'T' in n.attr else ''}"] += 1
+        _emit(kind="keras_fit", config=name, loss=float(lv), ops=dict(ops))
+
+
 def models():
     """Every graph check in one process (one TF start): the offline rewrites, then the training
     steps of the small Keras and TF-Slim ResNets and of the batch-None join (equal batches, and a
@@ -428,6 +475,7 @@ def models():
         train_runs(lambda: build_keras(batch_none=False), "keras_static")
     train_runs(build_join, "join")
     train_runs(lambda: build_join(1, 3), "join_bcast")
+    keras_fit()
 
 
 if __name__ == "__main__":

@@ -302,3 +302,19 @@ def test_batch_none_join_in_a_session_equals_tf(kind):
     else:  # the batch-1 side's gradient is summed over 3 rows in FP32 and rounded once (TF: FP32 Sum,
         # then the Cast to BF16 for the conv's gradient): at most BF16 rounding apart
         assert upd["ours_norule"] <= EPS_BF16, upd
+
+
+def test_keras_train_on_batch_runs_the_joins_in_bf16():
+    """Keras' own ``train_on_batch`` (the fit train function, TF2) of the small Keras ResNet: the
+    joins (batch None in the traced function) run as AddRelu / AddNReluGrad in BF16, every
+    conv -> BN -> Relu gradient fused, the loss equal to the unfused BF16 function's."""
+    rows = {r["config"]: r for r in _models("keras_fit")}
+    o, n = rows["ours"]["ops"], rows["norule"]["ops"]
+    e = EXPECTED["keras"]
+    assert _count(o, "AddRelu", "bfloat16") == e["joins"] == _count(o, "AddRelu")
+    assert _count(o, "AddNReluGrad", "bfloat16") == e["back_joins"] == _count(o, "AddNReluGrad")
+    assert _count(o, "BatchNormGradNHWC", "bfloat16") >= e["relu_bn"] and _count(o, "BatchNormGradNHWC", "float32") == 0
+    assert _count(o, "BatchNormGradNHWC") + _bn_grads(o, "") == _bn_grads(n, "") == e["bn"]
+    assert _count(o, "Relu") == 0 and _count(n, "Relu", "bfloat16") == e["joins"]
+    assert _count(o, "Cast") <= _count(n, "Cast")
+    assert rows["ours"]["loss"] == rows["norule"]["loss"]
