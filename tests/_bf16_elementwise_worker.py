@@ -8,17 +8,23 @@ Kinds (each prints ``RESULT {json}`` lines, then ``DONE``):
   and are not multiples of 16) next to TF's own BF16 ops on the same data: for AddRelu /
   AddNReluGrad whether the bits are equal and a digest of ours; for BatchNormGradNHWC the
   max error of ours and of TF's BF16 FusedBatchNormGradV3 against a float64 reference
-  computed here with NumPy, dscale / doffset errors, and a digest.  Run it with
+  computed here with NumPy, dscale / doffset errors, and a digest; AddRelu with a broadcast
+  leading dim of 1 against TF's BF16 AddV2 -> Relu, JoinGradSum against float64, and the
+  InvalidArgument texts of shapes the ops refuse.  Run it with
   ``NPU_AMP_TF_BF16_PORTABLE=1`` too: the digests must agree (AVX-512 vs portable loop).
-* ``keras``: Keras (tf_keras on TF >= 2.16) ResNet50 at 64x64, batch 4, in a TF1 graph, one
-  Momentum step from the same weights under fp32, ours (``allow_mix_precision_bf16``,
-  graph_level 2) and ours with this project's bf16_* rules removed (``norule``): executed op
-  types with dtypes (partition graphs), the loss and every weight's update.
-* ``slim`` / ``slim_bn``: the same for TF-Slim ``resnet_v1_50`` at 64x64, batch 2, without and
-  with ``resnet_arg_scope()`` (batch norms).
-* ``offline``: the Keras ResNet50 graph rewritten offline in FP32 (must_keep_origin_dtype), FP16
-  (allow_mix_precision) and BF16 modes, and a small graph of cases the rules refuse
-  (a broadcasting add, an AddN of 3, a small plain batch norm, NCHW): fusion counts and reasons.
+* ``models`` (one process for every graph check): ``offline`` (below), then one Momentum step
+  per configuration, fp32 / ours (``allow_mix_precision_bf16``, graph_level 2) / ``norule`` (ours
+  with this project's bf16_* rules removed), from the same weights, of: a small Keras ResNet
+  (Keras applications' ResNet code, 2 stacks of 2 bottleneck blocks, images of batch None;
+  ``keras``), a small TF-Slim ``resnet_v1`` (2 blocks of 2 units) without and with
+  ``resnet_arg_scope()`` (``slim`` / ``slim_bn``), a batch-None join fed equal batches and 1
+  against 3 (``join`` / ``join_bcast``): executed op types with dtypes (partition graphs), the
+  loss and every variable's update; then the small Keras ResNet under ``train_on_batch``
+  (``keras_fit``, ours and norule): executed ops of the function graphs and the loss.
+* ``offline``: the Keras ResNet50 graph (static batch 4) rewritten offline in FP32
+  (must_keep_origin_dtype), FP16 (allow_mix_precision) and BF16 modes, a small graph of cases the
+  rules refuse (a broadcasting add, an AddN of 3, a small plain batch norm, NCHW) and a
+  batch-None join: fusion counts and reasons.
 """
 from __future__ import annotations
 
@@ -471,8 +477,6 @@ def models():
     train_runs(build_keras, "keras")
     train_runs(build_slim, "slim")
     train_runs(lambda: build_slim(bn=True), "slim_bn")
-    if os.environ.get("BF16_EW_KERAS_STATIC"):
-        train_runs(lambda: build_keras(batch_none=False), "keras_static")
     train_runs(build_join, "join")
     train_runs(lambda: build_join(1, 3), "join_bcast")
     keras_fit()
