@@ -100,7 +100,8 @@ OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False},
         "ours_no18g": {"keep_dtype_nodes": ["__end_to_end_ours_no18g__"]}}
 #: fusion rules removed while a configuration's session runs (its graph is rewritten at its first run)
 WITHOUT_RULES = {"ours_no18d": ("bias_grad_bn_zero", "bias_grad_matmul", "strided_subsample"),
-                 "ours_no18f": ("bf16_add_relu", "bf16_addn_relu_grad", "bf16_relu_bn_grad", "bf16_bn_grad"),
+                 "ours_no18f": ("bf16_add_relu", "bf16_addn_relu_grad", "bf16_relu_bn_grad", "bf16_bn_grad",
+                                "bf16_join_grad_sum"),
                  "ours_no18g": ("bf16_gelu", "bf16_attention_train")}
 
 

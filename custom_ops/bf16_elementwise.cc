@@ -9,6 +9,8 @@
 //
 //   AddRelu(a, b)                 y  = relu(a + b)             (Relu(AddV2(a, b)))
 //   AddNReluGrad(a, b, features)  dx = (a + b) * (features > 0) (ReluGrad(AddN(a, b), features))
+//   JoinGradSum(grad, shape)      the gradient of one input of a batch-None join:
+//                                 grad (forwarded) or its sum over a broadcast leading dim
 //   BatchNormGradNHWC(dy, x, scale, mean, variance[, relu_y])
 //       the training batch-norm gradient over N, H, W (FusedBatchNormGradV3,
 //       is_training, NHWC), optionally with the ReluGrad before it fused:
@@ -19,20 +21,23 @@
 //       in FP32 (sums in fixed row blocks: deterministic), dx rounded to T.
 //
 // T is bfloat16 or float (the float kernels are the plain loops: the precision
-// pass may leave a fused op FP32).  Elementwise inputs must have equal shapes
-// (no broadcasting).  The AVX-512 path (avx512f + avx512bw + avx512vl, chosen
+// pass may leave a fused op FP32).  Elementwise inputs must have equal shapes;
+// AddRelu's two may also differ in a leading dim of 1, broadcast as AddV2 does
+// (the rule lets batch-None joins through; AddV2 broadcasts only that way there).  The AVX-512 path (avx512f + avx512bw + avx512vl, chosen
 // at run time) and the portable loop give identical results; setting the
 // environment variable NPU_AMP_TF_BF16_PORTABLE=1 before the first call forces
 // the portable loop (tests compare both).
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -65,12 +70,11 @@ REGISTER_OP("AddRelu")
     .Output("y: T")
     .Attr("T: {bfloat16, float}")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
-      shape_inference::ShapeHandle s;
-      TF_RETURN_IF_ERROR(c->Merge(c->input(0), c->input(1), &s));
-      c->set_output(0, s);
-      return ::tensorflow::OkStatus();
+      // AddV2's: the kernel broadcasts a leading dim of 1 (batch None in function graphs)
+      return shape_inference::BroadcastBinaryOpOutputShapeFn(c, 0);
     })
-    .Doc("relu(a + b) in one pass (FP32 arithmetic, one rounding); a and b of equal shape.");
+    .Doc("relu(a + b) in one pass (FP32 arithmetic, one rounding); a and b of equal shape or "
+         "differing only in a leading dim of 1 (broadcast as AddV2).");
 
 REGISTER_OP("AddNReluGrad")
     .Input("a: T")
@@ -86,6 +90,26 @@ REGISTER_OP("AddNReluGrad")
       return ::tensorflow::OkStatus();
     })
     .Doc("ReluGrad(a + b, features) = (a + b) * (features > 0) in one pass; equal shapes.");
+
+REGISTER_OP("JoinGradSum")
+    .Input("grad: T")
+    .Input("shape: Tshape")
+    .Output("y: T")
+    .Attr("T: {bfloat16, float}")
+    .Attr("Tshape: {int32, int64} = DT_INT32")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle s;
+      TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(1, &s));
+      c->set_output(0, s);
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+The gradient of one input of a batch-None residual join (AddV2's
+Reshape(Sum(grad, BroadcastGradientArgs(..)[i], keep_dims), Shape(input))) where
+the join's inputs are equal in every dim but the leading one: grad itself when
+its shape is `shape` (no copy), else the sum over the leading dim where `shape`
+has 1 there (FP32 accumulation, one rounding); any other shape: InvalidArgument.
+)doc");
 
 REGISTER_OP("BatchNormGradNHWC")
     .Input("dy: T")
@@ -263,85 +287,160 @@ Status SameShapes(const char* op, std::initializer_list<const Tensor*> ts) {
   return ::tensorflow::OkStatus();
 }
 
-template <typename T>
-class AddReluOp : public OpKernel {
+// The elementwise ops' common kernel: K inputs of one shape (``Fn::kLeadBroadcast``: inputs 0
+// and 1 may also differ in a leading dim of 1, broadcast as AddV2 does; any other mismatch is
+// InvalidArgument), output 0 forwarded from input 0 or 1 where that has the output's shape, else
+// allocated; then, in shards of 16-element chunks, Fn's float loop (T = float) or its BF16 loops
+// (AVX-512 when UseAvx512(), else portable) on uint16 bit patterns.  Fn provides kName, kIn,
+// kCost, kLeadBroadcast, Float(in, i) and Bf16(avx, in, y, n) (in: K pointers already offset).
+template <typename T, typename Fn>
+class ElementwiseOp : public OpKernel {
  public:
-  explicit AddReluOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  static constexpr int K = Fn::kIn;
+  explicit ElementwiseOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& a = ctx->input(0);
-    const Tensor& b = ctx->input(1);
-    OP_REQUIRES_OK(ctx, SameShapes("AddRelu", {&a, &b}));
+    std::array<const Tensor*, K> t;
+    for (int k = 0; k < K; ++k) t[k] = &ctx->input(k);
+    TensorShape out = t[0]->shape();
+    // bcast[k]: input k repeats one row (its leading dim is 1, the output's is not)
+    std::array<bool, K> bcast{};
+    int64_t row = 0;
+    bool same = true;
+    for (int k = 1; k < K; ++k) same = same && t[k]->shape() == out;
+    if (!same) {
+      OP_REQUIRES(ctx, Fn::kLeadBroadcast && LeadBroadcast(*t[0], *t[1], &out),
+                  InvalidArgument(Fn::kName, ": inputs must have equal shapes", Fn::kLeadBroadcast ?
+                                  " or differ only in a leading dim of 1" : " (no broadcasting)", ", got ",
+                                  t[0]->shape().DebugString(), " and ", t[1]->shape().DebugString()));
+      for (int k = 0; k < 2; ++k) bcast[k] = t[k]->shape() != out;
+      row = out.dim_size(0) ? out.num_elements() / out.dim_size(0) : 0;
+    }
+    std::vector<int> fwd;
+    for (int k = 0; k < 2; ++k) {
+      if (t[k]->shape() == out) fwd.push_back(k);
+    }
     Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0, 1}, 0, a.shape(), &y));
-    const int64_t n = a.NumElements();
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output(fwd, 0, out, &y));
+    const int64_t n = out.num_elements();
     if (n == 0) return;
-    const T* ap = a.flat<T>().data();
-    const T* bp = b.flat<T>().data();
+    std::array<const T*, K> base;
+    for (int k = 0; k < K; ++k) base[k] = t[k]->template flat<T>().data();
     T* yp = y->flat<T>().data();
+    const bool avx = UseAvx512();
+    ParallelChunks(ctx, n, Fn::kCost, [&](int64_t s, int64_t e) {
+      while (s < e) {
+        // one piece per output row where an input is broadcast (its offset restarts each row)
+        const int64_t pe = row ? std::min(e, (s / row + 1) * row) : e;
+        std::array<const T*, K> in;
+        for (int k = 0; k < K; ++k) in[k] = base[k] + (bcast[k] ? s % row : s);
+        Run(avx, in, yp + s, pe - s);
+        s = pe;
+      }
+    });
+  }
+
+ private:
+  // a and b of one rank >= 1, equal in every dim but the leading one, where one of them is 1:
+  // *out = the broadcast shape
+  static bool LeadBroadcast(const Tensor& a, const Tensor& b, TensorShape* out) {
+    if (a.dims() != b.dims() || a.dims() == 0) return false;
+    for (int d = 1; d < a.dims(); ++d) {
+      if (a.dim_size(d) != b.dim_size(d)) return false;
+    }
+    if (a.dim_size(0) != 1 && b.dim_size(0) != 1) return false;
+    *out = a.dim_size(0) == 1 ? b.shape() : a.shape();
+    return true;
+  }
+
+  static void Run(bool avx, const std::array<const T*, K>& in, T* y, int64_t n) {
     if constexpr (std::is_same<T, float>::value) {
-      ParallelChunks(ctx, n, 2, [&](int64_t s, int64_t e) {
-        for (int64_t i = s; i < e; ++i) yp[i] = ReluF(ap[i] + bp[i]);
-      });
+      for (int64_t i = 0; i < n; ++i) y[i] = Fn::Float(in, i);
     } else {
-      auto* a16 = reinterpret_cast<const uint16_t*>(ap);
-      auto* b16 = reinterpret_cast<const uint16_t*>(bp);
-      auto* y16 = reinterpret_cast<uint16_t*>(yp);
-      const bool avx = UseAvx512();
-      ParallelChunks(ctx, n, 2, [&](int64_t s, int64_t e) {
-#ifdef NPU_AMP_X86
-        if (avx) return AddReluAvx512(a16 + s, b16 + s, y16 + s, e - s);
-#endif
-        AddReluPortable(a16 + s, b16 + s, y16 + s, e - s);
-      });
+      std::array<const uint16_t*, K> in16;
+      for (int k = 0; k < K; ++k) in16[k] = reinterpret_cast<const uint16_t*>(in[k]);
+      Fn::Bf16(avx, in16, reinterpret_cast<uint16_t*>(y), n);
     }
   }
 };
 
-template <typename T>
-class AddNReluGradOp : public OpKernel {
- public:
-  explicit AddNReluGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& a = ctx->input(0);
-    const Tensor& b = ctx->input(1);
-    const Tensor& f = ctx->input(2);
-    OP_REQUIRES_OK(ctx, SameShapes("AddNReluGrad", {&a, &b, &f}));
-    Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0, 1}, 0, a.shape(), &y));
-    const int64_t n = a.NumElements();
-    if (n == 0) return;
-    const T* ap = a.flat<T>().data();
-    const T* bp = b.flat<T>().data();
-    const T* fp = f.flat<T>().data();
-    T* yp = y->flat<T>().data();
-    if constexpr (std::is_same<T, float>::value) {
-      ParallelChunks(ctx, n, 2, [&](int64_t s, int64_t e) {
-        for (int64_t i = s; i < e; ++i) yp[i] = (ap[i] + bp[i]) * (fp[i] > 0.f ? 1.f : 0.f);
-      });
-    } else {
-      auto* a16 = reinterpret_cast<const uint16_t*>(ap);
-      auto* b16 = reinterpret_cast<const uint16_t*>(bp);
-      auto* f16 = reinterpret_cast<const uint16_t*>(fp);
-      auto* y16 = reinterpret_cast<uint16_t*>(yp);
-      const bool avx = UseAvx512();
-      ParallelChunks(ctx, n, 3, [&](int64_t s, int64_t e) {
+struct AddReluFn {
+  static constexpr const char* kName = "AddRelu";
+  static constexpr int kIn = 2;
+  static constexpr int64_t kCost = 2;
+  static constexpr bool kLeadBroadcast = true;
+  static float Float(const std::array<const float*, 2>& p, int64_t i) { return ReluF(p[0][i] + p[1][i]); }
+  static void Bf16(bool avx, const std::array<const uint16_t*, 2>& p, uint16_t* y, int64_t n) {
 #ifdef NPU_AMP_X86
-        if (avx) return AddNReluGradAvx512(a16 + s, b16 + s, f16 + s, y16 + s, e - s);
+    if (avx) return AddReluAvx512(p[0], p[1], y, n);
 #endif
-        AddNReluGradPortable(a16 + s, b16 + s, f16 + s, y16 + s, e - s);
-      });
-    }
+    AddReluPortable(p[0], p[1], y, n);
   }
 };
 
-// ------------------------------------------------------------------ batch-norm gradient
-// One row (C channels) of pass 1: sdy[c] += dy, sdx[c] += dy * (x - mean)
+struct AddNReluGradFn {
+  static constexpr const char* kName = "AddNReluGrad";
+  static constexpr int kIn = 3;
+  static constexpr int64_t kCost = 3;
+  static constexpr bool kLeadBroadcast = false;  // AddN and ReluGrad take equal shapes only
+  static float Float(const std::array<const float*, 3>& p, int64_t i) {
+    return (p[0][i] + p[1][i]) * (p[2][i] > 0.f ? 1.f : 0.f);
+  }
+  static void Bf16(bool avx, const std::array<const uint16_t*, 3>& p, uint16_t* y, int64_t n) {
+#ifdef NPU_AMP_X86
+    if (avx) return AddNReluGradAvx512(p[0], p[1], p[2], y, n);
+#endif
+    AddNReluGradPortable(p[0], p[1], p[2], y, n);
+  }
+};
+
+// element i of a float / bfloat16 array as float, and back (bfloat16: TF's rounding)
 inline float LoadF(const float* p, int64_t i) { return p[i]; }
 inline float LoadF(const bfloat16* p, int64_t i) {
   return Widen(reinterpret_cast<const uint16_t*>(p)[i]);
 }
 inline void StoreF(float* p, int64_t i, float v) { p[i] = v; }
 inline void StoreF(bfloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = Round(v); }
+
+template <typename T, typename Tshape>
+class JoinGradSumOp : public OpKernel {
+ public:
+  explicit JoinGradSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& g = ctx->input(0);
+    const Tensor& st = ctx->input(1);
+    OP_REQUIRES(ctx, st.dims() == 1, InvalidArgument("JoinGradSum: shape must be a vector, got ",
+                                                     st.shape().DebugString()));
+    TensorShape target;
+    const auto sv = st.vec<Tshape>();
+    for (int64_t d = 0; d < sv.size(); ++d) {
+      OP_REQUIRES(ctx, sv(d) >= 0, InvalidArgument("JoinGradSum: negative dim in shape"));
+      target.AddDim(static_cast<int64_t>(sv(d)));
+    }
+    if (target == g.shape()) {  // the join's inputs had equal shapes: nothing to sum
+      ctx->set_output(0, g);
+      return;
+    }
+    bool lead = g.dims() == target.dims() && g.dims() > 0 && target.dim_size(0) == 1;
+    for (int d = 1; lead && d < g.dims(); ++d) lead = g.dim_size(d) == target.dim_size(d);
+    OP_REQUIRES(ctx, lead, InvalidArgument("JoinGradSum: grad of shape ", g.shape().DebugString(),
+                                           " is not ", target.DebugString(),
+                                           " broadcast along a leading dim of 1"));
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, target, &y));
+    const int64_t row = target.num_elements(), rows = g.dim_size(0);
+    std::vector<float> acc(row, 0.f);
+    const T* gp = g.flat<T>().data();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < row; ++i) acc[i] += LoadF(gp, r * row + i);
+    }
+    T* yp = y->flat<T>().data();
+    for (int64_t i = 0; i < row; ++i) StoreF(yp, i, acc[i]);
+  }
+};
+
+// ------------------------------------------------------------------ batch-norm gradient
+// One row (C channels) of pass 1: sdy[c] += dy, sdx[c] += dy * (x - mean)
 
 template <typename T>
 void BnSumsPortable(const T* dy, const T* x, const T* relu, const float* mean, int64_t rb, int64_t re,
@@ -502,14 +601,24 @@ class BatchNormGradNHWCOp : public OpKernel {
 
 #define REGISTER(T)                                                                             \
   REGISTER_KERNEL_BUILDER(Name("AddRelu").Device(DEVICE_CPU).TypeConstraint<T>("T"),            \
-                          AddReluOp<T>);                                                        \
+                          ElementwiseOp<T, AddReluFn>);                                         \
   REGISTER_KERNEL_BUILDER(Name("AddNReluGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"),       \
-                          AddNReluGradOp<T>);                                                   \
+                          ElementwiseOp<T, AddNReluGradFn>);                                    \
   REGISTER_KERNEL_BUILDER(Name("BatchNormGradNHWC").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
                           BatchNormGradNHWCOp<T>);
 REGISTER(float);
 REGISTER(bfloat16);
 #undef REGISTER
+
+#define REGISTER_JOIN(T, TS)                                                                    \
+  REGISTER_KERNEL_BUILDER(Name("JoinGradSum").Device(DEVICE_CPU).TypeConstraint<T>("T")        \
+                              .TypeConstraint<TS>("Tshape").HostMemory("shape"),                 \
+                          JoinGradSumOp<T, TS>);
+REGISTER_JOIN(float, int32_t);
+REGISTER_JOIN(float, int64_t);
+REGISTER_JOIN(bfloat16, int32_t);
+REGISTER_JOIN(bfloat16, int64_t);
+#undef REGISTER_JOIN
 
 }  // namespace
 }  // namespace npu_amp_tf

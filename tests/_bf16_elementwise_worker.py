@@ -8,17 +8,23 @@ Kinds (each prints ``RESULT {json}`` lines, then ``DONE``):
   and are not multiples of 16) next to TF's own BF16 ops on the same data: for AddRelu /
   AddNReluGrad whether the bits are equal and a digest of ours; for BatchNormGradNHWC the
   max error of ours and of TF's BF16 FusedBatchNormGradV3 against a float64 reference
-  computed here with NumPy, dscale / doffset errors, and a digest.  Run it with
+  computed here with NumPy, dscale / doffset errors, and a digest; AddRelu with a broadcast
+  leading dim of 1 against TF's BF16 AddV2 -> Relu, JoinGradSum against float64, and the
+  InvalidArgument texts of shapes the ops refuse.  Run it with
   ``NPU_AMP_TF_BF16_PORTABLE=1`` too: the digests must agree (AVX-512 vs portable loop).
-* ``keras``: Keras (tf_keras on TF >= 2.16) ResNet50 at 64x64, batch 4, in a TF1 graph, one
-  Momentum step from the same weights under fp32, ours (``allow_mix_precision_bf16``,
-  graph_level 2) and ours with this project's bf16_* rules removed (``norule``): executed op
-  types with dtypes (partition graphs), the loss and every weight's update.
-* ``slim`` / ``slim_bn``: the same for TF-Slim ``resnet_v1_50`` at 64x64, batch 2, without and
-  with ``resnet_arg_scope()`` (batch norms).
-* ``offline``: the Keras ResNet50 graph rewritten offline in FP32 (must_keep_origin_dtype), FP16
-  (allow_mix_precision) and BF16 modes, and a small graph of cases the rules refuse
-  (a broadcasting add, an AddN of 3, a small plain batch norm, NCHW): fusion counts and reasons.
+* ``models`` (one process for every graph check): ``offline`` (below), then one Momentum step
+  per configuration, fp32 / ours (``allow_mix_precision_bf16``, graph_level 2) / ``norule`` (ours
+  with this project's bf16_* rules removed), from the same weights, of: a small Keras ResNet
+  (Keras applications' ResNet code, 2 stacks of 2 bottleneck blocks, images of batch None;
+  ``keras``), a small TF-Slim ``resnet_v1`` (2 blocks of 2 units) without and with
+  ``resnet_arg_scope()`` (``slim`` / ``slim_bn``), a batch-None join fed equal batches and 1
+  against 3 (``join`` / ``join_bcast``): executed op types with dtypes (partition graphs), the
+  loss and every variable's update; then the small Keras ResNet under ``train_on_batch``
+  (``keras_fit``, ours and norule): executed ops of the function graphs and the loss.
+* ``offline``: the Keras ResNet50 graph (static batch 4) rewritten offline in FP32
+  (must_keep_origin_dtype), FP16 (allow_mix_precision) and BF16 modes, a small graph of cases the
+  rules refuse (a broadcasting add, an AddN of 3, a small plain batch norm, NCHW) and a
+  batch-None join: fusion counts and reasons.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ import npu_amp_tf  # noqa: E402
 from _worker_util import executed_ops as _ops  # noqa: E402
 
 tf1 = tf.compat.v1
-RULES = ("bf16_add_relu", "bf16_addn_relu_grad", "bf16_relu_bn_grad", "bf16_bn_grad")
+RULES = ("bf16_add_relu", "bf16_addn_relu_grad", "bf16_relu_bn_grad", "bf16_bn_grad", "bf16_join_grad_sum")
 MODE = "allow_mix_precision_bf16"
 
 
@@ -122,6 +128,48 @@ def kernels():
                   f_rg, np.asarray(tf.raw_ops.ReluGrad(gradients=tf.add_n([fa, fb]), features=ff)),
                   rtol=0, atol=2.0 ** -126)),
               digest=_digest(ours_ar, ours_rg))
+    # AddRelu with a leading dim of 1 on one side (what AddV2 broadcasts where the rule lets a
+    # batch-None join through): bit-equal to TF's BF16 AddV2 -> Relu; any other mismatch refused
+    for sa, sb in [((1, 17), (5, 17)), ((6, 3, 5, 16), (1, 3, 5, 16)), ((1, 1), (33, 1)), ((3, 2, 9), (1, 2, 9))]:
+        a, b = _bf16_bits(sa, rng), _bf16_bits(sb, rng)
+        for t in (a, b):  # no inf here (inf + -inf would need pairing across the broadcast)
+            t[(t & 0x7fff) == 0x7f80] = 0x3f80
+        ta, tb = _to_tf(a), _to_tf(b)
+        ours, ref = lib.add_relu(ta, tb), tf.nn.relu(tf.add(ta, tb))
+        _emit(kind="broadcast", shapes=[list(sa), list(sb)], out_shape=list(ours.shape),
+              ref_shape=list(ref.shape), mismatches=_mismatches(_from_tf(ours), _from_tf(ref)),
+              float_equal=bool(np.array_equal(np.asarray(lib.add_relu(tf.cast(ta, tf.float32), tf.cast(tb, tf.float32))),
+                                              np.asarray(tf.nn.relu(tf.cast(ta, tf.float32) + tf.cast(tb, tf.float32))))),
+              digest=_digest(_from_tf(ours)))
+    errors = {}
+    for key, call in (("add_relu_2_vs_3", lambda: lib.add_relu(tf.zeros([2, 17], tf.bfloat16), tf.zeros([3, 17], tf.bfloat16))),
+                      ("add_relu_inner", lambda: lib.add_relu(tf.zeros([4, 1], tf.bfloat16), tf.zeros([4, 17], tf.bfloat16))),
+                      ("addn_relu_grad_lead", lambda: lib.add_n_relu_grad(*(tf.zeros(s, tf.bfloat16) for s in
+                                                                             ([1, 17], [5, 17], [5, 17]))))):
+        try:
+            call()
+            errors[key] = None
+        except tf.errors.InvalidArgumentError as exc:
+            errors[key] = exc.message
+    # JoinGradSum: the gradient itself where the shape matches (same bits), its FP32 sum over the
+    # leading dim where the target's is 1 (against float64, rounded once: <= half a BF16 ulp
+    # + FP32 noise), InvalidArgument otherwise
+    for gs in [(5, 17), (3, 2, 9), (7, 1, 33)]:
+        g = rng.standard_normal(gs).astype(np.float32)
+        gb = (g.view(np.uint32) >> 16).astype(np.uint16)
+        same = _from_tf(lib.join_grad_sum(_to_tf(gb), tf.constant(list(gs), tf.int32)))
+        summed = lib.join_grad_sum(_to_tf(gb), tf.constant([1] + list(gs[1:]), tf.int64))
+        ref = _widen(gb).astype(np.float64).sum(0, keepdims=True)
+        err = np.abs(_widen(_from_tf(summed)) - ref) / np.maximum(np.abs(ref), 1e-30)
+        _emit(kind="join_grad_sum", shape=list(gs), same_equal=bool(np.array_equal(same, gb)),
+              sum_shape=list(summed.shape), sum_rel_err=float(err.max()), dtype=summed.dtype.name,
+              digest=_digest(_from_tf(summed)))
+    try:
+        lib.join_grad_sum(tf.zeros([4, 3], tf.bfloat16), tf.constant([2, 3]))
+        errors["join_grad_sum_2"] = None
+    except tf.errors.InvalidArgumentError as exc:
+        errors["join_grad_sum_2"] = exc.message
+    _emit(kind="broadcast_errors", errors=errors)
     eps = 1e-3
     for shp in [(2, 8, 8, 64), (4, 5, 7, 24), (16, 4, 4, 512), (3, 3, 3, 17)]:
         C = shp[-1]
@@ -172,23 +220,56 @@ def _keras2():
     return tf.keras
 
 
-def build_keras():
+def _keras_resnet_module():
+    """The module of ``keras.applications.ResNet50`` (Keras 2: tf.keras on 2.15, tf_keras later):
+    its ``ResNet`` builder and ``stack1`` (the bottleneck blocks ResNet50 is made of)."""
+    if tuple(int(p) for p in tf.__version__.split(".")[:2]) >= (2, 16):
+        from tf_keras.src.applications import resnet
+    else:
+        from keras.src.applications import resnet
+    return resnet
+
+
+def keras_small_resnet(x, full=False):
+    """Keras applications' ResNet code (``resnet.ResNet`` + ``stack1``, as ``ResNet50`` calls them)
+    with 2 stacks of 2 bottleneck blocks (``full``: ResNet50 itself, 4 stacks of 3/4/6/3): the stem
+    conv -> BN -> Relu -> max pool, then per block conv -> BN -> Relu twice, conv -> BN, a conv -> BN
+    projection shortcut in each stack's first block, and relu(shortcut + residual).  At 64x64 the
+    first stack runs at 16x16, the second at 8x8."""
+    K = _keras2()
+    resnet = _keras_resnet_module()
+    if full:
+        return K.applications.ResNet50(weights=None, input_tensor=x, classes=10)
+
+    def stack_fn(t):
+        t = resnet.stack1(t, 16, 2, stride1=1, name="conv2")
+        return resnet.stack1(t, 32, 2, name="conv3")
+
+    return resnet.ResNet(stack_fn, False, True, "resnet_small", weights=None, input_tensor=x, classes=10)
+
+
+def build_keras(full=False, batch=4, batch_none=True):
+    """The Keras net in a TF1 graph, one Momentum step; ``batch_none``: the images placeholder has
+    batch None (as Keras' own Input and TF2 function graphs: the residual adds have an unknown
+    leading dim), else ``batch``."""
     K = _keras2()
     tf1.set_random_seed(1)
-    x = tf1.placeholder(tf.float32, [4, 64, 64, 3], name="images")
-    y = tf1.placeholder(tf.int32, [4], name="labels")
+    x = tf1.placeholder(tf.float32, [None if batch_none else batch, 64, 64, 3], name="images")
+    y = tf1.placeholder(tf.int32, [None if batch_none else batch], name="labels")
     K.backend.set_learning_phase(1)
-    model = K.applications.ResNet50(weights=None, input_tensor=x, classes=10)
+    model = keras_small_resnet(x, full)
     loss = tf.reduce_mean(K.losses.sparse_categorical_crossentropy(y, model.output))
     with tf.control_dependencies(model.updates):
         train = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, var_list=model.trainable_weights)
     rng = np.random.RandomState(0)
-    feeds = {x: rng.uniform(0, 1, [4, 64, 64, 3]).astype(np.float32), y: np.arange(4) % 10}
+    feeds = {x: rng.uniform(0, 1, [batch, 64, 64, 3]).astype(np.float32), y: np.arange(batch) % 10}
     return feeds, loss, train
 
 
 def build_slim(bn=False):
-    """TF-Slim resnet_v1_50: as benchmarks/end_to_end.py builds it (no arg scope: conv + bias, the
+    """TF-Slim's ``resnet_v1`` (the code ``resnet_v1_50`` calls) with 2 blocks of 2 bottleneck units
+    (``resnet_v1_block``; base depths 16 and 32, the first block strided in its last unit) at 64x64,
+    batch 2: as benchmarks/end_to_end.py builds resnet_v1_50 (no arg scope: conv + bias, the
     residual add and Relu fused into the conv by ``bias_add_act``), or (``bn``) under
     ``resnet_arg_scope()`` (conv -> fused batch norm -> Relu, as TF-Slim's training scripts)."""
     import contextlib
@@ -202,8 +283,11 @@ def build_slim(bn=False):
     tf1.set_random_seed(1)
     x = tf1.placeholder(tf.float32, [2, 64, 64, 3], name="images")
     y = tf1.placeholder(tf.int32, [2], name="labels")
+    blocks = [resnet_v1.resnet_v1_block("block1", base_depth=16, num_units=2, stride=2),
+              resnet_v1.resnet_v1_block("block2", base_depth=32, num_units=2, stride=1)]
     with (slim.arg_scope(resnet_v1.resnet_arg_scope()) if bn else contextlib.nullcontext()):
-        logits, _ = resnet_v1.resnet_v1_50(x, num_classes=10, is_training=True, global_pool=True)
+        logits, _ = resnet_v1.resnet_v1(x, blocks, num_classes=10, is_training=True, global_pool=True,
+                                        scope="resnet_small")
     logits = tf.reshape(logits, [2, 10])
     loss = tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
@@ -213,11 +297,29 @@ def build_slim(bn=False):
     return feeds, loss, train
 
 
-def train_runs(build):
-    """One step per configuration from the same start; emits the executed ops and loss per
-    configuration, then (``config="updates"``) the relative L2 distances between the three
+def build_join(batch_a=3, batch_b=3):
+    """Two convs of batch-None inputs joined by relu(a + b) (the rule fires: one rank, equal known
+    dims but the leading one); fed with batches ``batch_a`` / ``batch_b`` (1 and 3: AddV2
+    broadcasts the leading dim, and so must AddRelu)."""
+    tf1.set_random_seed(3)
+    xa = tf1.placeholder(tf.float32, [None, 6, 6, 16], name="xa")
+    xb = tf1.placeholder(tf.float32, [None, 6, 6, 16], name="xb")
+    w = tf1.get_variable("w", [3, 3, 16, 16])
+    out = tf.nn.relu(tf.add(tf.nn.conv2d(xa, w, 1, "SAME"), tf.nn.conv2d(xb, w, 1, "SAME")), name="join_relu")
+    w2 = tf1.get_variable("w2", [3, 3, 16, 8])
+    loss = tf.reduce_mean(tf.square(tf.nn.conv2d(out, w2, 1, "SAME")))  # the join stays inside the graph
+    train = tf1.train.GradientDescentOptimizer(0.01).minimize(loss)
+    rng = np.random.RandomState(1)
+    feeds = {xa: rng.standard_normal([batch_a, 6, 6, 16]).astype(np.float32),
+             xb: rng.standard_normal([batch_b, 6, 6, 16]).astype(np.float32)}
+    return feeds, loss, train
+
+
+def train_runs(build, kind):
+    """One step per configuration from the same start; emits (tagged ``kind``) the executed ops and
+    loss per configuration, then (``config="updates"``) the relative L2 distances between the three
     configurations' updates of all variables (the moving statistics included), concatenated in
-    name order (the updates themselves are 25M numbers: not printed)."""
+    name order (not printed themselves)."""
     from graph_passes.fusion import RULES as REG
 
     start = None
@@ -247,12 +349,12 @@ def train_runs(build):
                 upd[name] = np.concatenate([(after[k] - start[k]).astype(np.float64).ravel() for k in sorted(gvars)])
         finally:
             REG.update(saved)
-        _emit(config=name, loss=float(lv), ops=_ops(md))
+        _emit(kind=kind, config=name, loss=float(np.sum(lv, dtype=np.float64)), loss_digest=_digest(lv), ops=_ops(md))
 
     def rl(a, b):
         return float(np.linalg.norm(upd[a] - upd[b]) / max(np.linalg.norm(upd[b]), 1e-30))
 
-    _emit(config="updates", ours_fp32=rl("ours", "fp32"), norule_fp32=rl("norule", "fp32"),
+    _emit(kind=kind, config="updates", ours_fp32=rl("ours", "fp32"), norule_fp32=rl("norule", "fp32"),
           ours_norule=rl("ours", "norule"), finite=bool(np.all(np.isfinite(upd["ours"]))), size=int(upd["ours"].size))
 
 
@@ -264,7 +366,7 @@ def _count_fused(rep):
 def offline():
     g = tf.Graph()
     with g.as_default():
-        _, loss, train = build_keras()
+        _, loss, train = build_keras(full=True, batch_none=False)
     gd = g.as_graph_def()
     orig = Counter(n.op for n in gd.node)
     for mode in (MODE, "must_keep_origin_dtype", "allow_mix_precision", MODE + ":NC1HWC0"):
@@ -303,11 +405,84 @@ def offline():
             reasons[name] = [d["fusion_skipped"], d.get("fusion_reason", "")]
     _emit(kind="offline_refusals", fused=_count_fused(rep), reasons=reasons,
           ops=dict(Counter(n.op for n in rgd.node)))
+    # batch-None joins: equal known dims but the leading one (fires), a per-sample mean (refused)
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(2)
+        x = tf1.placeholder(tf.float32, [None, 4, 4, 16], name="x")
+        w = tf1.get_variable("w", [1, 1, 16, 16])
+        c1, c2 = tf.nn.conv2d(x, w, 1, "SAME"), tf.nn.conv2d(tf.nn.relu(x), w, 1, "SAME")
+        j = tf.nn.relu(tf.add(c1, c2), name="none_relu")
+        k = tf.nn.relu(tf.add(j, tf.reduce_mean(j, [1, 2], keepdims=True)), name="none_bcast_relu")
+        loss = tf.reduce_sum(k)
+    rgd, rep = npu_amp_tf.rewrite_graph(g.as_graph_def(), fetches=[loss.op.name], precision_mode=MODE, graph_level=2)
+    reasons = {name: [d["fusion_skipped"], d.get("fusion_reason", "")] for name, d in rep.decisions.items()
+               if d.get("fusion_skipped") in RULES}
+    _emit(kind="offline_batch_none", fused=_count_fused(rep), reasons=reasons,
+          ops={n.name: n.op for n in rgd.node if n.name in ("none_relu", "none_bcast_relu")})
+
+
+def keras_fit():
+    """The small Keras ResNet trained by ``train_on_batch`` (the ``fit`` train function, TF2: its
+    graph is rewritten when the function is instantiated) under ours and ``norule``, from the same
+    weights: executed ops with dtypes (run metadata of the function graphs) and the loss."""
+    from tensorflow.python.eager import context
+
+    from graph_passes.fusion import RULES as REG
+
+    K = _keras2()
+    resnet = _keras_resnet_module()
+
+    def stack_fn(t):
+        t = resnet.stack1(t, 16, 2, stride1=1, name="conv2")
+        return resnet.stack1(t, 32, 2, name="conv3")
+
+    rng = np.random.RandomState(0)
+    x, y = rng.uniform(0, 1, [4, 64, 64, 3]).astype(np.float32), np.arange(4)
+    w0 = None
+    for name in ("ours", "norule"):
+        # a model per configuration (its own variables: another function graph, rewritten anew)
+        K.backend.clear_session()
+        tf.random.set_seed(1)
+        model = resnet.ResNet(stack_fn, False, True, "resnet_small", weights=None, input_shape=(64, 64, 3),
+                              classes=10)
+        w0 = model.get_weights() if w0 is None else w0
+        saved = {k: REG.pop(k) for k in RULES} if name == "norule" else {}
+        # (another option for norule: the plugin caches rewrites per graph and options)
+        npu_amp_tf.enable(precision_mode=MODE, graph_level=2, keep_dtype_nodes=["__norule__"] if name == "norule" else [])
+        ctx = context.context()
+        try:
+            model.set_weights(w0)
+            model.compile(K.optimizers.SGD(0.01, momentum=0.9), "sparse_categorical_crossentropy")
+            ctx.enable_run_metadata()
+            lv = model.train_on_batch(x, y)
+            md = ctx.export_run_metadata()
+        finally:
+            ctx.disable_run_metadata()
+            npu_amp_tf.disable()
+            REG.update(saved)
+        ops = Counter()
+        for fg in md.function_graphs:
+            for pg in fg.partition_graphs or [fg.post_optimization_graph]:
+                for n in pg.node:
+                    ops[f"{n.op}:{tf.dtypes.as_dtype(n.attr['T'].type).name if 'T' in n.attr else ''}"] += 1
+        _emit(kind="keras_fit", config=name, loss=float(lv), ops=dict(ops))
+
+
+def models():
+    """Every graph check in one process (one TF start): the offline rewrites, then the training
+    steps of the small Keras and TF-Slim ResNets and of the batch-None join (equal batches, and a
+    batch of 1 broadcast against 3)."""
+    offline()
+    train_runs(build_keras, "keras")
+    train_runs(build_slim, "slim")
+    train_runs(lambda: build_slim(bn=True), "slim_bn")
+    train_runs(build_join, "join")
+    train_runs(lambda: build_join(1, 3), "join_bcast")
+    keras_fit()
 
 
 if __name__ == "__main__":
     kind = sys.argv[1]
-    {"kernels": kernels, "keras": lambda: train_runs(build_keras), "slim": lambda: train_runs(build_slim),
-     "slim_bn": lambda: train_runs(lambda: build_slim(bn=True)),
-     "offline": offline}[kind]()
+    {"kernels": kernels, "models": models, "offline": offline}[kind]()
     print("DONE", flush=True)

@@ -15,6 +15,8 @@ over memory.  Measured per ResNet-50 shape against TF's BF16 and FP32 forms in o
 Rules (before => after; every emitted node keeps the anchor's name, so its readers are untouched)::
 
     bf16_add_relu        Relu(AddV2|Add(a, b))                  => AddRelu(a, b)
+    bf16_join_grad_sum   Reshape(Sum(g, BroadcastGradientArgs(Shape(x0), Shape(x1))[i]), Shape(xi))
+                                                                 => JoinGradSum(g, Shape(xi))
     bf16_addn_relu_grad  ReluGrad(AddN(a, b), features)          => AddNReluGrad(a, b, features)
     bf16_relu_bn_grad    FusedBatchNormGradV3(ReluGrad(g, f), x, scale, mean, var, rs3)
                                                                  => BatchNormGradNHWC(g, x, scale, mean, var, [f])
@@ -38,8 +40,11 @@ gradient is 6x slower than ours, measured); format_mode not NC1HWC0; a precision
 (``allow_mix_precision_bf16`` and the other BF16 modes; FP32 and FP16 modes: refused, the
 kernels are measured for BF16 only); the op in float32 (the precision pass will paint the
 emitted op: it is gray, like the ops it replaces, and the float kernels are there if it stays
-FP32) or bfloat16; ``AddV2`` with both inputs of one fully known static shape (no broadcasting;
-``AddN`` and ``ReluGrad`` need equal shapes by their OpDefs); ``AddN`` of exactly 2 inputs;
+FP32) or bfloat16; ``AddV2`` with both inputs of one rank and equal known dims but the leading
+one, which may be unknown (Keras ``fit`` and TF2 function graphs have batch ``None``; the kernel
+broadcasts a leading dim of 1 as AddV2 does and rejects any other mismatch, so it equals
+AddV2 -> Relu on every shape the graph admits; other broadcasting adds are refused; ``AddN``
+and ``ReluGrad`` need equal shapes by their OpDefs); ``AddN`` of exactly 2 inputs;
 ``FusedBatchNormGradV3`` NHWC, ``is_training``, U float, outputs 3 and 4 unread, rank 4 with
 C static, and (without a fused ReluGrad) N*H*W >= :data:`MIN_BN_ROWS` (smaller ones measured
 at parity).  The ReluGrad is fused into the batch-norm gradient only where the batch norm is
@@ -104,20 +109,64 @@ def _require_bf16_cpu(b, node, what):
     return dt
 
 
-def _static_equal(b, refs):
-    shapes = [b.shape(r) for r in refs]
-    s0 = shapes[0]
-    return (s0 is not None and all(d is not None and d >= 0 for d in s0)
-            and all(s == s0 for s in shapes[1:])), shapes
+def _known(d):
+    return d is not None and d >= 0
+
+
+def _join_shapes_ok(shapes):
+    """The shapes AddRelu takes where TF's AddV2 could broadcast: equal fully known shapes, or
+    (Keras ``fit`` / TF2 function graphs, batch ``None``) one rank with every dim but the
+    leading one known and equal and the leading dims unknown on at least one side (or equal).
+    At run time those can differ only in the leading dim, and AddV2 then broadcasts only where
+    one of them is 1: the kernel does that broadcast itself (any other mismatch: InvalidArgument,
+    as AddV2's), so the op equals AddV2 -> Relu on every input the graph's shapes allow."""
+    s0, s1 = shapes
+    if s0 is None or s1 is None or len(s0) != len(s1) or not s0:
+        return False
+    if not all(_known(x) and x == y for x, y in zip(s0[1:], s1[1:])):
+        return False
+    return (not _known(s0[0])) or (not _known(s1[0])) or s0[0] == s1[0]
 
 
 def _build_add_relu(m, b):
     add = b.node("add")
     dt = _require_bf16_cpu(b, add, "AddRelu")
     a, bb = m.tensors["a"], m.tensors["b"]
-    ok, shapes = _static_equal(b, [a, bb])
-    b.require(ok, f"AddV2 inputs of shapes {shapes}: needs one fully known shape (no broadcasting)")
+    shapes = [b.shape(a), b.shape(bb)]
+    b.require(_join_shapes_ok(shapes),
+              f"AddV2 inputs of shapes {shapes}: needs one rank and equal known dims but the leading "
+              "one (no broadcasting)")
     b.emit("AddRelu", b.anchor.name, [a, bb], {"T": ("type", dt)})
+
+
+def _build_join_grad_sum(m, b):
+    """Reshape(Sum(g, BroadcastGradientArgs(Shape(x0), Shape(x1))[i]), Shape(xi)): TF's gradient
+    of one input of ``AddV2(x0, x1)`` where the shapes are not static (it omits the Sum when
+    they are).  With x0 and x1 as AddRelu takes them (:func:`_join_shapes_ok`) the Sum reduces
+    nothing at run time unless a leading dim of 1 was broadcast: ``JoinGradSum`` forwards g then
+    (no copy) and sums the leading dim in FP32 otherwise.  It is gray, so it follows g into BF16
+    where TF's Sum (black on TF 2.15) made an FP32 island: a Cast in, FP32 Sum/Reshape, the
+    batch-norm gradient after it in FP32, a Cast out."""
+    sm = b.node("sum")
+    dt = _require_bf16_cpu(b, sm, "JoinGradSum")
+    src, port, ctrl = parse_tensor(m.tensors["axes"])
+    bga = b.graph.nodes.get(src)
+    b.require(bga is not None and not ctrl and bga.op == "BroadcastGradientArgs" and port in (0, 1),
+              "the Sum's axes are not an output of BroadcastGradientArgs (not an add's gradient)")
+    shape_refs = b.graph.data_inputs(bga)[:2]
+    b.require(len(shape_refs) == 2 and parse_tensor(m.tensors["shape"])[:2] == parse_tensor(shape_refs[port])[:2],
+              "the Reshape's shape is not the BroadcastGradientArgs input of the same side")
+    xs = []
+    for ref in shape_refs:
+        shp_node = b.graph.nodes.get(parse_tensor(ref)[0])
+        b.require(shp_node is not None and shp_node.op == "Shape", "a BroadcastGradientArgs input is not a Shape")
+        xs.append(b.graph.data_inputs(shp_node)[0])
+    shapes = [b.shape(x) for x in xs]
+    b.require(_join_shapes_ok(shapes),
+              f"add inputs of shapes {shapes}: needs one rank and equal known dims but the leading one")
+    tshape = b.anchor.attr["Tshape"].type if "Tshape" in b.anchor.attr else registry.DT_INT32
+    b.emit("JoinGradSum", b.anchor.name, [m.tensors["g"], m.tensors["shape"]],
+           {"T": ("type", dt), "Tshape": ("type", tshape)})
 
 
 def _addn2(node, graph):
@@ -203,6 +252,11 @@ def register(reg):
         _build_add_relu, follows_precision=True, reads=1,
         reason="BF16 residual join relu(a + b) as one vectorised pass (TF's BF16 AddV2 and Relu convert "
                "element by element): measured 1.7x faster, bit-equal")
+    reg("bf16_join_grad_sum", Pat("Reshape", inputs=[Pat("Sum", name="sum", inputs=[Pat.any("g"), Pat.any("axes")]),
+                                                 Pat.any("shape")]),
+        _build_join_grad_sum, follows_precision=True, reads=4,
+        reason="gradient of a batch-None residual join's input: TF's Sum over BroadcastGradientArgs (empty at "
+               "run time) and Reshape as a gray pass-through (no FP32 island around a black Sum)")
     reg("bf16_addn_relu_grad", Pat("ReluGrad", inputs=[Pat("AddN", name="addn", predicate=_addn2,
                                                            inputs=[Pat.any("a"), Pat.any("b")]),
                                                        Pat.any("f")]),

@@ -123,6 +123,8 @@ GRAY = {
     "AddN": "elementwise sum of few tensors",
     "AddRelu": "fused relu(a + b) (fusion rule bf16_add_relu): elementwise, as AddV2 and Relu",
     "AddNReluGrad": "fused ReluGrad(AddN(a, b)) (fusion rule bf16_addn_relu_grad): elementwise",
+    "JoinGradSum": "a batch-None residual join's input gradient (fusion rule bf16_join_grad_sum): the "
+                   "gradient itself, or its FP32 sum over a broadcast leading dim",
     "BatchNormGradNHWC": "fused batch-norm gradient (bf16_*bn_grad rules): FP32 sums inside, FP32 "
                          "scale/statistics inputs, as FusedBatchNormGradV3",
     "GeluErf": "fused exact GELU (fusion rule bf16_gelu): elementwise, FP32 erf inside, as Erf/Mul",
