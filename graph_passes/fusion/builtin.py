@@ -30,7 +30,10 @@ level 2  ``bias_grad_matmul``   BiasAddGrad of a BF16 gradient, under oneDNN => 
                                  as one BF16 MatMul (measured 1.8x faster, FP32 accumulation; bias_grad.py)
 level 2  ``strided_subsample`` StridedSlice x[:, ::sh, ::sw, :] (H, W divisible) => Reshape -> Slice -> Reshape
                                  (measured 9-33x faster, same values; subsample.py)
-level 2  ``bf16_add_relu``      Relu(AddV2(a, b)) (same static shape), BF16 plan, CPU => AddRelu
+level 2  ``bf16_add_relu``      Relu(AddV2(a, b)) (one rank, equal known dims but the leading one, which may be
+                                 unknown; AddRelu broadcasts a leading 1 as AddV2), BF16 plan, CPU => AddRelu
+level 2  ``bf16_join_grad_sum`` such an add's gradient Reshape(Sum(g, BroadcastGradientArgs(..)[i]), Shape(x_i)),
+                                 BF16 plan, CPU => JoinGradSum(g, Shape(x_i)) (gray: no FP32 island)
 level 2  ``bf16_addn_relu_grad`` ReluGrad(AddN(a, b), f), BF16 plan, CPU => AddNReluGrad (bit-equal)
 level 2  ``bf16_relu_bn_grad``  FusedBatchNormGradV3(ReluGrad(g, f), ...) training NHWC, BF16 plan, CPU
                                  => BatchNormGradNHWC(num_relu=1); ``bf16_bn_grad`` the same without
