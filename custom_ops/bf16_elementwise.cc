@@ -162,20 +162,6 @@ inline uint16_t Round(float f) {
 // relu as TF's Eigen cwiseMax(x, 0): x < 0 ? 0 : x (NaN and -0 pass through)
 inline float ReluF(float v) { return v < 0.f ? 0.f : v; }
 
-bool UseAvx512() {
-  static const bool use = [] {
-    const char* env = std::getenv("NPU_AMP_TF_BF16_PORTABLE");
-    if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
-#ifdef NPU_AMP_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-#else
-    return false;
-#endif
-  }();
-  return use;
-}
 
 // ------------------------------------------------------------------ portable loops
 void AddReluPortable(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
@@ -291,7 +277,7 @@ Status SameShapes(const char* op, std::initializer_list<const Tensor*> ts) {
 // and 1 may also differ in a leading dim of 1, broadcast as AddV2 does; any other mismatch is
 // InvalidArgument), output 0 forwarded from input 0 or 1 where that has the output's shape, else
 // allocated; then, in shards of 16-element chunks, Fn's float loop (T = float) or its BF16 loops
-// (AVX-512 when UseAvx512(), else portable) on uint16 bit patterns.  Fn provides kName, kIn,
+// (AVX-512 when Bf16UseAvx512(), else portable) on uint16 bit patterns.  Fn provides kName, kIn,
 // kCost, kLeadBroadcast, Float(in, i) and Bf16(avx, in, y, n) (in: K pointers already offset).
 template <typename T, typename Fn>
 class ElementwiseOp : public OpKernel {
@@ -327,7 +313,7 @@ class ElementwiseOp : public OpKernel {
     std::array<const T*, K> base;
     for (int k = 0; k < K; ++k) base[k] = t[k]->template flat<T>().data();
     T* yp = y->flat<T>().data();
-    const bool avx = UseAvx512();
+    const bool avx = Bf16UseAvx512();
     ParallelChunks(ctx, n, Fn::kCost, [&](int64_t s, int64_t e) {
       while (s < e) {
         // one piece per output row where an input is broadcast (its offset restarts each row)
@@ -552,7 +538,7 @@ class BatchNormGradNHWCOp : public OpKernel {
     const float* mp = mean.flat<float>().data();
     const float* vp = var.flat<float>().data();
     const float* sp = scale.flat<float>().data();
-    const bool avx = std::is_same<T, bfloat16>::value && c % 16 == 0 && UseAvx512();
+    const bool avx = std::is_same<T, bfloat16>::value && c % 16 == 0 && Bf16UseAvx512();
 
     ColumnSums<2> sums(ctx, n, c);
     sums.Run(/*cost_per_element=*/4, [&](int64_t rb, int64_t re, const std::array<float*, 2>& part) {

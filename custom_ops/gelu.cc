@@ -86,20 +86,6 @@ inline float GeluGradF(float dy, float x) {
   return dy * (cdf + x * kInvSqrt2Pi * std::exp(-0.5f * x * x));
 }
 
-bool GeluUseAvx512() {
-  static const bool use = [] {
-    const char* env = std::getenv("NPU_AMP_TF_BF16_PORTABLE");
-    if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
-#ifdef NPU_AMP_GELU_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-#else
-    return false;
-#endif
-  }();
-  return use;
-}
 
 #ifdef NPU_AMP_GELU_X86
 #define NPU_AMP_GELU_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
@@ -211,7 +197,7 @@ class GeluErfOp : public OpKernel {
     } else {
       auto* x16 = reinterpret_cast<const uint16_t*>(xp);
       auto* y16 = reinterpret_cast<uint16_t*>(yp);
-      const bool avx = GeluUseAvx512();
+      const bool avx = Bf16UseAvx512();
       GeluParallel(ctx, n, 20, [&](int64_t s, int64_t e) {
 #ifdef NPU_AMP_GELU_X86
         if (avx) return GeluAvx512(x16 + s, y16 + s, e - s);
@@ -247,7 +233,7 @@ class GeluErfGradOp : public OpKernel {
       auto* dy16 = reinterpret_cast<const uint16_t*>(dyp);
       auto* x16 = reinterpret_cast<const uint16_t*>(xp);
       auto* dx16 = reinterpret_cast<uint16_t*>(dxp);
-      const bool avx = GeluUseAvx512();
+      const bool avx = Bf16UseAvx512();
       GeluParallel(ctx, n, 30, [&](int64_t s, int64_t e) {
 #ifdef NPU_AMP_GELU_X86
         if (avx) return GeluGradAvx512(dy16 + s, x16 + s, dx16 + s, e - s);

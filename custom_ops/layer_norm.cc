@@ -107,20 +107,6 @@ REGISTER_OP("LayerNormGrad")
 // [1024, 768] norm).  AVX-512 (avx512f/bw/vl) is chosen at run time;
 // NPU_AMP_TF_BF16_PORTABLE=1 before the first call keeps the generic loops.  The sums run in
 // another order than the generic loops' (FP32 rounding differs, not the formula).
-bool LnUseAvx512() {
-  static const bool use = [] {
-    const char* env = std::getenv("NPU_AMP_TF_BF16_PORTABLE");
-    if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
-#ifdef NPU_AMP_LN_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-#else
-    return false;
-#endif
-  }();
-  return use;
-}
 
 #ifdef NPU_AMP_LN_X86
 #define NPU_AMP_LN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
@@ -223,7 +209,7 @@ class LayerNormOp : public OpKernel {
     // gamma / beta in fp32 once
     const std::vector<float> g = LoadFp32<T>(gamma), b = LoadFp32<T>(beta);
     const float eps = epsilon_;
-    const bool avx512 = std::is_same<T, Eigen::bfloat16>::value && LnUseAvx512();
+    const bool avx512 = std::is_same<T, Eigen::bfloat16>::value && Bf16UseAvx512();
     auto work = [&](int64_t begin, int64_t end) {
       std::vector<float> buf(std::is_same<T, float>::value ? 0 : d);
       for (int64_t r = begin; r < end; ++r) {
@@ -291,7 +277,7 @@ class LayerNormGradOp : public OpKernel {
     T* dxp = dx->flat<T>().data();
 
     // dgamma = sum over rows of dy * xhat, dbeta = sum of dy
-    const bool avx512 = std::is_same<T, Eigen::bfloat16>::value && LnUseAvx512();
+    const bool avx512 = std::is_same<T, Eigen::bfloat16>::value && Bf16UseAvx512();
     (void)avx512;
     ColumnSums<2> sums(ctx, n, d);
     sums.Run(/*cost_per_element=*/20, [&](int64_t rbeg, int64_t rend,

@@ -217,20 +217,6 @@ RowFn PickRow() {
 // element-by-element static_cast of the generic path cost more than the softmax arithmetic.
 // Rounding is round-to-nearest-even on the bit pattern, as Eigen's float -> bfloat16 (a NaN
 // becomes 0x7fc0).  NPU_AMP_TF_BF16_PORTABLE=1 before the first call keeps the scalar loops.
-bool SmUseAvx512() {
-  static const bool use = [] {
-    const char* env = std::getenv("NPU_AMP_TF_BF16_PORTABLE");
-    if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
-#ifdef NPU_AMP_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-#else
-    return false;
-#endif
-  }();
-  return use;
-}
 
 #ifdef NPU_AMP_X86
 #define NPU_AMP_SM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
@@ -323,7 +309,7 @@ class ScaleMaskSoftmaxOp : public OpKernel {
     const int64_t col_stride = mstride[r - 1];
     RowFn row_fn = row_fn_;
     FusedRowFn fused_fn = fused_fn_;
-    const bool avx512 = SmUseAvx512();
+    const bool avx512 = Bf16UseAvx512();
     (void)avx512;
     auto work = [&](int64_t begin, int64_t end) {
       std::vector<float> buf(std::is_same<T, float>::value ? 0 : NC);
@@ -462,7 +448,7 @@ class ScaleMaskSoftmaxGradOp : public OpKernel {
     T* op = out->flat<T>().data();
     const float scale = scale_;
     GradRowFn row_fn = row_fn_;
-    const bool avx512 = SmUseAvx512();
+    const bool avx512 = Bf16UseAvx512();
     (void)avx512;
     auto work = [&](int64_t begin, int64_t end) {
       constexpr bool kF32 = std::is_same<T, float>::value;
