@@ -10,15 +10,20 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_worker(worker: str, kind: str, onednn: bool = True, timeout: int = 600) -> list[dict]:
-    """``worker kind`` with oneDNN on (TF's default) or off; asserts it finished
-    (exit 0 and a ``DONE`` line) and returns the decoded ``RESULT`` lines."""
+def run_worker(worker: str, kind: str, onednn: bool = True, timeout: int = 600,
+               portable: bool = False) -> list[dict]:
+    """``worker kind`` with oneDNN on (TF's default) or off, and with the BF16 kernels'
+    portable loops forced (``NPU_AMP_TF_BF16_PORTABLE=1`` in the worker only) when
+    ``portable``; asserts it finished (exit 0 and a ``DONE`` line) and returns the
+    decoded ``RESULT`` lines."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     if onednn:
         env.pop("TF_ENABLE_ONEDNN_OPTS", None)
     else:
         env["TF_ENABLE_ONEDNN_OPTS"] = "0"
+    if portable:
+        env["NPU_AMP_TF_BF16_PORTABLE"] = "1"
     p = subprocess.run([sys.executable, worker, kind], env=env, capture_output=True, text=True,
                        timeout=timeout)
     assert p.returncode == 0 and "DONE" in p.stdout, \

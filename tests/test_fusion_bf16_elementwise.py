@@ -55,19 +55,9 @@ def _cpu_has_avx512():
 @pytest.fixture(scope="module")
 def kernel_runs():
     """The ``kernels`` results with the dispatch as on this CPU, and with the portable loop forced."""
-    default = results("kernels")
-    old = os.environ.get("NPU_AMP_TF_BF16_PORTABLE")
-    os.environ["NPU_AMP_TF_BF16_PORTABLE"] = "1"
-    try:
-        from _worker_util import run_worker
+    from _worker_util import run_worker
 
-        portable = run_worker(WORKER, "kernels", timeout=900)
-    finally:
-        if old is None:
-            os.environ.pop("NPU_AMP_TF_BF16_PORTABLE")
-        else:
-            os.environ["NPU_AMP_TF_BF16_PORTABLE"] = old
-    return default, portable
+    return results("kernels"), run_worker(WORKER, "kernels", timeout=900, portable=True)
 
 
 @pytest.mark.parametrize("path", ["dispatch", "portable"])

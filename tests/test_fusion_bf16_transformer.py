@@ -41,19 +41,9 @@ results = cached_results(WORKER, timeout=900)
 @pytest.fixture(scope="module")
 def kernel_runs():
     """``kernels`` with the dispatch as on this CPU, and with the portable loops forced."""
-    default = results("kernels")
-    old = os.environ.get("NPU_AMP_TF_BF16_PORTABLE")
-    os.environ["NPU_AMP_TF_BF16_PORTABLE"] = "1"
-    try:
-        from _worker_util import run_worker
+    from _worker_util import run_worker
 
-        portable = run_worker(WORKER, "kernels", timeout=600)
-    finally:
-        if old is None:
-            os.environ.pop("NPU_AMP_TF_BF16_PORTABLE")
-        else:
-            os.environ["NPU_AMP_TF_BF16_PORTABLE"] = old
-    return default, portable
+    return results("kernels"), run_worker(WORKER, "kernels", timeout=600, portable=True)
 
 
 @pytest.mark.parametrize("path", ["dispatch", "portable"])
