@@ -43,6 +43,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "norm_common.h"
+#include "bf16_simd.h"
 
 // No contraction of a*b + c into an FMA: the AVX-512 loops (whose target has FMA) and the
 // portable loop (whose target may not) must round the same way, so that both give
@@ -51,11 +52,6 @@
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
-#endif
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define NPU_AMP_X86 1
 #endif
 
 namespace npu_amp_tf {
@@ -141,23 +137,6 @@ mean and the biased batch variance).  With num_relu=1, dy is first multiplied by
 )doc");
 
 // ------------------------------------------------------------------ scalar helpers
-inline float Widen(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// TF's float -> bfloat16 rounding as its vectorised Eigen kernels do it (F32ToBf16):
-// round to nearest even on the bit pattern (denormals too), any NaN -> 0x7fc0
-// (measured: TF's BF16 ReluGrad of inf * 0 gives 0x7fc0, not x86's default 0xffc0).
-inline uint16_t Round(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // relu as TF's Eigen cwiseMax(x, 0): x < 0 ? 0 : x (NaN and -0 pass through)
 inline float ReluF(float v) { return v < 0.f ? 0.f : v; }
@@ -167,42 +146,21 @@ inline float ReluF(float v) { return v < 0.f ? 0.f : v; }
 void AddReluPortable(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     // round first, then relu: relu(round(s)) (TF rounds AddV2's result, Relu reads it)
-    y[i] = Round(ReluF(Widen(Round(Widen(a[i]) + Widen(b[i])))));
+    y[i] = Bf16Round(ReluF(Bf16Widen(Bf16Round(Bf16Widen(a[i]) + Bf16Widen(b[i])))));
   }
 }
 
 void AddNReluGradPortable(const uint16_t* a, const uint16_t* b, const uint16_t* f, uint16_t* y,
                           int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float g = Widen(Round(Widen(a[i]) + Widen(b[i])));
-    y[i] = Round(g * (Widen(f[i]) > 0.f ? 1.f : 0.f));
+    const float g = Bf16Widen(Bf16Round(Bf16Widen(a[i]) + Bf16Widen(b[i])));
+    y[i] = Bf16Round(g * (Bf16Widen(f[i]) > 0.f ? 1.f : 0.f));
   }
 }
 
 // ------------------------------------------------------------------ AVX-512 loops
 #ifdef NPU_AMP_X86
-#define NPU_AMP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-NPU_AMP_AVX512 inline __m512 Load16(const uint16_t* p, __mmask16 m) {
-  __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-NPU_AMP_AVX512 inline __m512 Load16(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// 16 floats -> 16 bf16 bit patterns, exactly as Round()
-NPU_AMP_AVX512 inline __m256i Round16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  __m512i t = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  t = _mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), u);
-  t = _mm512_srli_epi32(t, 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  t = _mm512_mask_blend_epi32(nan, t, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(t);
-}
 
 NPU_AMP_AVX512 inline __m512 Relu16(__m512 v) {
   // v < 0 ? 0 : v
@@ -210,20 +168,17 @@ NPU_AMP_AVX512 inline __m512 Relu16(__m512 v) {
   return _mm512_mask_blend_ps(neg, v, _mm512_setzero_ps());
 }
 
-NPU_AMP_AVX512 inline __m512 Widen16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 NPU_AMP_AVX512 void AddReluAvx512(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m256i s = Round16(_mm512_add_ps(Load16(a + i), Load16(b + i)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), Round16(Relu16(Widen16(s))));
+    __m256i s = Bf16Round16(_mm512_add_ps(Bf16Load16(a + i), Bf16Load16(b + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), Bf16Round16(Relu16(Bf16Widen16(s))));
   }
   if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    __m256i s = Round16(_mm512_add_ps(Load16(a + i, m), Load16(b + i, m)));
-    _mm256_mask_storeu_epi16(y + i, m, Round16(Relu16(Widen16(s))));
+    const __mmask16 m = Bf16Tail(n - i);
+    __m256i s = Bf16Round16(_mm512_add_ps(Bf16Load16(a + i, m), Bf16Load16(b + i, m)));
+    _mm256_mask_storeu_epi16(y + i, m, Bf16Round16(Relu16(Bf16Widen16(s))));
   }
 }
 
@@ -237,13 +192,13 @@ NPU_AMP_AVX512 void AddNReluGradAvx512(const uint16_t* a, const uint16_t* b, con
                                        uint16_t* y, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m512 g = Widen16(Round16(_mm512_add_ps(Load16(a + i), Load16(b + i))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), Round16(MaskPos(g, Load16(f + i))));
+    __m512 g = Bf16Widen16(Bf16Round16(_mm512_add_ps(Bf16Load16(a + i), Bf16Load16(b + i))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), Bf16Round16(MaskPos(g, Bf16Load16(f + i))));
   }
   if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    __m512 g = Widen16(Round16(_mm512_add_ps(Load16(a + i, m), Load16(b + i, m))));
-    _mm256_mask_storeu_epi16(y + i, m, Round16(MaskPos(g, Load16(f + i, m))));
+    const __mmask16 m = Bf16Tail(n - i);
+    __m512 g = Bf16Widen16(Bf16Round16(_mm512_add_ps(Bf16Load16(a + i, m), Bf16Load16(b + i, m))));
+    _mm256_mask_storeu_epi16(y + i, m, Bf16Round16(MaskPos(g, Bf16Load16(f + i, m))));
   }
 }
 #endif  // NPU_AMP_X86
@@ -383,10 +338,10 @@ struct AddNReluGradFn {
 // element i of a float / bfloat16 array as float, and back (bfloat16: TF's rounding)
 inline float LoadF(const float* p, int64_t i) { return p[i]; }
 inline float LoadF(const bfloat16* p, int64_t i) {
-  return Widen(reinterpret_cast<const uint16_t*>(p)[i]);
+  return Bf16Widen(reinterpret_cast<const uint16_t*>(p)[i]);
 }
 inline void StoreF(float* p, int64_t i, float v) { p[i] = v; }
-inline void StoreF(bfloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = Round(v); }
+inline void StoreF(bfloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = Bf16Round(v); }
 
 template <typename T, typename Tshape>
 class JoinGradSumOp : public OpKernel {
@@ -465,12 +420,12 @@ NPU_AMP_AVX512 void BnSumsAvx512(const uint16_t* dy, const uint16_t* x, const ui
   for (int64_t r = rb; r < re; ++r) {
     for (int64_t k = 0; k < c; k += 16) {
       const int64_t o = r * c + k;
-      __m512 g = Load16(dy + o);
-      if (relu != nullptr) g = MaskPos(g, Load16(relu + o));
+      __m512 g = Bf16Load16(dy + o);
+      if (relu != nullptr) g = MaskPos(g, Bf16Load16(relu + o));
       _mm512_storeu_ps(sdy + k, _mm512_add_ps(_mm512_loadu_ps(sdy + k), g));
       // mul then add (no FMA): the same roundings as the portable loop
       _mm512_storeu_ps(sdx + k, _mm512_add_ps(_mm512_loadu_ps(sdx + k),
-                                              _mm512_mul_ps(g, _mm512_sub_ps(Load16(x + o), _mm512_loadu_ps(mean + k)))));
+                                              _mm512_mul_ps(g, _mm512_sub_ps(Bf16Load16(x + o), _mm512_loadu_ps(mean + k)))));
     }
   }
 }
@@ -481,13 +436,13 @@ NPU_AMP_AVX512 void BnDxAvx512(const uint16_t* dy, const uint16_t* x, const uint
   for (int64_t r = rb; r < re; ++r) {
     for (int64_t k = 0; k < c; k += 16) {
       const int64_t o = r * c + k;
-      __m512 g = Load16(dy + o);
-      if (relu != nullptr) g = MaskPos(g, Load16(relu + o));
+      __m512 g = Bf16Load16(dy + o);
+      if (relu != nullptr) g = MaskPos(g, Bf16Load16(relu + o));
       __m512 v = _mm512_mul_ps(_mm512_loadu_ps(ka + k), g);
       v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_loadu_ps(kb + k),
-                                         _mm512_sub_ps(Load16(x + o), _mm512_loadu_ps(mean + k))));
+                                         _mm512_sub_ps(Bf16Load16(x + o), _mm512_loadu_ps(mean + k))));
       v = _mm512_add_ps(v, _mm512_loadu_ps(kd + k));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dx + o), Round16(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dx + o), Bf16Round16(v));
     }
   }
 }

@@ -31,11 +31,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "norm_common.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define NPU_AMP_GELU_X86 1
-#endif
+#include "bf16_simd.h"
 
 namespace npu_amp_tf {
 namespace {
@@ -65,20 +61,6 @@ REGISTER_OP("GeluErfGrad")
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 
-inline float WidenG(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t RoundG(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 inline float GeluF(float x) { return 0.5f * x * (1.f + std::erf(x * kInvSqrt2)); }
 inline float GeluGradF(float dy, float x) {
@@ -87,26 +69,11 @@ inline float GeluGradF(float dy, float x) {
 }
 
 
-#ifdef NPU_AMP_GELU_X86
-#define NPU_AMP_GELU_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#ifdef NPU_AMP_X86
 
-NPU_AMP_GELU_AVX512 inline __m512 GLoad16(const uint16_t* p, __mmask16 m) {
-  __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-NPU_AMP_GELU_AVX512 inline __m256i GRound16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  __m512i t = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  t = _mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), u);
-  t = _mm512_srli_epi32(t, 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  t = _mm512_mask_blend_epi32(nan, t, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(t);
-}
 
 // erf(a): Eigen's FP32 rational approximation (generic_fast_erf_float)
-NPU_AMP_GELU_AVX512 inline __m512 Erf16(__m512 a) {
+NPU_AMP_AVX512 inline __m512 Erf16(__m512 a) {
   const __m512 x = _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(4.f)), _mm512_set1_ps(-4.f));
   const __m512 x2 = _mm512_mul_ps(x, x);
   __m512 p = _mm512_fmadd_ps(x2, _mm512_set1_ps(-2.72614225801306e-10f), _mm512_set1_ps(2.77068142495902e-08f));
@@ -124,7 +91,7 @@ NPU_AMP_GELU_AVX512 inline __m512 Erf16(__m512 a) {
 }
 
 // exp(a) for a <= 0 (here -x^2/2): Cody-Waite reduction by ln 2, Taylor degree 6, * 2^n
-NPU_AMP_GELU_AVX512 inline __m512 ExpNeg16(__m512 a) {
+NPU_AMP_AVX512 inline __m512 ExpNeg16(__m512 a) {
   const __m512 x = _mm512_max_ps(a, _mm512_set1_ps(-87.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -139,32 +106,30 @@ NPU_AMP_GELU_AVX512 inline __m512 ExpNeg16(__m512 a) {
   return _mm512_scalef_ps(p, n);
 }
 
-NPU_AMP_GELU_AVX512 inline __m512 Cdf16(__m512 x) {
+NPU_AMP_AVX512 inline __m512 Cdf16(__m512 x) {
   const __m512 e = Erf16(_mm512_mul_ps(x, _mm512_set1_ps(kInvSqrt2)));
   return _mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
 }
 
-NPU_AMP_GELU_AVX512 void GeluAvx512(const uint16_t* x, uint16_t* y, int64_t n) {
+NPU_AMP_AVX512 void GeluAvx512(const uint16_t* x, uint16_t* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff)
-                                    : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m512 v = GLoad16(x + i, m);
-    _mm256_mask_storeu_epi16(y + i, m, GRound16(_mm512_mul_ps(v, Cdf16(v))));
+    const __mmask16 m = Bf16Tail(n - i);
+    const __m512 v = Bf16Load16(x + i, m);
+    _mm256_mask_storeu_epi16(y + i, m, Bf16Round16(_mm512_mul_ps(v, Cdf16(v))));
   }
 }
 
-NPU_AMP_GELU_AVX512 void GeluGradAvx512(const uint16_t* dy, const uint16_t* x, uint16_t* dx, int64_t n) {
+NPU_AMP_AVX512 void GeluGradAvx512(const uint16_t* dy, const uint16_t* x, uint16_t* dx, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff)
-                                    : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m512 v = GLoad16(x + i, m);
+    const __mmask16 m = Bf16Tail(n - i);
+    const __m512 v = Bf16Load16(x + i, m);
     const __m512 pdf = _mm512_mul_ps(_mm512_set1_ps(kInvSqrt2Pi),
                                      ExpNeg16(_mm512_mul_ps(_mm512_set1_ps(-0.5f), _mm512_mul_ps(v, v))));
     const __m512 g = _mm512_fmadd_ps(v, pdf, Cdf16(v));
-    _mm256_mask_storeu_epi16(dx + i, m, GRound16(_mm512_mul_ps(GLoad16(dy + i, m), g)));
+    _mm256_mask_storeu_epi16(dx + i, m, Bf16Round16(_mm512_mul_ps(Bf16Load16(dy + i, m), g)));
   }
 }
-#endif  // NPU_AMP_GELU_X86
+#endif  // NPU_AMP_X86
 
 constexpr int64_t kGChunk = 16;
 
@@ -199,10 +164,10 @@ class GeluErfOp : public OpKernel {
       auto* y16 = reinterpret_cast<uint16_t*>(yp);
       const bool avx = Bf16UseAvx512();
       GeluParallel(ctx, n, 20, [&](int64_t s, int64_t e) {
-#ifdef NPU_AMP_GELU_X86
+#ifdef NPU_AMP_X86
         if (avx) return GeluAvx512(x16 + s, y16 + s, e - s);
 #endif
-        for (int64_t i = s; i < e; ++i) y16[i] = RoundG(GeluF(WidenG(x16[i])));
+        for (int64_t i = s; i < e; ++i) y16[i] = Bf16Round(GeluF(Bf16Widen(x16[i])));
       });
     }
   }
@@ -235,10 +200,10 @@ class GeluErfGradOp : public OpKernel {
       auto* dx16 = reinterpret_cast<uint16_t*>(dxp);
       const bool avx = Bf16UseAvx512();
       GeluParallel(ctx, n, 30, [&](int64_t s, int64_t e) {
-#ifdef NPU_AMP_GELU_X86
+#ifdef NPU_AMP_X86
         if (avx) return GeluGradAvx512(dy16 + s, x16 + s, dx16 + s, e - s);
 #endif
-        for (int64_t i = s; i < e; ++i) dx16[i] = RoundG(GeluGradF(WidenG(dy16[i]), WidenG(x16[i])));
+        for (int64_t i = s; i < e; ++i) dx16[i] = Bf16Round(GeluGradF(Bf16Widen(dy16[i]), Bf16Widen(x16[i])));
       });
     }
   }

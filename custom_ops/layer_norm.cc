@@ -18,17 +18,13 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define NPU_AMP_LN_X86 1
-#endif
-
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/util/work_sharder.h"
 #include "norm_common.h"
+#include "bf16_simd.h"
 
 namespace npu_amp_tf {
 namespace {
@@ -108,43 +104,29 @@ REGISTER_OP("LayerNormGrad")
 // NPU_AMP_TF_BF16_PORTABLE=1 before the first call keeps the generic loops.  The sums run in
 // another order than the generic loops' (FP32 rounding differs, not the formula).
 
-#ifdef NPU_AMP_LN_X86
-#define NPU_AMP_LN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-NPU_AMP_LN_AVX512 static inline __mmask16 LnTail(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
-}
-NPU_AMP_LN_AVX512 static inline __m512 LnLoad16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-NPU_AMP_LN_AVX512 static inline __m256i LnRound16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  __m512i t = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), u), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, t, _mm512_set1_epi32(0x7fc0)));
-}
+#ifdef NPU_AMP_X86
 
 // one row: mean, inv_std (two passes: sum, then sum of squared deviations), y
-NPU_AMP_LN_AVX512 void LnRowBf16Avx512(const uint16_t* x, const float* g, const float* b, uint16_t* y,
+NPU_AMP_AVX512 void LnRowBf16Avx512(const uint16_t* x, const float* g, const float* b, uint16_t* y,
                                        int64_t d, float eps, float* mu_out, float* rs_out) {
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) acc = _mm512_add_ps(acc, LnLoad16(x + i, LnTail(d - i)));
+  for (int64_t i = 0; i < d; i += 16) acc = _mm512_add_ps(acc, Bf16Load16(x + i, Bf16Tail(d - i)));
   const float mu = _mm512_reduce_add_ps(acc) / static_cast<float>(d);
   const __m512 vmu = _mm512_set1_ps(mu);
   acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < d; i += 16) {
-    const __mmask16 m = LnTail(d - i);
-    const __m512 c = _mm512_maskz_sub_ps(m, LnLoad16(x + i, m), vmu);
+    const __mmask16 m = Bf16Tail(d - i);
+    const __m512 c = _mm512_maskz_sub_ps(m, Bf16Load16(x + i, m), vmu);
     acc = _mm512_fmadd_ps(c, c, acc);
   }
   const float var = _mm512_reduce_add_ps(acc) / static_cast<float>(d);
   const float rs = 1.0f / std::sqrt(var + eps);
   const __m512 vrs = _mm512_set1_ps(rs);
   for (int64_t i = 0; i < d; i += 16) {
-    const __mmask16 m = LnTail(d - i);
-    const __m512 xh = _mm512_mul_ps(_mm512_sub_ps(LnLoad16(x + i, m), vmu), vrs);
+    const __mmask16 m = Bf16Tail(d - i);
+    const __m512 xh = _mm512_mul_ps(_mm512_sub_ps(Bf16Load16(x + i, m), vmu), vrs);
     const __m512 out = _mm512_fmadd_ps(xh, _mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, b + i));
-    _mm256_mask_storeu_epi16(y + i, m, LnRound16(out));
+    _mm256_mask_storeu_epi16(y + i, m, Bf16Round16(out));
   }
   *mu_out = mu;
   *rs_out = rs;
@@ -152,15 +134,15 @@ NPU_AMP_LN_AVX512 void LnRowBf16Avx512(const uint16_t* x, const float* g, const 
 
 // one row of the gradient: pg += dy * xhat, pb += dy (column partials), dx rounded to BF16;
 // xh / gg: D floats of scratch
-NPU_AMP_LN_AVX512 void LnGradRowBf16Avx512(const uint16_t* x, const uint16_t* dy, const float* g, float mu,
+NPU_AMP_AVX512 void LnGradRowBf16Avx512(const uint16_t* x, const uint16_t* dy, const float* g, float mu,
                                            float rs, float* pg, float* pb, float* xh, float* gg, uint16_t* dx,
                                            int64_t d) {
   const __m512 vmu = _mm512_set1_ps(mu), vrs = _mm512_set1_ps(rs);
   __m512 sg = _mm512_setzero_ps(), sgx = _mm512_setzero_ps();
   for (int64_t i = 0; i < d; i += 16) {
-    const __mmask16 m = LnTail(d - i);
-    const __m512 h = _mm512_maskz_mul_ps(m, _mm512_sub_ps(LnLoad16(x + i, m), vmu), vrs);
-    const __m512 dv = LnLoad16(dy + i, m);
+    const __mmask16 m = Bf16Tail(d - i);
+    const __m512 h = _mm512_maskz_mul_ps(m, _mm512_sub_ps(Bf16Load16(x + i, m), vmu), vrs);
+    const __m512 dv = Bf16Load16(dy + i, m);
     const __m512 gi = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(m, g + i));
     _mm512_mask_storeu_ps(xh + i, m, h);
     _mm512_mask_storeu_ps(gg + i, m, gi);
@@ -172,10 +154,10 @@ NPU_AMP_LN_AVX512 void LnGradRowBf16Avx512(const uint16_t* x, const uint16_t* dy
   const __m512 mg = _mm512_set1_ps(_mm512_reduce_add_ps(sg) / static_cast<float>(d));
   const __m512 mgx = _mm512_set1_ps(_mm512_reduce_add_ps(sgx) / static_cast<float>(d));
   for (int64_t i = 0; i < d; i += 16) {
-    const __mmask16 m = LnTail(d - i);
+    const __mmask16 m = Bf16Tail(d - i);
     const __m512 h = _mm512_maskz_loadu_ps(m, xh + i);
     const __m512 t = _mm512_sub_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, gg + i), mg), _mm512_mul_ps(h, mgx));
-    _mm256_mask_storeu_epi16(dx + i, m, LnRound16(_mm512_mul_ps(vrs, t)));
+    _mm256_mask_storeu_epi16(dx + i, m, Bf16Round16(_mm512_mul_ps(vrs, t)));
   }
 }
 #endif
@@ -213,7 +195,7 @@ class LayerNormOp : public OpKernel {
     auto work = [&](int64_t begin, int64_t end) {
       std::vector<float> buf(std::is_same<T, float>::value ? 0 : d);
       for (int64_t r = begin; r < end; ++r) {
-#ifdef NPU_AMP_LN_X86
+#ifdef NPU_AMP_X86
         if (avx512) {
           LnRowBf16Avx512(reinterpret_cast<const uint16_t*>(xp + r * d), g.data(), b.data(),
                           reinterpret_cast<uint16_t*>(yp + r * d), d, eps, mp + r, ip + r);
@@ -286,7 +268,7 @@ class LayerNormGradOp : public OpKernel {
       float* pb = part[1];
       std::vector<float> xr(d), dyr(d), gg(d);
       for (int64_t r = rbeg; r < rend; ++r) {
-#ifdef NPU_AMP_LN_X86
+#ifdef NPU_AMP_X86
         if (avx512) {
           LnGradRowBf16Avx512(reinterpret_cast<const uint16_t*>(xp + r * d),
                               reinterpret_cast<const uint16_t*>(dyp + r * d), g.data(), mp[r], ip[r], pg, pb,

@@ -30,13 +30,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define NPU_AMP_X86 1
-#endif
-
 #include "tensorflow/core/framework/op.h"
 #include "op_common.h"
+#include "bf16_simd.h"
 
 namespace npu_amp_tf {
 namespace {
@@ -219,47 +215,33 @@ RowFn PickRow() {
 // becomes 0x7fc0).  NPU_AMP_TF_BF16_PORTABLE=1 before the first call keeps the scalar loops.
 
 #ifdef NPU_AMP_X86
-#define NPU_AMP_SM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-NPU_AMP_SM_AVX512 static inline __mmask16 SmTail(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
-}
-NPU_AMP_SM_AVX512 static inline __m512 SmLoad16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-NPU_AMP_SM_AVX512 static inline __m256i SmRound16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  __m512i t = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), u), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, t, _mm512_set1_epi32(0x7fc0)));
-}
 // z = widen(in) * scale
-NPU_AMP_SM_AVX512 void WidenScaleRowAvx512(const uint16_t* in, float* z, int64_t n, float scale) {
+NPU_AMP_AVX512 void WidenScaleRowAvx512(const uint16_t* in, float* z, int64_t n, float scale) {
   const __m512 vs = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = SmTail(n - i);
-    _mm512_mask_storeu_ps(z + i, m, _mm512_mul_ps(SmLoad16(in + i, m), vs));
+    const __mmask16 m = Bf16Tail(n - i);
+    _mm512_mask_storeu_ps(z + i, m, _mm512_mul_ps(Bf16Load16(in + i, m), vs));
   }
 }
-NPU_AMP_SM_AVX512 void RoundRowAvx512(const float* z, uint16_t* out, int64_t n) {
+NPU_AMP_AVX512 void RoundRowAvx512(const float* z, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = SmTail(n - i);
-    _mm256_mask_storeu_epi16(out + i, m, SmRound16(_mm512_maskz_loadu_ps(m, z + i)));
+    const __mmask16 m = Bf16Tail(n - i);
+    _mm256_mask_storeu_epi16(out + i, m, Bf16Round16(_mm512_maskz_loadu_ps(m, z + i)));
   }
 }
 // out = (dp - sum(dp * p)) * (scale * p), straight from and to bfloat16 (two passes over the row)
-NPU_AMP_SM_AVX512 void SoftmaxGradRowBf16Avx512(const uint16_t* dp, const uint16_t* p, uint16_t* out,
+NPU_AMP_AVX512 void SoftmaxGradRowBf16Avx512(const uint16_t* dp, const uint16_t* p, uint16_t* out,
                                                 int64_t n, float scale) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = SmTail(n - i);
-    acc = _mm512_fmadd_ps(SmLoad16(dp + i, m), SmLoad16(p + i, m), acc);
+    const __mmask16 m = Bf16Tail(n - i);
+    acc = _mm512_fmadd_ps(Bf16Load16(dp + i, m), Bf16Load16(p + i, m), acc);
   }
   const __m512 vd = _mm512_set1_ps(_mm512_reduce_add_ps(acc)), vs = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = SmTail(n - i);
-    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(SmLoad16(dp + i, m), vd), _mm512_mul_ps(SmLoad16(p + i, m), vs));
-    _mm256_mask_storeu_epi16(out + i, m, SmRound16(r));
+    const __mmask16 m = Bf16Tail(n - i);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(Bf16Load16(dp + i, m), vd), _mm512_mul_ps(Bf16Load16(p + i, m), vs));
+    _mm256_mask_storeu_epi16(out + i, m, Bf16Round16(r));
   }
 }
 #endif
