@@ -282,6 +282,11 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
               f"; pipeline {_ms(summ.get('time_s', 0))} (output serialised inside it), bridge "
               f"parse {_ms(rec.get('bridge_s') or 0)}, whole callback {_ms(rec.get('time_s') or 0)} "
               f"wall, {_ms(rec.get('cpu_s') or 0)} CPU (min of {repeat}: {_ms(rec.get('cpu_min_s') or 0)})")
+        stages = summ.get("stages_cpu_s")
+        if stages:
+            print("  ours per stage (thread CPU of the timed run): "
+                  + ", ".join(f"{k} {_ms(v)}" for k, v in stages.items()))
+            res["stages_cpu"] = stages
         res["passes"] = {p["name"]: p["time_s"] for p in rep["passes"]}
         res["shapes_s"] = shp
     if meta:
