@@ -164,6 +164,7 @@ def time_modes(mg, modes, repeat):
     times = {m: [] for m in modes}
     logged = {m: [] for m in _LOGGED_NAME if m in modes}
     outs, rep = {}, None
+    cb_cpu = []  # the callback's thread CPU per run (record "cpu_s")
     for _ in range(repeat):
         for m in modes:
             bridge.clear_reports()  # no memo: every run does the full work
@@ -175,6 +176,10 @@ def time_modes(mg, modes, repeat):
             if m == "ours":
                 recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
                 rep = recs[-1] if recs else None
+                if rep is not None and rep.get("cpu_s") is not None:
+                    cb_cpu.append(rep["cpu_s"])
+    if rep is not None and cb_cpu:
+        rep = dict(rep, cpu_min_s=min(cb_cpu))
     # the minimum: on a shared machine the noise only ever adds time
     return ({m: min(v) for m, v in times.items()}, outs, rep,
             {m: min(v) for m, v in logged.items() if v})
@@ -251,8 +256,10 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
     print(f"\n== {name}: {len(gd.node)} nodes", flush=True)
     t, outs, rec, logged = time_modes(mg, modes, repeat)
     t_amp, t_ours = t["amp"] - t["off"], t["ours"] - t["off"]
-    res = {"graph": name, "nodes": len(gd.node), "amp_s": t_amp, "ours_s": t_ours,
-           "callback_s": (rec or {}).get("time_s")}
+    # (callback_s: the callback's thread CPU, minimum over the repeats: what the
+    # scaling check compares; its wall time counts the neighbours on a shared machine)
+    res = {"graph": name, "nodes": len(gd.node), "amp_s": t_amp, "ours_s": t_ours, "off_s": t["off"],
+           "callback_s": (rec or {}).get("cpu_min_s")}
     print(f"  end to end: ours {_ms(t_ours)} vs grappler's AMP pass alone {_ms(t_amp)}: "
           f"{_ratio(t_ours, t_amp)}x  (goal <= 1.0x: {'met' if t_ours <= t_amp else 'MISSED'}); "
           f"OptimizeGraph with nothing on: {_ms(t['off'])}  (process CPU, differences of minima)")
@@ -264,7 +271,8 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
               f"(goal <= 1.0x: {'met' if lo <= la else 'MISSED'})")
     if rec is not None and rec.get("report"):
         rep = rec["report"]
-        parts = [f"{p['name']} {_ms(p['time_s'])}" for p in rep["passes"]]
+        parts = [f"{p['name']} {_ms(p['time_s'])}" + (f" ({_ms(p['cpu_s'])} CPU)" if "cpu_s" in p else "")
+                 for p in rep["passes"]]
         summ = rep["summary"]
         shp = summ.get("shape_inference_s")
         where = ("inside the pipeline" if summ.get("shapes_inferred_in_pipeline")
@@ -273,7 +281,12 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
               (f" (grappler shape inference {_ms(shp)}, {where})" if shp is not None else "") +
               f"; pipeline {_ms(summ.get('time_s', 0))} (output serialised inside it), bridge "
               f"parse {_ms(rec.get('bridge_s') or 0)}, whole callback {_ms(rec.get('time_s') or 0)} "
-              f"wall, {_ms(rec.get('cpu_s') or 0)} CPU")
+              f"wall, {_ms(rec.get('cpu_s') or 0)} CPU (min of {repeat}: {_ms(rec.get('cpu_min_s') or 0)})")
+        stages = summ.get("stages_cpu_s")
+        if stages:
+            print("  ours per stage (thread CPU of the timed run): "
+                  + ", ".join(f"{k} {_ms(v)}" for k, v in stages.items()))
+            res["stages_cpu"] = stages
         res["passes"] = {p["name"]: p["time_s"] for p in rep["passes"]}
         res["shapes_s"] = shp
     if meta:
@@ -382,15 +395,20 @@ def main(argv=None):
         elif name == "scale":
             small = bench("BERT-like, 16 layers (scaling, small)", *bert_training_graph(layers=16),
                           args.repeat, quality=False, meta=False)
+            # (as many repeats as the small graph: one sample of the big graph on a
+            # shared machine once read as 7.0x for 4.02x nodes; issue 17k)
             big = bench("BERT-like, 66 layers (scaling, ~50k nodes)", *bert_training_graph(layers=66),
-                        max(1, args.repeat - 1), quality=False, meta=False)
+                        args.repeat, quality=False, meta=False)
             rn, rt = big["nodes"] / small["nodes"], big["ours_s"] / small["ours_s"]
             rc = (big["callback_s"] / small["callback_s"]) if small.get("callback_s") else float("nan")
             ga = big["amp_s"] / small["amp_s"] if small["amp_s"] > 0 else float("nan")
             goal = 4.5 * rn / 4
+            go = big["off_s"] / small["off_s"] if small["off_s"] else float("nan")
             print(f"\n== scaling: {rn:.2f}x nodes -> ours {rt:.2f}x time end to end, {rc:.2f}x "
-                  f"inside the callback (goal <= {goal:.2f}x: {'met' if rt <= goal else 'MISSED'} / "
-                  f"{'met' if rc <= goal else 'MISSED'}); grappler AMP {ga:.2f}x")
+                  f"inside the callback (thread CPU) (goal <= {goal:.2f}x: "
+                  f"{'met' if rt <= goal else 'MISSED'} / {'met' if rc <= goal else 'MISSED'}); "
+                  f"grappler AMP {ga:.2f}x; OptimizeGraph with nothing on (subtracted from both) "
+                  f"{go:.2f}x")
             results += [small, big]
         else:
             ap.error(f"--graphs: unknown graph '{name}'; accepted: resnet50, bert, scale")

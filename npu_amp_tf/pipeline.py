@@ -187,11 +187,15 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         report.warn("GE option(s) " + ", ".join(sorted(options.device_only_keys))
                     + ": no effect off the NPU")
     t0 = time.perf_counter()
+    # (issue 17k) this thread's CPU time per stage: wall time on a shared machine counts the neighbours
+    cpu, stages = time.thread_time, {}
+    c0 = cpu()
     names = pass_names(options)
     for mod, err in _import_failures.items():
         report.warn(f"pass module {mod} failed to import and did not run: {err}")
     try:
         graph = Graph(graph_def, index=index)
+        stages["graph"] = cpu() - c0
         if shapes is None:
             from .bridge import graph_shape_source
 
@@ -200,21 +204,29 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
             _shapes.attach(graph, _timed(shapes, report))
         ctx = _manager.PassContext(options, fetches, preserve, devices, report)
         mgr = _manager.PassManager(names, validate=options.validate_graph)
+        c0 = cpu()
         mgr.run(graph, ctx)
+        stages["passes"] = cpu() - c0
         if include_functions and graph.library.function:
+            c0 = cpu()
             _optimize_functions(graph, mgr, options, devices, report)
+            stages["functions"] = cpu() - c0
         summarize(graph, report)
+        c0 = cpu()
         dump = options.ge.get("enable_dump") or options.ge.get("enable_dump_debug")
         out = graph.serialize_patch() if serialized == "patch" and not dump else None
         if out is None:
             out = graph.serialize() if serialized else graph.to_graph_def()
         nodes = len(graph.nodes)
+        stages["serialize"] = cpu() - c0
+        c0 = cpu()
         # checked on the indexed graph itself (its nodes are `out`'s, bar the
         # private `_class` attrs to_graph_def drops): no second index to build;
         # only the nodes the passes created or edited and their readers
         # (every node with validate_graph=True, or after an untracked pass)
         changed = None if options.validate_graph else graph.changed_nodes()
         problems = _opdef_check.new_problems(graph_def, graph, ctx.default_device_type(), changed)
+        stages["opdef_check"] = cpu() - c0
         if problems:
             _opdef_failure(problems, "main graph", options, report)
             out, nodes = _original(graph_def, serialized), len(graph_def.node)
@@ -232,6 +244,9 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
     # whether a pass needed shapes (else they are inferred when the report is read)
     report.raw_summary["shapes_inferred_in_pipeline"] = "shape_inference_s" in report.raw_summary
     report.raw_summary["time_s"] = round(time.perf_counter() - t0, 6)
+    #: {stage: this thread's CPU seconds}: graph (parse, C++ index, Graph()), passes
+    #: (main graph), functions (their bodies), serialize, opdef_check
+    report.raw_summary["stages_cpu_s"] = {k: round(v, 6) for k, v in stages.items()}
     return out, report, nodes
 
 
