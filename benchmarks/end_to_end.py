@@ -26,8 +26,16 @@ Configurations:
   ours_no18f    ours without issue 18f's bf16_add_relu, bf16_addn_relu_grad, bf16_relu_bn_grad,
                 bf16_bn_grad rules (the same way);
   ours_no18g    ours without issue 18g's bf16_gelu, bf16_attention_train rules (the same way);
-  fp32_again    a second FP32 session (sessions only): FP32's own run-to-run
-                spread, the yardstick for the loss differences.
+  fp32_again    a second FP32 session (keras_fit: a second FP32 model) from the
+                same start on the same batches: FP32's own run-to-run spread, the
+                yardstick for the loss differences (0 where FP32 is deterministic).
+
+Same start in every process too: the Keras models' weights are built under
+``keras.utils.set_random_seed(1)`` (Keras' unseeded initializers take their
+seeds from Python's ``random``; ``tf.random.set_seed`` alone gave other
+weights in every process), and a digest of the initial weights is printed per
+model; keras_fit also restores the optimizer's variables (iterations, momentum)
+after the throw-away step that builds its train function.
 
 Every configuration of a model is built first, then timed steps are
 interleaved round-robin in this one process (median step time per
@@ -161,6 +169,9 @@ def build_keras_resnet(batch, size, classes):
     x = tf1.placeholder(tf.float32, [batch, size, size, 3], name="images")
     y = tf1.placeholder(tf.int32, [batch], name="labels")
     K.backend.set_learning_phase(1)  # BatchNorm in training mode, built on x itself
+    # Keras' unseeded initializers draw their op seeds from Python's ``random``: without this
+    # the initial weights (and so the loss) differed between processes (graph seed alone is not enough)
+    K.utils.set_random_seed(1)
     model = K.applications.ResNet50(weights=None, input_tensor=x, classes=classes)
     logits = model.output
     loss = tf.reduce_mean(K.losses.sparse_categorical_crossentropy(y, logits))
@@ -218,10 +229,15 @@ class SessionRunner:
             self.x, self.y, self.loss, self.train = build()
             init = tf1.global_variables_initializer()
         self.data = data  # data.batch(i) -> (x, y): step i's batch, the same for every configuration
+        with self.graph.as_default():
+            tvars = tf1.trainable_variables()
         self.sessions = {}
+        self.w0_digest = None
         for name, cfg in cfgs.items():
             s = tf1.Session(graph=self.graph, config=cfg)
             s.run(init)
+            if self.w0_digest is None:
+                self.w0_digest = weights_digest(s.run(tvars))
             self.sessions[name] = s
         self.losses = {n: [] for n in self.sessions}
 
@@ -305,31 +321,46 @@ def print_op_profile(model, runner, names, steps, top=25):
 
 
 class FitRunner:
-    """Keras ResNet-50 ``train_on_batch`` per configuration (TF2 functions)."""
+    """Keras ResNet-50 ``train_on_batch`` per configuration (TF2 functions).
+
+    Every configuration starts from the same state, in every process: the weights
+    are built under ``keras.utils.set_random_seed(1)`` (``tf.random.set_seed`` alone
+    does not fix Keras' unseeded initializers, which draw their seeds from Python's
+    ``random``: different weights in every process) and set to the first model's;
+    the optimizer is built before the throw-away step that instantiates the train
+    function, and its variables (iterations, momentum slots) are restored after it
+    with the weights, so step 0 of the timed/loss sequence starts at iteration 0
+    with zero momentum.  ``fp32_again`` is a second FP32 model (the yardstick)."""
 
     def __init__(self, args, data, names):
         K = tf.keras
         self.data = data
         self.models, self.notes = {}, {}
         w0 = None
+        self.w0_digest = None
         for name in names:
             try:
                 self.activate(name)
                 if name == "keras":
                     K.mixed_precision.set_global_policy("mixed_bfloat16")
-                tf.random.set_seed(1)
+                K.utils.set_random_seed(1)
                 m = K.applications.ResNet50(weights=None, input_shape=(args.size, args.size, 3),
                                             classes=args.classes)
                 if w0 is None:
                     w0 = m.get_weights()
+                    self.w0_digest = weights_digest(w0)
                 else:
                     m.set_weights(w0)
                 m.compile(K.optimizers.SGD(0.01 * LR_SCALE, momentum=0.9), "sparse_categorical_crossentropy")
+                opt_vars = _optimizer_variables(m.optimizer, m.trainable_variables)
+                opt0 = [v.numpy() for v in opt_vars]
                 # instantiate the train function in this config (on a throw-away copy of the
                 # weights' start: every configuration then trains from w0 on the same batches)
                 with _RulesRemoved(WITHOUT_RULES.get(name, ())):
                     m.train_on_batch(*data.batch(0))
                 m.set_weights(w0)
+                for v, v0 in zip(opt_vars, opt0):
+                    v.assign(v0)
                 self.models[name] = m
             except Exception as exc:  # noqa: BLE001 - report a configuration that TF refuses
                 self.notes[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
@@ -416,6 +447,24 @@ def _union_ps(spans):
     return total
 
 
+def weights_digest(arrays) -> str:
+    """Short digest of a list of arrays (the initial weights: equal in every process)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:12]
+
+
+def _optimizer_variables(opt, var_list):
+    """The optimizer's variables after building its slots for ``var_list`` (Keras 2's
+    and Keras 3's optimizers: ``build``, then the ``variables`` property)."""
+    opt.build(var_list)
+    v = opt.variables
+    return list(v() if callable(v) else v)
+
+
 class Data:
     """Step ``i``'s batch, the same for every configuration (cached by index).
 
@@ -468,6 +517,8 @@ def measure(runner, warmup, rounds, steps):
     process's CPU seconds (all its threads; steadier than wall time on a
     shared machine, where other jobs take cores but not this process's CPU time)."""
     names = list(runner.sessions)
+    for i in range(warmup + rounds * steps):  # every batch made before the clock starts
+        runner.data.batch(i)
     for name in names:
         for _ in range(warmup):
             runner.step(name)
@@ -546,6 +597,8 @@ def main(argv=None):
         else:
             raise SystemExit(f"unknown model {model!r}")
         load1 = os.getloadavg()
+        print(f"[{model}: initial weights {r.w0_digest} (the same digest in every process: same start)]",
+              flush=True)
         times, cpu = measure(r, args.warmup, args.rounds, args.steps)
         load2 = os.getloadavg()
         n_steps = args.warmup + args.rounds * args.steps
