@@ -73,13 +73,21 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2  # noqa: E402
 
-import npu_amp_tf  # noqa: E402
-from npu_amp_tf.tools import profile as _profile  # noqa: E402
+# TensorFlow and the plugin are imported by _import_tf() in the process that runs models
+# (not in the parent of ``--processes N``, which only starts children and reads their JSON)
+tf = tf1 = config_pb2 = rewriter_config_pb2 = npu_amp_tf = _profile = None
 
-tf1 = tf.compat.v1
+
+def _import_tf():
+    global tf, tf1, config_pb2, rewriter_config_pb2, npu_amp_tf, _profile
+    import tensorflow
+    from tensorflow.core.protobuf import config_pb2 as c, rewriter_config_pb2 as r
+
+    import npu_amp_tf as n
+    from npu_amp_tf.tools import profile as p
+
+    tf, tf1, config_pb2, rewriter_config_pb2, npu_amp_tf, _profile = tensorflow, tensorflow.compat.v1, c, r, n, p
 MODE = "allow_mix_precision_bf16"
 LR_SCALE = 1.0  # --lr-scale: every optimizer's learning rate times this
 
@@ -539,6 +547,178 @@ def median_ratio(num, den):
     return statistics.median(a / b for a, b in zip(num, den))
 
 
+# ------------------------------------------------------------------ --processes N
+GOAL_X_FP32, GOAL_X_PEER, GOAL_DLOSS, GOAL_LOSS_STEPS = 1.8, 1.0, 0.02, 50
+
+
+def child_argv(argv, model, json_path):
+    """The command line of one child: this script with ``argv`` minus ``--processes``,
+    ``--models`` and ``--json`` (and their values), then ``--models model --json json_path``."""
+    drop = ("--processes", "--models", "--json")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in drop:
+            skip = True
+            continue
+        if any(a.startswith(d + "=") for d in drop):
+            continue
+        rest.append(a)
+    return [sys.executable, os.path.abspath(__file__), *rest, "--models", model, "--json", json_path]
+
+
+def _spread(values):
+    """(median, min, max) of the non-None values, or None."""
+    v = [x for x in values if x is not None]
+    return (statistics.median(v), min(v), max(v)) if v else None
+
+
+def summarize_processes(runs, configs, bf16_units, loss_judgeable, loss_note):
+    """Per model: per-process figures of every configuration and their median / min / max over
+    processes, and the goal verdicts on the median of the per-process CPU-time ratios.
+
+    ``runs``: ``[{"process": i, "model": m, "rows": [end_to_end JSON rows], "load": [..]}]``
+    (rows of one child); returns ``(lines, summary)``: the printed lines and, per model, per
+    configuration, ``{key: (median, min, max)}`` for the ratio keys, plus ``"verdicts"``."""
+    keys = ("speedup_vs_fp32", "cpu_speedup_vs_fp32", "ours_vs_best_peer", "cpu_ours_vs_best_peer",
+            "loss_rel_diff")
+    lines, summary = [], {}
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    for model in models:
+        mruns = [r for r in runs if r["model"] == model]
+        by_cfg = {}
+        for r in mruns:
+            for row in r.get("rows", []):
+                if "error" not in row and row.get("model") == model:
+                    by_cfg.setdefault(row["config"], []).append((r["process"], row))
+        cfgs = [c for c in configs if c in by_cfg] + [c for c in by_cfg if c not in configs]
+        failed = [r["process"] for r in mruns if not r.get("rows")]
+        lines.append(f"\n== {model}: {len(mruns) - len(failed)} processes"
+                     + (f" ({len(failed)} failed: {failed})" if failed else "")
+                     + "; each one interleaves " + ",".join(cfgs) + " in rounds; a process's ratio is the median "
+                     "over its rounds of same-round ratios")
+        lines.append(f"{'proc':>4s} {'config':12s} {'step ms':>7s} {'cpu ms':>7s} {'x FP32':>6s} {'cpu':>5s} "
+                     f"{'x peer':>6s} {'cpu':>5s} {'dloss':>7s}  load 1m (before/after timing)")
+        msum = summary[model] = {}
+        for cfg in cfgs:
+            for proc, row in by_cfg[cfg]:
+                load = row.get("loadavg_1m") or [None, None]
+                lines.append(f"{proc:4d} {cfg:12s} {row['step_s'] * 1e3:7.0f} {row['cpu_s'] * 1e3:7.0f} "
+                             f"{fmt(row['speedup_vs_fp32'], '6.2f')} {fmt(row['cpu_speedup_vs_fp32'], '5.2f')} "
+                             f"{fmt(row['ours_vs_best_peer'], '6.2f')} {fmt(row['cpu_ours_vs_best_peer'], '5.2f')} "
+                             f"{fmt(row['loss_rel_diff'], '7.2%')}  {fmt(load[0], '.2f')}/{fmt(load[1], '.2f')}")
+            rows = [row for _, row in by_cfg[cfg]]
+            csum = msum[cfg] = {k: _spread([row.get(k) for row in rows]) for k in keys}
+            csum["step_s"] = _spread([row["step_s"] for row in rows])
+            csum["cpu_s"] = _spread([row["cpu_s"] for row in rows])
+            for i, label in ((0, "med"), (1, "min"), (2, "max")):
+                def g(k, f, scale=1.0):
+                    return fmt(None if csum[k] is None else csum[k][i] * scale, f)
+                lines.append(f"{label:>4s} {cfg:12s} {g('step_s', '7.0f', 1e3)} {g('cpu_s', '7.0f', 1e3)} "
+                             f"{g('speedup_vs_fp32', '6.2f')} {g('cpu_speedup_vs_fp32', '5.2f')} "
+                             f"{g('ours_vs_best_peer', '6.2f')} {g('cpu_ours_vs_best_peer', '5.2f')} "
+                             f"{g('loss_rel_diff', '7.2%')}")
+        msum["verdicts"] = verdicts = []
+        ours = msum.get("ours")
+        if ours is None or "fp32" not in msum:
+            lines.append("verdict: none (needs fp32 and ours)")
+            continue
+        lines.append(f"verdict for {model} (TF's process-to-process spread: each figure is the MEDIAN over "
+                     f"{len(by_cfg['ours'])} processes of the per-process ratio of CPU time per step; wall time "
+                     f"beside it; min-max over processes in brackets):")
+
+        def speed(name, key_cpu, key_wall, goal):
+            c, w = ours[key_cpu], ours[key_wall]
+            if c is None:
+                lines.append(f"  {name}: not measured")
+                return
+            status = ("MET" if c[0] >= goal else "MISSED") if bf16_units else "does not apply (no BF16 units)"
+            straddle = " (the processes straddle the goal)" if c[1] < goal <= c[2] else ""
+            lines.append(f"  {name}: {status}: CPU {c[0]:.2f} [{c[1]:.2f}-{c[2]:.2f}]{straddle}; wall "
+                         f"{w[0]:.2f} [{w[1]:.2f}-{w[2]:.2f}]")
+            verdicts.append((name, status, c[0], w[0]))
+
+        speed(f"ours >= {GOAL_X_FP32}x FP32", "cpu_speedup_vs_fp32", "speedup_vs_fp32", GOAL_X_FP32)
+        speed(f"ours >= {GOAL_X_PEER}x best peer (grappler/keras)", "cpu_ours_vs_best_peer", "ours_vs_best_peer",
+              GOAL_X_PEER)
+        d = ours["loss_rel_diff"]
+        others = ", ".join(f"{c} {msum[c]['loss_rel_diff'][0]:.2%}" for c in cfgs
+                           if c not in ("fp32", "ours") and msum[c]["loss_rel_diff"] is not None)
+        if not loss_judgeable:
+            lines.append(f"  loss within {GOAL_DLOSS:.0%} of FP32's: not judged here ({loss_note}); "
+                         f"ours {d[0]:.2%} [{d[1]:.2%}-{d[2]:.2%}]" + (f"; {others}" if others else ""))
+            verdicts.append(("loss", "not judged", d[0], None))
+        else:
+            status = "MET" if d[0] <= GOAL_DLOSS else "MISSED"
+            lines.append(f"  loss within {GOAL_DLOSS:.0%} of FP32's: {status}: ours {d[0]:.2%} "
+                         f"[{d[1]:.2%}-{d[2]:.2%}] from FP32 ({loss_note})" + (f"; {others}" if others else ""))
+            verdicts.append(("loss", status, d[0], None))
+    return lines, summary
+
+
+def run_processes(args, argv):
+    """``--processes N``: every model's configuration set in N fresh child processes (this
+    script without ``--processes``; each child interleaves the configurations in rounds, as
+    the single-process mode does); prints every child's ratios and their median / min / max,
+    and the goal verdicts on the medians.  Processes go round-robin over the models
+    (process 1 of every model, then process 2, ...) so a load change hits every model."""
+    import subprocess
+    import tempfile
+
+    models = [m for m in args.models.split(",") if m]
+    configs = [c for c in args.configs.split(",") if c]
+    flags = cpu_flags()
+    bf16_units = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+    n_steps = args.warmup + args.rounds * args.steps
+    loss_judgeable = args.data == "teacher" and n_steps >= GOAL_LOSS_STEPS and "fp32" in configs
+    loss_note = (f"data={args.data}, {n_steps} steps, mean loss of the last "
+                 f"{min(args.loss_window, n_steps)}" + ("" if loss_judgeable else
+                                                       f"; the goal needs --data teacher and >= {GOAL_LOSS_STEPS} steps"))
+    print(f"{sys.executable}; CPU flags: {', '.join(flags) or 'none'}; {args.processes} processes per model; "
+          f"models {','.join(models)}; configs {','.join(configs)}; data {args.data}; warmup {args.warmup}, "
+          f"rounds {args.rounds} x steps {args.steps}", flush=True)
+    if not bf16_units:
+        print("this CPU has no BF16 units (avx512_bf16 / amx_bf16): the speed goals do not apply here")
+    runs, tf_version = [], None
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in range(1, args.processes + 1):
+            for model in models:
+                path = os.path.join(tmp, f"{model}_{p}.json")
+                cmd = child_argv(argv, model, path)
+                load0, t0 = os.getloadavg()[0], time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                secs, load1 = time.perf_counter() - t0, os.getloadavg()[0]
+                run = {"process": p, "model": model, "seconds": round(secs, 1), "rc": proc.returncode,
+                       "load_1m": [round(load0, 2), round(load1, 2)], "stdout": proc.stdout, "rows": []}
+                if proc.returncode == 0 and os.path.exists(path):
+                    with open(path, encoding="utf-8") as fh:
+                        got = json.load(fh)
+                    run["rows"], tf_version = got["rows"], got["tf"]
+                    ours = next((r for r in got["rows"] if r.get("config") == "ours" and "error" not in r), None)
+                    brief = ("" if ours is None else
+                             f": ours x FP32 {ours['speedup_vs_fp32'] or 0:.2f} (CPU "
+                             f"{ours['cpu_speedup_vs_fp32'] or 0:.2f}), x best peer "
+                             f"{ours['ours_vs_best_peer'] or 0:.2f} (CPU {ours['cpu_ours_vs_best_peer'] or 0:.2f})")
+                    print(f"[process {p}/{args.processes} {model}: {secs:.0f} s, load 1m {load0:.2f} -> "
+                          f"{load1:.2f}{brief}]", flush=True)
+                else:
+                    print(f"[process {p}/{args.processes} {model}: FAILED rc={proc.returncode} after {secs:.0f} s]\n"
+                          + proc.stderr[-2000:], flush=True)
+                runs.append(run)
+    lines, summary = summarize_processes(runs, configs, bf16_units, loss_judgeable, loss_note)
+    print(f"\nTF {tf_version}; {len(runs)} child processes in {time.perf_counter() - t_all:.0f} s")
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"tf": tf_version, "cpu_flags": flags, "args": vars(args), "processes": runs,
+                       "summary": summary}, fh, indent=1)
+    return summary
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="slim_resnet50,keras_resnet50,keras_fit,bert")
@@ -566,7 +746,15 @@ def main(argv=None):
                     help="trace N more steps per configuration and print the op time summed per (op type, "
                          "dtype); keras_fit: per op type, from tf.profiler, with the step's wall time and "
                          "the time any op ran")
+    ap.add_argument("--processes", type=int, default=0, metavar="N",
+                    help="run each model's configuration set in N fresh child processes (each one "
+                         "interleaving the configurations in rounds) and print per-process ratios, their "
+                         "median and min/max, and the goal verdicts on the medians of CPU-time ratios "
+                         "(FP32's step time moves between processes; one process cannot judge the goals)")
     args = ap.parse_args(argv)
+    if args.processes > 0:
+        return run_processes(args, sys.argv[1:] if argv is None else list(argv))
+    _import_tf()
     names = [n for n in args.configs.split(",") if n]
     global LR_SCALE
     LR_SCALE = args.lr_scale
