@@ -29,6 +29,10 @@ Configurations:
   fp32_again    a second FP32 session (keras_fit: a second FP32 model) from the
                 same start on the same batches: FP32's own run-to-run spread, the
                 yardstick for the loss differences (0 where FP32 is deterministic).
+  fp32_w0bf16   FP32 started from the initial weights rounded to BF16 (round to
+                nearest even): how far one BF16-size perturbation of the start
+                moves FP32's loss after the run, i.e. how chaotic the training is
+                (the noise floor the BF16 configurations' loss differences sit on).
 
 Same start in every process too: the Keras models' weights are built under
 ``keras.utils.set_random_seed(1)`` (Keras' unseeded initializers take their
@@ -141,7 +145,8 @@ class _RulesRemoved:
 def session_configs(names):
     g = config_pb2.ConfigProto()
     g.graph_options.rewrite_options.auto_mixed_precision_onednn_bfloat16 = rewriter_config_pb2.RewriterConfig.ON
-    cfgs = {"fp32": config_pb2.ConfigProto(), "fp32_again": config_pb2.ConfigProto(), "grappler": g}
+    cfgs = {"fp32": config_pb2.ConfigProto(), "fp32_again": config_pb2.ConfigProto(),
+            "fp32_w0bf16": config_pb2.ConfigProto(), "grappler": g}
     for name, extra in OURS.items():
         cfgs[name] = npu_amp_tf.session_config(precision_mode=MODE, graph_level=2, **extra)
     return {n: cfgs[n] for n in names if n in cfgs}
@@ -246,6 +251,10 @@ class SessionRunner:
             s.run(init)
             if self.w0_digest is None:
                 self.w0_digest = weights_digest(s.run(tvars))
+            if name == "fp32_w0bf16":
+                with self.graph.as_default():
+                    for v, val in zip(tvars, s.run(tvars)):
+                        v.load(round_bf16(val), s)
             self.sessions[name] = s
         self.losses = {n: [] for n in self.sessions}
 
@@ -366,7 +375,7 @@ class FitRunner:
                 # weights' start: every configuration then trains from w0 on the same batches)
                 with _RulesRemoved(WITHOUT_RULES.get(name, ())):
                     m.train_on_batch(*data.batch(0))
-                m.set_weights(w0)
+                m.set_weights([round_bf16(w) for w in w0] if name == "fp32_w0bf16" else w0)
                 for v, v0 in zip(opt_vars, opt0):
                     v.assign(v0)
                 self.models[name] = m
@@ -463,6 +472,13 @@ def weights_digest(arrays) -> str:
     for a in arrays:
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()[:12]
+
+
+def round_bf16(a):
+    """``a`` (float32) rounded to the nearest BF16 value (ties to even), as float32."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32).reshape(np.shape(a))
 
 
 def _optimizer_variables(opt, var_list):
@@ -723,7 +739,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="slim_resnet50,keras_resnet50,keras_fit,bert")
     ap.add_argument("--configs", default="fp32,grappler,keras,ours",
-                    help="subset of fp32,fp32_again,grappler,keras,ours,ours_nodelay,ours_black_reductions,"
+                    help="subset of fp32,fp32_again,fp32_w0bf16,grappler,keras,ours,ours_nodelay,ours_black_reductions,"
                          "ours_no18d,ours_no18f,ours_no18g")
     ap.add_argument("--data", choices=("fixed", "teacher"), default="fixed",
                     help="fixed: one synthetic batch (timing); teacher: a fresh seeded batch per step "
@@ -811,7 +827,7 @@ def main(argv=None):
                 "cpu_speedup_vs_fp32": median_ratio(cbase, cpu[name]) if cbase else None,
                 "cpu_ours_vs_best_peer": (median_ratio(cbest_peer, cpu[name])
                                           if name in OURS and cbest_peer else None),
-                "loss": lv, "loss_steps": n_steps, "loss_window": min(args.loss_window, n_steps),
+                "loss": lv, "losses": r.losses[name], "loss_steps": n_steps, "loss_window": min(args.loss_window, n_steps),
                 "loss_rel_diff": (abs(lv - ref) / abs(ref) if ref and lv is not None else None),
                 "bf16_share": p.get("lp_compute_share"), "cast_share": p.get("cast_transdata_share"),
                 "loadavg_1m": [round(load1[0], 2), round(load2[0], 2)], "loadavg_before_build": round(load0[0], 2),
