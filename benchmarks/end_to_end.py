@@ -26,6 +26,8 @@ Configurations:
   ours_no18f    ours without issue 18f's bf16_add_relu, bf16_addn_relu_grad, bf16_relu_bn_grad,
                 bf16_bn_grad rules (the same way);
   ours_no18g    ours without issue 18g's bf16_gelu, bf16_attention_train rules (the same way);
+  ours_black=Op1+Op2  ours with those TF op types black (``custom_black_list``):
+                find which part of the BF16 plan moves the loss;
   fp32_again    a second FP32 session (keras_fit: a second FP32 model) from the
                 same start on the same batches: FP32's own run-to-run spread, the
                 yardstick for the loss differences (0 where FP32 is deterministic).
@@ -772,6 +774,10 @@ def main(argv=None):
         return run_processes(args, sys.argv[1:] if argv is None else list(argv))
     _import_tf()
     names = [n for n in args.configs.split(",") if n]
+    for n in names:  # ours_black=Op1+Op2: ours with those op types black (custom_black_list)
+        if n.startswith("ours_black=") and n not in OURS:
+            OURS[n] = {"custom_black_list": [o for o in n.split("=", 1)[1].split("+") if o],
+                       "keep_dtype_nodes": [f"__end_to_end_{n}__"]}  # another key for the bridge's memo
     global LR_SCALE
     LR_SCALE = args.lr_scale
 
