@@ -69,6 +69,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import sys
 import time
@@ -708,9 +709,13 @@ def run_processes(args, argv):
                 path = os.path.join(tmp, f"{model}_{p}.json")
                 cmd = child_argv(argv, model, path)
                 load0, t0 = os.getloadavg()[0], time.perf_counter()
+                ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 secs, load1 = time.perf_counter() - t0, os.getloadavg()[0]
-                run = {"process": p, "model": model, "seconds": round(secs, 1), "rc": proc.returncode,
+                ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu_s = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
+                run = {"process": p, "model": model, "seconds": round(secs, 1), "cpu_seconds": round(cpu_s, 1),
+                       "rc": proc.returncode,
                        "load_1m": [round(load0, 2), round(load1, 2)], "stdout": proc.stdout, "rows": []}
                 if proc.returncode == 0 and os.path.exists(path):
                     with open(path, encoding="utf-8") as fh:
@@ -721,14 +726,15 @@ def run_processes(args, argv):
                              f": ours x FP32 {ours['speedup_vs_fp32'] or 0:.2f} (CPU "
                              f"{ours['cpu_speedup_vs_fp32'] or 0:.2f}), x best peer "
                              f"{ours['ours_vs_best_peer'] or 0:.2f} (CPU {ours['cpu_ours_vs_best_peer'] or 0:.2f})")
-                    print(f"[process {p}/{args.processes} {model}: {secs:.0f} s, load 1m {load0:.2f} -> "
+                    print(f"[process {p}/{args.processes} {model}: {secs:.0f} s ({cpu_s:.0f} CPU s), load 1m {load0:.2f} -> "
                           f"{load1:.2f}{brief}]", flush=True)
                 else:
                     print(f"[process {p}/{args.processes} {model}: FAILED rc={proc.returncode} after {secs:.0f} s]\n"
                           + proc.stderr[-2000:], flush=True)
                 runs.append(run)
     lines, summary = summarize_processes(runs, configs, bf16_units, loss_judgeable, loss_note)
-    print(f"\nTF {tf_version}; {len(runs)} child processes in {time.perf_counter() - t_all:.0f} s")
+    print(f"\nTF {tf_version}; {len(runs)} child processes in {time.perf_counter() - t_all:.0f} s "
+          f"({sum(r['cpu_seconds'] for r in runs):.0f} CPU s)")
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
