@@ -770,6 +770,9 @@ def main(argv=None):
                     help="trace N more steps per configuration and print the op time summed per (op type, "
                          "dtype); keras_fit: per op type, from tf.profiler, with the step's wall time and "
                          "the time any op ran")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the one traced step per session configuration (BF16 / Cast share columns "
+                         "empty): shortens each child of --processes")
     ap.add_argument("--processes", type=int, default=0, metavar="N",
                     help="run each model's configuration set in N fresh child processes (each one "
                          "interleaving the configurations in rounds) and print per-process ratios, their "
@@ -818,7 +821,8 @@ def main(argv=None):
         times, cpu = measure(r, args.warmup, args.rounds, args.steps)
         load2 = os.getloadavg()
         n_steps = args.warmup + args.rounds * args.steps
-        prof = {n: r.profile(n) for n in ("grappler", "ours") if n in r.sessions}
+        prof = ({} if args.no_profile else
+                {n: r.profile(n) for n in ("grappler", "ours") if n in r.sessions})
         if args.op_profile and hasattr(r, "op_times"):
             print_op_profile(model, r, list(r.sessions), args.op_profile)
         base = times.get("fp32")
