@@ -59,6 +59,15 @@ configuration are traced (interleaved) and the op time of every executed node
 per step for every configuration side by side, with the summed total: where
 the time goes, steadier than wall time on a shared machine.
 
+``--processes N``: each model's configuration set runs in N fresh child
+processes (this script without the flag, one model per child, round-robin over
+the models), each interleaving the configurations in rounds as above; prints
+every process's ratios (wall and CPU, x FP32, x best peer, loss deviation),
+their median / min / max over processes, and the goal verdicts on the median
+over processes of the per-process CPU-time ratio (FP32's step time moves
+between processes, so one process cannot judge the goals).  The loss verdict
+needs ``--data teacher`` and >= 50 steps.
+
 Prints the CPU's BF16/AMX flags; where they are absent the speed goals
 (ours >= 1.8x FP32, >= 1.0x the best of grappler/Keras) do not apply.
 Never asserts a time.
