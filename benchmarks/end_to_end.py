@@ -26,8 +26,22 @@ Configurations:
   ours_no18f    ours without issue 18f's bf16_add_relu, bf16_addn_relu_grad, bf16_relu_bn_grad,
                 bf16_bn_grad rules (the same way);
   ours_no18g    ours without issue 18g's bf16_gelu, bf16_attention_train rules (the same way);
-  fp32_again    a second FP32 session (sessions only): FP32's own run-to-run
-                spread, the yardstick for the loss differences.
+  ours_black=Op1+Op2  ours with those TF op types black (``custom_black_list``):
+                find which part of the BF16 plan moves the loss;
+  fp32_again    a second FP32 session (keras_fit: a second FP32 model) from the
+                same start on the same batches: FP32's own run-to-run spread, the
+                yardstick for the loss differences (0 where FP32 is deterministic).
+  fp32_w0bf16   FP32 started from the initial weights rounded to BF16 (round to
+                nearest even): how far one BF16-size perturbation of the start
+                moves FP32's loss after the run, i.e. how chaotic the training is
+                (the noise floor the BF16 configurations' loss differences sit on).
+
+Same start in every process too: the Keras models' weights are built under
+``keras.utils.set_random_seed(1)`` (Keras' unseeded initializers take their
+seeds from Python's ``random``; ``tf.random.set_seed`` alone gave other
+weights in every process), and a digest of the initial weights is printed per
+model; keras_fit also restores the optimizer's variables (iterations, momentum)
+after the throw-away step that builds its train function.
 
 Every configuration of a model is built first, then timed steps are
 interleaved round-robin in this one process (median step time per
@@ -45,6 +59,15 @@ configuration are traced (interleaved) and the op time of every executed node
 per step for every configuration side by side, with the summed total: where
 the time goes, steadier than wall time on a shared machine.
 
+``--processes N``: each model's configuration set runs in N fresh child
+processes (this script without the flag, one model per child, round-robin over
+the models), each interleaving the configurations in rounds as above; prints
+every process's ratios (wall and CPU, x FP32, x best peer, loss deviation),
+their median / min / max over processes, and the goal verdicts on the median
+over processes of the per-process CPU-time ratio (FP32's step time moves
+between processes, so one process cannot judge the goals).  The loss verdict
+needs ``--data teacher`` and >= 50 steps.
+
 Prints the CPU's BF16/AMX flags; where they are absent the speed goals
 (ours >= 1.8x FP32, >= 1.0x the best of grappler/Keras) do not apply.
 Never asserts a time.
@@ -55,6 +78,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import sys
 import time
@@ -65,13 +89,21 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2  # noqa: E402
 
-import npu_amp_tf  # noqa: E402
-from npu_amp_tf.tools import profile as _profile  # noqa: E402
+# TensorFlow and the plugin are imported by _import_tf() in the process that runs models
+# (not in the parent of ``--processes N``, which only starts children and reads their JSON)
+tf = tf1 = config_pb2 = rewriter_config_pb2 = npu_amp_tf = _profile = None
 
-tf1 = tf.compat.v1
+
+def _import_tf():
+    global tf, tf1, config_pb2, rewriter_config_pb2, npu_amp_tf, _profile
+    import tensorflow
+    from tensorflow.core.protobuf import config_pb2 as c, rewriter_config_pb2 as r
+
+    import npu_amp_tf as n
+    from npu_amp_tf.tools import profile as p
+
+    tf, tf1, config_pb2, rewriter_config_pb2, npu_amp_tf, _profile = tensorflow, tensorflow.compat.v1, c, r, n, p
 MODE = "allow_mix_precision_bf16"
 LR_SCALE = 1.0  # --lr-scale: every optimizer's learning rate times this
 
@@ -125,7 +157,8 @@ class _RulesRemoved:
 def session_configs(names):
     g = config_pb2.ConfigProto()
     g.graph_options.rewrite_options.auto_mixed_precision_onednn_bfloat16 = rewriter_config_pb2.RewriterConfig.ON
-    cfgs = {"fp32": config_pb2.ConfigProto(), "fp32_again": config_pb2.ConfigProto(), "grappler": g}
+    cfgs = {"fp32": config_pb2.ConfigProto(), "fp32_again": config_pb2.ConfigProto(),
+            "fp32_w0bf16": config_pb2.ConfigProto(), "grappler": g}
     for name, extra in OURS.items():
         cfgs[name] = npu_amp_tf.session_config(precision_mode=MODE, graph_level=2, **extra)
     return {n: cfgs[n] for n in names if n in cfgs}
@@ -161,6 +194,9 @@ def build_keras_resnet(batch, size, classes):
     x = tf1.placeholder(tf.float32, [batch, size, size, 3], name="images")
     y = tf1.placeholder(tf.int32, [batch], name="labels")
     K.backend.set_learning_phase(1)  # BatchNorm in training mode, built on x itself
+    # Keras' unseeded initializers draw their op seeds from Python's ``random``: without this
+    # the initial weights (and so the loss) differed between processes (graph seed alone is not enough)
+    K.utils.set_random_seed(1)
     model = K.applications.ResNet50(weights=None, input_tensor=x, classes=classes)
     logits = model.output
     loss = tf.reduce_mean(K.losses.sparse_categorical_crossentropy(y, logits))
@@ -218,10 +254,19 @@ class SessionRunner:
             self.x, self.y, self.loss, self.train = build()
             init = tf1.global_variables_initializer()
         self.data = data  # data.batch(i) -> (x, y): step i's batch, the same for every configuration
+        with self.graph.as_default():
+            tvars = tf1.trainable_variables()
         self.sessions = {}
+        self.w0_digest = None
         for name, cfg in cfgs.items():
             s = tf1.Session(graph=self.graph, config=cfg)
             s.run(init)
+            if self.w0_digest is None:
+                self.w0_digest = weights_digest(s.run(tvars))
+            if name == "fp32_w0bf16":
+                with self.graph.as_default():
+                    for v, val in zip(tvars, s.run(tvars)):
+                        v.load(round_bf16(val), s)
             self.sessions[name] = s
         self.losses = {n: [] for n in self.sessions}
 
@@ -305,31 +350,46 @@ def print_op_profile(model, runner, names, steps, top=25):
 
 
 class FitRunner:
-    """Keras ResNet-50 ``train_on_batch`` per configuration (TF2 functions)."""
+    """Keras ResNet-50 ``train_on_batch`` per configuration (TF2 functions).
+
+    Every configuration starts from the same state, in every process: the weights
+    are built under ``keras.utils.set_random_seed(1)`` (``tf.random.set_seed`` alone
+    does not fix Keras' unseeded initializers, which draw their seeds from Python's
+    ``random``: different weights in every process) and set to the first model's;
+    the optimizer is built before the throw-away step that instantiates the train
+    function, and its variables (iterations, momentum slots) are restored after it
+    with the weights, so step 0 of the timed/loss sequence starts at iteration 0
+    with zero momentum.  ``fp32_again`` is a second FP32 model (the yardstick)."""
 
     def __init__(self, args, data, names):
         K = tf.keras
         self.data = data
         self.models, self.notes = {}, {}
         w0 = None
+        self.w0_digest = None
         for name in names:
             try:
                 self.activate(name)
                 if name == "keras":
                     K.mixed_precision.set_global_policy("mixed_bfloat16")
-                tf.random.set_seed(1)
+                K.utils.set_random_seed(1)
                 m = K.applications.ResNet50(weights=None, input_shape=(args.size, args.size, 3),
                                             classes=args.classes)
                 if w0 is None:
                     w0 = m.get_weights()
+                    self.w0_digest = weights_digest(w0)
                 else:
                     m.set_weights(w0)
                 m.compile(K.optimizers.SGD(0.01 * LR_SCALE, momentum=0.9), "sparse_categorical_crossentropy")
+                opt_vars = _optimizer_variables(m.optimizer, m.trainable_variables)
+                opt0 = [v.numpy() for v in opt_vars]
                 # instantiate the train function in this config (on a throw-away copy of the
                 # weights' start: every configuration then trains from w0 on the same batches)
                 with _RulesRemoved(WITHOUT_RULES.get(name, ())):
                     m.train_on_batch(*data.batch(0))
-                m.set_weights(w0)
+                m.set_weights([round_bf16(w) for w in w0] if name == "fp32_w0bf16" else w0)
+                for v, v0 in zip(opt_vars, opt0):
+                    v.assign(v0)
                 self.models[name] = m
             except Exception as exc:  # noqa: BLE001 - report a configuration that TF refuses
                 self.notes[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
@@ -416,6 +476,31 @@ def _union_ps(spans):
     return total
 
 
+def weights_digest(arrays) -> str:
+    """Short digest of a list of arrays (the initial weights: equal in every process)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:12]
+
+
+def round_bf16(a):
+    """``a`` (float32) rounded to the nearest BF16 value (ties to even), as float32."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32).reshape(np.shape(a))
+
+
+def _optimizer_variables(opt, var_list):
+    """The optimizer's variables after building its slots for ``var_list`` (Keras 2's
+    and Keras 3's optimizers: ``build``, then the ``variables`` property)."""
+    opt.build(var_list)
+    v = opt.variables
+    return list(v() if callable(v) else v)
+
+
 class Data:
     """Step ``i``'s batch, the same for every configuration (cached by index).
 
@@ -468,6 +553,8 @@ def measure(runner, warmup, rounds, steps):
     process's CPU seconds (all its threads; steadier than wall time on a
     shared machine, where other jobs take cores but not this process's CPU time)."""
     names = list(runner.sessions)
+    for i in range(warmup + rounds * steps):  # every batch made before the clock starts
+        runner.data.batch(i)
     for name in names:
         for _ in range(warmup):
             runner.step(name)
@@ -488,11 +575,188 @@ def median_ratio(num, den):
     return statistics.median(a / b for a, b in zip(num, den))
 
 
+# ------------------------------------------------------------------ --processes N
+GOAL_X_FP32, GOAL_X_PEER, GOAL_DLOSS, GOAL_LOSS_STEPS = 1.8, 1.0, 0.02, 50
+
+
+def child_argv(argv, model, json_path):
+    """The command line of one child: this script with ``argv`` minus ``--processes``,
+    ``--models`` and ``--json`` (and their values), then ``--models model --json json_path``."""
+    drop = ("--processes", "--models", "--json")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in drop:
+            skip = True
+            continue
+        if any(a.startswith(d + "=") for d in drop):
+            continue
+        rest.append(a)
+    return [sys.executable, os.path.abspath(__file__), *rest, "--models", model, "--json", json_path]
+
+
+def _spread(values):
+    """(median, min, max) of the non-None values, or None."""
+    v = [x for x in values if x is not None]
+    return (statistics.median(v), min(v), max(v)) if v else None
+
+
+def summarize_processes(runs, configs, bf16_units, loss_judgeable, loss_note):
+    """Per model: per-process figures of every configuration and their median / min / max over
+    processes, and the goal verdicts on the median of the per-process CPU-time ratios.
+
+    ``runs``: ``[{"process": i, "model": m, "rows": [end_to_end JSON rows], "load": [..]}]``
+    (rows of one child); returns ``(lines, summary)``: the printed lines and, per model, per
+    configuration, ``{key: (median, min, max)}`` for the ratio keys, plus ``"verdicts"``."""
+    keys = ("speedup_vs_fp32", "cpu_speedup_vs_fp32", "ours_vs_best_peer", "cpu_ours_vs_best_peer",
+            "loss_rel_diff")
+    lines, summary = [], {}
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    for model in models:
+        mruns = [r for r in runs if r["model"] == model]
+        by_cfg = {}
+        for r in mruns:
+            for row in r.get("rows", []):
+                if "error" not in row and row.get("model") == model:
+                    by_cfg.setdefault(row["config"], []).append((r["process"], row))
+        cfgs = [c for c in configs if c in by_cfg] + [c for c in by_cfg if c not in configs]
+        failed = [r["process"] for r in mruns if not r.get("rows")]
+        lines.append(f"\n== {model}: {len(mruns) - len(failed)} processes"
+                     + (f" ({len(failed)} failed: {failed})" if failed else "")
+                     + "; each one interleaves " + ",".join(cfgs) + " in rounds; a process's ratio is the median "
+                     "over its rounds of same-round ratios")
+        lines.append(f"{'proc':>4s} {'config':12s} {'step ms':>7s} {'cpu ms':>7s} {'x FP32':>6s} {'cpu':>5s} "
+                     f"{'x peer':>6s} {'cpu':>5s} {'dloss':>7s}  load 1m (before/after timing)")
+        msum = summary[model] = {}
+        for cfg in cfgs:
+            for proc, row in by_cfg[cfg]:
+                load = row.get("loadavg_1m") or [None, None]
+                lines.append(f"{proc:4d} {cfg:12s} {row['step_s'] * 1e3:7.0f} {row['cpu_s'] * 1e3:7.0f} "
+                             f"{fmt(row['speedup_vs_fp32'], '6.2f')} {fmt(row['cpu_speedup_vs_fp32'], '5.2f')} "
+                             f"{fmt(row['ours_vs_best_peer'], '6.2f')} {fmt(row['cpu_ours_vs_best_peer'], '5.2f')} "
+                             f"{fmt(row['loss_rel_diff'], '7.2%')}  {fmt(load[0], '.2f')}/{fmt(load[1], '.2f')}")
+            rows = [row for _, row in by_cfg[cfg]]
+            csum = msum[cfg] = {k: _spread([row.get(k) for row in rows]) for k in keys}
+            csum["step_s"] = _spread([row["step_s"] for row in rows])
+            csum["cpu_s"] = _spread([row["cpu_s"] for row in rows])
+            for i, label in ((0, "med"), (1, "min"), (2, "max")):
+                def g(k, f, scale=1.0):
+                    return fmt(None if csum[k] is None else csum[k][i] * scale, f)
+                lines.append(f"{label:>4s} {cfg:12s} {g('step_s', '7.0f', 1e3)} {g('cpu_s', '7.0f', 1e3)} "
+                             f"{g('speedup_vs_fp32', '6.2f')} {g('cpu_speedup_vs_fp32', '5.2f')} "
+                             f"{g('ours_vs_best_peer', '6.2f')} {g('cpu_ours_vs_best_peer', '5.2f')} "
+                             f"{g('loss_rel_diff', '7.2%')}")
+        msum["verdicts"] = verdicts = []
+        ours = msum.get("ours")
+        if ours is None or "fp32" not in msum:
+            lines.append("verdict: none (needs fp32 and ours)")
+            continue
+        lines.append(f"verdict for {model} (TF's process-to-process spread: each figure is the MEDIAN over "
+                     f"{len(by_cfg['ours'])} processes of the per-process ratio of CPU time per step; wall time "
+                     f"beside it; min-max over processes in brackets):")
+
+        def speed(name, key_cpu, key_wall, goal):
+            c, w = ours[key_cpu], ours[key_wall]
+            if c is None:
+                lines.append(f"  {name}: not measured")
+                return
+            status = ("MET" if c[0] >= goal else "MISSED") if bf16_units else "does not apply (no BF16 units)"
+            straddle = " (the processes straddle the goal)" if c[1] < goal <= c[2] else ""
+            lines.append(f"  {name}: {status}: CPU {c[0]:.2f} [{c[1]:.2f}-{c[2]:.2f}]{straddle}; wall "
+                         f"{w[0]:.2f} [{w[1]:.2f}-{w[2]:.2f}]")
+            verdicts.append((name, status, c[0], w[0]))
+
+        speed(f"ours >= {GOAL_X_FP32}x FP32", "cpu_speedup_vs_fp32", "speedup_vs_fp32", GOAL_X_FP32)
+        speed(f"ours >= {GOAL_X_PEER}x best peer (grappler/keras)", "cpu_ours_vs_best_peer", "ours_vs_best_peer",
+              GOAL_X_PEER)
+        d = ours["loss_rel_diff"]
+        others = ", ".join(f"{c} {msum[c]['loss_rel_diff'][0]:.2%}" for c in cfgs
+                           if c not in ("fp32", "ours") and msum[c]["loss_rel_diff"] is not None)
+        if not loss_judgeable:
+            lines.append(f"  loss within {GOAL_DLOSS:.0%} of FP32's: not judged here ({loss_note}); "
+                         f"ours {d[0]:.2%} [{d[1]:.2%}-{d[2]:.2%}]" + (f"; {others}" if others else ""))
+            verdicts.append(("loss", "not judged", d[0], None))
+        else:
+            status = "MET" if d[0] <= GOAL_DLOSS else "MISSED"
+            lines.append(f"  loss within {GOAL_DLOSS:.0%} of FP32's: {status}: ours {d[0]:.2%} "
+                         f"[{d[1]:.2%}-{d[2]:.2%}] from FP32 ({loss_note})" + (f"; {others}" if others else ""))
+            verdicts.append(("loss", status, d[0], None))
+    return lines, summary
+
+
+def run_processes(args, argv):
+    """``--processes N``: every model's configuration set in N fresh child processes (this
+    script without ``--processes``; each child interleaves the configurations in rounds, as
+    the single-process mode does); prints every child's ratios and their median / min / max,
+    and the goal verdicts on the medians.  Processes go round-robin over the models
+    (process 1 of every model, then process 2, ...) so a load change hits every model."""
+    import subprocess
+    import tempfile
+
+    models = [m for m in args.models.split(",") if m]
+    configs = [c for c in args.configs.split(",") if c]
+    flags = cpu_flags()
+    bf16_units = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+    n_steps = args.warmup + args.rounds * args.steps
+    loss_judgeable = args.data == "teacher" and n_steps >= GOAL_LOSS_STEPS and "fp32" in configs
+    loss_note = (f"data={args.data}, {n_steps} steps, mean loss of the last "
+                 f"{min(args.loss_window, n_steps)}" + ("" if loss_judgeable else
+                                                       f"; the goal needs --data teacher and >= {GOAL_LOSS_STEPS} steps"))
+    print(f"{sys.executable}; CPU flags: {', '.join(flags) or 'none'}; {args.processes} processes per model; "
+          f"models {','.join(models)}; configs {','.join(configs)}; data {args.data}; warmup {args.warmup}, "
+          f"rounds {args.rounds} x steps {args.steps}", flush=True)
+    if not bf16_units:
+        print("this CPU has no BF16 units (avx512_bf16 / amx_bf16): the speed goals do not apply here")
+    runs, tf_version = [], None
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in range(1, args.processes + 1):
+            for model in models:
+                path = os.path.join(tmp, f"{model}_{p}.json")
+                cmd = child_argv(argv, model, path)
+                load0, t0 = os.getloadavg()[0], time.perf_counter()
+                ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                secs, load1 = time.perf_counter() - t0, os.getloadavg()[0]
+                ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu_s = ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
+                run = {"process": p, "model": model, "seconds": round(secs, 1), "cpu_seconds": round(cpu_s, 1),
+                       "rc": proc.returncode,
+                       "load_1m": [round(load0, 2), round(load1, 2)], "stdout": proc.stdout, "rows": []}
+                if proc.returncode == 0 and os.path.exists(path):
+                    with open(path, encoding="utf-8") as fh:
+                        got = json.load(fh)
+                    run["rows"], tf_version = got["rows"], got["tf"]
+                    ours = next((r for r in got["rows"] if r.get("config") == "ours" and "error" not in r), None)
+                    brief = ("" if ours is None else
+                             f": ours x FP32 {ours['speedup_vs_fp32'] or 0:.2f} (CPU "
+                             f"{ours['cpu_speedup_vs_fp32'] or 0:.2f}), x best peer "
+                             f"{ours['ours_vs_best_peer'] or 0:.2f} (CPU {ours['cpu_ours_vs_best_peer'] or 0:.2f})")
+                    print(f"[process {p}/{args.processes} {model}: {secs:.0f} s ({cpu_s:.0f} CPU s), load 1m {load0:.2f} -> "
+                          f"{load1:.2f}{brief}]", flush=True)
+                else:
+                    print(f"[process {p}/{args.processes} {model}: FAILED rc={proc.returncode} after {secs:.0f} s]\n"
+                          + proc.stderr[-2000:], flush=True)
+                runs.append(run)
+    lines, summary = summarize_processes(runs, configs, bf16_units, loss_judgeable, loss_note)
+    print(f"\nTF {tf_version}; {len(runs)} child processes in {time.perf_counter() - t_all:.0f} s "
+          f"({sum(r['cpu_seconds'] for r in runs):.0f} CPU s)")
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"tf": tf_version, "cpu_flags": flags, "args": vars(args), "processes": runs,
+                       "summary": summary}, fh, indent=1)
+    return summary
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="slim_resnet50,keras_resnet50,keras_fit,bert")
     ap.add_argument("--configs", default="fp32,grappler,keras,ours",
-                    help="subset of fp32,fp32_again,grappler,keras,ours,ours_nodelay,ours_black_reductions,"
+                    help="subset of fp32,fp32_again,fp32_w0bf16,grappler,keras,ours,ours_nodelay,ours_black_reductions,"
                          "ours_no18d,ours_no18f,ours_no18g")
     ap.add_argument("--data", choices=("fixed", "teacher"), default="fixed",
                     help="fixed: one synthetic batch (timing); teacher: a fresh seeded batch per step "
@@ -515,8 +779,23 @@ def main(argv=None):
                     help="trace N more steps per configuration and print the op time summed per (op type, "
                          "dtype); keras_fit: per op type, from tf.profiler, with the step's wall time and "
                          "the time any op ran")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the one traced step per session configuration (BF16 / Cast share columns "
+                         "empty): shortens each child of --processes")
+    ap.add_argument("--processes", type=int, default=0, metavar="N",
+                    help="run each model's configuration set in N fresh child processes (each one "
+                         "interleaving the configurations in rounds) and print per-process ratios, their "
+                         "median and min/max, and the goal verdicts on the medians of CPU-time ratios "
+                         "(FP32's step time moves between processes; one process cannot judge the goals)")
     args = ap.parse_args(argv)
+    if args.processes > 0:
+        return run_processes(args, sys.argv[1:] if argv is None else list(argv))
+    _import_tf()
     names = [n for n in args.configs.split(",") if n]
+    for n in names:  # ours_black=Op1+Op2: ours with those op types black (custom_black_list)
+        if n.startswith("ours_black=") and n not in OURS:
+            OURS[n] = {"custom_black_list": [o for o in n.split("=", 1)[1].split("+") if o],
+                       "keep_dtype_nodes": [f"__end_to_end_{n}__"]}  # another key for the bridge's memo
     global LR_SCALE
     LR_SCALE = args.lr_scale
 
@@ -546,10 +825,13 @@ def main(argv=None):
         else:
             raise SystemExit(f"unknown model {model!r}")
         load1 = os.getloadavg()
+        print(f"[{model}: initial weights {r.w0_digest} (the same digest in every process: same start)]",
+              flush=True)
         times, cpu = measure(r, args.warmup, args.rounds, args.steps)
         load2 = os.getloadavg()
         n_steps = args.warmup + args.rounds * args.steps
-        prof = {n: r.profile(n) for n in ("grappler", "ours") if n in r.sessions}
+        prof = ({} if args.no_profile else
+                {n: r.profile(n) for n in ("grappler", "ours") if n in r.sessions})
         if args.op_profile and hasattr(r, "op_times"):
             print_op_profile(model, r, list(r.sessions), args.op_profile)
         base = times.get("fp32")
@@ -570,7 +852,7 @@ def main(argv=None):
                 "cpu_speedup_vs_fp32": median_ratio(cbase, cpu[name]) if cbase else None,
                 "cpu_ours_vs_best_peer": (median_ratio(cbest_peer, cpu[name])
                                           if name in OURS and cbest_peer else None),
-                "loss": lv, "loss_steps": n_steps, "loss_window": min(args.loss_window, n_steps),
+                "loss": lv, "losses": r.losses[name], "loss_steps": n_steps, "loss_window": min(args.loss_window, n_steps),
                 "loss_rel_diff": (abs(lv - ref) / abs(ref) if ref and lv is not None else None),
                 "bf16_share": p.get("lp_compute_share"), "cast_share": p.get("cast_transdata_share"),
                 "loadavg_1m": [round(load1[0], 2), round(load2[0], 2)], "loadavg_before_build": round(load0[0], 2),
