@@ -18,12 +18,15 @@
 //                   var  += accum * momentum - g * lr                    (use_nesterov = true)
 // so var and accum equal Cast + TF's FP32 apply bit for bit (tests/test_fusion_bf16_apply.py).
 // One pass over var, accum and grad (TF's Eigen kernel makes two over accum, the Cast one more
-// over a 4-byte gradient).  Variable locking and copy-on-write are TF's helpers
+// over a 4-byte gradient); an AVX-512F loop where the CPU has it (chosen at run time; setting
+// NPU_AMP_TF_BF16_PORTABLE=1 before the first call forces the portable loop: same bits).  Variable locking and copy-on-write are TF's helpers
 // (training_op_helpers.h: MaybeLockVariableInputMutexesInOrder, GetInputTensorFromVariable),
 // as in ResourceApplyMomentum.
 #define EIGEN_USE_THREADS
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -41,6 +44,10 @@
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
 #endif
 
 namespace npu_amp_tf {
@@ -113,6 +120,62 @@ void Update(float* __restrict var, float* __restrict accum, const G* __restrict 
   }
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
+// The same four loops on 16 lanes (AVX-512F; chosen at run time): separate multiply, add and
+// subtract instructions, so every lane rounds as the scalar loop does (identical bits).
+__attribute__((target("avx512f"))) inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 Load16(const bfloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename G>
+__attribute__((target("avx512f"))) void UpdateAvx512(float* __restrict var, float* __restrict accum,
+                                                     const G* __restrict grad, float lr, float m,
+                                                     bool nesterov, bool keras, int64_t begin,
+                                                     int64_t end) {
+  const __m512 vlr = _mm512_set1_ps(lr), vm = _mm512_set1_ps(m);
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const __m512 g = Load16(grad + i);
+    const __m512 am = _mm512_mul_ps(_mm512_loadu_ps(accum + i), vm);
+    const __m512 v = _mm512_loadu_ps(var + i);
+    __m512 a, nv;
+    if (!keras) {
+      a = _mm512_add_ps(am, g);
+      nv = nesterov ? _mm512_sub_ps(v, _mm512_add_ps(_mm512_mul_ps(g, vlr),
+                                                     _mm512_mul_ps(_mm512_mul_ps(a, vm), vlr)))
+                    : _mm512_sub_ps(v, _mm512_mul_ps(a, vlr));
+    } else {
+      const __m512 glr = _mm512_mul_ps(g, vlr);
+      a = _mm512_sub_ps(am, glr);
+      nv = nesterov ? _mm512_add_ps(v, _mm512_sub_ps(_mm512_mul_ps(a, vm), glr)) : _mm512_add_ps(v, a);
+    }
+    _mm512_storeu_ps(accum + i, a);
+    _mm512_storeu_ps(var + i, nv);
+  }
+  Update<G>(var, accum, grad, lr, m, nesterov, keras, i, end);
+}
+
+inline bool UseAvx512() {
+  static const bool use = [] {
+    const char* env = std::getenv("NPU_AMP_TF_BF16_PORTABLE");
+    if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
+    return static_cast<bool>(__builtin_cpu_supports("avx512f"));
+  }();
+  return use;
+}
+#endif
+
+template <typename G>
+void UpdateRange(float* var, float* accum, const G* grad, float lr, float m, bool nesterov, bool keras,
+                 int64_t begin, int64_t end) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (UseAvx512()) return UpdateAvx512<G>(var, accum, grad, lr, m, nesterov, keras, begin, end);
+#endif
+  Update<G>(var, accum, grad, lr, m, nesterov, keras, begin, end);
+}
+
 template <typename G>
 class ApplyMomentumMixedOp : public tf::OpKernel {
  public:
@@ -163,7 +226,7 @@ class ApplyMomentumMixedOp : public tf::OpKernel {
     const float m_v = momentum.scalar<float>()();
     const bool nesterov = use_nesterov_, keras = keras_;
     const int64_t n = var.NumElements();
-    auto work = [=](int64_t b, int64_t e) { Update<G>(v, a, g, lr_v, m_v, nesterov, keras, b, e); };
+    auto work = [=](int64_t b, int64_t e) { UpdateRange<G>(v, a, g, lr_v, m_v, nesterov, keras, b, e); };
     const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     if (n < 16384) {
       work(0, n);

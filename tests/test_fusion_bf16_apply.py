@@ -40,6 +40,15 @@ def test_kernel_equals_cast_plus_tf_apply_bit_for_bit():
         assert r["var_equal"] and r["accum_equal"], r
 
 
+def test_portable_loop_equals_cast_plus_tf_apply_too():
+    """The AVX-512 loop (chosen on this CPU where it has avx512f) and the portable loop
+    (NPU_AMP_TF_BF16_PORTABLE=1) both give TF's bits."""
+    from _worker_util import run_worker
+
+    rs = [r for r in run_worker(WORKER, "kernels", timeout=900, portable=True) if r["kind"] == "kernel"]
+    assert len(rs) == 24 and all(r["var_equal"] and r["accum_equal"] and r["changed"] for r in rs)
+
+
 def test_kernel_rejects_a_gradient_of_another_shape():
     (r,) = _by(results("kernels"), "kernel_error")
     assert "do not have the same shape" in r["error"], r
