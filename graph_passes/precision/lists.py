@@ -14,7 +14,7 @@ Ops that are in no list are decided by the ``unknown_op_policy`` option.  Some
 ops are never re-typed whatever the lists say (see ``FIXED_OPS`` and
 ``_op_meta`` in ``precision/amp.py``; the planner reports them as ``fixed``): variables and their reads (the FP32 master weights),
 stateful ops and optimizer updates (``ApplyAdam``, ``ResourceApply*``,
-``AssignSub``...), v1 loop plumbing (``Enter``/``NextIteration``/``Exit``/``LoopCond`` and the
+``AssignSub``...; except ``STATEFUL_PAINTABLE``, whose gradient dtype is painted), v1 loop plumbing (``Enter``/``NextIteration``/``Exit``/``LoopCond`` and the
 ``Merge``/``Switch`` of a loop: a loop-carried value keeps one dtype on every
 edge; the ``Switch``/``Merge`` of a conditional are clear), TensorList/variant ops (a TensorList cluster keeps one colour), and
 function calls (``PartitionedCall``/``While``/``If``: signatures never change,
