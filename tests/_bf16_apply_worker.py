@@ -16,7 +16,8 @@ Kinds (each prints ``RESULT {json}`` lines, then ``DONE``):
   small Keras-applications ResNet (``stack1`` blocks) with ``MomentumOptimizer`` and with Keras'
   legacy ``SGD(momentum, nesterov)`` (``ResourceApplyKerasMomentum``): executed op counts with
   dtypes, the widening Casts executed, the loss of every step, and whether every variable (the
-  momentum slots included) is equal bit for bit after the steps.
+  momentum slots included) is equal bit for bit after the steps; then the same Keras ResNet under
+  ``train_on_batch`` (TF2 function graphs, ``enable()``) with the legacy ``SGD(momentum)``.
 * ``offline``: rewrites of graphs the rule must refuse or leave alone: FP32 / FP16 / NC1HWC0 modes
   on the small Slim ResNet, and in the BF16 mode an update whose gradient is a gray op's
   (BiasAddGrad of an FP32 loss gradient), a float64 variable, and a ref-variable ``ApplyMomentum``:
@@ -210,11 +211,71 @@ def train_runs(build, kind, steps=3):
           moved=moved)
 
 
+def keras_fit(steps=2):
+    """The small Keras ResNet trained by ``train_on_batch`` (TF2: the train function's graph is rewritten
+    when it is instantiated, ``enable()``) with Keras' legacy ``SGD(momentum=0.9)``
+    (``ResourceApplyKerasMomentum``), ours and norule from the same weights: executed ops of the
+    function graphs (first step), the losses, and whether every weight and slot is equal bit for bit."""
+    from tensorflow.python.eager import context
+
+    from _bf16_elementwise_worker import _keras2, _keras_resnet_module
+    from graph_passes.fusion import RULES as REG
+
+    K = _keras2()
+    resnet = _keras_resnet_module()
+
+    def stack_fn(t):
+        t = resnet.stack1(t, 16, 2, stride1=1, name="conv2")
+        return resnet.stack1(t, 32, 2, name="conv3")
+
+    rng = np.random.RandomState(0)
+    x, y = rng.uniform(0, 1, [4, 64, 64, 3]).astype(np.float32), np.arange(4)
+    w0, after = None, {}
+    for name in ("ours", "norule"):
+        K.backend.clear_session()
+        tf.random.set_seed(1)
+        model = resnet.ResNet(stack_fn, False, True, "resnet_small", weights=None, input_shape=(64, 64, 3),
+                              classes=10)
+        w0 = model.get_weights() if w0 is None else w0
+        saved = {RULE: REG.pop(RULE)} if name == "norule" else {}
+        npu_amp_tf.enable(precision_mode=MODE, graph_level=2,
+                          keep_dtype_nodes=["__norule__"] if name == "norule" else [])
+        ctx = context.context()
+        losses = []
+        try:
+            model.set_weights(w0)
+            opt = K.optimizers.legacy.SGD(0.05, momentum=0.9)
+            model.compile(opt, "sparse_categorical_crossentropy")
+            for i in range(steps):
+                if i == 0:
+                    ctx.enable_run_metadata()
+                losses.append(float(model.train_on_batch(x, y)))
+                if i == 0:
+                    md = ctx.export_run_metadata()
+                    ctx.disable_run_metadata()
+        finally:
+            ctx.disable_run_metadata()
+            npu_amp_tf.disable()
+            REG.update(saved)
+        ops = Counter()
+        for fg in md.function_graphs:
+            for pg in fg.partition_graphs or [fg.post_optimization_graph]:
+                for n in pg.node:
+                    ops[f"{n.op}:{tf.dtypes.as_dtype(n.attr['T'].type).name if 'T' in n.attr else ''}"] += 1
+        after[name] = [np.asarray(w).tobytes() for w in model.get_weights() + opt.get_weights()]
+        _emit(kind="keras_fit", config=name, losses=losses, ops=dict(ops),
+              kernels=sum(1 for w in model.trainable_weights if len(w.shape) >= 2))
+    _emit(kind="keras_fit", config="compare", n_vars=len(after["ours"]),
+          n_differ=sum(a != b for a, b in zip(after["ours"], after["norule"])),
+          moved=sum(a != np.asarray(b).tobytes() for a, b in zip(after["ours"], w0)))
+
+
 def models():
     train_runs(build_slim, "slim")
     train_runs(lambda: build_slim(bn=True, nesterov=True), "slim_bn_nesterov")
     train_runs(build_keras, "keras")
     train_runs(lambda: build_keras(keras_opt=True), "keras_sgd")
+    keras_fit()
 
 
 def _fused(rep):

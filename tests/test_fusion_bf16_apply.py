@@ -105,3 +105,19 @@ def test_refusals_in_the_bf16_mode():
     # a ref variable's ApplyMomentum is not matched at all
     assert r["ops"]["reftrain/update_ref/wref/ApplyMomentum"] == ["ApplyMomentum", "float32"]
     assert not any("ApplyMomentum" == n.rsplit("/", 1)[-1] for n in r["reasons"])
+
+
+def test_tf2_function_keras_fit_fuses_and_trains_bit_identically():
+    """``train_on_batch`` (TF2 function graphs, ``enable()``) with Keras' legacy SGD(momentum): the
+    updates are the function's control outputs (preserved nodes); the rule replaces them under their
+    names and the precision pass paints their gradient dtype all the same."""
+    rs = results("models")
+    (ours,), (norule,), (cmp,) = (_by(rs, "keras_fit", c) for c in ("ours", "norule", "compare"))
+    n_mixed = ours["ops"].get(f"{MIXED}:bfloat16", 0)
+    assert n_mixed >= ours["kernels"] > 0, (n_mixed, ours["kernels"])
+    assert f"{MIXED}:float32" not in ours["ops"] and MIXED not in str(norule["ops"])
+    assert (ours["ops"]["ResourceApplyKerasMomentum:float32"] + n_mixed
+            == norule["ops"]["ResourceApplyKerasMomentum:float32"])
+    assert norule["ops"]["Cast:"] - ours["ops"]["Cast:"] == n_mixed
+    assert ours["losses"] == norule["losses"]
+    assert cmp["n_differ"] == 0 and cmp["moved"] > 0

@@ -25,6 +25,11 @@ train op's NoOp, are untouched)::
         dW(bf16) -> Cast(f32) -> ResourceApplyMomentum(T=float)   becomes
         dW(bf16) -> ResourceApplyMomentumMixed(T=bfloat16)
 
+In TF2 function graphs (``enable()``, Keras ``fit``) the updates are the function's control outputs,
+so grappler preserves them: the fusion core lets a rule replace an anchor that has no outputs under
+its own name (``core._plan_one``), and the precision pass paints a preserved ``STATEFUL_PAINTABLE``
+op (it has no outputs whose dtype could matter).
+
 Values: ``float(bf16)`` is exact, and the kernel computes TF's CPU formula in the same order with
 the same roundings (no FMA), so var and accum are bit-identical to ``Cast -> ResourceApplyMomentum``
 (tested, both lanes, plain / Nesterov / Keras forms and real ResNets).

@@ -856,7 +856,7 @@ class PrecisionPass(Pass):
 
     def _decide(self, node, info, cur):
         name = node.name
-        if name in self.protected:
+        if name in self.protected and node.op not in _lists.STATEFUL_PAINTABLE:  # (those have no outputs: 18j)
             return cur, ("low" if cur in registry.LOW_TYPES else "f32"), "fetched/preserved: keeps its dtype", "protected"
         if self.is_keep(node):
             return cur, ("low" if cur in registry.LOW_TYPES else "hard"), "keep_dtype: never converted", "keep_dtype"
