@@ -26,6 +26,7 @@ Configurations:
   ours_no18f    ours without issue 18f's bf16_add_relu, bf16_addn_relu_grad, bf16_relu_bn_grad,
                 bf16_bn_grad rules (the same way);
   ours_no18g    ours without issue 18g's bf16_gelu, bf16_attention_train rules (the same way);
+  ours_no18j    ours without issue 18j's bf16_apply_momentum rule (the same way);
   ours_black=Op1+Op2  ours with those TF op types black (``custom_black_list``):
                 find which part of the BF16 plan moves the loss;
   fp32_again    a second FP32 session (keras_fit: a second FP32 model) from the
@@ -129,12 +130,15 @@ OURS = {"ours": {}, "ours_nodelay": {"delay_fp32_copies": False},
         # the A/B of issue 18f's BF16 elementwise / batch-norm gradient kernels (same mechanism)
         "ours_no18f": {"keep_dtype_nodes": ["__end_to_end_ours_no18f__"]},
         # the A/B of issue 18g's BF16 transformer rules (same mechanism)
-        "ours_no18g": {"keep_dtype_nodes": ["__end_to_end_ours_no18g__"]}}
+        "ours_no18g": {"keep_dtype_nodes": ["__end_to_end_ours_no18g__"]},
+        # the A/B of issue 18j's BF16-gradient momentum update (same mechanism)
+        "ours_no18j": {"keep_dtype_nodes": ["__end_to_end_ours_no18j__"]}}
 #: fusion rules removed while a configuration's session runs (its graph is rewritten at its first run)
 WITHOUT_RULES = {"ours_no18d": ("bias_grad_bn_zero", "bias_grad_matmul", "strided_subsample"),
                  "ours_no18f": ("bf16_add_relu", "bf16_addn_relu_grad", "bf16_relu_bn_grad", "bf16_bn_grad",
                                 "bf16_join_grad_sum"),
-                 "ours_no18g": ("bf16_gelu", "bf16_attention_train")}
+                 "ours_no18g": ("bf16_gelu", "bf16_attention_train"),
+                 "ours_no18j": ("bf16_apply_momentum",)}
 
 
 class _RulesRemoved:
@@ -757,7 +761,7 @@ def main(argv=None):
     ap.add_argument("--models", default="slim_resnet50,keras_resnet50,keras_fit,bert")
     ap.add_argument("--configs", default="fp32,grappler,keras,ours",
                     help="subset of fp32,fp32_again,fp32_w0bf16,grappler,keras,ours,ours_nodelay,ours_black_reductions,"
-                         "ours_no18d,ours_no18f,ours_no18g")
+                         "ours_no18d,ours_no18f,ours_no18g,ours_no18j")
     ap.add_argument("--data", choices=("fixed", "teacher"), default="fixed",
                     help="fixed: one synthetic batch (timing); teacher: a fresh seeded batch per step "
                          "labelled by a fixed random teacher (the loss comparison)")

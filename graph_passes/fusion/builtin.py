@@ -42,6 +42,9 @@ level 2  ``bf16_relu_bn_grad``  FusedBatchNormGradV3(ReluGrad(g, f), ...) traini
 level 2  ``bf16_gelu``           exact GELU (erf/erfc forms) + its autodiff gradient, BF16 plan, CPU => GeluErf /
                                  GeluErfGrad (custom_ops/gelu.cc); ``bf16_attention_train`` ``attention_train``
                                  at level 2 under a BF16 plan (bf16_transformer.py)
+level 2  ``bf16_apply_momentum`` ResourceApplyMomentum / ResourceApplyKerasMomentum (FP32 variable), BF16 plan,
+                                 CPU => ResourceApplyMomentumMixed (gray in the gradient's T: reads a BF16
+                                 gradient without the widening Cast; bit-identical; bf16_apply.py)
 level 2  ``batch_norm_moments`` training batch norm as moments + arithmetic (Keras 3, tf.nn.moments),
                                  BF16 under oneDNN => FusedBatchNormV3 / FusedBatchNormGradV3 (batch_norm.py)
 level 3  ``attention``          BatchMatMul/Einsum -> scale (q, k or scores) -> [mask add | where]
@@ -1507,6 +1510,7 @@ def register():
     __import__(__package__ + ".subsample", fromlist=["register"]).register(reg)  # its own file (18d)
     __import__(__package__ + ".bf16_elementwise", fromlist=["register"]).register(reg)  # its own file (18f)
     __import__(__package__ + ".bf16_transformer", fromlist=["register"]).register(reg)  # its own file (18g)
+    __import__(__package__ + ".bf16_apply", fromlist=["register"]).register(reg)  # its own file (18j)
     reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments, escapes=True,
         reason="10 elementwise/reduction ops become one fp32-accumulating kernel")
     reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments, escapes=True,

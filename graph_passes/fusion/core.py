@@ -661,9 +661,15 @@ def _apply_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracl
 def _plan_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle):
     """The checks and the build, without editing the graph: (Outcome, None)
     for a skip, (Outcome(True), plan for :func:`_commit`) for a fusion."""
+    keep_name = False
     if m.anchor in (ctx.protected if ctx is not None else ()):
         what = "fetched" if m.anchor in ctx.fetches else "preserved"
-        return Outcome(False, f"not fused: '{m.anchor}' is {what} (the anchor's outputs must keep their form)"), None
+        od = registry.op_def(graph.nodes[m.anchor].op)
+        if od is None or od.output_arg:
+            return Outcome(False, f"not fused: '{m.anchor}' is {what} (the anchor's outputs must keep their form)"), None
+        # an anchor without outputs (a variable update a function lists as a control output, a run
+        # target): a node emitted under its name keeps it runnable by that name (18j)
+        keep_name = True
     b = Builder(graph, m, rule, ctx, shapes)
     try:
         result = rule.build(m, b)
@@ -673,6 +679,9 @@ def _plan_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle
         return Outcome(False, "the build function declined this match"), None
     if not b.emitted:
         return Outcome(False, "the build function emitted no node"), None
+    if keep_name and not any(n.name == m.anchor for n in b.emitted):
+        return Outcome(False, f"not fused: '{m.anchor}' is fetched or preserved and no node replaces it "
+                              "under its name"), None
     out_map = result if isinstance(result, dict) else {0: tensor_name(m.anchor, 0)}
     emitted_names = {n.name for n in b.emitted}
     if b.absorbed:  # nodes the build function matched itself (Builder.absorb)

@@ -78,6 +78,7 @@ from ..errors import GraphError, OptionError
 from ..graph import parse_tensor, tensor_name
 from ..manager import Pass, register_pass
 from ..report import Report
+from . import lists as _lists
 from . import stats as _stats
 from .planner import MODES, canonical_mode, plan_for  # noqa: F401  (re-exported)
 
@@ -855,7 +856,7 @@ class PrecisionPass(Pass):
 
     def _decide(self, node, info, cur):
         name = node.name
-        if name in self.protected:
+        if name in self.protected and node.op not in _lists.STATEFUL_PAINTABLE:  # (those have no outputs: 18j)
             return cur, ("low" if cur in registry.LOW_TYPES else "f32"), "fetched/preserved: keeps its dtype", "protected"
         if self.is_keep(node):
             return cur, ("low" if cur in registry.LOW_TYPES else "hard"), "keep_dtype: never converted", "keep_dtype"
@@ -1385,6 +1386,8 @@ def _op_meta(op):
     if od is None:
         return None
     fixed = FIXED_OPS.get(op)
+    if op in _lists.STATEFUL_PAINTABLE:  # (18j: a gradient-dtype attr only; its variables stay FP32)
+        fixed = ""
     if fixed is None and op in VARIABLE_OPS:
         fixed = "variable: FP32 master weights"
     if fixed is None and od.is_stateful:
@@ -1395,6 +1398,7 @@ def _op_meta(op):
                 fixed = ("TensorList/variant op" if arg.type == registry.DT_VARIANT
                          else "reads or writes a variable")
                 break
+    fixed = fixed or None
     type_attrs = {a.name for a in od.attr if a.type == "type"}
     used = []
     for arg in list(od.input_arg) + list(od.output_arg):

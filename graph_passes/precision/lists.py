@@ -14,7 +14,7 @@ Ops that are in no list are decided by the ``unknown_op_policy`` option.  Some
 ops are never re-typed whatever the lists say (see ``FIXED_OPS`` and
 ``_op_meta`` in ``precision/amp.py``; the planner reports them as ``fixed``): variables and their reads (the FP32 master weights),
 stateful ops and optimizer updates (``ApplyAdam``, ``ResourceApply*``,
-``AssignSub``...), v1 loop plumbing (``Enter``/``NextIteration``/``Exit``/``LoopCond`` and the
+``AssignSub``...; except ``STATEFUL_PAINTABLE``, whose gradient dtype is painted), v1 loop plumbing (``Enter``/``NextIteration``/``Exit``/``LoopCond`` and the
 ``Merge``/``Switch`` of a loop: a loop-carried value keeps one dtype on every
 edge; the ``Switch``/``Merge`` of a conditional are clear), TensorList/variant ops (a TensorList cluster keeps one colour), and
 function calls (``PartitionedCall``/``While``/``If``: signatures never change,
@@ -117,6 +117,14 @@ BF16_GRAY_REDUCTIONS = {
            "follows its producers together with Mean (a norm's backward sums land with its forward means)",
 }
 
+#: stateful ops the precision pass paints like the ops of its lists instead of fixing them: their
+#: type attrs are the dtypes of plain tensor inputs only (the variables they update are resource
+#: inputs and keep their FP32), so following a BF16 producer only drops a widening Cast in front
+#: (``precision/amp.py`` ``_op_meta``; issue 18j).
+STATEFUL_PAINTABLE = {
+    "ResourceApplyMomentumMixed": "T is the gradient's dtype; var/accum are FP32 resources",
+}
+
 GRAY = {
     "Add": "elementwise arithmetic",
     "AddV2": "elementwise arithmetic",
@@ -129,6 +137,8 @@ GRAY = {
                          "scale/statistics inputs, as FusedBatchNormGradV3",
     "GeluErf": "fused exact GELU (fusion rule bf16_gelu): elementwise, FP32 erf inside, as Erf/Mul",
     "GeluErfGrad": "fused exact-GELU gradient (bf16_gelu): elementwise, FP32 exp/erf inside",
+    "ResourceApplyMomentumMixed": "momentum update (fusion rule bf16_apply_momentum): T is the gradient's "
+                                  "dtype only (widened exactly inside); var and accum stay FP32",
     "Sub": "elementwise arithmetic",
     "Mul": "elementwise arithmetic",
     "RealDiv": "elementwise arithmetic",
