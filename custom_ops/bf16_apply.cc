@@ -46,9 +46,8 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
+#include "bf16_simd.h"
+#include "op_common.h"
 
 namespace npu_amp_tf {
 namespace {
@@ -82,10 +81,7 @@ inline float Widen(float x) { return x; }
 inline float Widen(bfloat16 x) {
   uint16_t h;
   std::memcpy(&h, &x, sizeof(h));
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
+  return Bf16Widen(h);
 }
 
 template <typename G>
@@ -120,17 +116,16 @@ void Update(float* __restrict var, float* __restrict accum, const G* __restrict 
   }
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
-// The same four loops on 16 lanes (AVX-512F; chosen at run time): separate multiply, add and
+#ifdef NPU_AMP_X86
+// The same four loops on 16 lanes (AVX-512; chosen at run time): separate multiply, add and
 // subtract instructions, so every lane rounds as the scalar loop does (identical bits).
-__attribute__((target("avx512f"))) inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) inline __m512 Load16(const bfloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+NPU_AMP_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+NPU_AMP_AVX512 inline __m512 Load16(const bfloat16* p) {
+  return Bf16Load16(reinterpret_cast<const uint16_t*>(p));
 }
 
 template <typename G>
-__attribute__((target("avx512f"))) void UpdateAvx512(float* __restrict var, float* __restrict accum,
+NPU_AMP_AVX512 void UpdateAvx512(float* __restrict var, float* __restrict accum,
                                                      const G* __restrict grad, float lr, float m,
                                                      bool nesterov, bool keras, int64_t begin,
                                                      int64_t end) {
@@ -157,21 +152,13 @@ __attribute__((target("avx512f"))) void UpdateAvx512(float* __restrict var, floa
   Update<G>(var, accum, grad, lr, m, nesterov, keras, i, end);
 }
 
-inline bool UseAvx512() {
-  static const bool use = [] {
-    const char* env = std::getenv("NPU_AMP_TF_BF16_PORTABLE");
-    if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
-    return static_cast<bool>(__builtin_cpu_supports("avx512f"));
-  }();
-  return use;
-}
 #endif
 
 template <typename G>
 void UpdateRange(float* var, float* accum, const G* grad, float lr, float m, bool nesterov, bool keras,
                  int64_t begin, int64_t end) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if (UseAvx512()) return UpdateAvx512<G>(var, accum, grad, lr, m, nesterov, keras, begin, end);
+#ifdef NPU_AMP_X86
+  if (Bf16UseAvx512()) return UpdateAvx512<G>(var, accum, grad, lr, m, nesterov, keras, begin, end);
 #endif
   Update<G>(var, accum, grad, lr, m, nesterov, keras, begin, end);
 }
