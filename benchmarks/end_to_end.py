@@ -669,7 +669,9 @@ def summarize_processes(runs, configs, bf16_units, loss_judgeable, loss_note):
                 return
             status = ("MET" if c[0] >= goal else "MISSED") if bf16_units else "does not apply (no BF16 units)"
             straddle = " (the processes straddle the goal)" if c[1] < goal <= c[2] else ""
-            lines.append(f"  {name}: {status}: CPU {c[0]:.2f} [{c[1]:.2f}-{c[2]:.2f}]{straddle}; wall "
+            # two decimals, or four where two would round across the goal (1.7996 is not 1.80)
+            med = f"{c[0]:.2f}" if (round(c[0], 2) >= goal) == (c[0] >= goal) else f"{c[0]:.4f}"
+            lines.append(f"  {name}: {status}: CPU {med} [{c[1]:.2f}-{c[2]:.2f}]{straddle}; wall "
                          f"{w[0]:.2f} [{w[1]:.2f}-{w[2]:.2f}]")
             verdicts.append((name, status, c[0], w[0]))
 

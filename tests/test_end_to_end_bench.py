@@ -89,6 +89,16 @@ def test_summary_missed_and_loss_judged():
     assert v["ours >= 1.8x FP32"].startswith("does not apply")
 
 
+def test_verdict_line_shows_more_digits_where_two_would_round_across_the_goal():
+    # CPU medians 1.7996 (rounds to 1.80 but misses 1.8) and 1.804 (meets): the printed figure
+    # must not read as the goal itself next to MISSED
+    for cpu, status, shown in ((1.7996, "MISSED", "CPU 1.7996 "), (1.804, "MET", "CPU 1.80 ")):
+        runs = _runs([cpu, cpu, cpu], [2.0, 2.0, 2.0], [1.1, 1.1, 1.1])
+        lines, summ = e2e.summarize_processes(runs, ["fp32", "grappler", "ours"], True, False, "x")
+        line = next(x for x in lines if x.strip().startswith("ours >= 1.8x FP32"))
+        assert f"{status}: {shown}" in line, line
+
+
 def test_summary_skips_failed_process():
     runs = _runs([1.7, 1.9, 2.0], [1.7, 1.9, 2.0], [1.0, 1.1, 1.2])
     runs[1]["rows"] = []  # a child that died
