@@ -8,7 +8,8 @@ class Report:
     """Decisions per node, stats per pass, warnings and summary totals.
 
     * ``decisions[node] = {"dtype": ..., "list": ..., "reason": ..., ...}``
-    * ``passes = [{"name", "time_s", "stats"}]`` in run order
+    * ``passes = [{"name", "time_s", "cpu_s", "stats"}]`` in run order (``time_s`` wall,
+      ``cpu_s`` the running thread's CPU time)
     * ``warnings = [{"pass", "node", "message"}]``
     * ``summary``: totals that passes publish (low-precision FLOP share,
       casts inserted, TransData counts, activation bytes...)
