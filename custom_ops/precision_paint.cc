@@ -658,7 +658,8 @@ NPU_AMP_PAINT_EXPORT void* NpuAmpPaintOpen(const char* strings, size_t len, cons
   return Open(strings, len, ints, n_ints);
 }
 
-// The float FP32 constants a loop may ask about (see the header); at most
+// The float32 constants a loop may ask about (see the header): those a
+// float input of a node that may want the low dtype reaches; at most
 // `cap` written; returns how many there are (-1: bad handle).
 NPU_AMP_PAINT_EXPORT int64_t NpuAmpPaintConsts(void* h, int32_t* out, int64_t cap) {
   auto* pt = static_cast<Painter*>(h);
@@ -668,6 +669,10 @@ NPU_AMP_PAINT_EXPORT int64_t NpuAmpPaintConsts(void* h, int32_t* out, int64_t ca
   for (int32_t i = 0; i < pt->n; ++i) {
     const int32_t c = pt->cls[i];
     if (!pt->has_attrs[c] || pt->fixed[c] || pt->kind[c] == kKindConst) continue;
+    // (nodes that never ask: fetched/preserved and keep_dtype ones keep their
+    // dtype, black ones go FP32 unless forced low)
+    const int32_t f = pt->flags[i];
+    if ((f & (kProtPaint | kKeep)) || (pt->lst[c] == kBlack && !(f & kForced))) continue;
     pt->FloatInputs(i, [&](const Ref& r) {
       const int32_t cn = pt->ConstOf(r);
       if (cn >= 0 && !seen[cn] && pt->ConstF32(cn)) {

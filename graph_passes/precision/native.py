@@ -36,12 +36,14 @@ A class is a set of nodes with equal facts: the C++ index's signature
 class, or ``registry.signature_key`` for nodes edited since; lowered
 Switch/Merge apart by whether they are loop plumbing; nodes of unregistered
 ops one class each.  ``strings``: node names joined by ``\\x01``, ``\\x03``,
-then per node its inputs joined by ``\\x01``, nodes joined by ``\\x02``.
+then per node its data inputs (as many as its class has input dtypes; all
+for an op of unknown signature) joined by ``\\x01``, nodes joined by
+``\\x02``.
 """
 from __future__ import annotations
 
 from array import array
-from operator import attrgetter
+from operator import attrgetter, getitem
 
 from tensorflow.core.framework import node_def_pb2
 
@@ -210,7 +212,12 @@ def paint(pp, order, fn):
         ints.extend(counts)
         ints.append(len(vals))
         ints.extend(vals)
-    strings = ("\x01".join(names) + "\x03" + "\x02".join(map("\x01".join, map(_input, nodes)))).encode()
+    # (each node's data inputs only, as many as its class's input dtypes:
+    # the control inputs after them, most of a Keras training graph's edges,
+    # are never read, nor turned into Python strings)
+    cut = [slice(None) if ins is None else slice(0, len(ins)) for ins in dts[0]]
+    data_ins = map(getitem, map(_input, nodes), map(cut.__getitem__, cid))
+    strings = ("\x01".join(names) + "\x03" + "\x02".join(map("\x01".join, data_ins))).encode()
 
     def check(candidates):
         return [c for c in candidates if pp.unsafe_const(nodes[c], low)]
