@@ -16,6 +16,8 @@ ResNet-v1-50, the BERT-like builder), FP16 and BF16, graph levels 1 and 3,
 keep_dtype / low_precision_nodes / custom black list, constants unsafe in the
 low dtype, control flow v1 (cond Switch/Merge, while loops), offline and
 through grappler.  A planted fault in the native result is caught."""
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -107,7 +109,22 @@ def unsafe_constants_graph():
     return g.as_graph_def(), ["loss", "train"]
 
 
+_CACHE = {}
+
+
 def _graph(name, k2):
+    """(a fresh copy of the GraphDef, fetches), each graph built once per module."""
+    from tensorflow.core.framework import graph_pb2
+
+    if name not in _CACHE:
+        _CACHE[name] = _build(name, k2)
+    gd, fetches = _CACHE[name]
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(gd)
+    return copy, list(fetches)
+
+
+def _build(name, k2):
     if name == "keras_resnet50_training":
         return _keras_resnet_training_graph(k2), ["loss", "train"]
     if name == "keras_transformer_training":
@@ -171,6 +188,8 @@ def assert_native_equals_python(monkeypatch, gd, fetches, kw):
     assert a["decisions"] == b["decisions"], _first_difference(a["decisions"], b["decisions"])
     assert a["warnings"] == b["warnings"]
     assert a == b, "the reports differ"
+    # (and in the same order: decisions, their fields, warnings, as a user reads the JSON)
+    assert json.dumps(a, default=str) == json.dumps(b, default=str), "the reports' order differs"
     return rep_n
 
 
