@@ -14,11 +14,11 @@
 //
 // Calls (ctypes, from npu_amp_tf/pipeline.py):
 //   h = NpuAmpPaintOpen(strings, len, ints, n_ints)   parse; nullptr: refused
-//   k = NpuAmpPaintConsts(h, out, cap)     the Const nodes whose low-precision
-//       safety the loops may ask (float constants reaching a float input of
-//       a paintable node): Python answers them (unsafe_const) ...
-//   rc = NpuAmpPaintRun(h, unsafe, n_unsafe, out, n_out)  ... and the loops
-//       run: 0 ok (out filled, kOutWidth ints per node), < 0 refused
+//   k = NpuAmpPaintRun(h, answered, unsafe, out, asked)  the loops; a float32
+//       constant whose low-precision safety a loop asks and nobody answered
+//       is taken as safe and listed in `asked`: Python answers those
+//       (unsafe_const) and, when one is unsafe, runs the loops again (only
+//       the constants the Python loops would ask are ever checked)
 //   NpuAmpPaintClose(h)
 
 #include <cstdint>
@@ -94,6 +94,8 @@ struct Painter {
   std::vector<std::vector<Ref>> inputs;
   std::vector<int32_t> cons_start, cons_node, cons_idx, cons_port;  // data readers per source
   std::vector<char> unsafe, unsafe_known;
+  mutable std::vector<char> asked_seen;  // per run: the unanswered constants asked about
+  mutable std::vector<int32_t> asked;
   // painting state
   std::vector<int32_t> cur, var, state, lst_out;
   std::vector<int32_t>* out = nullptr;
@@ -224,10 +226,19 @@ struct Painter {
     int res = 0;
     FloatInputs(i, [&](const Ref& r) {
       const int32_t c = ConstOf(r);
-      if (c >= 0 && ConstFloat(c) && unsafe[c]) {
-        *cidx = c;
-        res = 1;
-        return false;
+      if (c >= 0 && ConstFloat(c)) {
+        if (!unsafe_known[c] && ConstF32(c)) {
+          // not answered yet: taken as safe, and asked (the caller answers
+          // and runs the loops again if it is not)
+          if (!asked_seen[c]) {
+            asked_seen[c] = 1;
+            asked.push_back(c);
+          }
+        } else if (unsafe[c]) {
+          *cidx = c;
+          res = 1;
+          return false;
+        }
       }
       return true;
     });
@@ -658,45 +669,30 @@ NPU_AMP_PAINT_EXPORT void* NpuAmpPaintOpen(const char* strings, size_t len, cons
   return Open(strings, len, ints, n_ints);
 }
 
-// The float32 constants a loop may ask about (see the header): those a
-// float input of a node that may want the low dtype reaches; at most
-// `cap` written; returns how many there are (-1: bad handle).
-NPU_AMP_PAINT_EXPORT int64_t NpuAmpPaintConsts(void* h, int32_t* out, int64_t cap) {
-  auto* pt = static_cast<Painter*>(h);
-  if (pt == nullptr) return -1;
-  std::vector<char> seen(pt->n, 0);
-  int64_t k = 0;
-  for (int32_t i = 0; i < pt->n; ++i) {
-    const int32_t c = pt->cls[i];
-    if (!pt->has_attrs[c] || pt->fixed[c] || pt->kind[c] == kKindConst) continue;
-    // (nodes that never ask: fetched/preserved and keep_dtype ones keep their
-    // dtype, black ones go FP32 unless forced low)
-    const int32_t f = pt->flags[i];
-    if ((f & (kProtPaint | kKeep)) || (pt->lst[c] == kBlack && !(f & kForced))) continue;
-    pt->FloatInputs(i, [&](const Ref& r) {
-      const int32_t cn = pt->ConstOf(r);
-      if (cn >= 0 && !seen[cn] && pt->ConstF32(cn)) {
-        seen[cn] = 1;
-        if (k < cap) out[k] = cn;
-        ++k;
-      }
-      return true;
-    });
-  }
-  return k;
-}
-
-// Runs _paint, _demote and _follow_readers.  `unsafe`: the constants
-// (indices) that cannot hold their values in the low dtype.  `out`: n *
-// kOutWidth ints (see enum Out).  0 ok; -1 bad arguments.
-NPU_AMP_PAINT_EXPORT int NpuAmpPaintRun(void* h, const int32_t* unsafe, int64_t n_unsafe,
-                                        int32_t* out, int64_t n_out) {
+// Runs _paint, _demote and _follow_readers.  `answered`: float32 constants
+// (indices) whose low-precision safety the caller now knows, `unsafe` those
+// of them that cannot hold their values in the low dtype (both remembered
+// by the handle).  A constant a loop asks about and nobody answered yet is
+// taken as safe and listed in `asked` (at most `cap`).  `out`: n * kOutWidth
+// ints (see enum Out).  Returns how many constants were asked unanswered
+// (0: the result stands; else answer them and, if one is unsafe, run again),
+// -1 on bad arguments.
+NPU_AMP_PAINT_EXPORT int64_t NpuAmpPaintRun(void* h, const int32_t* answered, int64_t n_answered,
+                                            const int32_t* unsafe, int64_t n_unsafe, int32_t* out,
+                                            int64_t n_out, int32_t* asked, int64_t cap) {
   auto* pt = static_cast<Painter*>(h);
   if (pt == nullptr || n_out != static_cast<int64_t>(pt->n) * kOutWidth) return -1;
+  for (int64_t j = 0; j < n_answered; ++j) {
+    if (answered[j] < 0 || answered[j] >= pt->n) return -1;
+    pt->unsafe_known[answered[j]] = 1;
+  }
   for (int64_t j = 0; j < n_unsafe; ++j) {
     if (unsafe[j] < 0 || unsafe[j] >= pt->n) return -1;
     pt->unsafe[unsafe[j]] = 1;
+    pt->unsafe_known[unsafe[j]] = 1;
   }
+  pt->asked.clear();
+  pt->asked_seen.assign(pt->n, 0);
   std::vector<int32_t> buf(static_cast<size_t>(n_out), 0);
   for (int32_t i = 0; i < pt->n; ++i) {
     buf[static_cast<size_t>(i) * kOutWidth + kOVoter] = -1;
@@ -713,7 +709,9 @@ NPU_AMP_PAINT_EXPORT int NpuAmpPaintRun(void* h, const int32_t* unsafe, int64_t 
   pt->Follow();
   std::memcpy(out, buf.data(), buf.size() * sizeof(int32_t));
   pt->out = nullptr;
-  return 0;
+  const int64_t k = static_cast<int64_t>(pt->asked.size());
+  for (int64_t j = 0; j < k && j < cap; ++j) asked[j] = pt->asked[j];
+  return k;
 }
 
 NPU_AMP_PAINT_EXPORT void NpuAmpPaintClose(void* h) { delete static_cast<Painter*>(h); }

@@ -276,10 +276,9 @@ def native_paint_entry():
     c_int64, c_void_p = ctypes.c_int64, ctypes.c_void_p
     lib.NpuAmpPaintOpen.argtypes = [ctypes.c_char_p, ctypes.c_size_t, c_void_p, c_int64]
     lib.NpuAmpPaintOpen.restype = c_void_p
-    lib.NpuAmpPaintConsts.argtypes = [c_void_p, c_void_p, c_int64]
-    lib.NpuAmpPaintConsts.restype = c_int64
-    lib.NpuAmpPaintRun.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_int64]
-    lib.NpuAmpPaintRun.restype = ctypes.c_int
+    lib.NpuAmpPaintRun.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_int64,
+                                   c_void_p, c_int64]
+    lib.NpuAmpPaintRun.restype = c_int64
     lib.NpuAmpPaintClose.argtypes = [c_void_p]
     lib.NpuAmpPaintClose.restype = None
 
@@ -290,15 +289,24 @@ def native_paint_entry():
             return None
         try:
             n = ints[1]
-            cand = array.array("i", bytes(4 * max(n, 1)))
-            k = lib.NpuAmpPaintConsts(h, cand.buffer_info()[0], n)
-            if k < 0 or k > n:
-                return None
-            bad = check(cand[:k].tolist()) if k else []
-            unsafe = array.array("i", bad or [0])
+            asked = array.array("i", bytes(4 * max(n, 1)))
             out = array.array("i", bytes(4 * n_out))
-            rc = lib.NpuAmpPaintRun(h, unsafe.buffer_info()[0], len(bad), out.buffer_info()[0], n_out)
-            return out if rc == 0 else None
+            answered, bad = array.array("i", [0]), array.array("i", [0])
+            na = nb = 0
+            for _ in range(n + 1):  # (each round answers at least one more constant)
+                k = lib.NpuAmpPaintRun(h, answered.buffer_info()[0], na, bad.buffer_info()[0], nb,
+                                       out.buffer_info()[0], n_out, asked.buffer_info()[0], n)
+                if k < 0 or k > n:
+                    return None
+                if k == 0:
+                    return out
+                new = asked[:k].tolist()
+                unsafe = check(new)
+                if not unsafe:
+                    return out  # (the constants taken as safe are)
+                answered, bad = array.array("i", new), array.array("i", unsafe)
+                na, nb = len(new), len(unsafe)
+            return None
         finally:
             lib.NpuAmpPaintClose(h)
 

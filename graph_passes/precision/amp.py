@@ -130,6 +130,22 @@ def _np_dtype(dt):
     return tf.as_dtype(dt).as_numpy_dtype
 
 
+def _why_unsafe(arr, dt):
+    """Why the float32 values ``arr`` cannot be held in ``dt`` (or None)."""
+    # the overflow is what we are testing for: not a warning for the user's console
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        low = arr.astype(_np_dtype(dt))
+    under = (arr != 0) & (low.astype(np.float32) == 0)
+    over = np.isfinite(arr) & ~np.isfinite(low.astype(np.float32))
+    if under.any():
+        v = float(arr[under].flat[0])
+        return f"underflows to 0 in {registry.dtype_name(dt)} (value {v:g})"
+    if over.any():
+        v = float(arr[over].flat[0])
+        return f"overflows to inf in {registry.dtype_name(dt)} (value {v:g})"
+    return None
+
+
 class _NodeInfo:
     __slots__ = ("attrs", "in_attr", "fixed", "fidx")
 
@@ -585,18 +601,7 @@ class PrecisionPass(Pass):
             return self._unsafe_cache[key]
         why = None
         if node.attr["dtype"].type == FP32 and dt != FP32:
-            arr = tf.make_ndarray(node.attr["value"].tensor)
-            # the overflow is what we are testing for: not a warning for the user's console
-            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-                low = arr.astype(_np_dtype(dt))
-            under = (arr != 0) & (low.astype(np.float32) == 0)
-            over = np.isfinite(arr) & ~np.isfinite(low.astype(np.float32))
-            if under.any():
-                v = float(arr[under].flat[0])
-                why = f"underflows to 0 in {registry.dtype_name(dt)} (value {v:g})"
-            elif over.any():
-                v = float(arr[over].flat[0])
-                why = f"overflows to inf in {registry.dtype_name(dt)} (value {v:g})"
+            why = _why_unsafe(tf.make_ndarray(node.attr["value"].tensor), dt)
         self._unsafe_cache[key] = why
         return why
 

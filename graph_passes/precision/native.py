@@ -45,6 +45,7 @@ from __future__ import annotations
 from array import array
 from operator import attrgetter, getitem
 
+import numpy as np
 from tensorflow.core.framework import node_def_pb2
 
 from .. import registry
@@ -220,12 +221,45 @@ def paint(pp, order, fn):
     strings = ("\x01".join(names) + "\x03" + "\x02".join(map("\x01".join, data_ins))).encode()
 
     def check(candidates):
-        return [c for c in candidates if pp.unsafe_const(nodes[c], low)]
+        return [c for c in candidates if _unsafe_const(pp, nodes[c], low)]
 
     out = fn(strings, ints, n * OUT_WIDTH, check)
     if out is None:
         return None
     return _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec)
+
+
+#: (float32 value, dtype) -> amp._why_unsafe of that one value (process-wide)
+_SPLAT_WHY = {}
+
+
+def _unsafe_const(pp, node, dt):
+    """``pp.unsafe_const(node, dt)`` (the same answer, in its memo), without
+    building the array for a splat constant (one value repeated: the same
+    first unsafe value, the same reason) whose value was seen before."""
+    key = (node.name, dt)
+    cache = pp._unsafe_cache
+    if key in cache:
+        return cache[key]
+    va = node.attr["value"]
+    t = va.tensor
+    if (t.dtype == registry.DT_FLOAT and not t.tensor_content and len(t.float_val) == 1
+            and node.attr["dtype"].type == registry.DT_FLOAT):
+        n = 1
+        for d in t.tensor_shape.dim:
+            n *= d.size
+        v = t.float_val[0]
+        if n >= 1 and v == v:  # (NaN: the reference path)
+            from . import amp
+
+            vk = (v, dt)
+            if vk not in _SPLAT_WHY:
+                if len(_SPLAT_WHY) > 4096:
+                    _SPLAT_WHY.clear()
+                _SPLAT_WHY[vk] = amp._why_unsafe(np.array([v], np.float32), dt)
+            why = cache[key] = _SPLAT_WHY[vk]
+            return why
+    return pp.unsafe_const(node, dt)
 
 
 def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
