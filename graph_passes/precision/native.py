@@ -253,11 +253,13 @@ def _unsafe_const(pp, node, dt):
             from . import amp
 
             vk = (v, dt)
-            if vk not in _SPLAT_WHY:
+            why = _SPLAT_WHY.get(vk, _SPLAT_WHY)
+            if why is _SPLAT_WHY:  # (not seen: computed once; grappler may call from several threads)
+                why = amp._why_unsafe(np.array([v], np.float32), dt)
                 if len(_SPLAT_WHY) > 4096:
                     _SPLAT_WHY.clear()
-                _SPLAT_WHY[vk] = amp._why_unsafe(np.array([v], np.float32), dt)
-            why = cache[key] = _SPLAT_WHY[vk]
+                _SPLAT_WHY[vk] = why
+            cache[key] = why
             return why
     return pp.unsafe_const(node, dt)
 
