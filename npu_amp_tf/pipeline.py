@@ -203,6 +203,7 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         if shapes is not None:
             _shapes.attach(graph, _timed(shapes, report))
         ctx = _manager.PassContext(options, fetches, preserve, devices, report)
+        ctx.native_paint = native_paint_entry()
         mgr = _manager.PassManager(names, validate=options.validate_graph)
         c0 = cpu()
         mgr.run(graph, ctx)
@@ -248,6 +249,69 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
     #: (main graph), functions (their bodies), serialize, opdef_check
     report.raw_summary["stages_cpu_s"] = {k: round(v, 6) for k, v in stages.items()}
     return out, report, nodes
+
+
+_paint_entry = None  # (issue 17l) the ctypes painting entry point once set up; False: none
+
+
+def native_paint_entry():
+    """The precision pass's painting loops in C++ (``ctx.native_paint``: see
+    graph_passes/precision/native.py and custom_ops/precision_paint.cc), when
+    the custom-op library is loaded and has them; else None (the pass paints
+    in Python).  ``fn(strings, ints, n_out, check)`` -> ``array('i')`` or None."""
+    global _paint_entry
+    if _paint_entry is not None:
+        return _paint_entry or None
+    from . import bridge
+
+    lib = bridge._lib
+    if lib is None:
+        return None  # (not loaded yet: asked again next run)
+    if not hasattr(lib, "NpuAmpPaintRun"):
+        _paint_entry = False
+        return None
+    import array
+    import ctypes
+
+    c_int64, c_void_p = ctypes.c_int64, ctypes.c_void_p
+    lib.NpuAmpPaintOpen.argtypes = [ctypes.c_char_p, ctypes.c_size_t, c_void_p, c_int64]
+    lib.NpuAmpPaintOpen.restype = c_void_p
+    lib.NpuAmpPaintRun.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_int64,
+                                   c_void_p, c_int64]
+    lib.NpuAmpPaintRun.restype = c_int64
+    lib.NpuAmpPaintClose.argtypes = [c_void_p]
+    lib.NpuAmpPaintClose.restype = None
+
+    def paint(strings, ints, n_out, check):
+        # (arrays passed by address, as bridge.kahn_order does)
+        h = lib.NpuAmpPaintOpen(strings, len(strings), ints.buffer_info()[0], len(ints))
+        if not h:
+            return None
+        try:
+            n = ints[1]
+            asked = array.array("i", bytes(4 * max(n, 1)))
+            out = array.array("i", bytes(4 * n_out))
+            answered, bad = array.array("i", [0]), array.array("i", [0])
+            na = nb = 0
+            for _ in range(n + 1):  # (each round answers at least one more constant)
+                k = lib.NpuAmpPaintRun(h, answered.buffer_info()[0], na, bad.buffer_info()[0], nb,
+                                       out.buffer_info()[0], n_out, asked.buffer_info()[0], n)
+                if k < 0 or k > n:
+                    return None
+                if k == 0:
+                    return out
+                new = asked[:k].tolist()
+                unsafe = check(new)
+                if not unsafe:
+                    return out  # (the constants taken as safe are)
+                answered, bad = array.array("i", new), array.array("i", unsafe)
+                na, nb = len(new), len(unsafe)
+            return None
+        finally:
+            lib.NpuAmpPaintClose(h)
+
+    _paint_entry = paint
+    return paint
 
 
 def _original(graph_def, serialized):
@@ -313,6 +377,7 @@ def _optimize_functions(graph: Graph, mgr, options, devices, report: Report):
         sub = Report()
         preserve = [n for n, node in fgraph.nodes.items() if node.op in ("_Arg", "_Retval")]
         ctx = _manager.PassContext(options, (), preserve, devices, sub)
+        ctx.native_paint = native_paint_entry()
         mgr.run(fgraph, ctx)
         problems = _opdef_check.graph_problems(fgraph, ctx.default_device_type())
         if problems:

@@ -83,15 +83,27 @@ def sizes():
     return _graph(2), _graph(8)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["python_paint", "native_paint"])
 @pytest.mark.parametrize("mode", ["allow_mix_precision", "allow_mix_precision_bf16"])
-def test_pipeline_work_grows_linearly(sizes, mode):
+def test_pipeline_work_grows_linearly(sizes, mode, native, monkeypatch):
+    from graph_passes.precision import amp
+
     (gd_s, f_s), (gd_b, f_b) = sizes
     ratio = len(gd_b.node) / len(gd_s.node)
     assert ratio > 3  # (2 -> 8 layers: ~1.8k -> ~6.2k nodes)
+    # (issue 17l) the painting loops in Python (the reference) or in C++ (the
+    # library loaded: the pipeline hands the pass its entry point)
+    monkeypatch.setattr(amp.PrecisionPass, "native_paint", native)
+    if native:
+        from npu_amp_tf import bridge
+
+        bridge.library()
+        assert pipeline.native_paint_entry() is not None
     options = Options.from_kwargs(precision_mode=mode)
     small, big = _calls(gd_s, f_s, options), _calls(gd_b, f_b, options)
     # the count sees the passes' work (not only the set-up): per-node functions of each stage
-    for key in (("graph.py", "consumers"), ("amp.py", "_decide"), ("amp.py", "_fix_edges")):
+    paint = ("native.py", "_apply") if native else ("amp.py", "_decide")
+    for key in (("graph.py", "consumers"), paint, ("amp.py", "_fix_edges")):
         assert small[key] > 0, key
     assert sum(big.values()) > 2.5 * sum(small.values())
     assert _superlinear(small, big, ratio) == []
@@ -105,6 +117,7 @@ def test_planted_quadratic_loop_is_caught(sizes, monkeypatch):
     (gd_s, f_s), (gd_b, f_b) = sizes
     ratio = len(gd_b.node) / len(gd_s.node)
     options = Options.from_kwargs(precision_mode="allow_mix_precision")
+    monkeypatch.setattr(amp.PrecisionPass, "native_paint", False)  # (planted in the Python loops)
     orig = amp.PrecisionPass._decide
 
     def _decide(self, node, info, cur):

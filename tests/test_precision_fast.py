@@ -109,7 +109,7 @@ def v1_loop_graph():
 def _strip_times(obj):
     if isinstance(obj, dict):
         return {k: _strip_times(v) for k, v in obj.items()
-                if not (k.endswith("_s") or k == "shapes_inferred_in_pipeline")}
+                if not (k.endswith("_s") or k in ("shapes_inferred_in_pipeline", "precision_paint"))}
     if isinstance(obj, list):
         return [_strip_times(v) for v in obj]
     return obj

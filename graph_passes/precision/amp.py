@@ -79,6 +79,7 @@ from ..graph import parse_tensor, tensor_name
 from ..manager import Pass, register_pass
 from ..report import Report
 from . import lists as _lists
+from . import native as _native
 from . import stats as _stats
 from .planner import MODES, canonical_mode, plan_for  # noqa: F401  (re-exported)
 
@@ -129,6 +130,22 @@ def _np_dtype(dt):
     return tf.as_dtype(dt).as_numpy_dtype
 
 
+def _why_unsafe(arr, dt):
+    """Why the float32 values ``arr`` cannot be held in ``dt`` (or None)."""
+    # the overflow is what we are testing for: not a warning for the user's console
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        low = arr.astype(_np_dtype(dt))
+    under = (arr != 0) & (low.astype(np.float32) == 0)
+    over = np.isfinite(arr) & ~np.isfinite(low.astype(np.float32))
+    if under.any():
+        v = float(arr[under].flat[0])
+        return f"underflows to 0 in {registry.dtype_name(dt)} (value {v:g})"
+    if over.any():
+        v = float(arr[over].flat[0])
+        return f"overflows to inf in {registry.dtype_name(dt)} (value {v:g})"
+    return None
+
+
 class _NodeInfo:
     __slots__ = ("attrs", "in_attr", "fixed", "fidx")
 
@@ -150,6 +167,14 @@ class PrecisionPass(Pass):
     #: registry, every fact computed, the full sort); both give the same
     #: graph and report (tests/test_precision_fast.py)
     fast_paths = True
+    #: (issue 17l) run ``_paint``, ``_demote`` and ``_follow_readers`` through
+    #: the native entry point the caller puts on the pass context
+    #: (``ctx.native_paint``: custom_ops/precision_paint.cc, injected by
+    #: npu_amp_tf.pipeline) in the mixed-precision modes, with the fast
+    #: paths on.  False, or no entry point, runs the Python loops (the
+    #: reference; the same graph and report, tests/test_precision_native.py).
+    #: The report's ``precision_paint`` says which ran ("native" / "python")
+    native_paint = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -196,9 +221,16 @@ class PrecisionPass(Pass):
         self.casts_delayed = 0
 
         changed = 0
+        self.paint_path = "python"
         if self.mode != "must_keep_origin_dtype":
-            changed = self._paint(order)
-            if self.mode in ("allow_mix_precision", "allow_mix_precision_bf16"):
+            native = self._native_entry()
+            res = _native.paint(self, order, native) if native is not None else None
+            if res is not None:  # (issue 17l) _paint, _demote, _follow_readers in C++
+                changed = res
+                self.paint_path = "native"
+            else:
+                changed = self._paint(order)
+            if res is None and self.mode in ("allow_mix_precision", "allow_mix_precision_bf16"):
                 if self.fast_paths:
                     self._rmemo = {}  # edges and Casts stay as they are until _adapt_casts
                 changed += self._demote(order)
@@ -215,6 +247,15 @@ class PrecisionPass(Pass):
                     self._record(node, "keep", "precision_mode=must_keep_origin_dtype: no change")
         graph.touch(*self.touched)  # re-typed in place: the OpDef guard checks them
         return self._finish(shapes, before, changed)
+
+    def _native_entry(self):
+        """The native painting entry point the caller put on the pass
+        context (``ctx.native_paint``; see :mod:`.native`), when this run
+        may use it: the switch on, fast paths on, a mixed-precision mode;
+        else None (the Python loops run)."""
+        if not (self.native_paint and self.fast_paths and self.mode in _native.MIX_MODES):
+            return None
+        return getattr(self.ctx, "native_paint", None)
 
     # ------------------------------------------------------- node facts
     def info(self, node) -> _NodeInfo:
@@ -560,18 +601,7 @@ class PrecisionPass(Pass):
             return self._unsafe_cache[key]
         why = None
         if node.attr["dtype"].type == FP32 and dt != FP32:
-            arr = tf.make_ndarray(node.attr["value"].tensor)
-            # the overflow is what we are testing for: not a warning for the user's console
-            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-                low = arr.astype(_np_dtype(dt))
-            under = (arr != 0) & (low.astype(np.float32) == 0)
-            over = np.isfinite(arr) & ~np.isfinite(low.astype(np.float32))
-            if under.any():
-                v = float(arr[under].flat[0])
-                why = f"underflows to 0 in {registry.dtype_name(dt)} (value {v:g})"
-            elif over.any():
-                v = float(arr[over].flat[0])
-                why = f"overflows to inf in {registry.dtype_name(dt)} (value {v:g})"
+            why = _why_unsafe(tf.make_ndarray(node.attr["value"].tensor), dt)
         self._unsafe_cache[key] = why
         return why
 
@@ -1256,6 +1286,7 @@ class PrecisionPass(Pass):
             "casts_inserted": self.casts_inserted,
             "casts_delayed": self.casts_delayed,
             "fp16_copy_reads": self.copy_reads,
+            "precision_paint": self.paint_path,
         }
         for k, v in summary.items():
             rep.raw_summary[k] = v

@@ -1,0 +1,376 @@
+"""The precision pass's painting loops over integer arrays (issue 17).
+
+``PrecisionPass._paint``, ``_demote`` and ``_follow_readers`` decide per
+node, walking the graph in topological order and back; in Python that is
+~36% of the grappler callback on a Keras ResNet-50 training graph.  This
+module hands the same decisions to a native entry point (C++:
+``custom_ops/precision_paint.cc``) over compact arrays and applies what it
+returns.  The engine never loads a library: the caller puts the entry point
+on the pass context (``ctx.native_paint``, see :func:`paint`; the pipeline
+does, ``npu_amp_tf/pipeline.py``); without one the Python loops run, and
+they stay the reference (``PrecisionPass.native_paint = False``;
+tests/test_precision_native.py holds both byte-identical).
+
+Preconditions: a ``PrecisionPass`` set up by ``run`` (fast paths on) in
+``allow_mix_precision`` / ``allow_mix_precision_bf16``; ``order`` its
+topological order of every node.
+Postconditions (when :func:`paint` returns a count): the pass's nodes,
+``decisions``, ``state``, ``touched``, ``_contested``, ``_painted`` and the
+report's warnings are what the three Python loops leave, in the same order.
+
+What crosses (``ints``, int32, length-prefixed sections after a header
+``[version 1, n nodes, k classes, low dtype]``):
+
+* the topological order (node indices; nodes are numbered in graph order);
+* per node its class (below) and flags: 1 fetched/preserved (and painted
+  as such), 2 fetched/preserved, 4 keep_dtype, 8 low_precision_nodes,
+  16 a low kernel exists, 32 an FP32 kernel exists;
+* per class 5 ints: has changeable float attrs, fixed, current dtype, list
+  (1 white, 2 black, 3 gray, 4 clear), kind (1 Const, 2 Cast, 3 variable
+  op, 4 an op a constant passes through); then the class's float input
+  indices (``_NodeInfo.fidx``) and its input and output dtypes as they are,
+  re-typed to FP32 and re-typed to the low dtype (counts, -1 for unknown,
+  then values).
+
+A class is a set of nodes with equal facts: the C++ index's signature
+class, or ``registry.signature_key`` for nodes edited since; lowered
+Switch/Merge apart by whether they are loop plumbing; nodes of unregistered
+ops one class each.  ``strings``: node names joined by ``\\x01``, ``\\x03``,
+then per node its data inputs (as many as its class has input dtypes; all
+for an op of unknown signature) joined by ``\\x01``, nodes joined by
+``\\x02``.
+"""
+from __future__ import annotations
+
+from array import array
+from operator import attrgetter, getitem
+
+import numpy as np
+from tensorflow.core.framework import node_def_pb2
+
+from .. import registry
+from . import lists as _lists
+
+VERSION = 1
+OUT_WIDTH = 16
+(O_DECIDED, O_TARGET, O_STATE, O_BASE, O_VOTER, O_REFUSE, O_REFUSE_CONST, O_F32FAIL, O_DEMOTED,
+ O_DEMOTE_F32, O_DEMOTE_LOW, O_FOLLOWED, O_GO, O_STAY, O_CONTESTED, O_LST) = range(OUT_WIDTH)
+F_PROT_PAINT, F_PROT, F_KEEP, F_FORCED, F_KLOW, F_KF32 = 1, 2, 4, 8, 16, 32
+_LST_CODE = {"white": 1, "black": 2, "gray": 3, "clear": 4}
+_LST_NAME = {1: "white", 2: "black", 3: "gray", 4: "clear", 5: "fixed", 6: "protected",
+             7: "keep_dtype"}
+_STATE = {1: "low", 2: "f32", 3: "hard", 4: "neutral", 5: "fixed"}
+MIX_MODES = ("allow_mix_precision", "allow_mix_precision_bf16")
+
+_op = attrgetter("op")
+_input = attrgetter("input")
+_device = attrgetter("device")
+
+
+def _kind(op, amp):
+    if op == "Const":
+        return 1
+    if op == "Cast":
+        return 2
+    if op in amp.VARIABLE_OPS:
+        return 3
+    if op in amp._CONST_THROUGH:
+        return 4
+    return 0
+
+
+def _counts_vals(seqs):
+    counts = array("i", [-1 if s is None else len(s) for s in seqs])
+    vals = array("i")
+    for s in seqs:
+        if s:
+            vals.extend(s)
+    return counts, vals
+
+
+def paint(pp, order, fn):
+    """Run the three loops through ``fn`` (the native entry point:
+    ``fn(strings, ints, n_out, check) -> array('i')`` of ``OUT_WIDTH`` ints
+    per node, or None when it refuses; ``check(const indices)`` returns the
+    indices of the constants unsafe in the low dtype) and apply the result
+    to ``pp``.  Returns the count of changed nodes, or None (nothing was
+    changed: the caller runs the Python loops)."""
+    from . import amp
+
+    g = pp.g
+    names = list(g.nodes)
+    nodes = list(g.nodes.values())
+    n = len(names)
+    if n == 0 or len(order) != n:
+        return None
+    idx = dict(zip(names, range(n)))
+    ops = list(map(_op, nodes))
+    cls = pp._cls
+    keys = list(map(cls.get, names)) if cls else [None] * n
+    cond = amp.COND_OPS
+    for i, k in enumerate(keys):  # (a Python statement per node; the rest is C-level)
+        if k is None or ops[i] in cond:
+            node = nodes[i]
+            k0 = k if k is not None else pp._key(node)
+            if k0 is None:
+                keys[i] = ("node", names[i])
+            elif ops[i] in cond:
+                keys[i] = ("cond", k0, pp.in_loop_plumbing(node))
+            else:
+                keys[i] = ("sig", k0)
+    ids = {}
+    cid = array("i", [ids.setdefault(k, len(ids)) for k in keys])
+    kcount = len(ids)
+    first = dict(zip(reversed(cid), range(n - 1, -1, -1)))  # class -> its first node
+    low = pp.low
+    rec = array("i", bytes(4 * 5 * kcount))
+    fidx, dts = [None] * kcount, [[None] * kcount for _ in range(6)]
+    infos, lsts = [None] * kcount, [None] * kcount
+    paintable = bytearray(kcount)
+    for c in range(kcount):
+        i = first[c]
+        node = nodes[i]
+        key = keys[i]
+        if isinstance(key, tuple) and key[0] in ("cond", "node"):
+            info = pp._compute_info_of(node)
+        else:
+            info = pp.info(node)
+        infos[c] = info
+        _, ins, outs = pp._memo_dts(node)
+        has = bool(info.attrs)
+        cur = pp.current(node, info) if has else 0
+        kind = _kind(ops[i], amp)
+        lst = 0
+        if has and not info.fixed and kind != 1:
+            paintable[c] = 1
+            lsts[c] = pp.classify(node)
+            lst = _LST_CODE.get(lsts[c][0], 3)
+        base = 5 * c
+        rec[base:base + 5] = array("i", (int(has), int(bool(info.fixed)), cur or 0, lst, kind))
+        fidx[c] = info.fidx
+        dts[0][c], dts[1][c] = ins, outs
+        for v, dt in ((1, registry.DT_FLOAT), (2, low)):
+            if paintable[c] and cur != dt:
+                copy = node_def_pb2.NodeDef()
+                copy.CopyFrom(node)
+                registry.retype(copy, info.attrs, dt)
+                ci, co = g.input_dtypes(copy), g.output_dtypes(copy)
+                dts[2 * v][c] = None if ci is None else tuple(ci)
+                dts[2 * v + 1][c] = None if co is None else tuple(co)
+            else:
+                dts[2 * v][c], dts[2 * v + 1][c] = ins, outs
+    # per node flags: kernels (per class and device string, or per node for
+    # fused ops and ops whose kernel check reads attrs outside the class),
+    # keep_dtype, low_precision_nodes, fetched/preserved
+    flags = array("i", bytes(4 * n))
+    plan = pp.plan
+    forced = bool(plan.low_names)
+    kern = {}
+    devs = list(map(_device, nodes))
+    per_node_kernel = {}
+    for i in range(n):
+        c = cid[i]
+        if not paintable[c]:
+            continue
+        node = nodes[i]
+        info = infos[c]
+        f = F_KEEP if plan.is_keep(node) else 0
+        if forced and plan.is_forced_low(names[i]):
+            f |= F_FORCED
+        pn = per_node_kernel.get(c)
+        if pn is None:
+            od = registry.op_def(node.op)
+            pn = od is None or any(a.name == "fused_ops" for a in od.attr)
+            if not pn:
+                pp.kernel_ok(node, info, low)  # fills _other_types
+                ent = pp._other_types.get((node.op, info.attrs))
+                pn = ent is None or not ent[1]
+            per_node_kernel[c] = pn
+        kk = None if pn else (c, devs[i])
+        bits = kern.get(kk) if kk is not None else None
+        if bits is None:
+            bits = F_KLOW if pp.kernel_ok(node, info, low) else 0
+            cur = rec[5 * c + 2]
+            if cur == registry.DT_FLOAT or pp.kernel_ok(node, info, registry.DT_FLOAT):
+                bits |= F_KF32
+            if kk is not None:
+                kern[kk] = bits
+        flags[i] = f | bits
+    stateful = _lists.STATEFUL_PAINTABLE
+    for name in pp.protected:
+        i = idx.get(name)
+        if i is not None:
+            flags[i] |= F_PROT | (0 if ops[i] in stateful else F_PROT_PAINT)
+    ints = array("i", (VERSION, n, kcount, low))
+    ints.append(n)
+    ints.extend(array("i", map(idx.__getitem__, order)))
+    for sec in (cid, flags, rec):
+        ints.append(len(sec))
+        ints.extend(sec)
+    for seqs in [fidx] + dts:
+        counts, vals = _counts_vals(seqs)
+        ints.append(len(counts))
+        ints.extend(counts)
+        ints.append(len(vals))
+        ints.extend(vals)
+    # (each node's data inputs only, as many as its class's input dtypes:
+    # the control inputs after them, most of a Keras training graph's edges,
+    # are never read, nor turned into Python strings)
+    cut = [slice(None) if ins is None else slice(0, len(ins)) for ins in dts[0]]
+    data_ins = map(getitem, map(_input, nodes), map(cut.__getitem__, cid))
+    strings = ("\x01".join(names) + "\x03" + "\x02".join(map("\x01".join, data_ins))).encode()
+
+    def check(candidates):
+        return [c for c in candidates if _unsafe_const(pp, nodes[c], low)]
+
+    out = fn(strings, ints, n * OUT_WIDTH, check)
+    if out is None:
+        return None
+    return _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec)
+
+
+#: (float32 value, dtype) -> amp._why_unsafe of that one value (process-wide)
+_SPLAT_WHY = {}
+
+
+def _unsafe_const(pp, node, dt):
+    """``pp.unsafe_const(node, dt)`` (the same answer, in its memo), without
+    building the array for a splat constant (one value repeated: the same
+    first unsafe value, the same reason) whose value was seen before."""
+    key = (node.name, dt)
+    cache = pp._unsafe_cache
+    if key in cache:
+        return cache[key]
+    va = node.attr["value"]
+    t = va.tensor
+    if (t.dtype == registry.DT_FLOAT and not t.tensor_content and len(t.float_val) == 1
+            and node.attr["dtype"].type == registry.DT_FLOAT):
+        n = 1
+        for d in t.tensor_shape.dim:
+            n *= d.size
+        v = t.float_val[0]
+        if n >= 1 and v == v:  # (NaN: the reference path)
+            from . import amp
+
+            vk = (v, dt)
+            why = _SPLAT_WHY.get(vk, _SPLAT_WHY)
+            if why is _SPLAT_WHY:  # (not seen: computed once; grappler may call from several threads)
+                why = amp._why_unsafe(np.array([v], np.float32), dt)
+                if len(_SPLAT_WHY) > 4096:
+                    _SPLAT_WHY.clear()
+                _SPLAT_WHY[vk] = why
+            cache[key] = why
+            return why
+    return pp.unsafe_const(node, dt)
+
+
+def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
+    """Write the native result into ``pp`` the way the Python loops do."""
+    W = OUT_WIDTH
+    dname = registry.dtype_name
+    low_name = pp.low_name
+    decisions, state, touched = pp.decisions, pp.state, pp.touched
+    painted = set() if len(order) == len(pp.g.nodes) else None
+    changed = 0
+    demoted, followed = [], []
+    warn = pp.ctx.warn
+    for name in order:
+        i = idx[name]
+        b = i * W
+        dec = out[b + O_DECIDED]
+        if not dec:
+            continue
+        node = nodes[i]
+        c = cid[i]
+        info = infos[c]
+        if dec == 1:
+            state[name] = "fixed"
+            decisions[name] = {"reason": f"fixed: {info.fixed}", "state": "fixed", "list": "fixed",
+                               "dtype": dname(out[b + O_TARGET])}
+            continue
+        if painted is not None:
+            painted.add(name)
+        target = out[b + O_TARGET]
+        st = _STATE[out[b + O_STATE]]
+        lst = _LST_NAME[out[b + O_LST]]
+        cur = rec[5 * c + 2]  # (the class's current dtype: the node is unedited so far)
+        base = out[b + O_BASE]
+        if base == 1:
+            reason = "fetched/preserved: keeps its dtype"
+        elif base == 2:
+            reason = "keep_dtype: never converted"
+        elif base == 3:
+            reason = "low_precision_nodes: forced low precision"
+        elif base == 4:
+            reason = f"white list: {lsts[c][1]}"
+        elif base == 5:
+            reason = f"black list: {lsts[c][1]}"
+        elif base == 6:
+            reason = f"{lst}: no voting producer (constants/variables only); keeps its dtype"
+        elif base == 7:
+            reason = f"{lst}: followed producer '{names[out[b + O_VOTER]]}' ({low_name})"
+        elif base == 8:
+            reason = f"{lst}: followed producer '{names[out[b + O_VOTER]]}' (float32)"
+        else:  # (not reached: every painted node has a reason)
+            return _fail(name)
+        refuse = out[b + O_REFUSE]
+        if refuse:
+            if refuse == 1:
+                cnode = nodes[out[b + O_REFUSE_CONST]]
+                reason = (f"const underflow: input '{cnode.name}' {pp.unsafe_const(cnode, pp.low)}; "
+                          f"'{name}' stays FP32")
+            else:
+                reason = (f"no kernel: {node.op} has no {low_name} kernel on "
+                          f"{pp.device_type(node)}; stays {dname(cur)}")
+            warn(reason, node=name)
+        if out[b + O_F32FAIL]:
+            reason = (f"no kernel: {node.op} has no float32 kernel on {pp.device_type(node)}; "
+                      f"keeps {dname(cur)}")
+            warn(reason, node=name)
+        if out[b + O_CONTESTED]:
+            pp._contested.add(name)
+        if target != cur:
+            pp._retype(node, info.attrs, target)
+            changed += 1
+            touched.add(name)
+        state[name] = st
+        decisions[name] = {"reason": reason, "state": st, "list": lst, "dtype": dname(target),
+                           "was": dname(cur)}
+        if out[b + O_DEMOTED]:
+            demoted.append(i)
+        if out[b + O_FOLLOWED]:
+            followed.append(i)
+    pp._painted = painted
+    for i in reversed(demoted):  # (reverse topological order, as _demote)
+        b = i * W
+        name, node = names[i], nodes[i]
+        pp._retype(node, infos[cid[i]].attrs, registry.DT_FLOAT)
+        touched.add(name)
+        state[name] = "f32"
+        d = decisions[name]
+        if d.get("was") == "float32":
+            changed -= 1
+        d.update(state="f32", dtype="float32",
+                 reason=d["reason"] + f"; kept FP32: {out[b + O_DEMOTE_F32]} cast(s) instead of "
+                                      f"{out[b + O_DEMOTE_LOW]}")
+    for i in reversed(followed):
+        b = i * W
+        name, node = names[i], nodes[i]
+        pp._retype(node, infos[cid[i]].attrs, pp.low)
+        touched.add(name)
+        state[name] = "low"
+        changed += 1
+        d = decisions[name]
+        d.update(state="low", dtype=low_name,
+                 reason=d["reason"] + f"; low before its fan-out: {out[b + O_GO]} cast(s) instead of "
+                                      f"{out[b + O_STAY]}")
+    return changed
+
+
+def _fail(name):
+    from ..errors import GraphError
+
+    raise GraphError(f"native painting returned no reason for '{name}'")
+
+
+__all__ = ["paint", "MIX_MODES", "OUT_WIDTH"]
