@@ -30,6 +30,11 @@
 // built here in one pass over the GraphDef grappler already holds, instead of
 // per edge in Python (graph_passes.graph.Graph(index=...)).
 //
+// OpDef pre-check (issue 17m): before Python returns a patch, it may call
+// NpuAmpItemOpdefPrecheck(sink, patch) to learn in C++ whether the changed
+// nodes and their edges satisfy their OpDefs (opdef_precheck.cc); the Python
+// guard (graph_passes/opdef_check.py) runs only when that is not certain.
+//
 // Work skipped before Python is called (counted, see NpuAmpSkipCount):
 //   * a graph this optimizer already rewrote: its output carries the attr
 //     kDoneAttr (a hash of parameters, fetch, preserve and devices) on the
@@ -89,6 +94,7 @@
 #include "tensorflow/core/lib/strings/proto_serialization.h"
 #include "tensorflow/core/platform/errors.h"
 #include "tensorflow/core/protobuf/rewriter_config.pb.h"
+#include "opdef_precheck.h"
 
 #define NPU_AMP_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -121,6 +127,12 @@ struct Sink {
   std::string shapes;
   bool has_shapes = false;
   std::string index;
+  // the patch the OpDef pre-check parsed (NpuAmpItemOpdefPrecheck): reused
+  // by AssemblePatch when the patch written is the same
+  tensorflow::GraphDef checked;
+  std::string checked_bytes;
+  std::vector<int32_t> checked_order;
+  bool has_checked = false;
 };
 
 // ---- shapes -----------------------------------------------------------------
@@ -529,13 +541,10 @@ bool HasNoFloat(const tensorflow::GraphDef& graph) {
 // graph_passes.graph.Graph.serialize()'s bytes: the nodes the pipeline left
 // alone are the item's own (copied here, not serialized in Python and parsed
 // again).  False (message in *error) when the patch does not fit `base`.
-bool AssemblePatch(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
-                   const std::string& patch_bytes, tensorflow::GraphDef* out, std::string* error) {
-  tensorflow::GraphDef patch;
-  if (!patch.ParseFromString(patch_bytes)) {
-    *error = "the patch does not parse as a GraphDef";
-    return false;
-  }
+// (`patch` parsed already; its nodes are moved into *out)
+bool AssembleParsedPatch(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
+                         tensorflow::GraphDef& patch, tensorflow::GraphDef* out,
+                         std::string* error) {
   out->Clear();
   out->mutable_node()->Reserve(static_cast<int>(order.size()));
   int next = 0;
@@ -592,6 +601,16 @@ bool AssemblePatch(const tensorflow::GraphDef& base, const std::vector<int32_t>&
     }
   }
   return true;
+}
+
+bool AssemblePatch(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
+                   const std::string& patch_bytes, tensorflow::GraphDef* out, std::string* error) {
+  tensorflow::GraphDef patch;
+  if (!patch.ParseFromString(patch_bytes)) {
+    *error = "the patch does not parse as a GraphDef";
+    return false;
+  }
+  return AssembleParsedPatch(base, order, patch, out, error);
 }
 
 std::string JoinLines(const std::vector<std::string>& items) {
@@ -741,6 +760,33 @@ NPU_AMP_EXPORT int NpuAmpGraphIndex(const char* graph, size_t graph_len, const c
   *data = buf.data();
   *len = buf.size();
   return 0;
+}
+
+// The OpDef guard's pre-check (issue 17m, opdef_precheck.cc) on the graph
+// the callback is about to hand back as a patch of the item (order / data as
+// for NpuAmpWritePatch; only valid inside the callback): 0 clean (the Python
+// guard need not run), 1 flagged, 2 cannot tell.  `broken`: the known-broken
+// kernel table, `device`: the default device type (see OpdefPrecheck).  The
+// parsed patch is kept: NpuAmpWritePatch with the same bytes reuses it.
+NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, size_t n,
+                                           const char* data, size_t len, const char* broken,
+                                           size_t broken_len, const char* device) {
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || s->item == nullptr) return npu_amp_tf::kPrecheckUnable;
+  s->has_checked = false;
+  s->checked.Clear();
+  if (!s->checked.ParseFromArray(data, static_cast<int>(len))) return npu_amp_tf::kPrecheckUnable;
+  s->checked_order.assign(order, order + n);
+  s->checked_bytes.assign(data, len);
+  s->has_checked = true;
+  std::vector<const tensorflow::NodeDef*> nodes;
+  std::vector<char> changed;
+  if (!npu_amp_tf::PatchNodes(s->item->graph, s->checked_order, s->checked, &nodes, &changed)) {
+    return npu_amp_tf::kPrecheckUnable;
+  }
+  return npu_amp_tf::OpdefPrecheck(nodes, changed, s->checked.library(),
+                                   std::string_view(broken, broken_len),
+                                   std::string_view(device ? device : "CPU"));
 }
 
 // Kahn's topological order over integer arrays (issue 17f), the rule of
@@ -905,7 +951,13 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     }
     if (sink.has_patch) {
       std::string why;
-      if (!AssemblePatch(item.graph, sink.patch_order, sink.patch, optimized_graph, &why)) {
+      // (the patch the OpDef pre-check parsed, when it is the one written)
+      const bool checked = sink.has_checked && sink.checked_order == sink.patch_order &&
+                           sink.checked_bytes == sink.patch;
+      if (!(checked ? AssembleParsedPatch(item.graph, sink.patch_order, sink.checked,
+                                          optimized_graph, &why)
+                    : AssemblePatch(item.graph, sink.patch_order, sink.patch, optimized_graph,
+                                    &why))) {
         return errors::Internal("NpuAmpOptimizer: the Python bridge returned a patch that does "
                                 "not fit graph '", item.id, "': ", why);
       }
