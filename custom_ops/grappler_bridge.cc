@@ -183,17 +183,23 @@ bool InferShapesText(const tensorflow::grappler::GrapplerItem& item, std::string
 // ResNet-50 training graph has 63k edges).  Format (decoded by
 // Graph._adopt_index): four ASCII sections ended by '\x03', then int32 arrays
 // (native byte order):
-//   "NPUIDX4" \x02 <node count n> \x02 <1 if a cycle outside loops else 0>
-//             \x02 <count of consumed names s> \x03
+//   "NPUIDX5" \x02 <node count n> \x02 <1 if a cycle outside loops else 0>
+//             \x02 <count of consumed names s> \x02 <count of pairs t> \x03
 //   node names, graph order, joined by \x01 \x03
 //   op types, first appearance order, joined by \x01 \x03
 //   consumed names (an input's source; first appearance order; may name no
 //   node: a dangling input), joined by \x01 \x03
 //   int32[ops] nodes per op type;  int32[s] edges per consumed name
 //   int32[n]  node indices grouped by op type (section order)
-//   int32[E]  reader node index of each edge, grouped by source (section order,
-//             then graph order and input order, as Graph.reindex appends them)
-//   int32[E]  its input position (-1: a control edge)
+//   int32[t]  reader node index of each distinct (reader, input position)
+//             pair, in the order the edges below first name them
+//   int32[t]  its input position (-1: a control edge)
+//   int32[E]  per edge, grouped by source (section order, then graph order
+//             and input order, as Graph.reindex appends them), the index of
+//             its (reader, position) pair (issue 17m, NPUIDX5: a data input
+//             is one edge, but a reader's control inputs from many sources
+//             share one pair; the Keras ResNet-50 training graph has 63k
+//             edges and 8.7k pairs, so Python builds 8.7k tuples, not 63k)
 //   int32[n]  the topological order (node indices)
 //   int32[n]  per node, its signature class (issue 17f): nodes of one class
 //             have the same op and the same values of the attrs its OpDef's
@@ -422,14 +428,39 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
 
   const std::vector<int32_t> classes = SignatureClasses(graph, op_of_node, op_order);
 
+  // the distinct (reader, position) pairs and each edge's pair: a data input
+  // (reader, k) is one edge; (reader, -1) is shared by its control inputs
+  std::vector<int32_t> pair_reader, pair_pos, edge_pair(ne);
+  std::vector<int32_t> ctrl_pair(n, -1);
+  pair_reader.reserve(ne);
+  pair_pos.reserve(ne);
+  for (size_t e = 0; e < ne; ++e) {
+    int32_t id;
+    if (positions[e] < 0) {
+      id = ctrl_pair[readers[e]];
+      if (id < 0) {
+        id = ctrl_pair[readers[e]] = static_cast<int32_t>(pair_reader.size());
+        pair_reader.push_back(readers[e]);
+        pair_pos.push_back(-1);
+      }
+    } else {
+      id = static_cast<int32_t>(pair_reader.size());
+      pair_reader.push_back(readers[e]);
+      pair_pos.push_back(positions[e]);
+    }
+    edge_pair[e] = id;
+  }
+
   out->clear();
   out->reserve(static_cast<size_t>(n) * 48 + ns * 48 + (4 * n + 2 * ne + ns) * 4 + 64);
-  out->append("NPUIDX4\x02");
+  out->append("NPUIDX5\x02");
   out->append(std::to_string(n));
   out->push_back('\x02');
   out->push_back(cycle ? '1' : '0');
   out->push_back('\x02');
   out->append(std::to_string(ns));
+  out->push_back('\x02');
+  out->append(std::to_string(pair_reader.size()));
   out->push_back('\x03');
   for (int32_t i = 0; i < n; ++i) {
     if (i) out->push_back('\x01');
@@ -441,8 +472,9 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
   AppendInt32s(op_count, out);
   AppendInt32s(src_count, out);
   AppendInt32s(members, out);
-  AppendInt32s(readers, out);
-  AppendInt32s(positions, out);
+  AppendInt32s(pair_reader, out);
+  AppendInt32s(pair_pos, out);
+  AppendInt32s(edge_pair, out);
   AppendInt32s(order, out);
   AppendInt32s(classes, out);
   return true;
