@@ -185,6 +185,9 @@ bool InferShapesText(const tensorflow::grappler::GrapplerItem& item, std::string
 // (native byte order):
 //   "NPUIDX5" \x02 <node count n> \x02 <1 if a cycle outside loops else 0>
 //             \x02 <count of consumed names s> \x02 <count of pairs t> \x03
+//   (or, when fewer than a quarter of the edges share a pair, "NPUIDX4"
+//   without <t>, and the two pair arrays and the E indices below replaced by
+//   int32[E] readers and int32[E] positions, one per edge)
 //   node names, graph order, joined by \x01 \x03
 //   op types, first appearance order, joined by \x01 \x03
 //   consumed names (an input's source; first appearance order; may name no
@@ -450,17 +453,23 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
     }
     edge_pair[e] = id;
   }
+  // (shared pairs pay only when many edges share one: else the NPUIDX4
+  // layout, a reader and a position per edge; BERT-like graphs have ~0.9
+  // pairs per edge, where the indirection cost more than it saved)
+  const bool shared = pair_reader.size() * 4 <= ne * 3;
 
   out->clear();
   out->reserve(static_cast<size_t>(n) * 48 + ns * 48 + (4 * n + 2 * ne + ns) * 4 + 64);
-  out->append("NPUIDX5\x02");
+  out->append(shared ? "NPUIDX5\x02" : "NPUIDX4\x02");
   out->append(std::to_string(n));
   out->push_back('\x02');
   out->push_back(cycle ? '1' : '0');
   out->push_back('\x02');
   out->append(std::to_string(ns));
-  out->push_back('\x02');
-  out->append(std::to_string(pair_reader.size()));
+  if (shared) {
+    out->push_back('\x02');
+    out->append(std::to_string(pair_reader.size()));
+  }
   out->push_back('\x03');
   for (int32_t i = 0; i < n; ++i) {
     if (i) out->push_back('\x01');
@@ -472,9 +481,14 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
   AppendInt32s(op_count, out);
   AppendInt32s(src_count, out);
   AppendInt32s(members, out);
-  AppendInt32s(pair_reader, out);
-  AppendInt32s(pair_pos, out);
-  AppendInt32s(edge_pair, out);
+  if (shared) {
+    AppendInt32s(pair_reader, out);
+    AppendInt32s(pair_pos, out);
+    AppendInt32s(edge_pair, out);
+  } else {
+    AppendInt32s(readers, out);
+    AppendInt32s(positions, out);
+  }
   AppendInt32s(order, out);
   AppendInt32s(classes, out);
   return true;

@@ -25,7 +25,10 @@ def test_shared_pairs_index_equals_python(k2, name):
     bridge.register()
     gd, _ = _build(name, k2)
     blob = bridge.graph_index(gd)
-    assert blob is not None and blob.startswith(b"NPUIDX5")
+    # (shared pairs only where they pay: a quarter of the edges or more share one)
+    assert blob is not None and blob[:7] in (b"NPUIDX4", b"NPUIDX5")
+    if name == "keras_resnet50_training":
+        assert blob.startswith(b"NPUIDX5")
     fast, ref = Graph(gd, index=blob), Graph(gd)
     assert fast.prebuilt_index and not ref.prebuilt_index
     assert _consumers(fast) == _consumers(ref)
@@ -33,11 +36,15 @@ def test_shared_pairs_index_equals_python(k2, name):
     # one object per distinct pair, as many as the index's table says
     entries = [p for v in fast._consumers.values() for p in v]  # noqa: SLF001
     distinct = {p for p in entries}
-    assert len({id(p) for p in entries}) == len(distinct)
-    assert int(blob.split(b"\x03", 1)[0].split(b"\x02")[4]) == len(distinct)
+    if blob.startswith(b"NPUIDX5"):
+        assert len({id(p) for p in entries}) == len(distinct)
+        assert int(blob.split(b"\x03", 1)[0].split(b"\x02")[4]) == len(distinct)
+        assert 4 * len(distinct) <= 3 * len(entries)
+    else:
+        assert 4 * len(distinct) > 3 * len(entries)
     # (a reader's control inputs from several sources: one shared tuple)
     ctrl = [p for p in entries if p[1] == -1]
-    if len(ctrl) > len({p for p in ctrl}):
+    if blob.startswith(b"NPUIDX5") and len(ctrl) > len({p for p in ctrl}):
         assert len({id(p) for p in ctrl}) < len(ctrl)
 
 
