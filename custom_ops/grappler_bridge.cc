@@ -30,6 +30,11 @@
 // built here in one pass over the GraphDef grappler already holds, instead of
 // per edge in Python (graph_passes.graph.Graph(index=...)).
 //
+// OpDef pre-check (issue 17m): before Python returns a patch, it may call
+// NpuAmpItemOpdefPrecheck(sink, patch) to learn in C++ whether the changed
+// nodes and their edges satisfy their OpDefs (opdef_precheck.cc); the Python
+// guard (graph_passes/opdef_check.py) runs only when that is not certain.
+//
 // Work skipped before Python is called (counted, see NpuAmpSkipCount):
 //   * a graph this optimizer already rewrote: its output carries the attr
 //     kDoneAttr (a hash of parameters, fetch, preserve and devices) on the
@@ -89,6 +94,7 @@
 #include "tensorflow/core/lib/strings/proto_serialization.h"
 #include "tensorflow/core/platform/errors.h"
 #include "tensorflow/core/protobuf/rewriter_config.pb.h"
+#include "opdef_precheck.h"
 
 #define NPU_AMP_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -121,6 +127,12 @@ struct Sink {
   std::string shapes;
   bool has_shapes = false;
   std::string index;
+  // the patch the OpDef pre-check parsed (NpuAmpItemOpdefPrecheck): reused
+  // by AssemblePatch when the patch written is the same
+  tensorflow::GraphDef checked;
+  std::string checked_bytes;
+  std::vector<int32_t> checked_order;
+  bool has_checked = false;
 };
 
 // ---- shapes -----------------------------------------------------------------
@@ -171,17 +183,26 @@ bool InferShapesText(const tensorflow::grappler::GrapplerItem& item, std::string
 // ResNet-50 training graph has 63k edges).  Format (decoded by
 // Graph._adopt_index): four ASCII sections ended by '\x03', then int32 arrays
 // (native byte order):
-//   "NPUIDX4" \x02 <node count n> \x02 <1 if a cycle outside loops else 0>
-//             \x02 <count of consumed names s> \x03
+//   "NPUIDX5" \x02 <node count n> \x02 <1 if a cycle outside loops else 0>
+//             \x02 <count of consumed names s> \x02 <count of pairs t> \x03
+//   (or, when fewer than a quarter of the edges share a pair, "NPUIDX4"
+//   without <t>, and the two pair arrays and the E indices below replaced by
+//   int32[E] readers and int32[E] positions, one per edge)
 //   node names, graph order, joined by \x01 \x03
 //   op types, first appearance order, joined by \x01 \x03
 //   consumed names (an input's source; first appearance order; may name no
 //   node: a dangling input), joined by \x01 \x03
 //   int32[ops] nodes per op type;  int32[s] edges per consumed name
 //   int32[n]  node indices grouped by op type (section order)
-//   int32[E]  reader node index of each edge, grouped by source (section order,
-//             then graph order and input order, as Graph.reindex appends them)
-//   int32[E]  its input position (-1: a control edge)
+//   int32[t]  reader node index of each distinct (reader, input position)
+//             pair, in the order the edges below first name them
+//   int32[t]  its input position (-1: a control edge)
+//   int32[E]  per edge, grouped by source (section order, then graph order
+//             and input order, as Graph.reindex appends them), the index of
+//             its (reader, position) pair (issue 17m, NPUIDX5: a data input
+//             is one edge, but a reader's control inputs from many sources
+//             share one pair; the Keras ResNet-50 training graph has 63k
+//             edges and 8.7k pairs, so Python builds 8.7k tuples, not 63k)
 //   int32[n]  the topological order (node indices)
 //   int32[n]  per node, its signature class (issue 17f): nodes of one class
 //             have the same op and the same values of the attrs its OpDef's
@@ -410,14 +431,45 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
 
   const std::vector<int32_t> classes = SignatureClasses(graph, op_of_node, op_order);
 
+  // the distinct (reader, position) pairs and each edge's pair: a data input
+  // (reader, k) is one edge; (reader, -1) is shared by its control inputs
+  std::vector<int32_t> pair_reader, pair_pos, edge_pair(ne);
+  std::vector<int32_t> ctrl_pair(n, -1);
+  pair_reader.reserve(ne);
+  pair_pos.reserve(ne);
+  for (size_t e = 0; e < ne; ++e) {
+    int32_t id;
+    if (positions[e] < 0) {
+      id = ctrl_pair[readers[e]];
+      if (id < 0) {
+        id = ctrl_pair[readers[e]] = static_cast<int32_t>(pair_reader.size());
+        pair_reader.push_back(readers[e]);
+        pair_pos.push_back(-1);
+      }
+    } else {
+      id = static_cast<int32_t>(pair_reader.size());
+      pair_reader.push_back(readers[e]);
+      pair_pos.push_back(positions[e]);
+    }
+    edge_pair[e] = id;
+  }
+  // (shared pairs pay only when many edges share one: else the NPUIDX4
+  // layout, a reader and a position per edge; BERT-like graphs have ~0.9
+  // pairs per edge, where the indirection cost more than it saved)
+  const bool shared = pair_reader.size() * 4 <= ne * 3;
+
   out->clear();
   out->reserve(static_cast<size_t>(n) * 48 + ns * 48 + (4 * n + 2 * ne + ns) * 4 + 64);
-  out->append("NPUIDX4\x02");
+  out->append(shared ? "NPUIDX5\x02" : "NPUIDX4\x02");
   out->append(std::to_string(n));
   out->push_back('\x02');
   out->push_back(cycle ? '1' : '0');
   out->push_back('\x02');
   out->append(std::to_string(ns));
+  if (shared) {
+    out->push_back('\x02');
+    out->append(std::to_string(pair_reader.size()));
+  }
   out->push_back('\x03');
   for (int32_t i = 0; i < n; ++i) {
     if (i) out->push_back('\x01');
@@ -429,8 +481,14 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
   AppendInt32s(op_count, out);
   AppendInt32s(src_count, out);
   AppendInt32s(members, out);
-  AppendInt32s(readers, out);
-  AppendInt32s(positions, out);
+  if (shared) {
+    AppendInt32s(pair_reader, out);
+    AppendInt32s(pair_pos, out);
+    AppendInt32s(edge_pair, out);
+  } else {
+    AppendInt32s(readers, out);
+    AppendInt32s(positions, out);
+  }
   AppendInt32s(order, out);
   AppendInt32s(classes, out);
   return true;
@@ -529,13 +587,10 @@ bool HasNoFloat(const tensorflow::GraphDef& graph) {
 // graph_passes.graph.Graph.serialize()'s bytes: the nodes the pipeline left
 // alone are the item's own (copied here, not serialized in Python and parsed
 // again).  False (message in *error) when the patch does not fit `base`.
-bool AssemblePatch(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
-                   const std::string& patch_bytes, tensorflow::GraphDef* out, std::string* error) {
-  tensorflow::GraphDef patch;
-  if (!patch.ParseFromString(patch_bytes)) {
-    *error = "the patch does not parse as a GraphDef";
-    return false;
-  }
+// (`patch` parsed already; its nodes are moved into *out)
+bool AssembleParsedPatch(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
+                         tensorflow::GraphDef& patch, tensorflow::GraphDef* out,
+                         std::string* error) {
   out->Clear();
   out->mutable_node()->Reserve(static_cast<int>(order.size()));
   int next = 0;
@@ -592,6 +647,16 @@ bool AssemblePatch(const tensorflow::GraphDef& base, const std::vector<int32_t>&
     }
   }
   return true;
+}
+
+bool AssemblePatch(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
+                   const std::string& patch_bytes, tensorflow::GraphDef* out, std::string* error) {
+  tensorflow::GraphDef patch;
+  if (!patch.ParseFromString(patch_bytes)) {
+    *error = "the patch does not parse as a GraphDef";
+    return false;
+  }
+  return AssembleParsedPatch(base, order, patch, out, error);
 }
 
 std::string JoinLines(const std::vector<std::string>& items) {
@@ -741,6 +806,33 @@ NPU_AMP_EXPORT int NpuAmpGraphIndex(const char* graph, size_t graph_len, const c
   *data = buf.data();
   *len = buf.size();
   return 0;
+}
+
+// The OpDef guard's pre-check (issue 17m, opdef_precheck.cc) on the graph
+// the callback is about to hand back as a patch of the item (order / data as
+// for NpuAmpWritePatch; only valid inside the callback): 0 clean (the Python
+// guard need not run), 1 flagged, 2 cannot tell.  `broken`: the known-broken
+// kernel table, `device`: the default device type (see OpdefPrecheck).  The
+// parsed patch is kept: NpuAmpWritePatch with the same bytes reuses it.
+NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, size_t n,
+                                           const char* data, size_t len, const char* broken,
+                                           size_t broken_len, const char* device) {
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || s->item == nullptr) return npu_amp_tf::kPrecheckUnable;
+  s->has_checked = false;
+  s->checked.Clear();
+  if (!s->checked.ParseFromArray(data, static_cast<int>(len))) return npu_amp_tf::kPrecheckUnable;
+  s->checked_order.assign(order, order + n);
+  s->checked_bytes.assign(data, len);
+  s->has_checked = true;
+  std::vector<const tensorflow::NodeDef*> nodes;
+  std::vector<char> changed;
+  if (!npu_amp_tf::PatchNodes(s->item->graph, s->checked_order, s->checked, &nodes, &changed)) {
+    return npu_amp_tf::kPrecheckUnable;
+  }
+  return npu_amp_tf::OpdefPrecheck(nodes, changed, s->checked.library(),
+                                   std::string_view(broken, broken_len),
+                                   std::string_view(device ? device : "CPU"));
 }
 
 // Kahn's topological order over integer arrays (issue 17f), the rule of
@@ -905,7 +997,13 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     }
     if (sink.has_patch) {
       std::string why;
-      if (!AssemblePatch(item.graph, sink.patch_order, sink.patch, optimized_graph, &why)) {
+      // (the patch the OpDef pre-check parsed, when it is the one written)
+      const bool checked = sink.has_checked && sink.checked_order == sink.patch_order &&
+                           sink.checked_bytes == sink.patch;
+      if (!(checked ? AssembleParsedPatch(item.graph, sink.patch_order, sink.checked,
+                                          optimized_graph, &why)
+                    : AssemblePatch(item.graph, sink.patch_order, sink.patch, optimized_graph,
+                                    &why))) {
         return errors::Internal("NpuAmpOptimizer: the Python bridge returned a patch that does "
                                 "not fit graph '", item.id, "': ", why);
       }

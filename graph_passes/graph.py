@@ -189,12 +189,16 @@ class Graph:
         describe ``graph_def``."""
         try:
             head, names_b, ops_b, srcs_b, binary = bytes(blob).split(b"\x03", 4)
-            magic, count, cycle, nsrc = head.split(b"\x02")
+            fields = head.split(b"\x02")
+            # (issue 17m: NPUIDX5 shares the consumers' (reader, position) tuples)
+            magic, count, cycle, nsrc, *ntab = fields
             n, ns = int(count), int(nsrc)
+            t = int(ntab[0]) if magic == b"NPUIDX5" and len(ntab) == 1 else None
             gnodes = graph_def.node
-            if magic not in (b"NPUIDX3", b"NPUIDX4") or n != len(gnodes):
+            if (magic not in (b"NPUIDX3", b"NPUIDX4", b"NPUIDX5") or n != len(gnodes)
+                    or (t is None) != (magic != b"NPUIDX5") or (ntab and t is None)):
                 return False
-            ncls = n if magic == b"NPUIDX4" else 0  # (issue 17f: signature classes)
+            ncls = n if magic != b"NPUIDX3" else 0  # (issue 17f: signature classes)
             names = names_b.decode("ascii").split("\x01") if n else []
             nodes = dict(zip(names, gnodes))
             if len(names) != n or len(nodes) != n:
@@ -214,7 +218,10 @@ class Graph:
             op_counts, src_counts = ints[:no], ints[no:no + ns]
             e = sum(src_counts)
             at = no + ns
-            if len(ints) != at + 2 * n + 2 * e + ncls or sum(op_counts) != n:
+            # the edge section: E readers and E positions, or (NPUIDX5) the t
+            # distinct (reader, position) pairs and E indices into them
+            edge_ints = 2 * e if t is None else 2 * t + e
+            if len(ints) != at + 2 * n + edge_ints + ncls or sum(op_counts) != n:
                 return False
             nget = names.__getitem__
             # (C-level loops: no Python statement per node or edge)
@@ -222,10 +229,18 @@ class Graph:
             ends = list(accumulate(op_counts))
             by_op = dict(zip(ops, map(dict.fromkeys, map(members.__getitem__,
                                                          map(slice, [0, *ends[:-1]], ends)))))
-            pairs = list(zip(map(nget, ints[at + n:at + n + e]), ints[at + n + e:at + n + 2 * e]))
+            at_e = at + n
+            if t is None:
+                pairs = list(zip(map(nget, ints[at_e:at_e + e]), ints[at_e + e:at_e + 2 * e]))
+            else:
+                # one tuple per distinct pair, shared by the edges (a reader's
+                # control edges from many sources: one (reader, -1))
+                table = list(zip(map(nget, ints[at_e:at_e + t]), ints[at_e + t:at_e + 2 * t]))
+                pairs = list(map(table.__getitem__, ints[at_e + 2 * t:at_e + 2 * t + e]))
             ends = list(accumulate(src_counts))
             cons = defaultdict(list, zip(srcs, map(pairs.__getitem__, map(slice, [0, *ends[:-1]], ends))))
-            order = list(map(nget, ints[at + n + 2 * e:at + 2 * n + 2 * e]))
+            at_o = at_e + edge_ints
+            order = list(map(nget, ints[at_o:at_o + n]))
             if len(by_op) != no or len(cons) != ns:
                 return False
         except (ValueError, IndexError, UnicodeDecodeError, TypeError):
@@ -237,7 +252,7 @@ class Graph:
         self._next_seq = n
         self._has_cycle = cycle == b"1"
         self._topo_cache = (order, bool(n) and self._has_cycle)
-        self._classes = (names, ints[at + 2 * n + 2 * e:]) if ncls else None
+        self._classes = (names, ints[at_o + n:]) if ncls else None
         self.version += 1
         return True
 

@@ -30,6 +30,12 @@ Only what changed is checked
     pass that does not (``Pass.tracks_edits = False``) makes the manager
     mark every node changed, and ``validate_graph=True`` checks every node.
 
+The clean case in C++ (issue 17m)
+    Inside grappler the pipeline first asks a C++ check of the same rules
+    over the graph it hands back (``precheck`` of :func:`new_problems`,
+    injected by the caller): only when that check cannot say "clean" do the
+    Python checks here run, to word the problems and drop the input's.
+
 Postconditions
     the graph is not modified.  :func:`new_problems` returns only the
     problems of the rewritten graph that the original graph did not have
@@ -184,13 +190,27 @@ def nodes_to_check(after: Graph, changed) -> tuple[set[str], set[str]]:
     return names, edges
 
 
-def new_problems(before, after, default_device: str = "CPU", changed=None) -> list[str]:
+def new_problems(before, after, default_device: str = "CPU", changed=None,
+                 precheck=None) -> list[str]:
     """Problems of ``after`` that ``before`` did not have (both Graph or GraphDef).
 
     ``changed``: the names of the nodes of ``after`` that may differ from
     ``before`` (``after.changed_nodes()``, ``after`` a Graph built from
     ``before``); only they and their readers are checked, with the same
-    result as the full check.  None (the default): every node."""
+    result as the full check.  None (the default): every node.
+
+    ``precheck`` (with ``changed``): a callable, ``precheck() is True`` only
+    when :func:`changed_problems` ``(after, changed, default_device)`` is
+    empty (then so is this function's answer, which is a subset of it: the
+    problems at the changed nodes and their edges, minus the input's); any
+    other answer (False: maybe a problem; None: cannot tell) runs the checks
+    here.  The caller injects it (graph_passes loads no library): inside
+    grappler, the C++ check over the patch the bridge hands back
+    (``OpdefPrecheck`` in custom_ops/opdef_precheck.cc), so that the clean
+    case costs no Python per node and a flagged one still gets these
+    messages."""
+    if changed is not None and precheck is not None and precheck() is True:
+        return []
     names = edges = None
     if changed is not None:
         if not isinstance(after, Graph):

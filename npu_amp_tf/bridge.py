@@ -133,6 +133,13 @@ def library():
                     ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
                     ctypes.POINTER(ctypes.c_size_t)]
                 lib.NpuAmpAssemblePatch.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpItemOpdefPrecheck"):  # (issue 17m; else the Python guard alone)
+                for fn, first in (("NpuAmpItemOpdefPrecheck", [ctypes.c_void_p]),
+                                  ("NpuAmpGraphOpdefPrecheck", [ctypes.c_char_p, ctypes.c_size_t])):
+                    getattr(lib, fn).argtypes = first + [
+                        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t,
+                        ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
+                    getattr(lib, fn).restype = ctypes.c_int
             if hasattr(lib, "NpuAmpKahnOrder"):  # (issue 17f; an older library: Python sorts)
                 lib.NpuAmpKahnOrder.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -352,6 +359,63 @@ def kahn_order(n, counts, readers, back):
     return out
 
 
+# ---------------------------------------------------------------------------
+# the OpDef guard's pre-check in C++ (issue 17m; custom_ops/opdef_precheck.cc)
+# ---------------------------------------------------------------------------
+def _broken_table() -> bytes:
+    """The known-broken kernels the OpDef guard refuses, as the C++ check
+    reads them: one line per entry, op, device type, dtype number and fused
+    op (empty for a whole kernel) joined by the byte 1; from
+    ``registry.BROKEN_KERNELS`` and the ``BROKEN_FUSED_OPS`` entries this TF
+    version has (built per call: a handful of entries, and tests may edit the
+    tables)."""
+    from graph_passes import registry
+
+    rows = [f"{op}\x01{dev}\x01{int(dt)}\x01" for op, dev, dt in registry.BROKEN_KERNELS]
+    rows += [f"{op}\x01{dev}\x01{int(dt)}\x01{f}" for op, dev, dt, f in registry.BROKEN_FUSED_OPS
+             if registry.fused_ops_broken(op, dev, dt, [f])]
+    return "\n".join(rows).encode()
+
+
+#: (issue 17m) ask the C++ pre-check before the Python OpDef guard; False:
+#: the Python guard alone (the reference; the same graphs and reports)
+NATIVE_OPDEF_PRECHECK = True
+
+
+def _precheck_answer(rc: int):
+    return True if rc == 0 else False if rc == 1 else None
+
+
+def item_opdef_precheck(sink, patch, device: str = "CPU"):
+    """The OpDef guard's C++ pre-check (``pipeline.optimize_serialized``'s
+    ``opdef_precheck``) of ``patch`` (a GraphPatch of the item grappler is
+    optimizing now; only inside the callback): True when the nodes it
+    changed and their edges satisfy their OpDefs (the Python guard need not
+    run), False when they may not, None when it cannot tell or the library
+    lacks the check.  The C++ side keeps the parsed patch for
+    ``NpuAmpWritePatch``."""
+    fn = getattr(_lib, "NpuAmpItemOpdefPrecheck", None) if _lib is not None else None
+    if fn is None or sink is None or not NATIVE_OPDEF_PRECHECK:
+        return None
+    order, table = patch.order, _broken_table()
+    return _precheck_answer(fn(sink, order.buffer_info()[0] if len(order) else None, len(order),
+                               patch.payload, len(patch.payload), table, len(table),
+                               (device or "CPU").encode()))
+
+
+def graph_opdef_precheck(graph_bytes: bytes, patch, device: str = "CPU"):
+    """:func:`item_opdef_precheck` offline: ``patch`` a GraphPatch of the
+    GraphDef serialized in ``graph_bytes`` (parsed again in C++)."""
+    fn = getattr(_lib, "NpuAmpGraphOpdefPrecheck", None) if _lib is not None else None
+    if fn is None or not NATIVE_OPDEF_PRECHECK:
+        return None
+    order, table = patch.order, _broken_table()
+    return _precheck_answer(fn(graph_bytes, len(graph_bytes),
+                               order.buffer_info()[0] if len(order) else None, len(order),
+                               patch.payload, len(patch.payload), table, len(table),
+                               (device or "CPU").encode()))
+
+
 #: records whose report keeps its deferred figures (and so its graphs) alive
 _LAZY_REPORTS_MAX = 16
 
@@ -393,7 +457,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
                                _split(devices), (item_id or b"").decode("utf-8", "replace"),
                                shapes=shapes, index=lambda: item_index(sink),
-                               patch=_patch_fn() is not None)
+                               patch=_patch_fn() is not None,
+                               opdef_precheck=lambda p, dev: item_opdef_precheck(sink, p, dev))
         finally:
             shapes.expire()
             _tls.active = False
@@ -518,7 +583,8 @@ def parse_options(config_bytes: bytes):
 
 
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
-           item_id: str = "graph", shapes=None, index=None, patch: bool = False):
+           item_id: str = "graph", shapes=None, index=None, patch: bool = False,
+           opdef_precheck="auto"):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
@@ -528,7 +594,9 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     ``patch``: a rewritten graph may come back as a
     :class:`graph_passes.graph.GraphPatch` of ``graph_bytes``'s graph
     (:func:`pipeline.optimize_serialized`) instead of bytes: the grappler
-    callback hands it to C++ (``NpuAmpWritePatch``)."""
+    callback hands it to C++ (``NpuAmpWritePatch``).  ``opdef_precheck``:
+    the OpDef guard's C++ pre-check of such a patch (:func:`item_opdef_precheck`),
+    see :func:`pipeline.optimize_serialized`."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -577,7 +645,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     try:
         out, report, nodes = pipeline.optimize_serialized(
             gd, options, fetches=fetches, preserve=preserve, devices=devices, graph_name=item_id,
-            shapes=shapes, index=index, patch=patch)
+            shapes=shapes, index=index, patch=patch, opdef_precheck=opdef_precheck)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)

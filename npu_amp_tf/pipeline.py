@@ -20,7 +20,7 @@ from graph_passes import manager as _manager
 from graph_passes import opdef_check as _opdef_check
 from graph_passes.errors import NpuAmpError, PassError
 from graph_passes import shapes as _shapes
-from graph_passes.graph import Graph
+from graph_passes.graph import Graph, GraphPatch
 from graph_passes.report import Report
 
 from .options import Options
@@ -109,7 +109,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 
 def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
                         devices=(), include_functions: bool = True, graph_name: str | None = None,
-                        shapes=None, index="auto", patch: bool = False):
+                        shapes=None, index="auto", patch: bool = False, opdef_precheck="auto"):
     """:func:`optimize`, with the rewritten graph as its deterministic
     serialization (what the grappler bridge hands back), written straight
     from the indexed graph (``Graph.serialize``) instead of through a copied
@@ -122,9 +122,17 @@ def optimize_serialized(graph_def, options: Options | None = None, fetches=(), p
     nodes and the positions of the others, ``Graph.serialize_patch``; the
     grappler bridge assembles it in C++ from the item it holds): when the
     node count changed, no GE dump is asked for and no pass left the graph
-    untracked."""
+    untracked.
+
+    ``opdef_precheck`` (issue 17m): for a patch, the OpDef guard's C++
+    pre-check, ``fn(patch, default_device_type)`` -> True (clean: the
+    Python guard does not run), False or None (it runs): the bridge's
+    :func:`npu_amp_tf.bridge.item_opdef_precheck` on the item grappler
+    holds.  ``"auto"``: the same check on ``graph_def``'s bytes when they
+    were given and the library is loaded; None: the Python guard alone."""
     return _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
-                     shapes, index, serialized="patch" if patch else True)
+                     shapes, index, serialized="patch" if patch else True,
+                     opdef_precheck=opdef_precheck)
 
 
 def _optimize(*args, **kwargs):
@@ -163,7 +171,7 @@ PROMOTE_SURVIVORS = True
 
 
 def _optimize_run(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
-                  shapes, index, serialized):
+                  shapes, index, serialized, opdef_precheck=None):
     options = options if options is not None else Options.from_kwargs()
     data = None
     if isinstance(graph_def, (bytes, bytearray)):
@@ -226,7 +234,9 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         # only the nodes the passes created or edited and their readers
         # (every node with validate_graph=True, or after an untracked pass)
         changed = None if options.validate_graph else graph.changed_nodes()
-        problems = _opdef_check.new_problems(graph_def, graph, ctx.default_device_type(), changed)
+        dev = ctx.default_device_type()
+        problems = _opdef_check.new_problems(graph_def, graph, dev, changed,
+                                             _precheck(opdef_precheck, out, data, dev))
         stages["opdef_check"] = cpu() - c0
         if problems:
             _opdef_failure(problems, "main graph", options, report)
@@ -312,6 +322,22 @@ def native_paint_entry():
 
     _paint_entry = paint
     return paint
+
+
+def _precheck(fn, out, data, device):
+    """The OpDef guard's C++ pre-check of ``out`` as ``opdef_check.new_problems``
+    takes it (a callable, True: clean), or None: only for a patch (its
+    changed nodes are the guard's ``changed``), with ``fn`` given or, for
+    ``"auto"``, the input's bytes at hand (offline)."""
+    if fn is None or not isinstance(out, GraphPatch):
+        return None
+    if isinstance(fn, str):
+        if fn != "auto" or data is None:
+            return None
+        from .bridge import graph_opdef_precheck
+
+        return functools.partial(graph_opdef_precheck, data, out, device)
+    return functools.partial(fn, out, device)
 
 
 def _original(graph_def, serialized):

@@ -138,13 +138,36 @@ def test_signature_classes_leave_out_edited_nodes():
     assert g.signature_classes() is None
 
 
+def _without_classes(blob, n):
+    """The same index in the format before the classes (NPUIDX3): classes
+    dropped and, from an NPUIDX5 blob (issue 17m), the shared (reader,
+    position) pairs written out per edge again."""
+    from array import array
+
+    if blob.startswith(b"NPUIDX4"):
+        return blob[:-4 * n].replace(b"NPUIDX4", b"NPUIDX3", 1)
+    head, names_b, ops_b, srcs_b, binary = blob.split(b"\x03", 4)
+    magic, count, cycle, nsrc, ntab = head.split(b"\x02")
+    assert magic == b"NPUIDX5"
+    ints = array("i")
+    ints.frombytes(binary)
+    no, ns, t = len(ops_b.split(b"\x01")), int(nsrc), int(ntab)
+    e = sum(ints[no:no + ns])
+    at = no + ns + n
+    readers, positions, ids = ints[at:at + t], ints[at + t:at + 2 * t], ints[at + 2 * t:at + 2 * t + e]
+    edges = array("i", [readers[i] for i in ids]) + array("i", [positions[i] for i in ids])
+    body = ints[:at] + edges + ints[at + 2 * t + e:at + 2 * t + e + n]
+    return b"\x03".join([b"\x02".join([b"NPUIDX3", count, cycle, nsrc]), names_b, ops_b, srcs_b,
+                         body.tobytes()])
+
+
 def test_the_index_without_classes_is_still_adopted():
     """An index in the previous format (no classes): adopted, no classes."""
     bridge.register()
     gd, _ = type_list_graph()
     blob = bridge.graph_index(gd)
     n = len(gd.node)
-    old = blob[:-4 * n].replace(b"NPUIDX4", b"NPUIDX3", 1)
+    old = _without_classes(blob, n)
     g = Graph(gd, index=old)
     assert g.prebuilt_index and g.signature_classes() is None
     assert g.topo_order() == Graph(gd).topo_order()

@@ -1,0 +1,503 @@
+// The OpDef guard's pre-check in C++ (issue 17m).
+//
+// Before the pipeline hands a rewritten graph back, graph_passes/opdef_check.py
+// checks the nodes the passes created or edited, and the data edges from them
+// into their readers, against their OpDefs (a node TF would reject, or a
+// kernel that would CHECK-fail and abort the process).  In Python that costs
+// ~10% of the grappler callback on a Keras ResNet-50 training graph, and the
+// answer is almost always "clean".  This file answers that question in C++,
+// over the graph the bridge hands back (the item's nodes plus the patch of
+// changed nodes, Graph.serialize_patch):
+//
+//   kPrecheckClean    graph_passes.opdef_check.changed_problems(after, changed,
+//                     default_device) would be empty, so the guard's
+//                     new_problems is too: the Python guard does not run;
+//   kPrecheckFlagged  it may not be: the Python guard runs and words the
+//                     problems (and drops those the input graph had);
+//   kPrecheckUnable   cannot tell (a patch that does not fit, a byte the
+//                     Python rules read differently): the Python guard runs.
+//
+// The checks mirror opdef_check.node_problems and Graph._dtype_problems rule
+// by rule, so that Flagged is answered whenever Python would find a problem
+// (a superset is harmless: Python then decides):
+//   registered ops (OpRegistry), per changed node:
+//     * an attr its OpDef lacks (names starting with '_' are allowed);
+//     * an OpDef attr without default that the node lacks;
+//     * a `type` attr that holds no type or a type outside allowed_values;
+//       a `list(type)` attr with an entry outside allowed_values or fewer
+//       entries than its minimum; an `int` attr below its minimum;
+//     * (op, device type of the node, T) listed as a broken kernel, or with
+//       a `fused_ops` entry listed as broken (the Python tables, handed over
+//       as text: registry.BROKEN_KERNELS / BROKEN_FUSED_OPS);
+//   registered ops and function calls (the library's signatures), per changed
+//   node: the number of data inputs equals its signature's, and each data
+//   input carries the dtype the signature wants (the producer's output dtype
+//   from its own attrs and OpDef defaults; DT_RESOURCE matches anything; a
+//   producer that is no node, or whose outputs are unknown, is not checked;
+//   an output port past the producer's outputs is a problem);
+//   per unchanged reader of a changed node whose arity is right: its data
+//   edges from changed nodes, the same way.
+// Python's registry.signature_of resolution is followed: a registered OpDef
+// first, then a function of the output's library, then the `_Arg` / `_Retval`
+// special case.  The graph is not modified.
+
+#include "opdef_precheck.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_def.pb.h"
+#include "tensorflow/core/framework/types.pb.h"
+
+#define NPU_AMP_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace npu_amp_tf {
+namespace {
+
+using tensorflow::AttrValue;
+using tensorflow::NodeDef;
+using tensorflow::OpDef;
+
+constexpr int kRefOffset = 100;  // DT_FLOAT_REF == DT_FLOAT + 100 (registry.REF_OFFSET)
+constexpr int64_t kMaxArgs = 1 << 20;  // a number attr beyond this: not mirrored
+
+struct AttrSpec {
+  const std::string* name;
+  int kind;  // 0 other, 1 type, 2 list(type), 3 int
+  bool has_default;
+  bool has_min;
+  int64_t min;
+  std::vector<int> allowed;  // empty: any
+};
+
+struct OpInfo {
+  const OpDef* sig = nullptr;  // the registered OpDef, or a library function's signature
+  bool registered = false;
+  std::vector<AttrSpec> attrs;
+  bool broken = false;  // the op has an entry in the broken table
+};
+
+struct BrokenEntry {
+  std::string op, device, fused;
+  int dtype;
+};
+
+std::vector<BrokenEntry> ParseBroken(std::string_view text) {
+  std::vector<BrokenEntry> out;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find('\n', at);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view line = text.substr(at, end - at);
+    at = end + 1;
+    std::string_view f[4];
+    int k = 0;
+    size_t p = 0;
+    while (k < 4) {
+      size_t q = line.find('\x01', p);
+      if (q == std::string_view::npos) q = line.size();
+      f[k++] = line.substr(p, q - p);
+      if (q >= line.size()) break;
+      p = q + 1;
+    }
+    if (k < 3 || f[0].empty()) continue;
+    BrokenEntry e;
+    e.op = std::string(f[0]);
+    e.device = std::string(f[1]);
+    e.dtype = std::atoi(std::string(f[2]).c_str());
+    if (k == 4) e.fused = std::string(f[3]);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+bool StartsWithUnderscore(const std::string& s) { return !s.empty() && s[0] == '_'; }
+
+// registry.device_type_of: the type in "/device:TYPE:N" or "/TYPE:N" at the
+// end of the device string (the regex (?:/device:|/)([A-Za-z_]+):\d+\s*$),
+// upper-cased, XLA_GPU -> GPU, XLA_CPU -> CPU; `def` without a match.  False
+// for a byte outside printable ASCII (Python's \s and \d also match others).
+bool DeviceType(std::string_view dev, std::string_view def, std::string* out) {
+  if (dev.empty()) {
+    out->assign(def.data(), def.size());
+    return true;
+  }
+  for (unsigned char c : dev) {
+    if (c < 0x20 || c >= 0x7f) return false;
+  }
+  size_t e = dev.size();
+  while (e > 0 && dev[e - 1] == ' ') --e;
+  size_t d = e;
+  while (d > 0 && dev[d - 1] >= '0' && dev[d - 1] <= '9') --d;
+  auto is_type_char = [](char c) {
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == '_';
+  };
+  bool match = d < e && d > 0 && dev[d - 1] == ':';
+  size_t t = match ? d - 1 : 0;
+  const size_t t_end = t;
+  while (match && t > 0 && is_type_char(dev[t - 1])) --t;
+  match = match && t < t_end &&
+          ((t >= 1 && dev[t - 1] == '/') || (t >= 8 && dev.substr(t - 8, 8) == "/device:"));
+  if (!match) {
+    out->assign(def.data(), def.size());
+    return true;
+  }
+  std::string type(dev.substr(t, t_end - t));
+  for (char& c : type) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (type == "GPU" || type == "XLA_GPU") {
+    *out = "GPU";
+  } else if (type == "CPU" || type == "XLA_CPU") {
+    *out = "CPU";
+  } else {
+    *out = std::move(type);
+  }
+  return true;
+}
+
+class Checker {
+ public:
+  Checker(const std::vector<const NodeDef*>& nodes, const std::vector<char>& changed,
+          const tensorflow::FunctionDefLibrary& library, std::string_view broken,
+          std::string_view default_device)
+      : nodes_(nodes), changed_(changed), default_device_(default_device),
+        broken_(ParseBroken(broken)) {
+    for (const auto& f : library.function()) {
+      lib_[f.signature().name()] = &f.signature();  // (Python's dict: the last one wins)
+    }
+    for (const auto& b : broken_) broken_ops_.insert(b.op);
+  }
+
+  int Run() {
+    const size_t n = nodes_.size();
+    if (changed_.size() != n) return kPrecheckUnable;
+    index_.reserve(n * 2);
+    for (size_t k = 0; k < n; ++k) {
+      if (!index_.emplace(nodes_[k]->name(), static_cast<int32_t>(k)).second) {
+        return kPrecheckUnable;  // duplicate names: Python checks those itself
+      }
+    }
+    out_state_.assign(n, 0);
+    out_dts_.resize(n);
+    std::vector<int> want;
+    std::vector<std::pair<int, const std::string*>> from_changed;
+    for (size_t k = 0; k < n; ++k) {
+      const NodeDef& node = *nodes_[k];
+      if (changed_[k]) {
+        const OpInfo& info = Info(node.op());
+        if (info.registered) {
+          int rc = AttrProblems(node, info);
+          if (rc != kPrecheckClean) return rc;
+        }
+        int r = Dtypes(node, info, /*outputs=*/false, &want);
+        if (r == 2) return kPrecheckUnable;
+        if (r == 1) continue;  // unknown signature: nothing to check against
+        size_t data = 0;
+        for (const auto& inp : node.input()) {
+          if (!inp.empty() && inp[0] == '^') continue;
+          ++data;
+        }
+        if (data != want.size()) return kPrecheckFlagged;
+        size_t k_data = 0;
+        for (const auto& inp : node.input()) {
+          if (!inp.empty() && inp[0] == '^') continue;
+          int rc = EdgeProblem(inp, want[k_data++]);
+          if (rc != kPrecheckClean) return rc;
+        }
+        continue;
+      }
+      // an unchanged reader: its data edges from changed nodes, when its arity is right
+      from_changed.clear();
+      int k_data = 0;
+      for (const auto& inp : node.input()) {
+        if (!inp.empty() && inp[0] == '^') continue;
+        int32_t src;
+        int64_t port;
+        int rc = Parse(inp, &src, &port);
+        if (rc != kPrecheckClean) return rc;
+        if (src >= 0 && changed_[src]) from_changed.emplace_back(k_data, &inp);
+        ++k_data;
+      }
+      if (from_changed.empty()) continue;
+      const OpInfo& info = Info(node.op());
+      int r = Dtypes(node, info, /*outputs=*/false, &want);
+      if (r == 2) return kPrecheckUnable;
+      if (r == 1 || static_cast<size_t>(k_data) != want.size()) continue;
+      for (const auto& e : from_changed) {
+        int rc = EdgeProblem(*e.second, want[e.first]);
+        if (rc != kPrecheckClean) return rc;
+      }
+    }
+    return kPrecheckClean;
+  }
+
+ private:
+  const OpInfo& Info(const std::string& op) {
+    auto it = infos_.find(op);
+    if (it != infos_.end()) return it->second;
+    OpInfo info;
+    const OpDef* od = nullptr;
+    if (tensorflow::OpRegistry::Global()->LookUpOpDef(op, &od).ok() && od != nullptr) {
+      info.sig = od;
+      info.registered = true;
+      for (const auto& a : od->attr()) {
+        AttrSpec s;
+        s.name = &a.name();
+        s.kind = a.type() == "type" ? 1 : a.type() == "list(type)" ? 2 : a.type() == "int" ? 3 : 0;
+        s.has_default = a.has_default_value();
+        s.has_min = a.has_minimum();
+        s.min = a.minimum();
+        if (s.kind == 1 || s.kind == 2) {
+          for (int t : a.allowed_values().list().type()) s.allowed.push_back(t);
+        }
+        info.attrs.push_back(std::move(s));
+      }
+      info.broken = broken_ops_.count(op) > 0;
+    } else {
+      auto lit = lib_.find(op);
+      if (lit != lib_.end()) info.sig = lit->second;
+    }
+    return infos_.emplace(op, std::move(info)).first->second;
+  }
+
+  // opdef_check.node_problems for a registered op
+  int AttrProblems(const NodeDef& node, const OpInfo& info) {
+    const auto& attrs = node.attr();
+    for (const auto& kv : attrs) {
+      if (StartsWithUnderscore(kv.first)) continue;
+      bool known = false;
+      for (const auto& s : info.attrs) {
+        if (*s.name == kv.first) {
+          known = true;
+          break;
+        }
+      }
+      if (!known) return kPrecheckFlagged;
+    }
+    for (const auto& s : info.attrs) {
+      auto it = attrs.find(*s.name);
+      if (it == attrs.end()) {
+        if (!s.has_default) return kPrecheckFlagged;
+        continue;
+      }
+      const AttrValue& v = it->second;
+      auto allowed = [&s](int t) {
+        return s.allowed.empty() || std::find(s.allowed.begin(), s.allowed.end(), t) != s.allowed.end();
+      };
+      if (s.kind == 1) {
+        if (v.value_case() != AttrValue::kType || !allowed(v.type())) return kPrecheckFlagged;
+      } else if (s.kind == 2) {
+        for (int t : v.list().type()) {
+          if (!allowed(t)) return kPrecheckFlagged;
+        }
+        if (s.has_min && v.list().type_size() < s.min) return kPrecheckFlagged;
+      } else if (s.kind == 3) {
+        if (s.has_min && v.value_case() == AttrValue::kI && v.i() < s.min) return kPrecheckFlagged;
+      }
+    }
+    if (!info.broken) return kPrecheckClean;
+    auto t = attrs.find("T");
+    if (t == attrs.end() || t->second.value_case() != AttrValue::kType) return kPrecheckClean;
+    std::string dev;
+    if (!DeviceType(node.device(), default_device_, &dev)) return kPrecheckUnable;
+    const int dt = t->second.type();
+    auto fused = attrs.find("fused_ops");
+    for (const auto& b : broken_) {
+      if (b.op != node.op() || b.device != dev || b.dtype != dt) continue;
+      if (b.fused.empty()) return kPrecheckFlagged;
+      if (fused == attrs.end()) continue;
+      for (const auto& f : fused->second.list().s()) {
+        if (f == b.fused) return kPrecheckFlagged;
+      }
+    }
+    return kPrecheckClean;
+  }
+
+  // registry._defaults: the node's attr, else its signature's default
+  static const AttrValue* AttrOrDefault(const NodeDef& node, const OpDef& od,
+                                        const std::string& name) {
+    auto it = node.attr().find(name);
+    if (it != node.attr().end()) return &it->second;
+    for (const auto& a : od.attr()) {
+      if (a.name() == name && a.has_default_value()) return &a.default_value();
+    }
+    return nullptr;
+  }
+
+  // registry.input_dtypes / output_dtypes: 0 known (in *out), 1 unknown (None),
+  // 2 not mirrored (a number attr too large)
+  static int Dtypes(const NodeDef& node, const OpInfo& info, bool outputs, std::vector<int>* out) {
+    out->clear();
+    if (info.sig == nullptr) {
+      // an unregistered op that is no function: registry's _Arg / _Retval case
+      auto t = node.attr().find("T");
+      const bool has_t = t != node.attr().end();
+      if (node.op() == "_Arg") {
+        if (outputs && !has_t) return 1;
+        if (outputs) out->push_back(t->second.type());
+        return 0;
+      }
+      if (node.op() == "_Retval") {
+        if (!outputs && !has_t) return 1;
+        if (!outputs) out->push_back(t->second.type());
+        return 0;
+      }
+      return 1;
+    }
+    const OpDef& od = *info.sig;
+    for (const auto& arg : outputs ? od.output_arg() : od.input_arg()) {
+      if (!arg.type_list_attr().empty()) {
+        const AttrValue* a = AttrOrDefault(node, od, arg.type_list_attr());
+        if (a == nullptr) return 1;
+        for (int t : a->list().type()) out->push_back(t);
+        continue;
+      }
+      int dt;
+      if (!arg.type_attr().empty()) {
+        const AttrValue* a = AttrOrDefault(node, od, arg.type_attr());
+        if (a == nullptr) return 1;
+        dt = a->type();
+      } else {
+        dt = arg.type();
+      }
+      if (arg.is_ref()) dt += kRefOffset;
+      if (!arg.number_attr().empty()) {
+        const AttrValue* a = AttrOrDefault(node, od, arg.number_attr());
+        if (a == nullptr) return 1;
+        const int64_t k = a->i();
+        if (k > kMaxArgs) return 2;
+        for (int64_t j = 0; j < k; ++j) out->push_back(dt);
+      } else {
+        out->push_back(dt);
+      }
+    }
+    return 0;
+  }
+
+  // graph.parse_tensor on a data input: the producer's index (-1: no node)
+  // and port; kPrecheckUnable for a port Python might read differently
+  int Parse(const std::string& ref, int32_t* src, int64_t* port) {
+    std::string_view name(ref);
+    *port = 0;
+    const size_t colon = name.rfind(':');
+    if (colon != std::string_view::npos && colon + 1 < name.size()) {
+      bool digits = true;
+      int64_t p = 0;
+      for (size_t j = colon + 1; j < name.size(); ++j) {
+        const unsigned char c = static_cast<unsigned char>(name[j]);
+        if (c >= 0x80) return kPrecheckUnable;  // str.isdigit() accepts non-ASCII digits
+        if (c < '0' || c > '9') {
+          digits = false;
+          break;
+        }
+        p = p > (int64_t{1} << 40) ? p : p * 10 + (c - '0');  // (saturates: past any output)
+      }
+      if (digits) {
+        *port = p;
+        name = name.substr(0, colon);
+      }
+    }
+    auto it = index_.find(name);
+    *src = it == index_.end() ? -1 : it->second;
+    return kPrecheckClean;
+  }
+
+  // Graph._edge_problem: does data input `ref` carry `want`?
+  int EdgeProblem(const std::string& ref, int want) {
+    int32_t src;
+    int64_t port;
+    int rc = Parse(ref, &src, &port);
+    if (rc != kPrecheckClean || src < 0) return rc;
+    if (out_state_[src] == 0) {
+      const NodeDef& p = *nodes_[src];
+      int r = Dtypes(p, Info(p.op()), /*outputs=*/true, &out_dts_[src]);
+      if (r == 2) return kPrecheckUnable;
+      if (r == 1) out_dts_[src].clear();  // (Python: output_dtypes(...) or ())
+      out_state_[src] = 1;
+    }
+    const std::vector<int>& dts = out_dts_[src];
+    if (port >= static_cast<int64_t>(dts.size())) {
+      return dts.empty() ? kPrecheckClean : kPrecheckFlagged;
+    }
+    auto base = [](int dt) { return dt > kRefOffset ? dt - kRefOffset : dt; };
+    const int have = base(dts[port]), w = base(want);
+    if (have != w && have != tensorflow::DT_RESOURCE && w != tensorflow::DT_RESOURCE) {
+      return kPrecheckFlagged;
+    }
+    return kPrecheckClean;
+  }
+
+  const std::vector<const NodeDef*>& nodes_;
+  const std::vector<char>& changed_;
+  std::string_view default_device_;
+  std::vector<BrokenEntry> broken_;
+  std::unordered_set<std::string> broken_ops_;
+  std::unordered_map<std::string, const OpDef*> lib_;
+  std::unordered_map<std::string, OpInfo> infos_;
+  std::unordered_map<std::string_view, int32_t> index_;
+  std::vector<char> out_state_;
+  std::vector<std::vector<int>> out_dts_;
+};
+
+}  // namespace
+
+bool PatchNodes(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
+                const tensorflow::GraphDef& patch, std::vector<const NodeDef*>* nodes,
+                std::vector<char>* changed) {
+  nodes->clear();
+  changed->clear();
+  nodes->reserve(order.size());
+  changed->reserve(order.size());
+  int next = 0;
+  const int n_base = base.node_size();
+  for (const int32_t k : order) {
+    if (k >= 0) {
+      if (k >= n_base) return false;
+      nodes->push_back(&base.node(k));
+      changed->push_back(0);
+    } else {
+      if (next >= patch.node_size()) return false;
+      nodes->push_back(&patch.node(next++));
+      changed->push_back(1);
+    }
+  }
+  return next == patch.node_size();
+}
+
+int OpdefPrecheck(const std::vector<const NodeDef*>& nodes, const std::vector<char>& changed,
+                  const tensorflow::FunctionDefLibrary& library, std::string_view broken,
+                  std::string_view default_device) {
+  Checker checker(nodes, changed, library, broken, default_device);
+  return checker.Run();
+}
+
+}  // namespace npu_amp_tf
+
+// The pre-check offline (rewrite_graph with a patch; tests): `graph` the
+// serialized input GraphDef, order / patch as for NpuAmpAssemblePatch,
+// `broken` and `device` as for OpdefPrecheck.  Returns kPrecheck*.
+NPU_AMP_EXPORT int NpuAmpGraphOpdefPrecheck(const char* graph, size_t graph_len,
+                                            const int32_t* order, size_t n, const char* patch,
+                                            size_t patch_len, const char* broken,
+                                            size_t broken_len, const char* device) {
+  tensorflow::GraphDef base, delta;
+  if (!base.ParseFromArray(graph, static_cast<int>(graph_len)) ||
+      !delta.ParseFromArray(patch, static_cast<int>(patch_len))) {
+    return npu_amp_tf::kPrecheckUnable;
+  }
+  std::vector<const tensorflow::NodeDef*> nodes;
+  std::vector<char> changed;
+  if (!npu_amp_tf::PatchNodes(base, std::vector<int32_t>(order, order + n), delta, &nodes,
+                              &changed)) {
+    return npu_amp_tf::kPrecheckUnable;
+  }
+  return npu_amp_tf::OpdefPrecheck(nodes, changed, delta.library(),
+                                   std::string_view(broken, broken_len),
+                                   std::string_view(device ? device : "CPU"));
+}
