@@ -108,15 +108,18 @@ def test_summary_skips_failed_process():
 
 
 def test_processes_same_start_and_loss_in_every_process(tmp_path):
-    """Two fresh processes per Keras model (session and train_on_batch): the initial
-    weights' digest and each configuration's per-step losses are the same in both
-    processes (before the fix, Keras' initializers took their seeds from Python's random:
-    another start per process), fp32_again repeats FP32 exactly, fp32_w0bf16 starts
-    elsewhere (its first loss differs).  (FP32 configurations only: the test is about the
-    start; ours' own rewrite is tested elsewhere, and each configuration costs a build.)"""
+    """Two fresh processes of the Keras ``train_on_batch`` model (the one whose FP32 loss
+    moved 8.6% between runs, docs/benchmarks.md 18i): the initial weights' digest and each
+    configuration's per-step losses are the same in both processes (before the fix, Keras'
+    initializers took their seeds from Python's random: another start per process),
+    fp32_again repeats FP32 exactly, fp32_w0bf16 starts elsewhere (its first loss differs).
+    (FP32 configurations only: the test is about the start; ours' own rewrite is tested
+    elsewhere.  The TF1-session Keras model is seeded the same way (``K.utils.set_random_seed(1)``
+    before the build) and is left out to keep the suite's time: each process and configuration costs a
+    ResNet-50 build.)"""
     out = tmp_path / "r.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "end_to_end.py"), "--processes", "2",
-           "--models", "keras_fit,keras_resnet50", "--configs", "fp32,fp32_again,fp32_w0bf16",
+           "--models", "keras_fit", "--configs", "fp32,fp32_again,fp32_w0bf16",
            "--batch", "2", "--size", "32", "--classes", "10", "--warmup", "1", "--rounds", "1",
            "--steps", "2", "--data", "teacher", "--loss-window", "3", "--json", str(out)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
@@ -124,8 +127,8 @@ def test_processes_same_start_and_loss_in_every_process(tmp_path):
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert len(got["processes"]) == 4 and all(r["rc"] == 0 for r in got["processes"])
-    for model in ("keras_fit", "keras_resnet50"):
+    assert len(got["processes"]) == 2 and all(r["rc"] == 0 for r in got["processes"])
+    for model in ("keras_fit",):
         runs = [r for r in got["processes"] if r["model"] == model]
         digests = {line for r in runs for line in r["stdout"].splitlines() if "initial weights" in line}
         assert len(digests) == 1, digests
