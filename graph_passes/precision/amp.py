@@ -1050,15 +1050,20 @@ class PrecisionPass(Pass):
     def _fix_edges(self, shapes):
         g = self.g
         self._cast_cache = {}
-        check = set(self.touched)
-        for name in self.touched:
-            check.update(c for c, idx in g.consumers(name) if idx >= 0)
         mism = self._mismatch
+        touched = self.touched
         if mism is not None:
             # (issue 17n: the native painting listed the nodes with a float input of
-            # another float dtype; the steps since only remove such mismatches)
-            visit = sorted(check & mism, key=g._seq.__getitem__)
+            # another float dtype; the steps since only remove such mismatches.  Of
+            # those, the ones checked below: touched, or reading a touched node)
+            nodes = g.nodes
+            visit = [n for n in sorted(mism, key=g._seq.__getitem__)
+                     if n in touched or any(parse_tensor(i)[0] in touched
+                                            for i in nodes[n].input if i[:1] != "^")]
         else:
+            check = set(touched)
+            for name in touched:
+                check.update(c for c, idx in g.consumers(name) if idx >= 0)
             visit = [n for n in g.nodes if n in check]
         for name in visit:  # graph order: deterministic
             node = g.nodes[name]
