@@ -19,7 +19,12 @@ Postconditions (when :func:`paint` returns a count): the pass's nodes,
 report's warnings are what the three Python loops leave, in the same order.
 
 What crosses (``ints``, int32, length-prefixed sections after a header
-``[version 1, n nodes, k classes, low dtype]``):
+``[version 2, n nodes, k classes, low dtype]``; back: ``OUT_WIDTH`` ints per
+node, the decision codes (see custom_ops/precision_paint.cc ``enum Out``),
+then (format 2, issue 17n) whether a float data input has another float
+dtype than the node wants after the loops (``_fix_edges`` visits only
+those) and, per Const, the bit mask of the dtypes its output-0 readers want
+or -1 (``_convert_consts``)):
 
 * the topological order (node indices; nodes are numbered in graph order);
 * per node its class (below) and flags: 1 fetched/preserved (and painted
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 from array import array
 from itertools import compress, repeat
-from operator import and_, attrgetter, contains, getitem, is_
+from operator import attrgetter, contains, getitem, is_
 
 import numpy as np
 from tensorflow.core.framework import node_def_pb2
@@ -298,8 +303,9 @@ def _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs,
     if plan.keep_names or plan.low_names:
         fix.update(compress(range(n), pmask))
     else:
-        fix.update(compress(range(n), map(and_, pmask, map(contains, map(_attr, nodes),
-                                                           repeat(_planner.KEEP_DTYPE_ATTR)))))
+        sel = list(compress(range(n), pmask))  # (the attr read of the paintable nodes only)
+        fix.update(compress(sel, map(contains, map(_attr, map(nodes.__getitem__, sel)),
+                                     repeat(_planner.KEEP_DTYPE_ATTR))))
     forced = bool(plan.low_names)
     for i in sorted(fix):
         node = nodes[i]
