@@ -21,6 +21,7 @@
 //       the constants the Python loops would ask are ever checked)
 //   NpuAmpPaintClose(h)
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -35,7 +36,7 @@ constexpr int32_t kF32 = 1;
 constexpr int32_t kBf16 = 14;
 constexpr int32_t kHalf = 19;
 constexpr int32_t kRefOffset = 100;
-constexpr int32_t kVersion = 1;
+constexpr int32_t kVersion = 2;
 
 inline int32_t Base(int32_t dt) { return dt > kRefOffset ? dt - kRefOffset : dt; }
 inline bool IsFloat(int32_t dt) { return dt == kF32 || dt == kHalf || dt == kBf16; }
@@ -58,10 +59,11 @@ constexpr int32_t kStNone = 0, kStLow = 1, kStF32 = 2, kStHard = 3, kStNeutral =
 constexpr int32_t kRProt = 1, kRKeep = 2, kRForced = 3, kRWhite = 4, kRBlack = 5,
                   kRNeutral = 6, kRVoteLow = 7, kRVoteF32 = 8;
 // output record
-constexpr int kOutWidth = 16;
+constexpr int kOutWidth = 18;
 enum Out {
   kODecided = 0, kOTarget, kOState, kOBase, kOVoter, kORefuse, kORefuseConst, kOF32Fail,
-  kODemoted, kODemoteF32, kODemoteLow, kOFollowed, kOGo, kOStay, kOContested, kOLst
+  kODemoted, kODemoteF32, kODemoteLow, kOFollowed, kOGo, kOStay, kOContested, kOLst,
+  kOMismatch, kOConstWants
 };
 
 struct Ref {
@@ -468,6 +470,65 @@ struct Painter {
       rec[kOStay] = stay;
     }
   }
+
+  // (issue 17n) after the loops: a node with a float data input whose dtype
+  // differs from the float dtype the node wants there (amp.py _fix_edges'
+  // test, over the dtypes the loops leave).  The steps between the loops and
+  // _fix_edges (_adapt_casts, _convert_consts) only re-type a Cast or a
+  // Const to what its readers want or its producer gives, so they remove
+  // mismatches and never add one: _fix_edges need visit only these nodes.
+  void Mismatches() {
+    for (int32_t i = 0; i < n; ++i) {
+      const Csr& in = Ins(i);
+      const int32_t len = in.Len(cls[i]);
+      if (len <= 0) continue;
+      const int32_t* want = in.At(cls[i]);
+      const auto& ins = inputs[i];
+      const int32_t m = std::min<int32_t>(len, static_cast<int32_t>(ins.size()));
+      for (int32_t k = 0; k < m; ++k) {
+        const Ref& r = ins[k];
+        if (r.ctrl) continue;
+        const int32_t w = Base(want[k]);
+        if (!IsFloat(w)) continue;
+        const int32_t have = TensorDtype(r);
+        if (have < 0) continue;
+        const int32_t h = Base(have);
+        if (IsFloat(h) && h != w) {
+          Rec(i)[kOMismatch] = 1;
+          break;
+        }
+      }
+    }
+  }
+
+  // (issue 17n) per Const, the base dtypes its data readers of output 0
+  // want, after the loops (amp.py _consumer_wants, for _convert_consts): a
+  // bit mask of dtypes, or -1 when Python must ask itself (a reader whose
+  // input dtypes are unknown or shorter, a Cast reader: _adapt_casts may
+  // re-type its SrcT before _convert_consts, a dtype past bit 30)
+  void ConstWants() {
+    for (int32_t i = 0; i < n; ++i) {
+      if (kind[cls[i]] != kKindConst) continue;
+      int64_t m = 0;
+      for (int32_t e = cons_start[i]; e < cons_start[i + 1]; ++e) {
+        if (cons_port[e] != 0) continue;
+        const int32_t c = cons_node[e];
+        const Csr& in = Ins(c);
+        const int32_t len = in.Len(cls[c]);
+        if (kind[cls[c]] == kKindCast || len < 0 || cons_idx[e] >= len) {
+          m = -1;
+          break;
+        }
+        const int32_t dt = Base(in.At(cls[c])[cons_idx[e]]);
+        if (dt < 0 || dt > 30) {
+          m = -1;
+          break;
+        }
+        m |= int64_t{1} << dt;
+      }
+      Rec(i)[kOConstWants] = static_cast<int32_t>(m);
+    }
+  }
 };
 
 // ------------------------------------------------------------------ parsing
@@ -707,6 +768,8 @@ NPU_AMP_PAINT_EXPORT int64_t NpuAmpPaintRun(void* h, const int32_t* answered, in
   pt->Paint();
   pt->Demote();
   pt->Follow();
+  pt->Mismatches();
+  pt->ConstWants();
   std::memcpy(out, buf.data(), buf.size() * sizeof(int32_t));
   pt->out = nullptr;
   const int64_t k = static_cast<int64_t>(pt->asked.size());

@@ -295,6 +295,32 @@ def test_through_grappler(k2, monkeypatch, name):
     assert reps[0] == reps[1]
 
 
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])
+def test_per_node_build_equals_batched(k2, monkeypatch, name):
+    """Issue 17n: ``PrecisionPass.native_batch = False`` (17l's per-node
+    array build, the memos asked per node, every checked node visited by
+    ``_fix_edges``) gives the graph and report of the batched build; the
+    batched run lists the nodes ``_fix_edges`` visits (the native result's
+    mismatch column), fewer than the nodes it checks."""
+    gd, fetches = _graph(name, k2)
+    seen = {}
+    orig = amp.PrecisionPass._fix_edges
+
+    def fix_edges(self, shapes):
+        seen[self.native_batch] = self._mismatch
+        return orig(self, shapes)
+
+    monkeypatch.setattr(amp.PrecisionPass, "_fix_edges", fix_edges)
+    res = []
+    for batch in (True, False):
+        monkeypatch.setattr(amp.PrecisionPass, "native_batch", batch)
+        res.append(_rewrite(monkeypatch, gd, fetches, MODES["fp16"], True, []))
+    assert seen[False] is None and seen[True], seen.get(True)
+    assert res[0][0] == res[1][0], "the batched build rewrote the graph differently"
+    assert json.dumps(_strip_times(res[0][1]), default=str) == json.dumps(_strip_times(res[1][1]), default=str)
+    assert res[0][1]["summary"]["casts_inserted"] > 0
+
+
 def test_without_entry_point_python_paints(monkeypatch):
     """No entry point on the context (a library without it, or the engine
     used alone): the Python loops run and the report says so."""
@@ -310,10 +336,11 @@ def test_non_mix_modes_paint_in_python(monkeypatch):
     assert rep.summary["precision_paint"] == "python"
 
 
-@pytest.mark.parametrize("fault", ["state", "voter", "demote"])
+@pytest.mark.parametrize("fault", ["state", "voter", "demote", "mismatch"])
 def test_a_planted_fault_is_caught(monkeypatch, fault):
     """The comparison has teeth: a native result with one decision changed
-    (a state, a voter, a demotion dropped) differs from the reference."""
+    (a state, a voter, a demotion dropped, the edges to fix not listed)
+    differs from the reference."""
     real = pipeline.native_paint_entry()
 
     def planted(strings, ints, n_out, check):
@@ -329,6 +356,9 @@ def test_a_planted_fault_is_caught(monkeypatch, fault):
                 break
             if fault == "demote" and out[b + native_mod.O_DEMOTED]:
                 out[b + native_mod.O_DEMOTED] = 0
+                break
+            if fault == "mismatch" and out[b + native_mod.O_MISMATCH]:
+                out[b + native_mod.O_MISMATCH] = 0
                 break
         else:
             raise RuntimeError(f"nothing to plant a {fault} fault on")

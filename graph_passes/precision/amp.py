@@ -83,6 +83,8 @@ from . import native as _native
 from . import stats as _stats
 from .planner import MODES, canonical_mode, plan_for  # noqa: F401  (re-exported)
 
+from tensorflow.core.framework.node_def_pb2 import NodeDef as _NodeDef  # noqa: E402
+
 FP32 = registry.DT_FLOAT
 FLOATS = registry.FLOAT_TYPES
 
@@ -175,6 +177,13 @@ class PrecisionPass(Pass):
     #: reference; the same graph and report, tests/test_precision_native.py).
     #: The report's ``precision_paint`` says which ran ("native" / "python")
     native_paint = True
+    #: (issue 17n) the native path's Python work batched: the arrays built
+    #: with a Python statement per class, per distinct (class, device) and
+    #: per node that needs one instead of per node, the dtype/fact memos of
+    #: the re-typed nodes filled per (class, re-typings) instead of asked of
+    #: the registry per node.  False runs 17l's per-node build (the A/B
+    #: reference; both give the Python loops' graph and report)
+    native_batch = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -204,6 +213,15 @@ class PrecisionPass(Pass):
         self._dev_types = {}  # device string -> device type
         self._kernel_cache = {}
         self._unsafe_cache = {}
+        #: (issue 17n, native painting with native_batch) the nodes with a
+        #: float input of another float dtype than they want after painting
+        #: (custom_ops/precision_paint.cc): the only ones _fix_edges visits
+        self._mismatch = None
+        #: (the same) (name -> node index, per node index the bit mask of the
+        #: dtypes a Const's readers want, -1: unknown) for _convert_consts
+        self._const_wants = None
+        #: (the same) the painted nodes in the low dtype after painting (_finish)
+        self._painted_low = None
         self.casts_inserted = 0
         self.copy_reads = 0
         self._contested = set()  # painted low although an FP32 producer voted against
@@ -984,6 +1002,7 @@ class PrecisionPass(Pass):
         fast = self.fast_paths
         cls = self._cls
         float_cls = {}  # (fast path) signature class of Consts -> holds a float
+        cw = self._const_wants
         for name in (g.nodes_of_type("Const") if fast else list(g.nodes)):
             node = g.nodes[name]
             if fast:  # (the same tests, the cheap one first: most constants are ints)
@@ -1003,10 +1022,20 @@ class PrecisionPass(Pass):
             cur = node.attr["dtype"].type
             if cur not in FLOATS:
                 continue
-            wants = self._consumer_wants(name)
-            if not wants or len(wants) != 1:
-                continue
-            w = wants.pop()
+            m = -1
+            if cw is not None:  # (issue 17n: from the native painting, where it could tell)
+                i = cw[0].get(name)
+                if i is not None:
+                    m = cw[1][i]
+            if m >= 0:
+                if not m or m & (m - 1):  # (no reader, or readers wanting two dtypes)
+                    continue
+                w = m.bit_length() - 1
+            else:
+                wants = self._consumer_wants(name)
+                if not wants or len(wants) != 1:
+                    continue
+                w = wants.pop()
             if w not in FLOATS or w == cur:
                 continue
             if w != FP32 and self.unsafe_const(node, w):
@@ -1021,10 +1050,22 @@ class PrecisionPass(Pass):
     def _fix_edges(self, shapes):
         g = self.g
         self._cast_cache = {}
-        check = set(self.touched)
-        for name in self.touched:
-            check.update(c for c, idx in g.consumers(name) if idx >= 0)
-        for name in [n for n in g.nodes if n in check]:  # graph order: deterministic
+        mism = self._mismatch
+        touched = self.touched
+        if mism is not None:
+            # (issue 17n: the native painting listed the nodes with a float input of
+            # another float dtype; the steps since only remove such mismatches.  Of
+            # those, the ones checked below: touched, or reading a touched node)
+            nodes = g.nodes
+            visit = [n for n in sorted(mism, key=g._seq.__getitem__)
+                     if n in touched or any(parse_tensor(i)[0] in touched
+                                            for i in nodes[n].input if i[:1] != "^")]
+        else:
+            check = set(touched)
+            for name in touched:
+                check.update(c for c, idx in g.consumers(name) if idx >= 0)
+            visit = [n for n in g.nodes if n in check]
+        for name in visit:  # graph order: deterministic
             node = g.nodes[name]
             want = self.in_dtypes(node)
             if want is None:
@@ -1254,7 +1295,13 @@ class PrecisionPass(Pass):
         # (fast path: the nodes _paint decided are those counted here; the
         # nodes added since are Casts and variable reads, fixed)
         painted = self._painted
-        for name, node in g.nodes.items():
+        lows = self._painted_low
+        if painted is not None and lows is not None:
+            # (issue 17n: the native painting kept which painted nodes it left low;
+            # nothing re-types a painted node between it and here)
+            float_nodes, low_nodes = len(painted), len(lows)
+            matrix = [(g.nodes[n], n in lows) for n in g.nodes_of_type(_stats.MATRIX_OPS) if n in painted]
+        for name, node in (() if lows is not None and painted is not None else g.nodes.items()):
             if painted is not None:
                 if name not in painted:
                     continue
@@ -1328,9 +1375,7 @@ class _Snapshot:
         if saved is not None and name not in saved:
             node = self._graph.nodes.get(name)
             if node is not None:
-                from tensorflow.core.framework import node_def_pb2
-
-                copy = saved[name] = node_def_pb2.NodeDef()
+                copy = saved[name] = _NodeDef()
                 copy.CopyFrom(node)
 
     def graph_def(self):

@@ -19,7 +19,12 @@ Postconditions (when :func:`paint` returns a count): the pass's nodes,
 report's warnings are what the three Python loops leave, in the same order.
 
 What crosses (``ints``, int32, length-prefixed sections after a header
-``[version 1, n nodes, k classes, low dtype]``):
+``[version 2, n nodes, k classes, low dtype]``; back: ``OUT_WIDTH`` ints per
+node, the decision codes (see custom_ops/precision_paint.cc ``enum Out``),
+then (format 2, issue 17n) whether a float data input has another float
+dtype than the node wants after the loops (``_fix_edges`` visits only
+those) and, per Const, the bit mask of the dtypes its output-0 readers want
+or -1 (``_convert_consts``)):
 
 * the topological order (node indices; nodes are numbered in graph order);
 * per node its class (below) and flags: 1 fetched/preserved (and painted
@@ -43,18 +48,21 @@ for an op of unknown signature) joined by ``\\x01``, nodes joined by
 from __future__ import annotations
 
 from array import array
-from operator import attrgetter, getitem
+from itertools import compress, repeat
+from operator import attrgetter, contains, getitem, is_
 
 import numpy as np
 from tensorflow.core.framework import node_def_pb2
 
 from .. import registry
 from . import lists as _lists
+from . import planner as _planner
 
-VERSION = 1
-OUT_WIDTH = 16
+VERSION = 2
+OUT_WIDTH = 18
 (O_DECIDED, O_TARGET, O_STATE, O_BASE, O_VOTER, O_REFUSE, O_REFUSE_CONST, O_F32FAIL, O_DEMOTED,
- O_DEMOTE_F32, O_DEMOTE_LOW, O_FOLLOWED, O_GO, O_STAY, O_CONTESTED, O_LST) = range(OUT_WIDTH)
+ O_DEMOTE_F32, O_DEMOTE_LOW, O_FOLLOWED, O_GO, O_STAY, O_CONTESTED, O_LST,
+ O_MISMATCH, O_CONST_WANTS) = range(OUT_WIDTH)
 F_PROT_PAINT, F_PROT, F_KEEP, F_FORCED, F_KLOW, F_KF32 = 1, 2, 4, 8, 16, 32
 _LST_CODE = {"white": 1, "black": 2, "gray": 3, "clear": 4}
 _LST_NAME = {1: "white", 2: "black", 3: "gray", 4: "clear", 5: "fixed", 6: "protected",
@@ -65,6 +73,7 @@ MIX_MODES = ("allow_mix_precision", "allow_mix_precision_bf16")
 _op = attrgetter("op")
 _input = attrgetter("input")
 _device = attrgetter("device")
+_attr = attrgetter("attr")
 
 
 def _kind(op, amp):
@@ -98,6 +107,7 @@ def paint(pp, order, fn):
     from . import amp
 
     g = pp.g
+    batched = pp.native_batch
     names = list(g.nodes)
     nodes = list(g.nodes.values())
     n = len(names)
@@ -108,7 +118,13 @@ def paint(pp, order, fn):
     cls = pp._cls
     keys = list(map(cls.get, names)) if cls else [None] * n
     cond = amp.COND_OPS
-    for i, k in enumerate(keys):  # (a Python statement per node; the rest is C-level)
+    if batched:  # (17n: a Python statement only per node without a class or of a cond op)
+        special = sorted(set(compress(range(n), map(is_, keys, repeat(None))))
+                         | set(compress(range(n), map(cond.__contains__, ops))))
+    else:
+        special = range(n)
+    for i in special:  # (a Python statement per node; the rest is C-level)
+        k = keys[i]
         if k is None or ops[i] in cond:
             node = nodes[i]
             k0 = k if k is not None else pp._key(node)
@@ -162,40 +178,11 @@ def paint(pp, order, fn):
     # per node flags: kernels (per class and device string, or per node for
     # fused ops and ops whose kernel check reads attrs outside the class),
     # keep_dtype, low_precision_nodes, fetched/preserved
-    flags = array("i", bytes(4 * n))
-    plan = pp.plan
-    forced = bool(plan.low_names)
-    kern = {}
     devs = list(map(_device, nodes))
-    per_node_kernel = {}
-    for i in range(n):
-        c = cid[i]
-        if not paintable[c]:
-            continue
-        node = nodes[i]
-        info = infos[c]
-        f = F_KEEP if plan.is_keep(node) else 0
-        if forced and plan.is_forced_low(names[i]):
-            f |= F_FORCED
-        pn = per_node_kernel.get(c)
-        if pn is None:
-            od = registry.op_def(node.op)
-            pn = od is None or any(a.name == "fused_ops" for a in od.attr)
-            if not pn:
-                pp.kernel_ok(node, info, low)  # fills _other_types
-                ent = pp._other_types.get((node.op, info.attrs))
-                pn = ent is None or not ent[1]
-            per_node_kernel[c] = pn
-        kk = None if pn else (c, devs[i])
-        bits = kern.get(kk) if kk is not None else None
-        if bits is None:
-            bits = F_KLOW if pp.kernel_ok(node, info, low) else 0
-            cur = rec[5 * c + 2]
-            if cur == registry.DT_FLOAT or pp.kernel_ok(node, info, registry.DT_FLOAT):
-                bits |= F_KF32
-            if kk is not None:
-                kern[kk] = bits
-        flags[i] = f | bits
+    if batched:
+        flags = _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs, low)
+    else:
+        flags = _flags_per_node(pp, n, nodes, names, cid, paintable, infos, rec, devs, low)
     stateful = _lists.STATEFUL_PAINTABLE
     for name in pp.protected:
         i = idx.get(name)
@@ -227,6 +214,111 @@ def paint(pp, order, fn):
     if out is None:
         return None
     return _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec)
+
+
+def _flags_per_node(pp, n, nodes, names, cid, paintable, infos, rec, devs, low):
+    """Per node flags, one Python statement per paintable node (17l; the
+    reference of :func:`_flags_batched`)."""
+    flags = array("i", bytes(4 * n))
+    plan = pp.plan
+    forced = bool(plan.low_names)
+    kern = {}
+    per_node_kernel = {}
+    for i in range(n):
+        c = cid[i]
+        if not paintable[c]:
+            continue
+        node = nodes[i]
+        info = infos[c]
+        f = F_KEEP if plan.is_keep(node) else 0
+        if forced and plan.is_forced_low(names[i]):
+            f |= F_FORCED
+        pn = per_node_kernel.get(c)
+        if pn is None:
+            od = registry.op_def(node.op)
+            pn = od is None or any(a.name == "fused_ops" for a in od.attr)
+            if not pn:
+                pp.kernel_ok(node, info, low)  # fills _other_types
+                ent = pp._other_types.get((node.op, info.attrs))
+                pn = ent is None or not ent[1]
+            per_node_kernel[c] = pn
+        kk = None if pn else (c, devs[i])
+        bits = kern.get(kk) if kk is not None else None
+        if bits is None:
+            bits = F_KLOW if pp.kernel_ok(node, info, low) else 0
+            cur = rec[5 * c + 2]
+            if cur == registry.DT_FLOAT or pp.kernel_ok(node, info, registry.DT_FLOAT):
+                bits |= F_KF32
+            if kk is not None:
+                kern[kk] = bits
+        flags[i] = f | bits
+    return flags
+
+
+def _per_node_kernel(pp, node, info, low):
+    """True when the kernel check of ``node``'s class depends on more than
+    the class and the device string (fused ops; ops whose check reads type
+    attrs the class does not fix)."""
+    od = registry.op_def(node.op)
+    pn = od is None or any(a.name == "fused_ops" for a in od.attr)
+    if not pn:
+        pp.kernel_ok(node, info, low)  # fills _other_types
+        ent = pp._other_types.get((node.op, info.attrs))
+        pn = ent is None or not ent[1]
+    return pn
+
+
+def _kernel_bits(pp, node, info, low, cur):
+    bits = F_KLOW if pp.kernel_ok(node, info, low) else 0
+    if cur == registry.DT_FLOAT or pp.kernel_ok(node, info, registry.DT_FLOAT):
+        bits |= F_KF32
+    return bits
+
+
+def _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs, low):
+    """The flags of :func:`_flags_per_node` (issue 17n) with a Python
+    statement per paintable class, per distinct (class, device string) and
+    per node that needs one (fused ops, a ``_keep_dtype`` attr, name
+    overrides); the per-node work is C-level maps."""
+    plan = pp.plan
+    pmask = list(map(paintable.__getitem__, cid))
+    pairs = list(zip(cid, devs))
+    per_node = set()
+    bits_of = {}
+    for c in compress(range(len(paintable)), paintable):
+        if _per_node_kernel(pp, nodes[first[c]], infos[c], low):
+            per_node.add(c)
+    # one node per distinct (class, device string): every node of a class
+    # that is not per_node gets the same answers (the class fixes the
+    # attrs the check reads, and the device type follows the string)
+    reps = dict(zip(compress(pairs, pmask), compress(range(n), pmask)))
+    for pair, i in reps.items():
+        c = pair[0]
+        if c not in per_node:
+            bits_of[pair] = _kernel_bits(pp, nodes[i], infos[c], low, rec[5 * c + 2])
+    flags = array("i", map(bits_of.get, pairs, repeat(0)))
+    fix = set()
+    if per_node:
+        fix.update(compress(range(n), map(per_node.__contains__, cid)))
+    if plan.keep_names or plan.low_names:
+        fix.update(compress(range(n), pmask))
+    else:
+        sel = list(compress(range(n), pmask))  # (the attr read of the paintable nodes only)
+        fix.update(compress(sel, map(contains, map(_attr, map(nodes.__getitem__, sel)),
+                                     repeat(_planner.KEEP_DTYPE_ATTR))))
+    forced = bool(plan.low_names)
+    for i in sorted(fix):
+        node = nodes[i]
+        c = cid[i]
+        f = F_KEEP if plan.is_keep(node) else 0
+        if forced and plan.is_forced_low(names[i]):
+            f |= F_FORCED
+        if c in per_node:
+            f |= _kernel_bits(pp, node, infos[c], low, rec[5 * c + 2])
+        else:
+            f |= flags[i]
+        flags[i] = f
+    return flags
 
 
 #: (float32 value, dtype) -> amp._why_unsafe of that one value (process-wide)
@@ -274,6 +366,9 @@ def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
     changed = 0
     demoted, followed = [], []
     warn = pp.ctx.warn
+    paths = {} if pp.native_batch else None  # node -> the dtypes it was re-typed to, in order
+    low_now = set() if paths is not None else None
+    low_types = registry.LOW_TYPES
     for name in order:
         i = idx[name]
         b = i * W
@@ -329,10 +424,14 @@ def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
             warn(reason, node=name)
         if out[b + O_CONTESTED]:
             pp._contested.add(name)
+        if low_now is not None and target in low_types:
+            low_now.add(name)
         if target != cur:
             pp._retype(node, info.attrs, target)
             changed += 1
             touched.add(name)
+            if paths is not None:
+                paths[i] = (target,)
         state[name] = st
         decisions[name] = {"reason": reason, "state": st, "list": lst, "dtype": dname(target),
                            "was": dname(cur)}
@@ -346,6 +445,9 @@ def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
         name, node = names[i], nodes[i]
         pp._retype(node, infos[cid[i]].attrs, registry.DT_FLOAT)
         touched.add(name)
+        if paths is not None:
+            paths[i] = paths.get(i, ()) + (registry.DT_FLOAT,)
+            low_now.discard(name)
         state[name] = "f32"
         d = decisions[name]
         if d.get("was") == "float32":
@@ -358,13 +460,50 @@ def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
         name, node = names[i], nodes[i]
         pp._retype(node, infos[cid[i]].attrs, pp.low)
         touched.add(name)
+        if paths is not None:
+            paths[i] = paths.get(i, ()) + (pp.low,)
+            low_now.add(name)
         state[name] = "low"
         changed += 1
         d = decisions[name]
         d.update(state="low", dtype=low_name,
                  reason=d["reason"] + f"; low before its fan-out: {out[b + O_GO]} cast(s) instead of "
                                       f"{out[b + O_STAY]}")
+    if paths:
+        _refill_memos(pp, paths, names, nodes, cid, infos)
+    if paths is not None:
+        # (issue 17n) the nodes with a float input of another float dtype than
+        # they want, after the loops: the only ones _fix_edges need visit
+        col = np.frombuffer(out, dtype=np.int32)[O_MISMATCH::W]
+        pp._mismatch = set(map(names.__getitem__, np.flatnonzero(col).tolist()))
+        # per Const the dtypes its readers want (a bit mask; -1: ask Python)
+        pp._const_wants = (idx, np.frombuffer(out, dtype=np.int32)[O_CONST_WANTS::W].tolist())
+        if painted is not None:  # (what _finish counts: the painted nodes now in the low dtype)
+            pp._painted_low = low_now
     return changed
+
+
+def _refill_memos(pp, paths, names, nodes, cid, infos):
+    """(issue 17n) The per-node memos ``_retype`` dropped, filled again:
+    nodes of one signature class re-typed by the same sequence of dtypes
+    end with equal signatures, so their dtypes are asked of the registry
+    once per (class, sequence) instead of once per node (``_memo_dts``
+    after its ``signature_key``), and their facts (``info``: a float attr
+    stays float) are the class's."""
+    g = pp.g
+    dts, info_memo = pp._dts, pp._info
+    facts = {}
+    for i, path in paths.items():
+        node = nodes[i]
+        c = cid[i]
+        key = (c, path)
+        f = facts.get(key)
+        if f is None:
+            ins, outs = g.input_dtypes(node), g.output_dtypes(node)
+            f = facts[key] = (None if ins is None else tuple(ins), None if outs is None else tuple(outs))
+        name = names[i]
+        dts[name] = (node, f[0], f[1])
+        info_memo[name] = (node.op, infos[c])
 
 
 def _fail(name):
