@@ -64,6 +64,8 @@ class Captured:
         self.devices = tuple(ctx.devices)
         self.callback_cpu_s = None
         self.nodes = 0
+        #: the graph the fusion pass left inside grappler (a replay must give the same bytes)
+        self.output = None
 
     def make(self):
         """A fresh (Graph, PassContext) as the callback builds them: the C++
@@ -97,9 +99,13 @@ def capture(name, graph, fetches) -> Captured:
     orig = _fp.FusionPass.run
 
     def run(self, g, ctx):
-        if "cap" not in box:
+        first = "cap" not in box
+        if first:
             box["cap"] = Captured(name, g.serialize(), ctx)
-        return orig(self, g, ctx)
+        stats = orig(self, g, ctx)
+        if first:
+            box["cap"].output = g.serialize()
+        return stats
 
     _fp.FusionPass.run = run
     try:
@@ -259,7 +265,9 @@ def main(argv=None):
         print(f"\n== {label} training graph, fusion pass input {cap.nodes} nodes")
         print(f"  fusion pass thread CPU: min {min(times) * 1e3:.1f} ms of {args.rounds} runs "
               f"(inside grappler, the capturing run: {cb})")
-        res = {"graph": name, "nodes": cap.nodes, "fusion_s": min(times)}
+        same = run_once(cap)[1].serialize() == cap.output
+        print(f"  replayed output {'identical to' if same else 'DIFFERS from'} the pass's output inside grappler")
+        res = {"graph": name, "nodes": cap.nodes, "fusion_s": min(times), "replay_identical": same}
         if args.breakdown:
             breakdown(cap, args.rounds)
         res["ab"] = [ab(cap, p, args.rounds) for p in args.ab]
