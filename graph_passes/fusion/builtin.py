@@ -204,6 +204,9 @@ def _emit_fused(m, b, act: str, extra_attrs=None, side: str | None = None):
     attrs.update(extra_attrs or {})
     data = b.graph.data_inputs(mm)
     if "rs" not in m.nodes:
+        # (the anchor's name, one output, no inner reader outside the match: nothing
+        # but the kernels can refuse it after this point)
+        b.stop_if_kernel_missing()
         b.emit(fused, m.anchor, [data[0], data[1]] + args, attrs)
         return
     b.require(side is None, "a side input after a tensordot Reshape is not fused")
@@ -213,6 +216,7 @@ def _emit_fused(m, b, act: str, extra_attrs=None, side: str | None = None):
     s2, s3 = b.shape(mm.name), b.shape(rs.name)
     b.require(s2 is not None and s3 is not None and len(s2) == 2 and s2[-1] > 0 and s3[-1] == s2[-1],
               f"the Reshape of '{mm.name}' ({s2} -> {s3}) does not keep the last dim")
+    b.stop_if_kernel_missing()
     b.emit(fused, mm.name, [data[0], data[1], bias], attrs)
     b.emit("Reshape", m.anchor, [mm.name, m["rs_shape"]],
            {"T": ("type", dt), "Tshape": rs.attr["Tshape"]})

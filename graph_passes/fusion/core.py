@@ -239,6 +239,26 @@ class Skip(Exception):
     """Raised by a build function (or :meth:`Builder.require`) to skip a match with a reason."""
 
 
+#: (issue 17o) :meth:`Builder.stop_if_kernel_missing`: a build that required a
+#: kernel (``require_kernel``) may stop before it emits when that kernel is
+#: missing, with the skip and report warning the framework's kernel check gives
+#: after the emission (on BERT-12 in FP16 every ``bias`` / ``bias_add`` match:
+#: no FP16 CPU ``_FusedMatMul``).  False: the reference, the build always runs
+#: to the end.  The graph is the same either way (the match is skipped); the
+#: reason differs only when an emitted node would have had a problem of its
+#: own as well (the reference lists that first): tests/test_fusion_early_kernel.py
+EARLY_KERNEL_MISS = True
+
+
+class KernelMissing(Skip):
+    """A required kernel is missing (:meth:`Builder.stop_if_kernel_missing`):
+    reported like :func:`_kernel_problems`' refusal, with its warning."""
+
+    def __init__(self, problems):
+        super().__init__("; ".join(problems))
+        self.problems = list(problems)
+
+
 class Builder:
     """What a build function may do: read the match and graph, declare new nodes."""
 
@@ -294,6 +314,28 @@ class Builder:
 
     def require_kernel(self, op: str, type_attrs: dict, why: str = ""):
         self.requirements.append((op, dict(type_attrs), why))
+
+    def stop_if_kernel_missing(self):
+        """Before the build's first emission: raise :class:`KernelMissing` when a
+        kernel required so far is missing (in the form :func:`_select_forms`
+        would choose), with the text :func:`_kernel_problems` gives it.  Call it
+        only where nothing the framework checks before the kernels (emitted
+        names, the anchor's ports, readers of removed nodes) can refuse the
+        match, so that skipping the emission changes no outcome.  A no-op with
+        :data:`EARLY_KERNEL_MISS` False, once something was emitted, or when the
+        kernels are there."""
+        if not EARLY_KERNEL_MISS or self.emitted or not self.requirements:
+            return
+        dev = self.device_type()
+        problems = []
+        for op, ta, why in self.requirements:
+            dt = ta.get("T")
+            form = registry.fused_form(op, dev, dt) if dt is not None else None
+            p = _requirement_problem(form[0] if form is not None else op, ta, why, dev)
+            if p is not None:
+                problems.append(p)
+        if problems:
+            raise KernelMissing(problems)
 
     def absorb(self, names, escapes_ok: bool = False):
         """Add nodes that a build function matched by itself (beyond the Pat
@@ -478,19 +520,26 @@ def _kernel_problems(b: Builder) -> list[str]:
                 if why:
                     out.append(f"emitted node '{n.name}': {why}")
     for op, ta, why in checks:
-        if registry.op_def(op) is None:
-            out.append(f"{why}: op {op} is not registered (custom-op library not loaded?)")
-        elif not registry.has_kernel(op, dev, ta):
-            shown = {k: registry.dtype_name(v) for k, v in ta.items()}
-            broken = [registry.BROKEN_KERNELS[(op, dev, v)] for v in ta.values()
-                      if (op, dev, v) in registry.BROKEN_KERNELS]
-            if broken:
-                out.append(f"{why}: {op} with {shown} on {dev} is known-broken ({broken[0]})")
-            elif not registry.opdef_allows(op, ta):
-                out.append(f"{why}: the OpDef of {op} does not allow {shown}")
-            else:
-                out.append(f"{why}: no {dev} kernel for {op} with {shown}")
+        p = _requirement_problem(op, ta, why, dev)
+        if p is not None:
+            out.append(p)
     return out
+
+
+def _requirement_problem(op: str, ta: dict, why: str, dev: str) -> str | None:
+    """Why op ``op`` with type attrs ``ta`` cannot run on ``dev``, or None."""
+    if registry.op_def(op) is None:
+        return f"{why}: op {op} is not registered (custom-op library not loaded?)"
+    if registry.has_kernel(op, dev, ta):
+        return None
+    shown = {k: registry.dtype_name(v) for k, v in ta.items()}
+    broken = [registry.BROKEN_KERNELS[(op, dev, v)] for v in ta.values()
+              if (op, dev, v) in registry.BROKEN_KERNELS]
+    if broken:
+        return f"{why}: {op} with {shown} on {dev} is known-broken ({broken[0]})"
+    if not registry.opdef_allows(op, ta):
+        return f"{why}: the OpDef of {op} does not allow {shown}"
+    return f"{why}: no {dev} kernel for {op} with {shown}"
 
 
 _KEEP_OPS = frozenset({"Placeholder", "PlaceholderWithDefault", "_Arg", "_Retval", "NoOp",
@@ -673,6 +722,9 @@ def _plan_one(graph: Graph, rule: FusionRule, m: Match, ctx, shapes: ShapeOracle
     b = Builder(graph, m, rule, ctx, shapes)
     try:
         result = rule.build(m, b)
+    except KernelMissing as exc:  # (Builder.stop_if_kernel_missing: as the kernel check below)
+        reason = "; ".join(exc.problems)
+        return Outcome(False, reason, warning=f"fusion rule '{rule.name}' skipped: " + reason), None
     except Skip as exc:
         return Outcome(False, str(exc)), None
     if result is False:

@@ -1,0 +1,61 @@
+"""benchmarks/fusion_pass.py (issue 17o): the fusion pass replayed on the graph it got
+inside grappler must be the pass grappler ran, or its timings and A/B mean nothing.
+
+One small BERT-like training graph (2 layers, tiny sizes) through grappler with the
+plugin alone (the benchmark's config); the replay on a fresh Graph (same bytes, same
+C++ index, same shape source) must give the bytes the pass left inside grappler, fuse
+every layer norm the builder made (one after the embeddings, two per layer: counted
+from tests/real_models.py, not from the pass), and an A/B of a reference switch must
+report both paths identical."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def captured():
+    saved = dict(os.environ)
+    try:
+        import fusion_pass as fpb  # (it and precision.py set TF environment variables)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    from real_models import bert_training_graph
+
+    g, fetches = bert_training_graph(layers=LAYERS, hidden=32, heads=2, seq=8, batch=2, vocab=50, ffn=64)
+    return fpb, fpb.capture("bert", g, fetches)
+
+
+def test_replay_is_the_pass_grappler_ran(captured):
+    fpb, cap = captured
+    assert cap.output is not None and cap.nodes > 100
+    t, graph, ctx, stats = fpb.run_once(cap)
+    assert graph.serialize() == cap.output
+    # the builder's layer norms: emb_ln, then attn_ln and out_ln per layer
+    assert stats["fused"].get("layer_norm") == 1 + 2 * LAYERS
+    assert t > 0
+
+
+def test_ab_of_a_reference_switch_reports_identity(captured, capsys):
+    fpb, cap = captured
+    from graph_passes.fusion.fusion_pass import FusionPass
+
+    res = fpb.ab(cap, "graph_passes.fusion.fusion_pass.FusionPass.skip_untouched", 1)
+    assert res["identical"] and res["on_s"] > 0 and res["off_s"] > 0
+    assert FusionPass.skip_untouched is True  # restored
+    assert "identical" in capsys.readouterr().out
+
+
+def test_breakdown_names_the_rule_that_fused(captured, capsys):
+    fpb, cap = captured
+    fpb.breakdown(cap, 1)
+    out = capsys.readouterr().out
+    assert "layer_norm #" in out and "rule runs + checks" in out
