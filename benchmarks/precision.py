@@ -260,9 +260,15 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
     # scaling check compares; its wall time counts the neighbours on a shared machine)
     res = {"graph": name, "nodes": len(gd.node), "amp_s": t_amp, "ours_s": t_ours, "off_s": t["off"],
            "callback_s": (rec or {}).get("cpu_min_s")}
-    print(f"  end to end: ours {_ms(t_ours)} vs grappler's AMP pass alone {_ms(t_amp)}: "
-          f"{_ratio(t_ours, t_amp)}x  (goal <= 1.0x: {'met' if t_ours <= t_amp else 'MISSED'}); "
-          f"OptimizeGraph with nothing on: {_ms(t['off'])}  (process CPU, differences of minima)")
+    if t_amp > 0 and t_ours > 0:
+        print(f"  end to end: ours {_ms(t_ours)} vs grappler's AMP pass alone {_ms(t_amp)}: "
+              f"{_ratio(t_ours, t_amp)}x  (goal <= 1.0x: {'met' if t_ours <= t_amp else 'MISSED'}); "
+              f"OptimizeGraph with nothing on: {_ms(t['off'])}  (process CPU, differences of minima)")
+    else:
+        # the 'nothing on' baseline (item building, ~350-450 ms) moved by more than a pass
+        print(f"  end to end by process CPU: not measurable in this run (differences of minima: ours "
+              f"{_ms(t_ours)}, grappler's AMP {_ms(t_amp)}; the 'nothing on' baseline, {_ms(t['off'])}, "
+              f"moved by more than a pass): read grappler's own log below")
     if "amp" in logged and "ours" in logged:
         la, lo = logged["amp"], logged["ours"]
         res.update(amp_logged_s=la, ours_logged_s=lo)
@@ -307,8 +313,13 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
             ("Cast nodes added", f"{c_ours}", f"{c_gr}", _ratio(c_ours, c_gr)),
             (f"activation MiB (FP32: {a0:.0f})", f"{a_ours:.0f}", f"{a_gr:.0f}", _ratio(a_ours, a_gr)),
             ("low-precision FLOP share", f"{s_ours:.2%}", f"{s_gr:.2%}", _ratio(s_ours, s_gr)),
-            ("pass time end-to-end (ms)", f"{t_ours * 1e3:.0f}", f"{t_amp * 1e3:.0f}", _ratio(t_ours, t_amp)),
         ]
+        if "amp" in logged and "ours" in logged:
+            lo, la = logged["ours"], logged["amp"]
+            rows.append(("pass time, grappler's log (ms)", f"{lo * 1e3:.0f}", f"{la * 1e3:.0f}", _ratio(lo, la)))
+        if t_amp > 0 and t_ours > 0:
+            rows.append(("pass time, process CPU (ms)", f"{t_ours * 1e3:.0f}", f"{t_amp * 1e3:.0f}",
+                         _ratio(t_ours, t_amp)))
         w = max(len(r[0]) for r in rows)
         print(f"  {'':{w}} | {'npu-amp-tf':>11} | {'grappler':>11} | ours/grappler")
         for r in rows:
