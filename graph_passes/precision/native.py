@@ -235,20 +235,11 @@ def _flags_per_node(pp, n, nodes, names, cid, paintable, infos, rec, devs, low):
             f |= F_FORCED
         pn = per_node_kernel.get(c)
         if pn is None:
-            od = registry.op_def(node.op)
-            pn = od is None or any(a.name == "fused_ops" for a in od.attr)
-            if not pn:
-                pp.kernel_ok(node, info, low)  # fills _other_types
-                ent = pp._other_types.get((node.op, info.attrs))
-                pn = ent is None or not ent[1]
-            per_node_kernel[c] = pn
+            pn = per_node_kernel[c] = _per_node_kernel(pp, node, info, low)
         kk = None if pn else (c, devs[i])
         bits = kern.get(kk) if kk is not None else None
         if bits is None:
-            bits = F_KLOW if pp.kernel_ok(node, info, low) else 0
-            cur = rec[5 * c + 2]
-            if cur == registry.DT_FLOAT or pp.kernel_ok(node, info, registry.DT_FLOAT):
-                bits |= F_KF32
+            bits = _kernel_bits(pp, node, info, low, rec[5 * c + 2])
             if kk is not None:
                 kern[kk] = bits
         flags[i] = f | bits
