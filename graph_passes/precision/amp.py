@@ -72,6 +72,7 @@ import functools
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework.node_def_pb2 import NodeDef as _NodeDef
 
 from .. import registry
 from ..errors import GraphError, OptionError
@@ -82,8 +83,6 @@ from . import lists as _lists
 from . import native as _native
 from . import stats as _stats
 from .planner import MODES, canonical_mode, plan_for  # noqa: F401  (re-exported)
-
-from tensorflow.core.framework.node_def_pb2 import NodeDef as _NodeDef  # noqa: E402
 
 FP32 = registry.DT_FLOAT
 FLOATS = registry.FLOAT_TYPES

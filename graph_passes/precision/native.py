@@ -230,9 +230,7 @@ def _flags_per_node(pp, n, nodes, names, cid, paintable, infos, rec, devs, low):
             continue
         node = nodes[i]
         info = infos[c]
-        f = F_KEEP if plan.is_keep(node) else 0
-        if forced and plan.is_forced_low(names[i]):
-            f |= F_FORCED
+        f = _plan_flags(plan, node, names[i], forced)
         pn = per_node_kernel.get(c)
         if pn is None:
             pn = per_node_kernel[c] = _per_node_kernel(pp, node, info, low)
@@ -244,6 +242,15 @@ def _flags_per_node(pp, n, nodes, names, cid, paintable, infos, rec, devs, low):
                 kern[kk] = bits
         flags[i] = f | bits
     return flags
+
+
+def _plan_flags(plan, node, name, forced):
+    """F_KEEP / F_FORCED of one paintable node from the plan (``forced``:
+    the plan names nodes to force low)."""
+    f = F_KEEP if plan.is_keep(node) else 0
+    if forced and plan.is_forced_low(name):
+        f |= F_FORCED
+    return f
 
 
 def _per_node_kernel(pp, node, info, low):
@@ -301,9 +308,7 @@ def _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs,
     for i in sorted(fix):
         node = nodes[i]
         c = cid[i]
-        f = F_KEEP if plan.is_keep(node) else 0
-        if forced and plan.is_forced_low(names[i]):
-            f |= F_FORCED
+        f = _plan_flags(plan, node, names[i], forced)
         if c in per_node:
             f |= _kernel_bits(pp, node, infos[c], low, rec[5 * c + 2])
         else:
