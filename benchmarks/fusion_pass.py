@@ -18,9 +18,10 @@ minimum over rounds (a shared machine only ever adds time).
 ``--breakdown``: per rule, thread CPU of its runs (``apply_rule``: find the
 matches, build, commit) and of the checks that let a later sweep skip it
 (``_untouched``), with the run counts; per sweep.  ``--ab PATH``: the switch at
-``PATH`` (a module attribute or a class attribute, dotted) True vs False,
-interleaved, and whether the two give byte-identical graphs, stats and report
-entries.  Times are printed, never asserted.
+``PATH`` (a module attribute or a class attribute, dotted; ``A+B`` flips
+several switches together) True vs False, interleaved, and whether the two
+give byte-identical graphs, stats and report entries (which of them differ,
+when they do).  Times are printed, never asserted.
 """
 from __future__ import annotations
 
@@ -222,27 +223,36 @@ def _resolve(path: str):
 
 def ab(cap: Captured, path: str, rounds: int):
     """Interleaved rounds of the switch True / False: min thread CPU and identity."""
-    owner, attr = _resolve(path)
-    saved = getattr(owner, attr)
+    switches = [_resolve(p) for p in path.split("+")]  # "a+b": both switches together
+    saved = [getattr(owner, attr) for owner, attr in switches]
     times = {True: [], False: []}
     outs = {}
     try:
         for r in range(rounds):
             for val in ((True, False) if r % 2 else (False, True)):
-                setattr(owner, attr, val)
+                for owner, attr in switches:
+                    setattr(owner, attr, val)
                 t, graph, ctx, stats = run_once(cap)
                 times[val].append(t)
                 out = outcome(graph, ctx, stats)
                 if outs.setdefault(val, out) != out:
                     outs[val] = None  # not even deterministic
     finally:
-        setattr(owner, attr, saved)
+        for (owner, attr), v in zip(switches, saved):
+            setattr(owner, attr, v)
     same = outs[True] is not None and outs[True] == outs[False]
     on, off = min(times[True]), min(times[False])
+    differ = ""
+    if not same:
+        if outs[True] is None or outs[False] is None:
+            differ = " (an arm is not deterministic)"
+        else:
+            parts = ("graph", "stats", "decisions", "warnings")
+            differ = " (" + ", ".join(p for p, a, b in zip(parts, outs[True], outs[False]) if a != b) + ")"
     print(f"  {path}: True {on * 1e3:.1f} ms vs False {off * 1e3:.1f} ms (min of {rounds}, interleaved): "
           f"{(off - on) * 1e3:+.1f} ms for True; graphs, stats and report "
-          f"{'identical' if same else 'DIFFER'}")
-    return {"switch": path, "on_s": on, "off_s": off, "identical": same}
+          f"{'identical' if same else 'DIFFER' + differ}")
+    return {"switch": path, "on_s": on, "off_s": off, "identical": same, "differ": differ}
 
 
 def main(argv=None):
@@ -252,7 +262,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--breakdown", action="store_true", help="per rule and per sweep thread CPU")
     ap.add_argument("--ab", action="append", default=[], metavar="SWITCH",
-                    help="dotted path of a True/False switch to A/B (may be repeated)")
+                    help="dotted path of a True/False switch to A/B (may be repeated; "
+                         "'PATH+PATH' flips several together)")
     args = ap.parse_args(argv)
     print(f"TensorFlow {tf.__version__}; load average "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs")

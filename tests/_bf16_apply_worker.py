@@ -299,6 +299,7 @@ def offline():
                                             precision_mode=mode.split(":")[0], graph_level=2, **extra)
         _emit(kind="offline_slim", mode=mode, n_apply=n_apply, fused=_fused(rep),
               reasons=sorted(set(_reasons(rep).values())),
+              off=rep.pass_stats("fusion").get("rules_off", {}).get(RULE),
               ops={k: v for k, v in Counter(n.op for n in rgd.node).items() if "Apply" in k})
     # refusals in the BF16 mode
     g = tf.Graph()

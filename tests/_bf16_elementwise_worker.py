@@ -375,7 +375,9 @@ def offline():
                                             graph_level=2, **extra)
         reasons = sorted({d.get("fusion_reason", "") for d in rep.decisions.values()
                           if d.get("fusion_skipped") in RULES})
+        off = rep.pass_stats("fusion").get("rules_off", {})
         _emit(kind="offline_keras", mode=mode, fused=_count_fused(rep), reasons=reasons,
+              off={k: off.get(k) for k in RULES},
               orig={k: orig[k] for k in ("Relu", "FusedBatchNormGradV3", "AddN", "ReluGrad")},
               ops=dict(Counter(n.op for n in rgd.node)))
     # cases the rules refuse, in the BF16 mode

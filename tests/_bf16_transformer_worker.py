@@ -220,8 +220,11 @@ def offline():
     for label, kw in (("bf16", {"precision_mode": MODE}), ("fp32", {"precision_mode": "must_keep_origin_dtype"}),
                       ("fp16", {"precision_mode": "allow_mix_precision"}),
                       ("nc1hwc0", {"precision_mode": MODE, "format_mode": "NC1HWC0"})):
-        ops, fused, refused = _rewrite(gd, fetches, **kw)
-        _emit(kind="offline_bert", mode=label, ops=ops, fused=fused, refused=refused)
+        rgd, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, graph_level=2, **kw)
+        off = {k: v for k, v in rep.pass_stats("fusion").get("rules_off", {}).items() if k in RULES}
+        _emit(kind="offline_bert", mode=label, ops=dict(Counter(n.op for n in rgd.node)),
+              fused=_fusion_counts(rep.decisions), refused=_refusals(rep), off=off,
+              softmax=sum(1 for n in gd.node if n.op == "Softmax"))
     keras_block()
     # refusals: a GELU of unknown batch size in a training graph; 0.4 in place of 0.5
     for label in ("dynamic", "not_gelu"):

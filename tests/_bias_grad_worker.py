@@ -136,6 +136,8 @@ def _offline(gd, fetches, modes=("allow_mix_precision_bf16", "must_keep_origin_d
                                 "fused": {k: fused2.get(k, 0) for k in
                                           ("bias_grad_bn_zero", "bias_grad_matmul", "strided_subsample")}}
         out[mode] = {"fused": st.get("fused", {}).get(RULE, 0), "reasons": reasons,
+                     "off": {k: v for k, v in st.get("rules_off", {}).items()
+                             if k in ("bias_grad_bn_zero", "bias_grad_matmul")},
                      "fused_zero": st.get("fused", {}).get("bias_grad_bn_zero", 0),
                      "ops": dict(Counter(n.op for n in rgd.node)),
                      "matmul_dtypes": dict(Counter(str(n.attr["T"].type) for n in rgd.node

@@ -107,6 +107,7 @@ def offline():
                               if d.get("fusion_skipped") == r}) for r in rules}
         _emit(config="offline", mode=mode, onednn=onednn_enabled(),
               fused={r: st.get("fused", {}).get(r, 0) for r in rules}, reasons=reasons,
+              off={r: st.get("rules_off", {}).get(r) for r in rules},
               ops=dict(Counter(n.op for n in gd.node)))
 
 

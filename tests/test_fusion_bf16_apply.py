@@ -88,10 +88,16 @@ def test_refused_outside_bf16_cpu_plans():
     assert bf["ops"] == {"ResourceApplyMomentum": bf["n_apply"] - bf["fused"], MIXED: bf["fused"]}
     # what stays unfused in the small Slim net is a conv bias whose gradient is a (gray) BiasAddGrad
     assert bf["reasons"] and all("(BiasAddGrad) is not a matrix op planned BF16" in r for r in bf["reasons"])
+    assert bf["off"] is None  # the rule runs in the BF16 mode
+    # outside a BF16 CPU plan the rule is decided once (core.RULE_POLICY, 17p): one entry in the fusion
+    # stats' rules_off naming the mode and the reason, with the count of update ops; no per-anchor skips
     for mode, why in (("must_keep_origin_dtype", "BF16 only"), ("allow_mix_precision", "BF16 only"),
                       ("allow_mix_precision_bf16:NC1HWC0", "NC1HWC0")):
         assert rs[mode]["fused"] == 0 and rs[mode]["ops"] == {"ResourceApplyMomentum": bf["n_apply"]}, mode
-        assert rs[mode]["reasons"] and all(why in r for r in rs[mode]["reasons"]), rs[mode]["reasons"]
+        off = rs[mode]["off"]
+        assert off is not None and why in off["reason"], (mode, off)
+        assert off["mode"] == mode.split(":")[0] and off["anchors"] == bf["n_apply"], (mode, off)
+        assert rs[mode]["reasons"] == [], rs[mode]["reasons"]
 
 
 def test_refusals_in_the_bf16_mode():

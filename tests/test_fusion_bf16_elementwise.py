@@ -151,6 +151,26 @@ def test_rules_fire_on_keras_resnet50_offline_in_bf16():
     assert ops["AddRelu"] == 16 and ops["AddNReluGrad"] == 15 and ops["BatchNormGradNHWC"] == 37
     assert ops["FusedBatchNormGradV3"] == 16 and "Relu" not in ops
     assert any("measured to pay from 1024 rows" in s for s in r["reasons"])
+    assert r["off"] == {k: None for k in RULES}  # every rule runs in the BF16 mode
+
+
+def _assert_off(r, mode, why):
+    """Outside a BF16 CPU plan each rule is decided once (core.RULE_POLICY, 17p): one rules_off entry
+    per rule naming the mode and the reason, with the count of its anchor op in the graph as the
+    rule meets it: the input graph's in FP16 (no earlier rule fuses there: no FP16 fused CPU
+    kernels); in FP32 ``bn_act`` first fuses the 33 conv -> BN -> Relu into _FusedBatchNormEx, so
+    the 16 residual joins' Relus are left for bf16_add_relu."""
+    anchors = {"bf16_add_relu": r["orig"]["Relu"], "bf16_addn_relu_grad": r["orig"]["ReluGrad"],
+               "bf16_relu_bn_grad": r["orig"]["FusedBatchNormGradV3"],
+               "bf16_bn_grad": r["orig"]["FusedBatchNormGradV3"]}
+    if mode == "must_keep_origin_dtype":
+        anchors["bf16_add_relu"] = 16
+    for k in RULES:
+        off = r["off"][k]
+        assert off is not None and why in off["reason"] and off["mode"] == mode, (k, off)
+        if k in anchors:
+            assert off["anchors"] == anchors[k], (k, off)
+    assert r["reasons"] == []  # no per-anchor skip entries
 
 
 @pytest.mark.parametrize("mode", ["must_keep_origin_dtype", "allow_mix_precision"])
@@ -158,13 +178,13 @@ def test_rules_refused_in_fp32_and_fp16_modes(mode):
     r = _offline("offline_keras", mode)
     assert r["fused"] == {k: 0 for k in RULES}
     assert all(op not in r["ops"] for op in ("AddRelu", "AddNReluGrad", "BatchNormGradNHWC"))
-    assert r["reasons"] and all("BF16 only" in s for s in r["reasons"])
+    _assert_off(r, mode, "BF16 only")
 
 
 def test_rules_refused_with_ge_5hd_layout():
     r = _offline("offline_keras", "allow_mix_precision_bf16:NC1HWC0")
     assert r["fused"] == {k: 0 for k in RULES}
-    assert r["reasons"] and all("NC1HWC0" in s for s in r["reasons"])
+    _assert_off(r, "allow_mix_precision_bf16", "NC1HWC0")
 
 
 def test_batch_none_join_fires_and_other_broadcasts_are_refused():

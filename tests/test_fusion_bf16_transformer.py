@@ -131,12 +131,18 @@ def test_offline_counts_and_refusals(offline_runs):
     assert bf16["fused"] == {"bf16_gelu": LAYERS, "bf16_attention_train": LAYERS}, bf16
     assert _erfs(bf16["ops"]) == 0 and bf16["ops"].get("Softmax", 0) == 0
     assert bf16["ops"]["GeluErf"] == bf16["ops"]["GeluErfGrad"] == LAYERS
-    for mode, why in (("fp32", "BF16 only"), ("fp16", "BF16 only"), ("nc1hwc0", "NC1HWC0")):
-        r = by[mode]
+    assert bf16["off"] == {} and bf16["softmax"] == LAYERS
+    # outside a BF16 CPU plan each rule is decided once (core.RULE_POLICY, 17p): one rules_off entry
+    # per rule (the mode, the reason, the count of its anchor op), no per-anchor skip entries
+    for label, mode, why in (("fp32", "must_keep_origin_dtype", "BF16 only"), ("fp16", "allow_mix_precision", "BF16 only"),
+                             ("nc1hwc0", "allow_mix_precision_bf16", "NC1HWC0")):
+        r = by[label]
         assert r["fused"] == {} and r["ops"].get("GeluErf", 0) == 0 and _erfs(r["ops"]) == LAYERS, r
-        reasons = list(r["refused"].values())
-        assert sorted(x[0] for x in reasons) == sorted(RULES * LAYERS), reasons
-        assert all(why in x[1] for x in reasons), reasons
+        assert r["refused"] == {}, r["refused"]
+        assert sorted(r["off"]) == sorted(RULES), r["off"]
+        for rule, off in r["off"].items():
+            assert why in off["reason"] and off["mode"] == mode, (label, rule, off)
+        assert r["off"]["bf16_attention_train"]["anchors"] == LAYERS  # its anchors: the Softmax ops
 
 
 def test_keras_transformer_block(offline_runs):

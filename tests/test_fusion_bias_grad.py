@@ -107,12 +107,21 @@ def test_rule_fires_for_bf16_only_and_reports_why_not():
     assert bf16["matmul_dtypes"] == {"14": 2}
     assert any("128 rows" in why for why in bf16["reasons"]), bf16["reasons"]
     assert any("8 rows" in why for why in bf16["reasons"]), bf16["reasons"]
+    assert bf16["off"] == {}  # both rules run in the BF16 mode
     assert fp32["fused"] == 0 and fp32["ops"]["BiasAddGrad"] == 4
-    assert any("BF16 only" in why for why in fp32["reasons"]), fp32["reasons"]
     # FP16 mode (offline only: FP16 kernels are not run here): not measured, refused
     fp16 = r["allow_mix_precision"]
     assert fp16["fused"] == 0 and fp16["ops"]["BiasAddGrad"] == 4
-    assert any("MatMul runs in float16" in why for why in fp16["reasons"]), fp16["reasons"]
+    # outside a BF16 plan (and no bfloat16 BiasAddGrad in the graph) both rules are decided once
+    # (core.RULE_POLICY, 17p): one rules_off entry each, with the mode, the reason and the 4 anchors
+    for mode, runs in (("must_keep_origin_dtype", "float32"), ("allow_mix_precision", "float16 or float32")):
+        got = r[mode]
+        assert sorted(got["off"]) == ["bias_grad_bn_zero", "bias_grad_matmul"], got["off"]
+        for rule, off in got["off"].items():
+            assert off["mode"] == mode and off["anchors"] == 4, (rule, off)
+            assert f"MatMul runs in {runs} (precision mode {mode}" in off["reason"], off
+            assert "measured faster in BF16 only" in off["reason"], off
+        assert got["reasons"] == [], got["reasons"]
 
 
 @needs_onednn

@@ -93,8 +93,13 @@ def test_rule_fires_for_bf16_only_and_reports_why_not():
     assert any("8x8 output positions" in why for why in bf16["reasons"]["filter_grad_im2col"])
     assert fp32["fused"] == {"filter_grad_1x1": 0, "filter_grad_im2col": 0}
     assert fp32["ops"]["Conv2DBackpropFilter"] == 4
-    # (a node's report keeps the last rule's reason: filter_grad_im2col runs after filter_grad_1x1)
-    assert any("BF16 only" in why for why in fp32["reasons"]["filter_grad_im2col"]), fp32["reasons"]
+    assert bf16["off"] == {"filter_grad_1x1": None, "filter_grad_im2col": None}
+    # outside a BF16 plan (no bfloat16 Conv2DBackpropFilter in the graph) each rule is decided once
+    # (core.RULE_POLICY, 17p): one rules_off entry, with the mode, the reason and the 4 anchors
+    for rule, off in fp32["off"].items():
+        assert off is not None and off["mode"] == "must_keep_origin_dtype" and off["anchors"] == 4, (rule, off)
+        assert "measured faster in BF16 only" in off["reason"], off
+    assert fp32["reasons"] == {"filter_grad_1x1": [], "filter_grad_im2col": []}, fp32["reasons"]
 
 
 def test_without_onednn_the_rule_does_not_fire():

@@ -122,7 +122,10 @@ def _build_apply_momentum(m, b):
 
 def register(reg):
     """Called from ``builtin.register`` with its registering function."""
+    from .bf16_elementwise import bf16_policy
+
     reg("bf16_apply_momentum", Pat(_APPLY_OPS), _build_apply_momentum, follows_precision=True,
+        policy=bf16_policy("ResourceApplyMomentumMixed"),
         reason="momentum update reading the BF16 gradient (no widening Cast; one pass over var, accum, "
                "grad); bit-identical to Cast + TF's FP32 update")
 

@@ -90,19 +90,37 @@ MIN_BN_ROWS = 1024
 _LOW_OK = (registry.DT_FLOAT, registry.DT_BFLOAT16)
 
 
-def _require_bf16_cpu(b, node, what):
-    """CPU, a BF16 precision plan, the op in float32 or bfloat16: returns its T."""
+def _bf16_run_problem(ctx, what):
+    """The reason no match of a BF16-only rule (one whose build starts with
+    :func:`_require_bf16_cpu`) can fuse in this run whatever the anchor
+    (``format_mode=NC1HWC0``, or no BF16 precision plan), or None."""
     from .builtin import _precision_plan
 
+    fmt = ctx.option("format_mode", "origin") if ctx is not None else "origin"
+    if str(fmt).upper() == "NC1HWC0":
+        return f"{what}: not with format_mode=NC1HWC0 (GE's 5HD emulation works on the plain GE op set)"
+    plan = _precision_plan(ctx)
+    if not (plan is not None and plan.lowers_matrix_ops and plan.low == registry.DT_BFLOAT16):
+        return f"{what}: measured to pay in BF16 only (precision mode {plan.mode if plan is not None else 'none'})"
+    return None
+
+
+def bf16_policy(what):
+    """:attr:`~.core.FusionRule.policy` of a rule whose build calls
+    :func:`_require_bf16_cpu` before anything else that could emit: its
+    ctx-wide checks, asked once per run instead of per anchor."""
+    def policy(ctx, graph):
+        return _bf16_run_problem(ctx, what)
+    policy.__qualname__ = f"bf16_policy({what!r})"
+    return policy
+
+
+def _require_bf16_cpu(b, node, what):
+    """CPU, a BF16 precision plan, the op in float32 or bfloat16: returns its T."""
     dev = b.device_type()
     b.require(dev == "CPU", f"{what}: the kernels are CPU kernels (device {dev})")
-    fmt = b.ctx.option("format_mode", "origin") if b.ctx is not None else "origin"
-    b.require(str(fmt).upper() != "NC1HWC0",
-              f"{what}: not with format_mode=NC1HWC0 (GE's 5HD emulation works on the plain GE op set)")
-    plan = _precision_plan(b.ctx)
-    b.require(plan is not None and plan.lowers_matrix_ops and plan.low == registry.DT_BFLOAT16,
-              f"{what}: measured to pay in BF16 only (precision mode "
-              f"{plan.mode if plan is not None else 'none'})")
+    problem = _bf16_run_problem(b.ctx, what)
+    b.require(problem is None, problem)
     dt = node.attr["T"].type if "T" in node.attr else None
     b.require(dt in _LOW_OK, f"{what}: {node.op} in {registry.dtype_name(dt) if dt else '?'}; "
                              "the kernels take float32 (painted BF16 later) or bfloat16")
@@ -249,28 +267,28 @@ def register(reg):
     """Called from ``builtin.register`` with its registering function."""
     reg("bf16_add_relu", Pat("Relu", inputs=[Pat(("AddV2", "Add"), name="add",
                                                  inputs=[Pat.any("a"), Pat.any("b")])]),
-        _build_add_relu, follows_precision=True, reads=1,
+        _build_add_relu, follows_precision=True, reads=1, policy=bf16_policy("AddRelu"),
         reason="BF16 residual join relu(a + b) as one vectorised pass (TF's BF16 AddV2 and Relu convert "
                "element by element): measured 1.7x faster, bit-equal")
     reg("bf16_join_grad_sum", Pat("Reshape", inputs=[Pat("Sum", name="sum", inputs=[Pat.any("g"), Pat.any("axes")]),
                                                  Pat.any("shape")]),
-        _build_join_grad_sum, follows_precision=True, reads=4,
+        _build_join_grad_sum, follows_precision=True, reads=4, policy=bf16_policy("JoinGradSum"),
         reason="gradient of a batch-None residual join's input: TF's Sum over BroadcastGradientArgs (empty at "
                "run time) and Reshape as a gray pass-through (no FP32 island around a black Sum)")
     reg("bf16_addn_relu_grad", Pat("ReluGrad", inputs=[Pat("AddN", name="addn", predicate=_addn2,
                                                            inputs=[Pat.any("a"), Pat.any("b")]),
                                                        Pat.any("f")]),
-        _build_addn_relu_grad, follows_precision=True, reads=1,
+        _build_addn_relu_grad, follows_precision=True, reads=1, policy=bf16_policy("AddNReluGrad"),
         reason="BF16 backward residual join ReluGrad(AddN(a, b)) as one vectorised pass: measured 2.4x "
                "faster, bit-equal")
     reg("bf16_relu_bn_grad", Pat("FusedBatchNormGradV3", predicate=_bn_grad_predicate),
-        _build_relu_bn_grad, follows_precision=True, reads=1,
+        _build_relu_bn_grad, follows_precision=True, reads=1, policy=bf16_policy("BatchNormGradNHWC"),
         reason="BF16 ReluGrad + training batch-norm gradient (NHWC) as one two-pass kernel: measured 1.8x "
                "faster than TF's BF16 pair")
     reg("bf16_bn_grad", Pat("FusedBatchNormGradV3", predicate=_bn_grad_predicate),
-        _build_bn_grad, follows_precision=True, reads=0,
+        _build_bn_grad, follows_precision=True, reads=0, policy=bf16_policy("BatchNormGradNHWC"),
         reason="BF16 training batch-norm gradient (NHWC) as a vectorised two-pass kernel: measured 1.5x "
                "faster than oneDNN's BF16 FusedBatchNormGradV3")
 
 
-__all__ = ["register", "MEASURED", "MIN_BN_ROWS"]
+__all__ = ["register", "MEASURED", "MIN_BN_ROWS", "bf16_policy"]

@@ -185,13 +185,14 @@ def _build_attention_train_bf16(m, b):
 
 def register(reg):
     """Called from ``builtin.register`` with its registering function (after ``bias_gelu_exact``)."""
+    from .bf16_elementwise import bf16_policy
     from .builtin import _softmax_grad_signature
 
-    reg("bf16_gelu", _pattern(), _build_gelu, follows_precision=True, escapes=True,
+    reg("bf16_gelu", _pattern(), _build_gelu, follows_precision=True, escapes=True, policy=bf16_policy("GeluErf"),
         reason="BF16 exact GELU and its gradient as one vectorised pass each (TF: 5 forward and ~12 "
                "backward BF16/FP32 ops with casts); FP32 arithmetic, one rounding")
     reg("bf16_attention_train", Pat("Softmax", predicate=_softmax_grad_signature), _build_attention_train_bf16,
-        follows_precision=True, escapes=True,
+        follows_precision=True, escapes=True, policy=bf16_policy("ScaleMaskSoftmax"),
         reason="BF16 training graph: scale + mask + softmax and their backward region (an FP32 island with "
                "casts on TF 2.15) become ScaleMaskSoftmax / ScaleMaskSoftmaxGrad in BF16 I/O, FP32 inside")
 

@@ -163,12 +163,26 @@ def _require_onednn_cpu(b, what: str):
               f"{what}: a oneDNN-only CPU fusion, not done with format_mode=NC1HWC0 (GE's op set)")
 
 
-def _emit_fused(m, b, act: str, extra_attrs=None, side: str | None = None):
-    """Emit the fused matrix op for the match (``side``: a same-shape tensor
-    added after the bias, fused as ``[BiasAdd, Add, act]`` with a second arg)."""
+#: (issue 17p) the bias family asks for the fused op's kernel in the planned
+#: dtype right after it is known (:func:`_fused_checks`), before the side
+#: input's and the bias's shape walks and the rest of the build
+#: (``Builder.stop_if_kernel_missing``; with ``core.EARLY_KERNEL_MISS``).  The
+#: graph is the same (such a match is skipped either way); a match that would
+#: also have failed a later check of the build (side-input or bias shape,
+#: tensordot Reshape) is reported with the missing kernel and its warning
+#: instead.  False (or ``core.EARLY_KERNEL_MISS`` False): the reference (the
+#: checks in their order; 17o's stop right before the emission).
+KERNEL_FIRST = True
+
+
+def _fused_checks(m, b, act: str, side: bool) -> int:
+    """The checks of :func:`_emit_fused` that need no shape: activation and
+    side input supported, data format, black-listed activation, and the
+    fused kernel in the planned dtype (a requirement).  Returns the matrix
+    op's T."""
     mm = m["mm"]
     dev = b.device_type()
-    if side is None:
+    if not side:
         ok = supported_activations(mm.op, dev)
         b.require(act in ok, f"{FUSED_OP[mm.op]} on {dev} (oneDNN {'on' if onednn_enabled() else 'off'}) "
                              f"does not support activation {act or 'none'}")
@@ -189,6 +203,31 @@ def _emit_fused(m, b, act: str, extra_attrs=None, side: str | None = None):
     if run_dt != dt:
         b.require_kernel(FUSED_OP[mm.op], {"T": run_dt},
                          f"the precision pass will run {mm.op} '{mm.name}' in {registry.dtype_name(run_dt)}")
+    return dt
+
+
+def _kernel_first(m, b, act: str, side: bool) -> bool:
+    """:data:`KERNEL_FIRST`: run :func:`_fused_checks` now and stop the build
+    if the planned-dtype kernel is missing; True when it ran (the caller passes
+    ``checked=True`` to :func:`_emit_fused`)."""
+    from . import core
+
+    if not (KERNEL_FIRST and core.EARLY_KERNEL_MISS):
+        return False
+    _fused_checks(m, b, act, side)
+    b.stop_if_kernel_missing()
+    return True
+
+
+def _emit_fused(m, b, act: str, extra_attrs=None, side: str | None = None, checked: bool = False):
+    """Emit the fused matrix op for the match (``side``: a same-shape tensor
+    added after the bias, fused as ``[BiasAdd, Add, act]`` with a second arg).
+    ``checked``: :func:`_fused_checks` already ran for this build."""
+    mm = m["mm"]
+    if checked:
+        dt = mm.attr["T"].type
+    else:
+        dt = _fused_checks(m, b, act, side is not None)
     bias = _bias_input(m, b)
     fused = FUSED_OP[mm.op]
     od = registry.op_def(fused)
@@ -223,7 +262,7 @@ def _emit_fused(m, b, act: str, extra_attrs=None, side: str | None = None):
 
 
 def _build_bias(m, b):
-    _emit_fused(m, b, "")
+    _emit_fused(m, b, "", checked=_kernel_first(m, b, "", False))
 
 
 def _build_bias_act(m, b):
@@ -231,7 +270,7 @@ def _build_bias_act(m, b):
     extra = {}
     if act == "LeakyRelu":
         extra["leakyrelu_alpha"] = float(b.anchor.attr["alpha"].f) if "alpha" in b.anchor.attr else 0.2
-    _emit_fused(m, b, act, extra)
+    _emit_fused(m, b, act, extra, checked=_kernel_first(m, b, act, False))
 
 
 def _side_input(m, b) -> str:
@@ -248,7 +287,8 @@ def _side_input(m, b) -> str:
 
 
 def _build_bias_add(m, b):
-    _emit_fused(m, b, "", side=_side_input(m, b))
+    checked = _kernel_first(m, b, "", True)
+    _emit_fused(m, b, "", side=_side_input(m, b), checked=checked)
 
 
 def _build_bias_add_act(m, b):
@@ -256,7 +296,8 @@ def _build_bias_add_act(m, b):
     extra = {}
     if act == "LeakyRelu":
         extra["leakyrelu_alpha"] = float(b.anchor.attr["alpha"].f) if "alpha" in b.anchor.attr else 0.2
-    _emit_fused(m, b, act, extra, side=_side_input(m, b))
+    checked = _kernel_first(m, b, act, True)
+    _emit_fused(m, b, act, extra, side=_side_input(m, b), checked=checked)
 
 
 def _conv_mm_bias_pat(ops):
@@ -316,6 +357,39 @@ def _build_bn_act(m, b):
     attrs["num_side_inputs"] = 0
     b.emit("_FusedBatchNormEx", bn.name, list(bn.input[:5]), attrs)
     return {0: tensor_name(bn.name, 0)}
+
+
+#: modes in which ``Plan.matrix_dtype`` leaves every float32 matrix op float32
+_FP32_MATRIX_MODES = ("must_keep_origin_dtype", "force_fp32", "allow_fp32_to_fp16")
+
+
+def bf16_matrix_policy(anchor_op: str, what: str):
+    """:attr:`~.core.FusionRule.policy` of the rules that rewrite a BF16 gradient
+    into a MatMul (``filter_grad_*``, ``bias_grad_*``): their builds require the
+    op to run in BF16: a float32 ``anchor_op`` only does where the precision
+    plan's low dtype is BF16 (``Plan.matrix_dtype`` gives float32 or the low
+    dtype), one already in bfloat16 always.  So with no BF16 plan and no
+    bfloat16 ``anchor_op`` in the graph no match can fuse: the reason, else None."""
+    def policy(ctx, graph):
+        from ..pattern import _of_type
+
+        plan = _precision_plan(ctx)
+        if plan is not None and plan.low == registry.DT_BFLOAT16:
+            return None
+        nodes = graph.nodes
+        for name in _of_type(graph, (anchor_op,)):
+            a = nodes[name].attr
+            if "T" in a and a["T"].type == registry.DT_BFLOAT16:
+                return None
+        if plan is None or plan.mode in _FP32_MATRIX_MODES:
+            runs = "float32"
+        else:
+            runs = f"{registry.dtype_name(plan.low)} or float32"
+        mode = plan.mode if plan is not None else "none"
+        return (f"{what} runs in {runs} (precision mode {mode}, no bfloat16 {anchor_op}): "
+                f"the MatMul form is measured faster in BF16 only")
+    policy.__qualname__ = f"bf16_matrix_policy({anchor_op!r})"
+    return policy
 
 
 def _precision_plan(ctx):
@@ -1504,10 +1578,12 @@ def register():
         reason="matrix op and bias in one kernel pass", reads=0)
     reg("filter_grad_1x1", Pat("Conv2DBackpropFilter", predicate=_filter_grad_predicate),
         _build_filter_grad_1x1, follows_precision=True,
+        policy=bf16_matrix_policy("Conv2DBackpropFilter", "the weight gradient's MatMul"),
         reason="the BF16 weight gradient of a 1x1 conv is one BF16 MatMul, measured faster than "
                "oneDNN's BF16 Conv2DBackpropFilter", reads=0)
     reg("filter_grad_im2col", Pat("Conv2DBackpropFilter", predicate=_filter_grad_predicate),
         _build_filter_grad_im2col, follows_precision=True,
+        policy=bf16_matrix_policy("Conv2DBackpropFilter", "the weight gradient's MatMul"),
         reason="the BF16 weight gradient of a kxk conv with few output positions is im2col + one "
                "BF16 MatMul, measured faster than oneDNN's BF16 Conv2DBackpropFilter there", reads=0)
     __import__(__package__ + ".bias_grad", fromlist=["register"]).register(reg)  # its own file (18d)

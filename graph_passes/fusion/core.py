@@ -74,7 +74,24 @@ class FusionRule:
     #: declaring rule is not run again in a later sweep when no change since its
     #: last run could reach a node it reads (:func:`quiet_at`)
     reads: int | None = None
+    #: ``policy(ctx, graph) -> str | None``: a reason every match of the rule
+    #: would be skipped for in this pipeline run whatever the anchor (the
+    #: precision mode, e.g. a rule measured to pay in BF16 only under an FP16
+    #: plan), or None.  With :data:`RULE_POLICY` the fusion pass then does not
+    #: match the rule at all and reports it once, in its stats' ``rules_off``
+    #: (the rule, the mode, the reason, the count of anchors of its op types)
+    #: instead of one skip per matched anchor.  A policy must answer a reason
+    #: only when the build would skip every match (the graph is the same
+    #: either way); it may be asked again each sweep.
+    policy: Callable | None = None
 
+
+#: (issue 17p) :attr:`FusionRule.policy`: a rule that cannot apply in this
+#: pipeline run (its policy gives a reason) is not matched; the fusion pass's
+#: stats list it once under ``rules_off``.  False: the reference, every rule is
+#: matched and each match reports its own skip (the same graph either way;
+#: tests/test_fusion_rule_policy.py)
+RULE_POLICY = True
 
 #: name -> FusionRule, applied in registration order
 RULES: dict[str, FusionRule] = {}
@@ -83,11 +100,12 @@ RULES: dict[str, FusionRule] = {}
 def register_fusion_rule(name: str, pattern: Pat, build: Callable, graph_level: int = 2,
                          follows_precision: bool = False, reason: str = "",
                          replace: bool = False, _builtin: bool = False, escapes: bool = False,
-                         reads: int | None = None) -> FusionRule:
+                         reads: int | None = None, policy: Callable | None = None) -> FusionRule:
     """Register a fusion rule (see the module docstring).  ``graph_level`` is the
     lowest level (1..3) at which it runs.  Re-registering a name raises unless
     ``replace=True``.  ``reads``: see :attr:`FusionRule.reads` (leave it None
-    unless sure: a wrong declaration makes the pass miss a fusion)."""
+    unless sure: a wrong declaration makes the pass miss a fusion).  ``policy``:
+    see :attr:`FusionRule.policy` (same caution)."""
     if not isinstance(name, str) or not name:
         raise FusionRuleError(f"fusion rule name must be a non-empty string, got {name!r}")
     if not isinstance(pattern, Pat):
@@ -102,11 +120,14 @@ def register_fusion_rule(name: str, pattern: Pat, build: Callable, graph_level: 
     if reads is not None and (isinstance(reads, bool) or not isinstance(reads, int) or reads < 0):
         raise FusionRuleError(f"fusion rule '{name}': reads={reads!r}; accepted: None or an int >= 0 "
                               f"(how many input edges above the anchor the predicates and build read)")
+    if policy is not None and not callable(policy):
+        raise FusionRuleError(f"fusion rule '{name}': policy must be callable (ctx, graph) -> str | None, "
+                              f"got {policy!r}")
     if name in RULES and not replace:
         raise FusionRuleError(f"a fusion rule named '{name}' is already registered; "
                               f"pass replace=True to override it")
     rule = FusionRule(name, pattern, build, graph_level, follows_precision, reason, _builtin, escapes,
-                      reads)
+                      reads, policy)
     RULES[name] = rule
     return rule
 
@@ -600,6 +621,41 @@ def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: 
             and _may_hold_inner(graph, rule.pattern, ctx.protected)):
         _report_fetched_refusals(graph, rule, ctx, stats)  # root-only patterns: the build reports
     return done
+
+
+def rule_off(graph: Graph, rule: FusionRule, ctx, stats: dict) -> bool:
+    """Whether ``rule`` is off for this run by its :attr:`FusionRule.policy`
+    (:data:`RULE_POLICY`): then the first time, ``stats["rules_off"][name]``
+    gets ``{"mode", "reason", "anchors"}`` (the precision mode, the policy's
+    reason, the number of nodes of the rule's anchor op types, None when any
+    op may anchor it).  False (the rule runs) without a policy or a context."""
+    if not RULE_POLICY or rule.policy is None or ctx is None:
+        return False
+    why = rule.policy(ctx, graph)
+    if not why:
+        return False
+    off = stats.setdefault("rules_off", {})
+    if rule.name not in off:
+        from ..pattern import _anchor_ops, _count
+
+        ops = _anchor_ops(rule.pattern)
+        off[rule.name] = {"mode": precision_mode_of(ctx), "reason": why,
+                          "anchors": _count(graph, ops) if ops is not None else None}
+    return True
+
+
+def precision_mode_of(ctx) -> str:
+    """The canonical precision mode the precision pass will run in, or
+    ``"none"`` when no precision pass follows (see ``planned_dtype``)."""
+    from ..manager import PASS_REGISTRY
+
+    if ctx is None or "precision" not in PASS_REGISTRY:
+        return "none"
+    if ctx.option("precision") is None and ctx.option("precision_mode") is None:
+        return "none"
+    from ..precision.planner import plan_for
+
+    return plan_for(ctx).mode
 
 
 def _inner_ops(pat: Pat, root: bool = True):

@@ -4,7 +4,13 @@ Preconditions: none (runs before precision and layout, so it sees the
 user's dtypes).  Postconditions: no registered rule matches any more (the
 pass sweeps to a fix-point, a sweep that changes nothing, so it is
 idempotent); every fused or skipped match is in the report with the rule name
-and a reason; emitted ops have a kernel for their device and dtype.
+and a reason (or, for a rule its policy turns off in this run, the rule
+once in the stats' ``rules_off``); emitted ops have a kernel for their device and dtype.
+
+A rule whose policy (:attr:`FusionRule.policy`) says it cannot apply in
+this run (e.g. measured to pay in BF16 only, under an FP16 plan) is not
+matched: the stats list it once under ``rules_off`` (``core.RULE_POLICY``;
+False matches it and reports a skip per anchor, the reference).
 
 A sweep after the first runs a rule again only if the graph changed since
 its last run; a rule that declares what it reads (:attr:`FusionRule.reads`)
@@ -33,7 +39,7 @@ from ..graph import parse_tensor
 from ..manager import Pass, register_pass
 from ..pattern import Changes, affected_anchors
 from .cleanups import merge_duplicate_casts
-from .core import CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, quiet_at
+from .core import CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, quiet_at, rule_off
 from .builtin import NORM_MEMO_ATTR
 from .grad_region import ORIGINAL_NAMES_ATTR
 
@@ -106,6 +112,8 @@ class FusionPass(Pass):
             changed = 0
             active = []
             for rule in rules:
+                if rule.policy is not None and rule_off(graph, rule, ctx, stats):
+                    continue  # (core.RULE_POLICY: reported once in stats["rules_off"])
                 rec = idle.get(rule.name)
                 if rec is not None:
                     if rec[0] == graph.version:
