@@ -160,6 +160,7 @@ class Graph:
         self._kbase = None  # (counts per id, flat reader ids) as of the last sort, or None
         self._kblob = None  # the C++ index's edge arrays, until the first sort uses them
         self._kdirty = set()  # ids whose consumer lists changed since then
+        self._kdnames = set()  # (the same, by name: resolved to ids at the next sort)
         adopted = index is not None and self._adopt_index(graph_def, index)
         #: True when the indexes came from ``index`` (C++), not from reindex()
         self.prebuilt_index = adopted
@@ -269,6 +270,7 @@ class Graph:
         self._kblob = (ints, no, ns, at_e, t, e, srcs, n)
         self._kbase = None
         self._kdirty = set()
+        self._kdnames = set()
         self.version += 1
         return True
 
@@ -321,6 +323,7 @@ class Graph:
         self._id_name = list(seq)
         self._kbase = self._kblob = None
         self._kdirty = set()
+        self._kdnames = set()
         self._dirty = True
         self._topo_cache = None
         self.version += 1
@@ -440,20 +443,18 @@ class Graph:
         self.nodes[node.name] = node
         self.created.add(node.name)
         self._edit_log.append(node.name)
-        seq, dirty = self._seq, self._kdirty
+        marked = self._kdnames
         for i, inp in enumerate(node.input):
             src, _, ctrl = parse_tensor(inp)
             self._consumers[src].append((node.name, -1 if ctrl else i))
-            k = seq.get(src)
-            if k is not None:
-                dirty.add(k)
+            marked.add(src)
         ops = self._by_op.get(node.op)
         if ops is None:
             ops = self._by_op[node.op] = {}
         ops[node.name] = None
         k = self._next_seq
-        seq[node.name] = k
-        dirty.add(k)
+        self._seq[node.name] = k
+        self._kdirty.add(k)
         self._id_name.append(node.name)
         self._next_seq = k + 1
         self._dirty = True
@@ -494,15 +495,13 @@ class Graph:
         if not force and self._consumers.get(name):
             raise GraphError(
                 f"cannot remove node '{name}': still read by {sorted({c for c, _ in self._consumers[name]})}")
-        seq, dirty = self._seq, self._kdirty
+        marked = self._kdnames
         for inp in node.input:
             src, _, _ = parse_tensor(inp)
             lst = self._consumers.get(src)
             if lst:
                 self._consumers[src] = [c for c in lst if c[0] != name]
-            k = seq.get(src)
-            if k is not None:
-                dirty.add(k)
+            marked.add(src)
         del self.nodes[name]
         self.created.discard(name)
         self._consumers.pop(name, None)
@@ -550,11 +549,8 @@ class Graph:
         for node in gone.values():
             for inp in node.input:
                 srcs[pt(inp)[0]] = None
-        seq, dirty = self._seq, self._kdirty
+        self._kdnames.update(srcs)
         for src in srcs:
-            k = seq.get(src)
-            if k is not None:
-                dirty.add(k)
             if src in gone:
                 continue
             lst = cons.get(src)
@@ -636,10 +632,8 @@ class Graph:
         osrc, _, octrl = parse_tensor(old)
         lst = self._consumers.get(osrc)
         key = (node_name, -1 if octrl else index)
-        seq, dirty = self._seq, self._kdirty
-        k = seq.get(osrc)
-        if k is not None:
-            dirty.add(k)
+        marked = self._kdnames
+        marked.add(osrc)
         try:
             lst.remove(key)
         except (ValueError, AttributeError):
@@ -647,9 +641,7 @@ class Graph:
                 node.input[index] = new_ref
                 nsrc, _, nctrl = parse_tensor(new_ref)
                 self._consumers[nsrc].append((node_name, -1 if nctrl else index))
-                k = seq.get(nsrc)
-                if k is not None:
-                    dirty.add(k)
+                marked.add(nsrc)
                 self._dirty = True
                 self._topo_cache = None
                 self.version += 1
@@ -666,9 +658,7 @@ class Graph:
         node.input[index] = new_ref
         nsrc, _, nctrl = parse_tensor(new_ref)
         self._consumers[nsrc].append((node_name, -1 if nctrl else index))
-        k = seq.get(nsrc)
-        if k is not None:
-            dirty.add(k)
+        marked.add(nsrc)
         self._dirty = True
         self._topo_cache = None
         self.version += 1
@@ -682,9 +672,7 @@ class Graph:
         self._edit_log.append(node_name)
         node.input.append(ref)
         self._consumers[src].append((node_name, -1))
-        k = self._seq.get(src)
-        if k is not None:
-            self._kdirty.add(k)
+        self._kdnames.add(src)
         self._topo_cache = None
         self.version += 1
 
@@ -866,10 +854,14 @@ class Graph:
         ``0..n-1`` (the same relative order, the same lists).
 
         Kept from the previous sort and patched for the ids whose consumer
-        lists changed since (``_kdirty``, marked by every edit method: new,
-        removed, rewired); the first time, from the C++ index's edge arrays
-        (``_kblob``) or from every consumer list.  None when the ids do not
-        describe ``nodes`` (a node put in by hand: the caller renumbers)."""
+        lists changed since: every edit method marks them (``_kdirty``: new
+        and removed ids; ``_kdnames``: the sources whose lists it appended
+        to or filtered, by name, resolved here), and their lists are read
+        again here, so an entry appended by hand to a list of a node added
+        since the last sort (the fusion pass's index repair) is seen too;
+        the first time, from the C++ index's edge arrays (``_kblob``) or from
+        every consumer list.  None when the ids do not describe ``nodes`` (a
+        node put in by hand: the caller renumbers)."""
         ids = self._seq
         id_name = self._id_name
         n = self._next_seq
@@ -877,6 +869,10 @@ class Graph:
             return None
         cons = self._consumers
         dirty = self._kdirty
+        marked = self._kdnames
+        if marked:  # (names of removed nodes or no node: their ids, if any, are marked)
+            dirty.update(filter(functools.partial(is_not, None), map(ids.get, marked)))
+            marked.clear()
         base = self._kbase
         if base is None and self._kblob is not None:
             base = self._kbase = self._kbase_from_blob()
@@ -946,8 +942,11 @@ class Graph:
         sn[sn >= n0] = -1
         ss = np.zeros(ns + 1, np.int64)
         np.cumsum(sc, out=ss[1:])
-        so = np.argsort(sn, kind="stable")
-        so = so[sn[so] >= 0]
+        # the slots in node id order (ids are distinct: a scatter, no sort)
+        slot_at = np.full(n0, -1, np.int64)
+        live = np.flatnonzero(sn >= 0)
+        slot_at[sn[live]] = live
+        so = slot_at[slot_at >= 0]
         lens = sc[so].astype(np.int64)
         new = np.cumsum(lens) - lens
         idx = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(ss[:-1][so] - new, lens)

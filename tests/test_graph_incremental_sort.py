@@ -109,7 +109,7 @@ def _random_edits(g, rng, steps, check_every):
         elif kind == 8 and names:  # an op type change (NextIteration: a loop back edge)
             g.set_op(rng.choice(names), rng.choice(["NextIteration", "Identity"]))
         if step % check_every == check_every - 1:
-            patched += bool(g._kdirty) and g._kbase is not None
+            patched += bool(g._kdirty or g._kdnames) and g._kbase is not None
             _assert_same(g, f"after step {step}")
     return patched
 
@@ -149,11 +149,11 @@ def test_first_sort_after_edits_uses_the_index_arrays():
     old = parse_tensor(g.nodes[reader].input[0])[0]
     new = names[-1]
     g.set_input(reader, 0, new)
-    assert g._kdirty == {g._seq[old], g._seq[new]}
+    assert g._kdnames == {old, new} and not g._kdirty  # (by name; ids at the sort)
     g.remove_node(names[3], force=True)
     g.new_node("Identity", "q17/x", [names[5], "^" + names[7]])
     _assert_same(g, "edited before the first sort")
-    assert g._kblob is None and g._kbase is not None and not g._kdirty
+    assert g._kblob is None and g._kbase is not None and not g._kdirty and not g._kdnames
 
 
 def test_a_missing_mark_is_caught():
@@ -170,6 +170,7 @@ def test_a_missing_mark_is_caught():
     first, last = order[0], order[-1]
     g.add_control_input(first, last)  # the first node now waits for the last: a cycle
     g._kdirty.clear()  # the fault
+    g._kdnames.clear()
     got = _orders(g)
     assert got[1] == got[2] and got[0] != got[2]
     assert got[2][1] and not got[0][1]  # (only the stale arrays miss the cycle)
