@@ -934,10 +934,10 @@ class Graph:
     def _kbase_from_blob(self):
         """The sort's arrays of the graph as the C++ index saw it (ids
         ``0..n-1``: its node order), regrouped from its per-source edge
-        sections by node id; None when they do not fit (then every list is
-        read).  Ids whose lists changed since are in ``_kdirty`` already;
-        a source that is no longer a node, or a new node of a removed one's
-        name, has a dirty id, so its edges here are dropped or replaced."""
+        sections by node id.  Ids whose lists changed since are marked
+        already (``_kdirty`` / ``_kdnames``): a source that is no longer a
+        node, or a new node of a removed one's name, has a marked id, so its
+        edges here are dropped or replaced."""
         ints, no, ns, at_e, t, e, srcs, n0 = self._kblob
         a = np.frombuffer(ints, np.int32)
         sc = a[no:no + ns]
