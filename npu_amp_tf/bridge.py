@@ -144,6 +144,16 @@ def library():
                 lib.NpuAmpKahnOrder.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
                 lib.NpuAmpKahnOrder.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpSinkFlags"):  # (issue 17r)
+                lib.NpuAmpSinkFlags.argtypes = [ctypes.c_void_p, ctypes.c_int]
+                lib.NpuAmpSinkFlags.restype = None
+                lib.NpuAmpGraphIndexFlags.argtypes = [
+                    ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                    ctypes.POINTER(ctypes.c_size_t)]
+                lib.NpuAmpGraphIndexFlags.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpStepTimes"):  # (issue 17r)
+                lib.NpuAmpStepTimes.argtypes = [ctypes.c_void_p, ctypes.c_int]
+                lib.NpuAmpStepTimes.restype = ctypes.c_int
             lib.NpuAmpSkipCount.argtypes = [ctypes.c_int]
             lib.NpuAmpSkipCount.restype = ctypes.c_uint64
             lib.NpuAmpClearSeen.restype = None
@@ -246,6 +256,30 @@ def stats() -> dict:
         return out
 
 
+#: the C++ optimizer's steps, in NpuAmpStepTimes's order (grappler_bridge.cc, Step)
+STEPS = ("no_float", "serialize", "context", "callback", "index", "precheck", "assemble", "mark",
+         "total")
+
+
+def step_times() -> dict:
+    """Thread CPU seconds of each C++ step of the last ``NpuAmpOptimizer::Optimize``
+    that called Python (issue 17r): ``no_float`` (the float-type scan),
+    ``serialize`` (the item's GraphDef to bytes), ``context`` (fetch /
+    preserve / devices, the done mark, the fingerprint), ``callback`` (the
+    whole Python callback: ctypes, GIL, :func:`handle`, writing the result),
+    ``index`` and ``precheck`` (the C++ index and OpDef pre-check, called
+    inside the callback), ``assemble`` (the patch or bytes into grappler's
+    output GraphDef), ``mark`` (marking the output), ``total`` (the whole
+    ``Optimize``: grappler's own timer minus what happens before and after);
+    {} without the library or the function."""
+    fn = getattr(_lib, "NpuAmpStepTimes", None) if _lib is not None else None
+    if fn is None:
+        return {}
+    buf = array.array("q", bytes(8 * len(STEPS)))
+    fn(buf.buffer_info()[0], len(STEPS))
+    return {k: v / 1e9 for k, v in zip(STEPS, buf)}
+
+
 # ---------------------------------------------------------------------------
 # shapes: grappler's C++ inference, handed over with the graph
 # ---------------------------------------------------------------------------
@@ -327,11 +361,16 @@ def graph_index(graph_def, data=None):
     6.2k nodes: 44 vs 46 ms), and it carries the per-node signature classes
     the precision pass reads instead of NodeDef attrs (pipeline.optimize uses
     it offline by default); None when the library is not loaded or cannot."""
-    fn = getattr(_lib, "NpuAmpGraphIndex", None) if _lib is not None else None
-    if fn is None:
+    if _lib is None:
         return None
     if data is None:
         data = graph_def.SerializeToString()
+    fn = getattr(_lib, "NpuAmpGraphIndexFlags", None)
+    if fn is not None:
+        return _index_call(fn, data, len(data), 2 if INDEX_FROM_BYTES else 0)
+    fn = getattr(_lib, "NpuAmpGraphIndex", None)
+    if fn is None:
+        return None
     return _index_call(fn, data, len(data))
 
 
@@ -450,6 +489,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         if getattr(_tls, "active", False):
             return RC_NOT_NOW  # a pass itself ran a TF function: do not recurse
         _tls.active = True
+        if hasattr(_lib, "NpuAmpSinkFlags"):
+            _lib.NpuAmpSinkFlags(sink, _sink_flags())
         shapes = item_shape_source(sink)
         try:
             graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
@@ -479,6 +520,24 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         _report_error(sink, exc)
         _redeliver(exc)
         return RC_ERROR
+
+
+#: (issue 17r) the C++ side assembles a patch by moving the item's unchanged
+#: nodes into grappler's output instead of copying them (grappler discards
+#: its working item's graph once an optimizer succeeds; ~9 ms of grappler's
+#: time on the Keras ResNet-50 training graph); False: copied (the reference;
+#: the same output bytes)
+MOVE_ITEM_NODES = True
+#: (issue 17r) the C++ index (:func:`item_index`, :func:`graph_index`) reads
+#: node names, ops and inputs from the serialized bytes in one sequential
+#: pass instead of from the parsed GraphDef's scattered strings; False: from
+#: the parsed GraphDef (the reference; the same index bytes)
+INDEX_FROM_BYTES = True
+
+
+def _sink_flags() -> int:
+    """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES."""
+    return (1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
 
 
 def _patch_fn():
