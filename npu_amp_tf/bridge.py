@@ -321,16 +321,18 @@ def item_shape_source(sink):
     return _ItemShapes(sink)
 
 
-def graph_shape_source(graph_def):
+def graph_shape_source(graph_def, data: bytes | None = None):
     """Lazy shape source for an offline GraphDef: the same C++ inference, or
     None when the custom-op library is not loaded (the engine then uses
-    ``graph_passes._tf.grappler_op_properties``)."""
+    ``graph_passes._tf.grappler_op_properties``).  ``data``: the GraphDef's
+    serialized bytes instead of ``graph_def`` (issue 17r: a graph the
+    pipeline rewrote in place after parsing those bytes)."""
     if _lib is None:
         return None
 
     def source():
-        data = graph_def.SerializeToString()
-        return _shapes_call(_lib.NpuAmpGraphShapes, data, len(data))
+        b = data if data is not None else graph_def.SerializeToString()
+        return _shapes_call(_lib.NpuAmpGraphShapes, b, len(b))
     return source
 
 
@@ -692,26 +694,36 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         code, out = cached
         return _finish(entry, "cached", t0, None, out=out or None, code=code)
 
-    t_parse = time.perf_counter()
-    gd = graph_pb2.GraphDef.FromString(graph_bytes)
-    parse_s = time.perf_counter() - t_parse
-    if _has_poison(gd, graph_bytes):
-        return _finish(entry, "unchanged", t0, None, gd=gd, code=RC_UNCHANGED)
-
-    # 3. the pipeline
     from . import pipeline
 
+    t_parse = time.perf_counter()
+    # (issue 17r) pipeline.OWN_PARSE: the pipeline parses the bytes itself and
+    # rewrites that parse in place; the GraphDef here is parsed only when a
+    # path below needs the input graph (errors, an unchanged result)
+    own = pipeline.OWN_PARSE
+    original = _Parsed(graph_bytes)
+    if not own:
+        original()
+    parse_s = time.perf_counter() - t_parse
+    if _has_poison(original, graph_bytes):
+        return _finish(entry, "unchanged", t0, None, gd=original(), code=RC_UNCHANGED)
+    gd = None if own else original()
+
+    # 3. the pipeline
     try:
         out, report, nodes = pipeline.optimize_serialized(
-            gd, options, fetches=fetches, preserve=preserve, devices=devices, graph_name=item_id,
-            shapes=shapes, index=index, patch=patch, opdef_precheck=opdef_precheck)
+            graph_bytes if own else gd, options, fetches=fetches, preserve=preserve, devices=devices,
+            graph_name=item_id, shapes=shapes, index=index, patch=patch,
+            opdef_precheck=opdef_precheck)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)
+        gd = original()
         out = poison(gd, msg, fetches, devices, PASS_FAILED_NODE)
         return _finish(entry, "pass_failed", t0, msg, out=out, gd=gd)
     except Exception as exc:  # noqa: BLE001 - a bug outside any pass
         msg = f"npu_amp_tf: the pass pipeline failed on graph '{item_id}': {type(exc).__name__}: {exc}"
+        gd = original()
         if options.fail_on_error:
             log.error("%s", msg)
             out = poison(gd, msg, fetches, devices, PASS_FAILED_NODE)
@@ -722,7 +734,8 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     # the Report itself: last_reports() / report_path turn it into JSON, which
     # computes its deferred shape-based figures only then
     if isinstance(shapes, _ItemShapes):
-        shapes.fallback = graph_shape_source(gd)
+        shapes.fallback = graph_shape_source(gd) if gd is not None else \
+            graph_shape_source(None, graph_bytes)
     entry["report"] = rep = report
     failed = report.raw_summary.get("failed_pass")
     if failed:
@@ -730,12 +743,13 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         # pipeline already logged "pass '<p>' at node '<n>': ...; the graph is left unchanged"
         msg = report.warnings[-1]["message"] if report.warnings else f"pass '{failed}' failed"
         _remember(key, RC_UNCHANGED, b"")
-        return _finish(entry, "pass_failed_kept", t0, msg, gd=gd, code=RC_UNCHANGED)
+        return _finish(entry, "pass_failed_kept", t0, msg, gd=original(), code=RC_UNCHANGED)
     # byte comparison with graph_bytes is useless here: C++ and Python order
     # map keys differently; message equality costs ~40 ms on a 9k-node graph,
     # so count nodes first
     # (a patch only comes with a changed node count)
-    if nodes == len(gd.node) and isinstance(out, bytes) and graph_pb2.GraphDef.FromString(out) == gd:
+    if (isinstance(out, bytes) and nodes == len(original().node)
+            and graph_pb2.GraphDef.FromString(out) == original()):
         _remember(key, RC_UNCHANGED, b"")
         entry["bridge_s"] = parse_s
         # (grappler's repeated call on our own output: keep the file of the call that rewrote it)
@@ -787,12 +801,31 @@ def _write_report_file(options, item_id, rep):
 # ---------------------------------------------------------------------------
 # delivering an error through the graph
 # ---------------------------------------------------------------------------
+class _Parsed:
+    """The GraphDef serialized in ``data``, parsed when first called (issue 17r)."""
+
+    __slots__ = ("data", "_gd")
+
+    def __init__(self, data: bytes):
+        self.data, self._gd = data, None
+
+    def __call__(self):
+        if self._gd is None:
+            from tensorflow.core.framework import graph_pb2
+
+            self._gd = graph_pb2.GraphDef.FromString(self.data)
+        return self._gd
+
+
 def _has_poison(gd, data: bytes | None = None) -> bool:
-    """Does ``gd`` hold one of our error nodes?  (``data``: its bytes; without
-    the op's name in them it cannot, which a substring search of the bytes
-    answers at once instead of visiting every node.)"""
+    """Does ``gd`` (a GraphDef, or a callable giving it) hold one of our error
+    nodes?  (``data``: its bytes; without the op's name in them it cannot,
+    which a substring search of the bytes answers at once instead of
+    visiting every node.)"""
     if data is not None and RAISE_OP.encode() not in data:
         return False
+    if callable(gd):
+        gd = gd()
     return any(n.name in _POISON_NODES and n.op == RAISE_OP for n in gd.node)
 
 
