@@ -338,7 +338,9 @@ std::vector<int32_t> SignatureClasses(const tensorflow::GraphDef& graph,
         key.append(std::to_string(v.i()));
       }
     }
-    auto it = class_of.emplace(key, static_cast<int32_t>(class_of.size())).first;
+    // (find first: emplace would build a map node for every node, then drop it)
+    auto it = class_of.find(key);
+    if (it == class_of.end()) it = class_of.emplace(key, static_cast<int32_t>(class_of.size())).first;
     classes[i] = it->second;
   }
   return classes;
@@ -474,6 +476,9 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   std::vector<std::string_view> src_order;
   std::vector<int32_t> src_node;  // per slot: the node, or -1
   std::vector<int32_t> e_slot, e_reader, e_pos;
+  e_slot.reserve(views.input.size());
+  e_reader.reserve(views.input.size());
+  e_pos.reserve(views.input.size());
   for (int32_t i = 0; i < n; ++i) {
     const int64_t k0 = views.in_start[i];
     for (int32_t k = 0; k < views.in_start[i + 1] - k0; ++k) {
