@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
 os.environ.setdefault("TF_CPP_VMODULE", "meta_optimizer=1")
@@ -74,8 +73,9 @@ def main(argv=None):
             outside = min(x[0]["total"] - x[0]["callback"] for x in rr) * 1e3
             stages = {k: round(min(x[2].get(k, 0) for x in rr) * 1e3, 1) for k in rr[0][2]}
             print(f"  {m:4s} C++ steps (thread CPU min, ms): {steps}")
+            cb, logged = min(x[1] for x in rr) * 1e3, min(x[3] for x in rr)
             print(f"  {m:4s} Optimize() minus callback {outside:.1f} ms; callback record "
-                  f"{min(x[1] for x in rr) * 1e3:.1f} ms; grappler's log (wall) {min(x[3] for x in rr):.1f} ms")
+                  f"{cb:.1f} ms; grappler's log (wall) {logged:.1f} ms")
             print(f"  {m:4s} stages: {stages}")
 
 

@@ -211,9 +211,10 @@ def last_reports(n: int | None = None) -> list[dict]:
     Each record: ``{"graph": item id, "status": "rewritten" | "unchanged" |
     "cached" | "invalid_options" | "pass_failed" | "error", "time_s": ... (wall),
     "cpu_s": ... (this thread's CPU time: wall time on a loaded machine counts
-    the neighbours too), "bridge_s": ... (parsing the graph; the output is
-    serialized inside the pipeline), "nodes": ..., "report": Report.to_json() or None,
-    "error": message or None}``."""
+    the neighbours too), "bridge_s": ... (parsing the graph here: ~0 with
+    ``pipeline.OWN_PARSE``, where the pipeline parses it in its "graph" stage;
+    the output is serialized inside the pipeline), "nodes": ...,
+    "report": Report.to_json() or None, "error": message or None}``."""
     with _lock:
         items = list(_reports)
     items = items if n is None else items[-n:]
