@@ -69,11 +69,14 @@
 // returns a graph in which every root node waits on an NpuAmpRaiseError
 // node, so the first Session.run / function call fails with the message.
 
+#include <time.h>
+
 #include <mutex>
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -113,6 +116,30 @@ std::atomic<int> g_in_flight{0};
 
 constexpr int kBridgeAbiVersion = 1;
 
+// ---- step timings (issue 17r) -------------------------------------------------
+// Thread CPU time of each step of the last Optimize() that called Python (and
+// of the index / pre-check calls made inside it), in ns; read with
+// NpuAmpStepTimes.  A few clock_gettime calls per Optimize(): always on.
+enum Step {
+  kStepNoFloat,      // HasNoFloat
+  kStepSerialize,    // item.graph -> bytes
+  kStepContext,      // fetch/preserve/devices, mark, fingerprint
+  kStepCallback,     // the whole Python callback (ctypes, GIL, handle, write)
+  kStepIndex,        // NpuAmpItemIndex (inside the callback)
+  kStepPrecheck,     // NpuAmpItemOpdefPrecheck (inside the callback)
+  kStepAssemble,     // the patch (or bytes) -> optimized_graph
+  kStepMark,         // the done mark / fingerprint of the output
+  kStepTotal,        // the whole Optimize()
+  kStepCount
+};
+std::atomic<int64_t> g_step_ns[kStepCount];
+
+int64_t ThreadCpuNs() {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
 struct Sink {
   std::string result;
   std::string error;
@@ -133,7 +160,16 @@ struct Sink {
   std::string checked_bytes;
   std::vector<int32_t> checked_order;
   bool has_checked = false;
+  // (issue 17r) NpuAmpSinkFlags: kFlagMoveItemNodes, kFlagIndexFromBytes;
+  // and the item's serialized bytes (valid while the callback runs)
+  int flags = 0;
+  std::string_view graph_bytes;
 };
+
+// Sink flags (issue 17r), set by Python (bridge.MOVE_ITEM_NODES,
+// bridge.INDEX_FROM_BYTES); 0 is the reference behaviour.
+constexpr int kFlagMoveItemNodes = 1;   // AssembleParsedPatch moves the item's nodes
+constexpr int kFlagIndexFromBytes = 2;  // GraphIndexText reads ViewsOfBytes
 
 // ---- shapes -----------------------------------------------------------------
 // Runs grappler's static shape inference on `item` and writes the line format
@@ -302,24 +338,130 @@ std::vector<int32_t> SignatureClasses(const tensorflow::GraphDef& graph,
         key.append(std::to_string(v.i()));
       }
     }
-    auto it = class_of.emplace(key, static_cast<int32_t>(class_of.size())).first;
+    // (find first: emplace would build a map node for every node, then drop it)
+    auto it = class_of.find(key);
+    if (it == class_of.end()) it = class_of.emplace(key, static_cast<int32_t>(class_of.size())).first;
     classes[i] = it->second;
   }
   return classes;
 }
 
-bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
+// The node names, op types and inputs GraphIndexText reads (issue 17r), as
+// views: of the parsed GraphDef's strings (ViewsOfGraph, the reference), or
+// of its serialized bytes (ViewsOfBytes): the same strings, read in one
+// sequential pass over the bytes instead of chasing every NodeDef's and
+// input's heap string (on the Keras ResNet-50 training graph, 6.2k nodes and
+// 63k inputs in 4.3 MB, the memory latency of that chase was ~10 of the
+// index's ~14 ms).
+struct GraphViews {
+  std::vector<std::string_view> name, op, input;
+  std::vector<int64_t> in_start{0};  // node i's inputs: input[in_start[i] .. in_start[i+1])
+};
+
+void ViewsOfGraph(const tensorflow::GraphDef& graph, GraphViews* v) {
+  const int n = graph.node_size();
+  v->name.reserve(n);
+  v->op.reserve(n);
+  v->in_start.reserve(static_cast<size_t>(n) + 1);
+  for (const auto& node : graph.node()) {
+    v->name.emplace_back(node.name());
+    v->op.emplace_back(node.op());
+    for (const auto& in : node.input()) v->input.emplace_back(in);
+    v->in_start.push_back(static_cast<int64_t>(v->input.size()));
+  }
+}
+
+// Protobuf wire format: a varint at *p (< end); false on a bad one.
+bool ReadVarint(const char*& p, const char* end, uint64_t* out) {
+  uint64_t x = 0;
+  for (int shift = 0; shift < 64 && p < end; shift += 7) {
+    const uint8_t b = static_cast<uint8_t>(*p++);
+    x |= static_cast<uint64_t>(b & 0x7f) << shift;
+    if (!(b & 0x80)) {
+      *out = x;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Skips a field of wire type `wt` at p; false on a bad or group field.
+bool SkipField(const char*& p, const char* end, uint64_t wt) {
+  uint64_t len;
+  switch (wt) {
+    case 0: return ReadVarint(p, end, &len);
+    case 1: if (end - p < 8) return false; p += 8; return true;
+    case 5: if (end - p < 4) return false; p += 4; return true;
+    case 2:
+      if (!ReadVarint(p, end, &len) || len > static_cast<uint64_t>(end - p)) return false;
+      p += len;
+      return true;
+    default: return false;
+  }
+}
+
+// The views of the GraphDef serialized in `bytes` (GraphDef.node = 1;
+// NodeDef.name = 1, op = 2, input = 3; every other field skipped), with the
+// parser's rules: a singular field given twice keeps the last, repeated
+// inputs append.  False when the bytes are not a plain wire-format GraphDef
+// (the caller then reads the parsed graph).
+bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
+  const char* p = bytes.data();
+  const char* end = p + bytes.size();
+  while (p < end) {
+    uint64_t tag, len;
+    if (!ReadVarint(p, end, &tag)) return false;
+    if (tag != ((1 << 3) | 2)) {
+      if ((tag >> 3) == 1 || !SkipField(p, end, tag & 7)) return false;
+      continue;
+    }
+    if (!ReadVarint(p, end, &len) || len > static_cast<uint64_t>(end - p)) return false;
+    const char* q = p;
+    const char* node_end = p + len;
+    p = node_end;
+    std::string_view name, op;
+    while (q < node_end) {
+      uint64_t ntag, slen;
+      if (!ReadVarint(q, node_end, &ntag)) return false;
+      const uint64_t field = ntag >> 3;
+      if (field >= 1 && field <= 3) {
+        if ((ntag & 7) != 2) return false;
+        if (!ReadVarint(q, node_end, &slen) || slen > static_cast<uint64_t>(node_end - q)) {
+          return false;
+        }
+        const std::string_view str(q, slen);
+        q += slen;
+        if (field == 1) {
+          name = str;
+        } else if (field == 2) {
+          op = str;
+        } else {
+          v->input.push_back(str);
+        }
+      } else if (!SkipField(q, node_end, ntag & 7)) {
+        return false;
+      }
+    }
+    v->name.push_back(name);
+    v->op.push_back(op);
+    v->in_start.push_back(static_cast<int64_t>(v->input.size()));
+  }
+  return true;
+}
+
+bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
+                    std::string* out) {
   const int32_t n = graph.node_size();
+  if (static_cast<int64_t>(views.name.size()) != n) return false;
   std::unordered_map<std::string_view, int32_t> index;
   index.reserve(static_cast<size_t>(n) * 2);
   std::unordered_map<std::string_view, int32_t> op_slot;
   std::vector<std::string_view> op_order;
   std::vector<int32_t> op_of_node(n);
   for (int32_t i = 0; i < n; ++i) {
-    const auto& node = graph.node(i);
-    const std::string& name = node.name();
-    if (!IsAscii(name) || !index.emplace(std::string_view(name), i).second) return false;
-    std::string_view op(node.op());
+    const std::string_view name = views.name[i];
+    if (!IsAscii(name) || !index.emplace(name, i).second) return false;
+    std::string_view op = views.op[i];
     auto it = op_slot.find(op);
     if (it == op_slot.end()) {
       if (!IsAscii(op)) return false;
@@ -334,10 +476,13 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
   std::vector<std::string_view> src_order;
   std::vector<int32_t> src_node;  // per slot: the node, or -1
   std::vector<int32_t> e_slot, e_reader, e_pos;
+  e_slot.reserve(views.input.size());
+  e_reader.reserve(views.input.size());
+  e_pos.reserve(views.input.size());
   for (int32_t i = 0; i < n; ++i) {
-    const auto& node = graph.node(i);
-    for (int k = 0; k < node.input_size(); ++k) {
-      std::string_view ref(node.input(k));
+    const int64_t k0 = views.in_start[i];
+    for (int32_t k = 0; k < views.in_start[i + 1] - k0; ++k) {
+      std::string_view ref = views.input[k0 + k];
       if (!IsAscii(ref)) return false;
       std::string_view src = ref;
       int32_t pos = k;
@@ -473,7 +618,7 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, std::string* out) {
   out->push_back('\x03');
   for (int32_t i = 0; i < n; ++i) {
     if (i) out->push_back('\x01');
-    out->append(graph.node(i).name());
+    out->append(views.name[i].data(), views.name[i].size());
   }
   out->push_back('\x03');
   AppendJoined(op_order, out);
@@ -590,18 +735,37 @@ bool HasNoFloat(const tensorflow::GraphDef& graph) {
 // (`patch` parsed already; its nodes are moved into *out)
 bool AssembleParsedPatch(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
                          tensorflow::GraphDef& patch, tensorflow::GraphDef* out,
-                         std::string* error) {
+                         std::string* error, tensorflow::GraphDef* movable = nullptr) {
   out->Clear();
   out->mutable_node()->Reserve(static_cast<int>(order.size()));
   int next = 0;
   const int n_base = base.node_size();
+  if (movable != nullptr) {
+    // (issue 17r) the base nodes are moved, not copied, only when the patch
+    // fits: every index in range, none twice, as many new nodes as the
+    // patch holds (a failure below must leave `movable` whole)
+    std::vector<char> used(n_base, 0);
+    int fresh = 0;
+    for (const int32_t k : order) {
+      if (k >= n_base || (k >= 0 && used[k]++)) {
+        movable = nullptr;
+        break;
+      }
+      if (k < 0) ++fresh;
+    }
+    if (fresh != patch.node_size()) movable = nullptr;
+  }
   for (const int32_t k : order) {
     if (k >= 0) {
       if (k >= n_base) {
         *error = "the patch names a node the graph does not have";
         return false;
       }
-      *out->add_node() = base.node(k);
+      if (movable != nullptr) {
+        out->add_node()->Swap(movable->mutable_node(k));
+      } else {
+        *out->add_node() = base.node(k);
+      }
     } else {
       if (next >= patch.node_size()) {
         *error = "the patch holds fewer nodes than its order needs";
@@ -691,6 +855,14 @@ NPU_AMP_EXPORT void NpuAmpWritePatch(void* sink, const int32_t* order, size_t n,
   s->patch_order.assign(order, order + n);
   s->patch.assign(data, len);
   s->has_patch = true;
+}
+
+// (issue 17r) The sink's flags (kFlag*): kFlagMoveItemNodes lets the patch
+// written to it move the item's unchanged nodes into grappler's output
+// instead of copying them (see Optimize); kFlagIndexFromBytes builds
+// NpuAmpItemIndex from the item's serialized bytes (ViewsOfBytes).
+NPU_AMP_EXPORT void NpuAmpSinkFlags(void* sink, int flags) {
+  static_cast<Sink*>(sink)->flags = flags;
 }
 
 // AssemblePatch offline, for tests: `graph` a serialized GraphDef; writes the
@@ -787,7 +959,15 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
   *data = nullptr;
   *len = 0;
   if (s == nullptr || s->item == nullptr) return 1;
-  if (!GraphIndexText(s->item->graph, &s->index)) return 1;
+  const int64_t t0 = ThreadCpuNs();
+  GraphViews views;
+  if (!(s->flags & kFlagIndexFromBytes) || !ViewsOfBytes(s->graph_bytes, &views)) {
+    views = GraphViews();
+    ViewsOfGraph(s->item->graph, &views);
+  }
+  const bool ok = GraphIndexText(s->item->graph, views, &s->index);
+  g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
+  if (!ok) return 1;
   *data = s->index.data();
   *len = s->index.size();
   return 0;
@@ -795,17 +975,30 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
 
 // The same for a serialized GraphDef (offline use).  The bytes stay valid
 // until the next call on the same thread.
-NPU_AMP_EXPORT int NpuAmpGraphIndex(const char* graph, size_t graph_len, const char** data,
-                                    size_t* len) {
+// (issue 17r: NpuAmpGraphIndexFlags with kFlagIndexFromBytes reads the names,
+// ops and inputs from the bytes, as NpuAmpItemIndex does; the same index.)
+NPU_AMP_EXPORT int NpuAmpGraphIndexFlags(const char* graph, size_t graph_len, int flags,
+                                         const char** data, size_t* len) {
   thread_local std::string buf;
   *data = nullptr;
   *len = 0;
   tensorflow::GraphDef gd;
   if (!gd.ParseFromArray(graph, static_cast<int>(graph_len))) return 1;
-  if (!GraphIndexText(gd, &buf)) return 1;
+  GraphViews views;
+  if (!(flags & kFlagIndexFromBytes) ||
+      !ViewsOfBytes(std::string_view(graph, graph_len), &views)) {
+    views = GraphViews();
+    ViewsOfGraph(gd, &views);
+  }
+  if (!GraphIndexText(gd, views, &buf)) return 1;
   *data = buf.data();
   *len = buf.size();
   return 0;
+}
+
+NPU_AMP_EXPORT int NpuAmpGraphIndex(const char* graph, size_t graph_len, const char** data,
+                                    size_t* len) {
+  return NpuAmpGraphIndexFlags(graph, graph_len, 0, data, len);
 }
 
 // The OpDef guard's pre-check (issue 17m, opdef_precheck.cc) on the graph
@@ -819,6 +1012,10 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
                                            size_t broken_len, const char* device) {
   auto* s = static_cast<Sink*>(sink);
   if (s == nullptr || s->item == nullptr) return npu_amp_tf::kPrecheckUnable;
+  struct Timer {
+    int64_t t0 = ThreadCpuNs();
+    ~Timer() { g_step_ns[kStepPrecheck].fetch_add(ThreadCpuNs() - t0); }
+  } timer;
   s->has_checked = false;
   s->checked.Clear();
   if (!s->checked.ParseFromArray(data, static_cast<int>(len))) return npu_amp_tf::kPrecheckUnable;
@@ -879,6 +1076,13 @@ NPU_AMP_EXPORT int NpuAmpKahnOrder(int32_t n, const int32_t* counts, const int32
   return tail;
 }
 
+// The step timings of the last Optimize() that called Python (see Step):
+// writes min(n, kStepCount) values (thread CPU ns) to out, returns kStepCount.
+NPU_AMP_EXPORT int NpuAmpStepTimes(int64_t* out, int n) {
+  for (int k = 0; k < n && k < kStepCount; ++k) out[k] = g_step_ns[k].load();
+  return kStepCount;
+}
+
 // Optimize() calls answered without calling Python: kind 0 = a graph seen
 // before (our own output, or left unchanged), 1 = tf.data function, 2 = no float.
 NPU_AMP_EXPORT uint64_t NpuAmpSkipCount(int kind) {
@@ -935,15 +1139,18 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       g_skip_tf_data.fetch_add(1);
       return errors::Aborted("NpuAmpOptimizer: tf.data function '", item.id, "' left unchanged");
     }
+    const int64_t t_start = ThreadCpuNs();
     if (HasNoFloat(item.graph)) {
       g_skip_no_float.fetch_add(1);
       return errors::Aborted("NpuAmpOptimizer: graph '", item.id, "' has no float tensors");
     }
+    const int64_t t_nofloat = ThreadCpuNs();
     std::string graph_bytes;
     if (!SerializeToStringDeterministic(item.graph, &graph_bytes)) {
       return errors::Internal("NpuAmpOptimizer: cannot serialize the GraphDef of item '",
                               item.id, "'");
     }
+    const int64_t t_serialize = ThreadCpuNs();
     std::vector<std::string> preserve_list;
     for (const auto& n : item.NodesToPreserve()) preserve_list.push_back(n);
     std::sort(preserve_list.begin(), preserve_list.end());
@@ -977,14 +1184,23 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
 
     Sink sink;
     sink.item = &item;
+    sink.graph_bytes = graph_bytes;
+    for (auto& t : g_step_ns) t.store(0);
+    g_step_ns[kStepNoFloat].store(t_nofloat - t_start);
+    g_step_ns[kStepSerialize].store(t_serialize - t_nofloat);
+    const int64_t t_context = ThreadCpuNs();
+    g_step_ns[kStepContext].store(t_context - t_serialize);
     g_in_flight.fetch_add(1);
     const int rc = cb(&sink, graph_bytes.data(), graph_bytes.size(), config_bytes_.data(),
                       config_bytes_.size(), fetch.c_str(), preserve.c_str(), devices.c_str(),
                       item.id.c_str());
     g_in_flight.fetch_sub(1);
     sink.item = nullptr;
+    sink.graph_bytes = std::string_view();
     graph_bytes.clear();
     graph_bytes.shrink_to_fit();
+    const int64_t t_callback = ThreadCpuNs();
+    g_step_ns[kStepCallback].store(t_callback - t_context);
 
     if (rc == 1 || rc == 3) {
       if (rc == 1) Remember(fp_in);
@@ -1000,8 +1216,16 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       // (the patch the OpDef pre-check parsed, when it is the one written)
       const bool checked = sink.has_checked && sink.checked_order == sink.patch_order &&
                            sink.checked_bytes == sink.patch;
+      // (issue 17r) the item's nodes the patch keeps are moved into the
+      // output, not copied, when Python asked for it (bridge.MOVE_ITEM_NODES):
+      // grappler's MetaOptimizer::RunOptimizer hands us its own working
+      // item, and on success it only reads the item's node and edge counts
+      // for its log line (the edges of the moved nodes then count as 0)
+      // before replacing the item's graph with ours.
+      GraphDef* movable =
+          (sink.flags & kFlagMoveItemNodes) ? const_cast<GraphDef*>(&item.graph) : nullptr;
       if (!(checked ? AssembleParsedPatch(item.graph, sink.patch_order, sink.checked,
-                                          optimized_graph, &why)
+                                          optimized_graph, &why, movable)
                     : AssemblePatch(item.graph, sink.patch_order, sink.patch, optimized_graph,
                                     &why))) {
         return errors::Internal("NpuAmpOptimizer: the Python bridge returned a patch that does "
@@ -1011,6 +1235,8 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       return errors::Internal("NpuAmpOptimizer: the Python bridge returned bytes that do not "
                               "parse as a GraphDef for graph '", item.id, "'");
     }
+    const int64_t t_assemble = ThreadCpuNs();
+    g_step_ns[kStepAssemble].store(t_assemble - t_callback);
     // mark our output: grappler's next iteration hands it back
     if (auto* marker = MarkerNode(optimized_graph, preserve_list)) {
       (*marker->mutable_attr())[kDoneAttr].set_i(mark);
@@ -1022,6 +1248,9 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
         Remember(Fingerprint(out_bytes, context));
       }
     }
+    const int64_t t_mark = ThreadCpuNs();
+    g_step_ns[kStepMark].store(t_mark - t_assemble);
+    g_step_ns[kStepTotal].store(t_mark - t_start);
     return OkStatus();
   }
 

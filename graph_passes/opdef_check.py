@@ -190,9 +190,16 @@ def nodes_to_check(after: Graph, changed) -> tuple[set[str], set[str]]:
     return names, edges
 
 
+def _given(graph):
+    """``graph``, or what it gives when it is a callable (new_problems's ``before``)."""
+    return graph() if callable(graph) else graph
+
+
 def new_problems(before, after, default_device: str = "CPU", changed=None,
                  precheck=None) -> list[str]:
-    """Problems of ``after`` that ``before`` did not have (both Graph or GraphDef).
+    """Problems of ``after`` that ``before`` did not have (both Graph or GraphDef;
+    ``before`` may also be a callable giving it, called only when ``after``
+    has problems: issue 17r, the input graph parsed again only then).
 
     ``changed``: the names of the nodes of ``after`` that may differ from
     ``before`` (``after.changed_nodes()``, ``after`` a Graph built from
@@ -222,7 +229,7 @@ def new_problems(before, after, default_device: str = "CPU", changed=None,
             if not now:
                 return []
             names, edges = nodes_to_check(after, changed)
-            old = set(graph_problems(before, default_device, names, edges))
+            old = set(graph_problems(_given(before), default_device, names, edges))
             return [p for p in now if p not in old]
         names, edges = nodes_to_check(after, changed)
         if not edges:
@@ -230,7 +237,7 @@ def new_problems(before, after, default_device: str = "CPU", changed=None,
     now = graph_problems(after, default_device, names, edges)
     if not now:
         return []
-    old = set(graph_problems(before, default_device, names, edges))
+    old = set(graph_problems(_given(before), default_device, names, edges))
     return [p for p in now if p not in old]
 
 

@@ -144,6 +144,16 @@ def library():
                 lib.NpuAmpKahnOrder.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
                 lib.NpuAmpKahnOrder.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpSinkFlags"):  # (issue 17r)
+                lib.NpuAmpSinkFlags.argtypes = [ctypes.c_void_p, ctypes.c_int]
+                lib.NpuAmpSinkFlags.restype = None
+                lib.NpuAmpGraphIndexFlags.argtypes = [
+                    ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                    ctypes.POINTER(ctypes.c_size_t)]
+                lib.NpuAmpGraphIndexFlags.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpStepTimes"):  # (issue 17r)
+                lib.NpuAmpStepTimes.argtypes = [ctypes.c_void_p, ctypes.c_int]
+                lib.NpuAmpStepTimes.restype = ctypes.c_int
             lib.NpuAmpSkipCount.argtypes = [ctypes.c_int]
             lib.NpuAmpSkipCount.restype = ctypes.c_uint64
             lib.NpuAmpClearSeen.restype = None
@@ -201,9 +211,10 @@ def last_reports(n: int | None = None) -> list[dict]:
     Each record: ``{"graph": item id, "status": "rewritten" | "unchanged" |
     "cached" | "invalid_options" | "pass_failed" | "error", "time_s": ... (wall),
     "cpu_s": ... (this thread's CPU time: wall time on a loaded machine counts
-    the neighbours too), "bridge_s": ... (parsing the graph; the output is
-    serialized inside the pipeline), "nodes": ..., "report": Report.to_json() or None,
-    "error": message or None}``."""
+    the neighbours too), "bridge_s": ... (parsing the graph here: ~0 with
+    ``pipeline.OWN_PARSE``, where the pipeline parses it in its "graph" stage;
+    the output is serialized inside the pipeline), "nodes": ...,
+    "report": Report.to_json() or None, "error": message or None}``."""
     with _lock:
         items = list(_reports)
     items = items if n is None else items[-n:]
@@ -244,6 +255,30 @@ def stats() -> dict:
                 if n:
                     out[kind] = n
         return out
+
+
+#: the C++ optimizer's steps, in NpuAmpStepTimes's order (grappler_bridge.cc, Step)
+STEPS = ("no_float", "serialize", "context", "callback", "index", "precheck", "assemble", "mark",
+         "total")
+
+
+def step_times() -> dict:
+    """Thread CPU seconds of each C++ step of the last ``NpuAmpOptimizer::Optimize``
+    that called Python (issue 17r): ``no_float`` (the float-type scan),
+    ``serialize`` (the item's GraphDef to bytes), ``context`` (fetch /
+    preserve / devices, the done mark, the fingerprint), ``callback`` (the
+    whole Python callback: ctypes, GIL, :func:`handle`, writing the result),
+    ``index`` and ``precheck`` (the C++ index and OpDef pre-check, called
+    inside the callback), ``assemble`` (the patch or bytes into grappler's
+    output GraphDef), ``mark`` (marking the output), ``total`` (the whole
+    ``Optimize``: grappler's own timer minus what happens before and after);
+    {} without the library or the function."""
+    fn = getattr(_lib, "NpuAmpStepTimes", None) if _lib is not None else None
+    if fn is None:
+        return {}
+    buf = array.array("q", bytes(8 * len(STEPS)))
+    fn(buf.buffer_info()[0], len(STEPS))
+    return {k: v / 1e9 for k, v in zip(STEPS, buf)}
 
 
 # ---------------------------------------------------------------------------
@@ -287,16 +322,18 @@ def item_shape_source(sink):
     return _ItemShapes(sink)
 
 
-def graph_shape_source(graph_def):
+def graph_shape_source(graph_def, data: bytes | None = None):
     """Lazy shape source for an offline GraphDef: the same C++ inference, or
     None when the custom-op library is not loaded (the engine then uses
-    ``graph_passes._tf.grappler_op_properties``)."""
+    ``graph_passes._tf.grappler_op_properties``).  ``data``: the GraphDef's
+    serialized bytes instead of ``graph_def`` (issue 17r: a graph the
+    pipeline rewrote in place after parsing those bytes)."""
     if _lib is None:
         return None
 
     def source():
-        data = graph_def.SerializeToString()
-        return _shapes_call(_lib.NpuAmpGraphShapes, data, len(data))
+        b = data if data is not None else graph_def.SerializeToString()
+        return _shapes_call(_lib.NpuAmpGraphShapes, b, len(b))
     return source
 
 
@@ -327,11 +364,16 @@ def graph_index(graph_def, data=None):
     6.2k nodes: 44 vs 46 ms), and it carries the per-node signature classes
     the precision pass reads instead of NodeDef attrs (pipeline.optimize uses
     it offline by default); None when the library is not loaded or cannot."""
-    fn = getattr(_lib, "NpuAmpGraphIndex", None) if _lib is not None else None
-    if fn is None:
+    if _lib is None:
         return None
     if data is None:
         data = graph_def.SerializeToString()
+    fn = getattr(_lib, "NpuAmpGraphIndexFlags", None)
+    if fn is not None:
+        return _index_call(fn, data, len(data), 2 if INDEX_FROM_BYTES else 0)
+    fn = getattr(_lib, "NpuAmpGraphIndex", None)
+    if fn is None:
+        return None
     return _index_call(fn, data, len(data))
 
 
@@ -450,6 +492,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         if getattr(_tls, "active", False):
             return RC_NOT_NOW  # a pass itself ran a TF function: do not recurse
         _tls.active = True
+        if hasattr(_lib, "NpuAmpSinkFlags"):
+            _lib.NpuAmpSinkFlags(sink, _sink_flags())
         shapes = item_shape_source(sink)
         try:
             graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
@@ -479,6 +523,24 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         _report_error(sink, exc)
         _redeliver(exc)
         return RC_ERROR
+
+
+#: (issue 17r) the C++ side assembles a patch by moving the item's unchanged
+#: nodes into grappler's output instead of copying them (grappler discards
+#: its working item's graph once an optimizer succeeds; ~9 ms of grappler's
+#: time on the Keras ResNet-50 training graph); False: copied (the reference;
+#: the same output bytes)
+MOVE_ITEM_NODES = True
+#: (issue 17r) the C++ index (:func:`item_index`, :func:`graph_index`) reads
+#: node names, ops and inputs from the serialized bytes in one sequential
+#: pass instead of from the parsed GraphDef's scattered strings; False: from
+#: the parsed GraphDef (the reference; the same index bytes)
+INDEX_FROM_BYTES = True
+
+
+def _sink_flags() -> int:
+    """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES."""
+    return (1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
 
 
 def _patch_fn():
@@ -633,26 +695,36 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         code, out = cached
         return _finish(entry, "cached", t0, None, out=out or None, code=code)
 
-    t_parse = time.perf_counter()
-    gd = graph_pb2.GraphDef.FromString(graph_bytes)
-    parse_s = time.perf_counter() - t_parse
-    if _has_poison(gd, graph_bytes):
-        return _finish(entry, "unchanged", t0, None, gd=gd, code=RC_UNCHANGED)
-
-    # 3. the pipeline
     from . import pipeline
 
+    t_parse = time.perf_counter()
+    # (issue 17r) pipeline.OWN_PARSE: the pipeline parses the bytes itself and
+    # rewrites that parse in place; the GraphDef here is parsed only when a
+    # path below needs the input graph (errors, an unchanged result)
+    own = pipeline.OWN_PARSE
+    original = _Parsed(graph_bytes)
+    if not own:
+        original()
+    parse_s = time.perf_counter() - t_parse
+    if _has_poison(original, graph_bytes):
+        return _finish(entry, "unchanged", t0, None, gd=original(), code=RC_UNCHANGED)
+    gd = None if own else original()
+
+    # 3. the pipeline
     try:
         out, report, nodes = pipeline.optimize_serialized(
-            gd, options, fetches=fetches, preserve=preserve, devices=devices, graph_name=item_id,
-            shapes=shapes, index=index, patch=patch, opdef_precheck=opdef_precheck)
+            graph_bytes if own else gd, options, fetches=fetches, preserve=preserve, devices=devices,
+            graph_name=item_id, shapes=shapes, index=index, patch=patch,
+            opdef_precheck=opdef_precheck)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)
+        gd = original()
         out = poison(gd, msg, fetches, devices, PASS_FAILED_NODE)
         return _finish(entry, "pass_failed", t0, msg, out=out, gd=gd)
     except Exception as exc:  # noqa: BLE001 - a bug outside any pass
         msg = f"npu_amp_tf: the pass pipeline failed on graph '{item_id}': {type(exc).__name__}: {exc}"
+        gd = original()
         if options.fail_on_error:
             log.error("%s", msg)
             out = poison(gd, msg, fetches, devices, PASS_FAILED_NODE)
@@ -663,7 +735,8 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     # the Report itself: last_reports() / report_path turn it into JSON, which
     # computes its deferred shape-based figures only then
     if isinstance(shapes, _ItemShapes):
-        shapes.fallback = graph_shape_source(gd)
+        shapes.fallback = graph_shape_source(gd) if gd is not None else \
+            graph_shape_source(None, graph_bytes)
     entry["report"] = rep = report
     failed = report.raw_summary.get("failed_pass")
     if failed:
@@ -671,12 +744,13 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         # pipeline already logged "pass '<p>' at node '<n>': ...; the graph is left unchanged"
         msg = report.warnings[-1]["message"] if report.warnings else f"pass '{failed}' failed"
         _remember(key, RC_UNCHANGED, b"")
-        return _finish(entry, "pass_failed_kept", t0, msg, gd=gd, code=RC_UNCHANGED)
+        return _finish(entry, "pass_failed_kept", t0, msg, gd=original(), code=RC_UNCHANGED)
     # byte comparison with graph_bytes is useless here: C++ and Python order
     # map keys differently; message equality costs ~40 ms on a 9k-node graph,
     # so count nodes first
     # (a patch only comes with a changed node count)
-    if nodes == len(gd.node) and isinstance(out, bytes) and graph_pb2.GraphDef.FromString(out) == gd:
+    if (isinstance(out, bytes) and nodes == len(original().node)
+            and graph_pb2.GraphDef.FromString(out) == original()):
         _remember(key, RC_UNCHANGED, b"")
         entry["bridge_s"] = parse_s
         # (grappler's repeated call on our own output: keep the file of the call that rewrote it)
@@ -728,12 +802,31 @@ def _write_report_file(options, item_id, rep):
 # ---------------------------------------------------------------------------
 # delivering an error through the graph
 # ---------------------------------------------------------------------------
+class _Parsed:
+    """The GraphDef serialized in ``data``, parsed when first called (issue 17r)."""
+
+    __slots__ = ("data", "_gd")
+
+    def __init__(self, data: bytes):
+        self.data, self._gd = data, None
+
+    def __call__(self):
+        if self._gd is None:
+            from tensorflow.core.framework import graph_pb2
+
+            self._gd = graph_pb2.GraphDef.FromString(self.data)
+        return self._gd
+
+
 def _has_poison(gd, data: bytes | None = None) -> bool:
-    """Does ``gd`` hold one of our error nodes?  (``data``: its bytes; without
-    the op's name in them it cannot, which a substring search of the bytes
-    answers at once instead of visiting every node.)"""
+    """Does ``gd`` (a GraphDef, or a callable giving it) hold one of our error
+    nodes?  (``data``: its bytes; without the op's name in them it cannot,
+    which a substring search of the bytes answers at once instead of
+    visiting every node.)"""
     if data is not None and RAISE_OP.encode() not in data:
         return False
+    if callable(gd):
+        gd = gd()
     return any(n.name in _POISON_NODES and n.op == RAISE_OP for n in gd.node)
 
 
