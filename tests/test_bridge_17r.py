@@ -27,9 +27,10 @@ import pytest
 from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 from tensorflow.python.grappler import tf_optimizer
 
-from graph_passes.graph import GraphPatch
+from graph_passes.graph import GraphPatch, _varint
 from npu_amp_tf import bridge, pipeline
 from test_precision_core import GRAPHS, _build
+from test_precision_fast import _strip_times
 from test_speed_paths import plugin_only_grappler
 
 F32 = types_pb2.DT_FLOAT
@@ -45,17 +46,6 @@ def switches(monkeypatch):
         monkeypatch.setattr(bridge, "MOVE_ITEM_NODES", on)
         monkeypatch.setattr(pipeline, "OWN_PARSE", on)
     return set_
-
-
-def _strip_times(obj):
-    """A report without its timings (keys ending in ``_s``) and the fields that say
-    how it was computed (as tests/test_precision_fast.py compares reports)."""
-    if isinstance(obj, dict):
-        return {k: _strip_times(v) for k, v in obj.items()
-                if not (k.endswith("_s") or k in ("shapes_inferred_in_pipeline", "precision_paint"))}
-    if isinstance(obj, list):
-        return [_strip_times(v) for v in obj]
-    return obj
 
 
 def _both_indexes(data, switches):
@@ -93,14 +83,7 @@ def _gd(*nodes):
 
 def _field(num, payload: bytes) -> bytes:
     """A length-delimited wire field."""
-    def varint(x):
-        out = bytearray()
-        while x >= 0x80:
-            out.append((x & 0x7F) | 0x80)
-            x >>= 7
-        out.append(x)
-        return bytes(out)
-    return varint((num << 3) | 2) + varint(len(payload)) + payload
+    return _varint((num << 3) | 2) + _varint(len(payload)) + payload
 
 
 def test_index_from_bytes_follows_the_parsers_rules_on_unusual_wire_bytes(switches):

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import npu_amp_tf
 from graph_passes.fusion import builtin
-from test_fusion_skip import keras_transformer_block_training_graph
+from test_fusion_skip import keras3_transformer_training_graph, keras_transformer_block_training_graph
 from test_precision_fast import _strip_times
 from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph
 
@@ -83,27 +83,7 @@ def test_keras2_transformer_block(k2, monkeypatch):
 
 
 def test_keras3_transformer_layer_norm_training_step(monkeypatch):
-    keras = pytest.importorskip("keras")
-    if int(keras.__version__.split(".")[0]) < 3:
-        pytest.skip(f"Keras 3 is not installed for TensorFlow {tf.__version__}")
-    keras.utils.set_random_seed(0)
-    inp = keras.Input((8, 16))
-    att = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(inp, inp)
-    h = keras.layers.LayerNormalization()(inp + att)
-    f = keras.layers.Dense(16)(keras.layers.Dense(32, activation="gelu")(h))
-    out = keras.layers.LayerNormalization()(h + f)
-    model = keras.Model(inp, keras.layers.Dense(4)(keras.layers.Flatten()(out)))
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-        return [loss] + tape.gradient(loss, model.trainable_variables)
-
-    gd = step.get_concrete_function(tf.TensorSpec([2, 8, 16], tf.float32, name="x"),
-                                    tf.TensorSpec([2, 4], tf.float32, name="y")).graph.as_graph_def()
-    fetches = [n.name for n in gd.node if n.op == "Identity" and n.name.startswith("Identity")]
-    assert fetches and any(n.op == "Rsqrt" for n in gd.node)
+    gd, fetches = keras3_transformer_training_graph()
     assert_same(monkeypatch, gd, fetches)
 
 

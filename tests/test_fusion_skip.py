@@ -101,6 +101,34 @@ def test_slim_resnet_v1_50_skips_equal_reference(monkeypatch):
     assert_skips_change_nothing(monkeypatch, gd, fetches, ("bf16", "bf16_l3"))
 
 
+def keras3_transformer_training_graph():
+    """A post-LN Keras 3 transformer layer (MultiHeadAttention, two
+    LayerNormalization, GELU feed-forward) and its gradients in one
+    ``tf.function`` step: (GraphDef, fetches).  Skips the test without Keras 3."""
+    keras = pytest.importorskip("keras")
+    if int(keras.__version__.split(".")[0]) < 3:
+        pytest.skip(f"Keras 3 is not installed for TensorFlow {tf.__version__}")
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 16))
+    att = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(inp, inp)
+    h = keras.layers.LayerNormalization()(inp + att)
+    f = keras.layers.Dense(16)(keras.layers.Dense(32, activation="gelu")(h))
+    out = keras.layers.LayerNormalization()(h + f)
+    model = keras.Model(inp, keras.layers.Dense(4)(keras.layers.Flatten()(out)))
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        return [loss] + tape.gradient(loss, model.trainable_variables)
+
+    gd = step.get_concrete_function(tf.TensorSpec([2, 8, 16], tf.float32, name="x"),
+                                    tf.TensorSpec([2, 4], tf.float32, name="y")).graph.as_graph_def()
+    fetches = [n.name for n in gd.node if n.op == "Identity" and n.name.startswith("Identity")]
+    assert fetches and any(n.op == "Rsqrt" for n in gd.node)
+    return gd, fetches
+
+
 def keras_transformer_block_training_graph(k, batch=2, seq=8, d=16, heads=2):
     """A post-LN Keras 2 transformer block (MultiHeadAttention, two
     LayerNormalization, GELU feed-forward) trained by Adam, as a TF1 graph."""
