@@ -240,7 +240,7 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         # (every node with validate_graph=True, or after an untracked pass)
         changed = None if options.validate_graph else graph.changed_nodes()
         dev = ctx.default_device_type()
-        problems = _opdef_check.new_problems(original if own else graph_def, graph, dev, changed,
+        problems = _opdef_check.new_problems(original, graph, dev, changed,
                                              _precheck(opdef_precheck, out, data, dev))
         stages["opdef_check"] = cpu() - c0
         if problems:
