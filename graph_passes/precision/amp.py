@@ -183,6 +183,14 @@ class PrecisionPass(Pass):
     #: the registry per node.  False runs 17l's per-node build (the A/B
     #: reference; both give the Python loops' graph and report)
     native_batch = True
+    #: (issue 17t) with ``native_batch``: the native result applied from its
+    #: columns (numpy selections, a Python statement per re-typed node and
+    #: per warning), and the painted nodes' report entries written from its
+    #: rows when the report's decisions are first read
+    #: (``Report.defer_decisions``) instead of built as dicts in every run.
+    #: False runs 17n's ``native._apply`` (the A/B reference; the same graph
+    #: and, once read, the same report: tests/test_precision_bulk.py)
+    bulk_apply = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -221,6 +229,9 @@ class PrecisionPass(Pass):
         self._const_wants = None
         #: (the same) the painted nodes in the low dtype after painting (_finish)
         self._painted_low = None
+        #: (issue 17t, bulk_apply) the painted nodes' report entries, as the
+        #: native result's rows (native._Entries), written when read
+        self._entries = None
         self.casts_inserted = 0
         self.copy_reads = 0
         self._contested = set()  # painted low although an FP32 producer voted against
@@ -1316,7 +1327,19 @@ class PrecisionPass(Pass):
             if node.op in _stats.MATRIX_OPS:
                 matrix.append((node, low))
         redo = [n for n in self.touched if n in g.nodes] + list(self.new_casts)
-        if self.fast_paths and type(rep).decide is Report.decide:
+        entries = self._entries
+        if entries is not None:
+            # (issue 17t) the painted nodes' entries from the native rows, before
+            # the others (the order _apply's dict gives), when the report is read
+            write = functools.partial(_write_entries, entries, self.decisions)
+            if type(rep).decide is Report.decide:
+                rep.defer_decisions(write)
+            else:
+                tmp = {}
+                write(tmp)
+                for n, fields in tmp.items():
+                    rep.decide(n, **fields)
+        elif self.fast_paths and type(rep).decide is Report.decide:
             # (issue 17j) Report.decide inline: no call and no keyword dict per decision
             get = rep.decisions.setdefault
             for n, fields in self.decisions.items():
@@ -1339,6 +1362,25 @@ class PrecisionPass(Pass):
         stats = dict(summary, nodes_changed=changed)
         rep.defer(functools.partial(_shape_figures, g, shapes, before, matrix, redo, stats))
         return stats
+
+
+def _write_entries(entries, extra, decisions):
+    """(issue 17t) Write the precision pass's decisions into a report's
+    ``decisions`` as ``_finish`` does with the dict ``native._apply`` starts:
+    the native rows (``entries``, topological order), an entry the later
+    steps replaced (``extra``: ``_record`` of a re-targeted Cast) in its
+    place, then ``extra``'s other entries in their order."""
+    get = decisions.setdefault
+    seen = set()
+    add = seen.add
+    xget = extra.get
+    for name, fields in entries.items():
+        add(name)
+        ov = xget(name)
+        get(name, {}).update(fields if ov is None else ov)
+    for n, fields in extra.items():
+        if n not in seen:
+            get(n, {}).update(fields)
 
 
 class _Snapshot:
