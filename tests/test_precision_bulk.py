@@ -195,14 +195,21 @@ def test_the_deferred_entries_are_not_built_in_the_pass(monkeypatch):
     assert built == [1]
 
 
-@pytest.mark.parametrize("fault", ["demote", "voter", "order"])
+@pytest.mark.parametrize("fault", ["demote", "voter", "order", "cast_order"])
 def test_a_planted_fault_is_caught(k2, monkeypatch, fault):
+    from graph_passes.graph import Graph
+
+    if fault == "cast_order":  # the batch's casts added in reverse
+        orig_rewire = Graph.add_and_rewire
+        monkeypatch.setattr(Graph, "add_and_rewire", lambda self, steps: orig_rewire(self, steps[::-1]))
     orig = native_mod._Entries.items
 
     def items(self):
         out = list(orig(self))
         if fault == "demote":
             out = [(n, dict(f, reason=f["reason"].replace("kept FP32", "kept fp32"))) for n, f in out]
+        elif fault == "cast_order":
+            pass
         elif fault == "voter":
             out = [(n, dict(f, reason=f["reason"].replace("followed producer '", "followed '"))) for n, f in out]
         else:
@@ -213,3 +220,41 @@ def test_a_planted_fault_is_caught(k2, monkeypatch, fault):
     gd, fetches = _graph("keras_resnet50_training", k2)
     with pytest.raises(AssertionError):
         assert_bulk_equals_reference(monkeypatch, gd, fetches, MODES["fp16"])
+
+
+def test_fp16_copy_reads_between_casts(monkeypatch):
+    """``keep_fp16_copies``: the FP16 copy reads the pass adds while it
+    inserts casts land in the graph in the reference's order (the batch is
+    flushed before each)."""
+    import numpy as np
+    import tensorflow as tf
+
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [4, 3], name="x")
+        y = tf1.placeholder(tf.int32, [4], name="y")
+        h = x
+        for i in range(3):
+            w = tf1.get_variable(f"w{i}", initializer=np.full((3, 3), 0.1 * (i + 1), np.float32),
+                                 use_resource=True)
+            h = tf.nn.relu(tf.matmul(h, w, name=f"mm{i}") + tf.reduce_sum(x, name=f"sx{i}"), name=f"act{i}")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h), name="loss")
+        opt = npu_amp_tf.AMP_Optimizer(tf1.train.GradientDescentOptimizer(0.5), keep_fp16_copies=True)
+        train = opt.minimize(loss).name
+        tf.group(tf1.global_variables_initializer(), name="init_global")
+        tf.group(tf1.local_variables_initializer(), name="init_local")
+    from graph_passes.graph import Graph
+
+    calls = []
+    orig = Graph.add_and_rewire
+
+    def add_and_rewire(self, steps):
+        calls.append(len(steps))
+        return orig(self, steps)
+
+    monkeypatch.setattr(Graph, "add_and_rewire", add_and_rewire)
+    rep = assert_bulk_equals_reference(monkeypatch, g.as_graph_def(),
+                                       ["loss", train, "init_global", "init_local"], MODES["fp16"])
+    assert rep["summary"]["fp16_copy_reads"] == 3
+    assert len(calls) >= 2, calls  # (a batch was flushed before a copy read)
