@@ -231,6 +231,9 @@ class PrecisionPass(Pass):
         #: float input of another float dtype than they want after painting
         #: (custom_ops/precision_paint.cc): the only ones _fix_edges visits
         self._mismatch = None
+        #: (issue 17t, bulk_apply) name -> which of its inputs mismatch (bit k:
+        #: input k < 30; bit 30: any from 30 on), for _fix_edges_bulk
+        self._mismatch_inputs = None
         #: (the same) (name -> node index, per node index the bit mask of the
         #: dtypes a Const's readers want, -1: unknown) for _convert_consts
         self._const_wants = None
@@ -1132,13 +1135,22 @@ class PrecisionPass(Pass):
         taken = set()  # names given to casts not added yet
         templates = {}
         cast_op = _NodeDef
+        masks = self._mismatch_inputs
         for name in visit:
             node = nodes[name]
             want = in_dtypes(node)
             if want is None:
                 continue
             ins = node.input
-            for k in range(min(len(want), len(ins))):
+            m = min(len(want), len(ins))
+            if masks is not None:  # (only the inputs the native painting listed)
+                bits = masks[name]
+                ks = [k for k in range(min(m, 30)) if bits >> k & 1]
+                if bits >> 30 & 1:
+                    ks.extend(range(30, m))
+            else:
+                ks = range(m)
+            for k in ks:
                 inp = ins[k]
                 if inp[:1] == "^":
                     continue

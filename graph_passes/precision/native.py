@@ -19,11 +19,12 @@ Postconditions (when :func:`paint` returns a count): the pass's nodes,
 report's warnings are what the three Python loops leave, in the same order.
 
 What crosses (``ints``, int32, length-prefixed sections after a header
-``[version 2, n nodes, k classes, low dtype]``; back: ``OUT_WIDTH`` ints per
+``[version 3, n nodes, k classes, low dtype]``; back: ``OUT_WIDTH`` ints per
 node, the decision codes (see custom_ops/precision_paint.cc ``enum Out``),
 then (format 2, issue 17n) whether a float data input has another float
 dtype than the node wants after the loops (``_fix_edges`` visits only
-those) and, per Const, the bit mask of the dtypes its output-0 readers want
+those; format 3, issue 17t: which ones, bit k for input k < 30, bit 30 for
+any from 30 on) and, per Const, the bit mask of the dtypes its output-0 readers want
 or -1 (``_convert_consts``)):
 
 * the topological order (node indices; nodes are numbered in graph order);
@@ -58,7 +59,7 @@ from .. import registry
 from . import lists as _lists
 from . import planner as _planner
 
-VERSION = 2
+VERSION = 3
 OUT_WIDTH = 18
 (O_DECIDED, O_TARGET, O_STATE, O_BASE, O_VOTER, O_REFUSE, O_REFUSE_CONST, O_F32FAIL, O_DEMOTED,
  O_DEMOTE_F32, O_DEMOTE_LOW, O_FOLLOWED, O_GO, O_STAY, O_CONTESTED, O_LST,
@@ -559,7 +560,11 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec):
     final[a[pnt, O_FOLLOWED] != 0] = low
     low_types = np.array(sorted(registry.LOW_TYPES), dtype=np.int32)
     pp._painted_low = set(map(nget, pnt[np.isin(final, low_types)].tolist()))
-    pp._mismatch = set(map(nget, np.flatnonzero(a[:, O_MISMATCH]).tolist()))
+    col = a[:, O_MISMATCH]
+    hit = np.flatnonzero(col)
+    pp._mismatch = set(map(nget, hit.tolist()))
+    # (format 3) which inputs: bit k for input k < 30, bit 30 for any from 30 on
+    pp._mismatch_inputs = dict(zip(map(nget, hit.tolist()), col[hit].tolist()))
     pp._const_wants = (idx, a[:, O_CONST_WANTS].tolist())
     pp._entries = _Entries(names, sel, a[sel].copy(), cls_arr[sel].copy(),
                            [None if inf is None else inf.fixed for inf in infos],
