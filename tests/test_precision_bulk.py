@@ -195,9 +195,18 @@ def test_the_deferred_entries_are_not_built_in_the_pass(monkeypatch):
     assert built == [1]
 
 
-@pytest.mark.parametrize("fault", ["demote", "voter", "order", "cast_order", "mask"])
+@pytest.mark.parametrize("fault", ["demote", "voter", "order", "cast_order", "mask", "const_skip"])
 def test_a_planted_fault_is_caught(k2, monkeypatch, fault):
     from graph_passes.graph import Graph
+
+    if fault == "const_skip":  # every Const passed over
+        orig_conv = amp.PrecisionPass._convert_consts
+
+        def conv(self):
+            if self._const_skip is not None:
+                self._const_skip = set(self.g.nodes_of_type("Const"))
+            return orig_conv(self)
+        monkeypatch.setattr(amp.PrecisionPass, "_convert_consts", conv)
 
     if fault == "mask":  # one listed input dropped from the native mismatch masks
         orig_fix = amp.PrecisionPass._fix_edges_bulk
@@ -218,7 +227,7 @@ def test_a_planted_fault_is_caught(k2, monkeypatch, fault):
         out = list(orig(self))
         if fault == "demote":
             out = [(n, dict(f, reason=f["reason"].replace("kept FP32", "kept fp32"))) for n, f in out]
-        elif fault in ("cast_order", "mask"):
+        elif fault in ("cast_order", "mask", "const_skip"):
             pass
         elif fault == "voter":
             out = [(n, dict(f, reason=f["reason"].replace("followed producer '", "followed '"))) for n, f in out]

@@ -234,6 +234,11 @@ class PrecisionPass(Pass):
         #: (issue 17t, bulk_apply) name -> which of its inputs mismatch (bit k:
         #: input k < 30; bit 30: any from 30 on), for _fix_edges_bulk
         self._mismatch_inputs = None
+        #: (issue 17t, bulk_apply) the Consts _convert_consts would pass over
+        #: whatever their attrs (from the native Const wants and their classes'
+        #: dtypes: no reader, readers wanting two dtypes, or the one they want
+        #: not float or their own), or None
+        self._const_skip = None
         #: (the same) (name -> node index, per node index the bit mask of the
         #: dtypes a Const's readers want, -1: unknown) for _convert_consts
         self._const_wants = None
@@ -1023,7 +1028,11 @@ class PrecisionPass(Pass):
         cls = self._cls
         float_cls = {}  # (fast path) signature class of Consts -> holds a float
         cw = self._const_wants
-        for name in (g.nodes_of_type("Const") if fast else list(g.nodes)):
+        names = g.nodes_of_type("Const") if fast else list(g.nodes)
+        skip = self._const_skip
+        if skip is not None:  # (issue 17t: the constants the loop below passes over, known)
+            names = [n for n in names if n not in skip]
+        for name in names:
             node = g.nodes[name]
             if fast:  # (the same tests, the cheap one first: most constants are ints)
                 c = cls.get(name) if cls is not None else None

@@ -565,7 +565,20 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec):
     pp._mismatch = set(map(nget, hit.tolist()))
     # (format 3) which inputs: bit k for input k < 30, bit 30 for any from 30 on
     pp._mismatch_inputs = dict(zip(map(nget, hit.tolist()), col[hit].tolist()))
-    pp._const_wants = (idx, a[:, O_CONST_WANTS].tolist())
+    cw = a[:, O_CONST_WANTS]
+    pp._const_wants = (idx, cw.tolist())
+    # the Consts whose wants _convert_consts would pass over: no reader or
+    # readers wanting two dtypes, or the one wanted not float or their dtype
+    # (a Const's dtype is its class's: the loops never re-type a Const)
+    kind_c = np.frombuffer(rec, dtype=np.int32)[4::5]
+    consts = np.flatnonzero(kind_c[cls_arr] == 1)
+    m = cw[consts].astype(np.int64)
+    single = (m > 0) & ((m & (m - 1)) == 0)
+    w = np.zeros_like(m)
+    w[single] = np.log2(m[single]).astype(np.int64)
+    floats = np.array(sorted(registry.FLOAT_TYPES), dtype=np.int64)
+    convert = single & np.isin(w, floats) & (w != cur_c[cls_arr[consts]])
+    pp._const_skip = set(map(nget, consts[(m >= 0) & ~convert].tolist()))
     pp._entries = _Entries(names, sel, a[sel].copy(), cls_arr[sel].copy(),
                            [None if inf is None else inf.fixed for inf in infos],
                            [None if x is None else x[1] for x in lsts], cur_c.copy(), low_name, special)
