@@ -111,8 +111,10 @@ class Report:
 
     def _resolve_decisions(self):
         with _DECISIONS_LOCK:
-            while self._dec_pending:
-                self._dec_pending.pop(0)(self._decisions)
+            pending = self._dec_pending
+            while pending:
+                pending[0](self._decisions)
+                pending.pop(0)  # (after it ran: a reader in another thread waits on the lock)
 
     def decide(self, node: str, **fields):
         if self._dec_pending:  # (behind the deferred ones: the same order)
