@@ -257,12 +257,20 @@ def _plan_flags(plan, node, name, forced):
     return f
 
 
+#: (issue 17t) op type -> its OpDef has a ``fused_ops`` attr (registered ops only; process-wide)
+_HAS_FUSED_OPS = {}
+
+
 def _per_node_kernel(pp, node, info, low):
     """True when the kernel check of ``node``'s class depends on more than
     the class and the device string (fused ops; ops whose check reads type
     attrs the class does not fix)."""
-    od = registry.op_def(node.op)
-    pn = od is None or any(a.name == "fused_ops" for a in od.attr)
+    pn = _HAS_FUSED_OPS.get(node.op)
+    if pn is None:
+        od = registry.op_def(node.op)
+        pn = od is None or any(a.name == "fused_ops" for a in od.attr)
+        if od is not None:  # (a registered OpDef does not change; an unknown op may be registered later)
+            _HAS_FUSED_OPS[node.op] = pn
     if not pn:
         pp.kernel_ok(node, info, low)  # fills _other_types
         ent = pp._other_types.get((node.op, info.attrs))
