@@ -16,7 +16,10 @@ Preconditions: a ``PrecisionPass`` set up by ``run`` (fast paths on) in
 topological order of every node.
 Postconditions (when :func:`paint` returns a count): the pass's nodes,
 ``decisions``, ``state``, ``touched``, ``_contested``, ``_painted`` and the
-report's warnings are what the three Python loops leave, in the same order.
+report's warnings are what the three Python loops leave, in the same order
+(with ``PrecisionPass.bulk_apply``, issue 17t: ``state`` is not filled and
+the painted nodes' ``decisions`` are kept as the result's rows,
+:class:`_Entries`, written into the report when it is read).
 
 What crosses (``ints``, int32, length-prefixed sections after a header
 ``[version 3, n nodes, k classes, low dtype]``; back: ``OUT_WIDTH`` ints per
