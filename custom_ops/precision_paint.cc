@@ -36,7 +36,7 @@ constexpr int32_t kF32 = 1;
 constexpr int32_t kBf16 = 14;
 constexpr int32_t kHalf = 19;
 constexpr int32_t kRefOffset = 100;
-constexpr int32_t kVersion = 2;
+constexpr int32_t kVersion = 3;
 
 inline int32_t Base(int32_t dt) { return dt > kRefOffset ? dt - kRefOffset : dt; }
 inline bool IsFloat(int32_t dt) { return dt == kF32 || dt == kHalf || dt == kBf16; }
@@ -477,6 +477,9 @@ struct Painter {
   // _fix_edges (_adapt_casts, _convert_consts) only re-type a Cast or a
   // Const to what its readers want or its producer gives, so they remove
   // mismatches and never add one: _fix_edges need visit only these nodes.
+  // (issue 17t, format 3) The record holds which inputs: bit k for input
+  // k < 30, bit 30 for "some input at 30 or later" (Python then checks
+  // every input from 30 on); 0: none.
   void Mismatches() {
     for (int32_t i = 0; i < n; ++i) {
       const Csr& in = Ins(i);
@@ -493,10 +496,7 @@ struct Painter {
         const int32_t have = TensorDtype(r);
         if (have < 0) continue;
         const int32_t h = Base(have);
-        if (IsFloat(h) && h != w) {
-          Rec(i)[kOMismatch] = 1;
-          break;
-        }
+        if (IsFloat(h) && h != w) Rec(i)[kOMismatch] |= k < 30 ? (1 << k) : (1 << 30);
       }
     }
   }

@@ -1197,3 +1197,17 @@ class Graph:
 
     def __getitem__(self, name):
         return self.nodes[name]
+
+    # ------------------------------------------------ bulk edits (issue 17t)
+    def add_and_rewire(self, steps):
+        """Apply ``steps`` in order, each ``(node, consumer, index, ref)``:
+        ``add_node(node)`` when ``node`` is not None, then
+        ``set_input(consumer, index, ref)``: the same nodes, indexes, edit
+        log and ``version`` as those calls one by one (they are what runs,
+        so the graph's bookkeeping stays this class's).  The precision pass
+        inserts its casts through it in one batch (``PrecisionPass.bulk_casts``)."""
+        add, rewire = self.add_node, self.set_input
+        for node, consumer, index, ref in steps:
+            if node is not None:
+                add(node)
+            rewire(consumer, index, ref)

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import json
+import threading
+
+#: (issue 17t) serialises the resolution of deferred decisions (a report
+#: read from another thread while it is being resolved)
+_DECISIONS_LOCK = threading.Lock()
 
 
 class Report:
@@ -20,10 +25,17 @@ class Report:
     (``to_json``, ``dumps``, ``pass_stats``, a test, the CLI), not inside
     grappler when nobody reads them.  Writers that must not trigger them use
     :attr:`raw_summary`.
+
+    Decisions may be deferred too (:meth:`defer_decisions`, issue 17t: the
+    precision pass's per-node entries, written from its arrays): they are
+    written the first time :attr:`decisions` is read; a :meth:`decide` made
+    while some are deferred is queued behind them, so the entries, their
+    fields and their order are those of writing everything at once.
     """
 
     def __init__(self):
-        self.decisions: dict[str, dict] = {}
+        self._decisions: dict[str, dict] = {}
+        self._dec_pending: list = []
         self.passes: list[dict] = []
         self.warnings: list[dict] = []
         self._summary: dict = {}
@@ -74,8 +86,41 @@ class Report:
         while self._pending:
             self._pending.pop(0)(self)
 
+    # ------------------------------------------------------------ decisions
+    @property
+    def decisions(self) -> dict:
+        """``{node: {field: value}}``, with every deferred decision written."""
+        if self._dec_pending:
+            self._resolve_decisions()
+        return self._decisions
+
+    @decisions.setter
+    def decisions(self, value: dict):
+        self._dec_pending = []
+        self._decisions = value
+
+    def defer_decisions(self, fn):
+        """Register ``fn(decisions)``, run (once, in registration order with
+        the :meth:`decide` calls queued after it) the first time
+        :attr:`decisions` is read; it writes entries as ``decide`` would
+        (``decisions.setdefault(node, {}).update(fields)``)."""
+        if self.eager:
+            fn(self._decisions)
+        else:
+            self._dec_pending.append(fn)
+
+    def _resolve_decisions(self):
+        with _DECISIONS_LOCK:
+            pending = self._dec_pending
+            while pending:
+                pending[0](self._decisions)
+                pending.pop(0)  # (after it ran: a reader in another thread waits on the lock)
+
     def decide(self, node: str, **fields):
-        self.decisions.setdefault(node, {}).update(fields)
+        if self._dec_pending:  # (behind the deferred ones: the same order)
+            self._dec_pending.append(lambda d: d.setdefault(node, {}).update(fields))
+        else:
+            self._decisions.setdefault(node, {}).update(fields)
 
     def warn(self, message: str, node: str | None = None, pass_name: str | None = None):
         entry = {"pass": pass_name, "node": node, "message": message}

@@ -183,6 +183,21 @@ class PrecisionPass(Pass):
     #: the registry per node.  False runs 17l's per-node build (the A/B
     #: reference; both give the Python loops' graph and report)
     native_batch = True
+    #: (issue 17t) with ``native_batch``: the native result applied from its
+    #: columns (numpy selections, a Python statement per re-typed node and
+    #: per warning), and the painted nodes' report entries written from its
+    #: rows when the report's decisions are first read
+    #: (``Report.defer_decisions``) instead of built as dicts in every run.
+    #: False runs 17n's ``native._apply`` (the A/B reference; the same graph
+    #: and, once read, the same report: tests/test_precision_bulk.py)
+    bulk_apply = True
+    #: (issue 17t) ``_fix_edges`` decides every cast first (a Cast NodeDef
+    #: copied from a template per (SrcT, DstT, device), the existing-Cast
+    #: search only for sources an existing Cast reads) and the graph adds
+    #: them and re-wires the edges in one call (``Graph.add_and_rewire``),
+    #: in the order of the reference; False: ``cast_to`` per edge (the
+    #: reference; the same graph and report, tests/test_precision_bulk.py)
+    bulk_casts = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -216,11 +231,22 @@ class PrecisionPass(Pass):
         #: float input of another float dtype than they want after painting
         #: (custom_ops/precision_paint.cc): the only ones _fix_edges visits
         self._mismatch = None
+        #: (issue 17t, bulk_apply) name -> which of its inputs mismatch (bit k:
+        #: input k < 30; bit 30: any from 30 on), for _fix_edges_bulk
+        self._mismatch_inputs = None
+        #: (issue 17t, bulk_apply) the Consts _convert_consts would pass over
+        #: whatever their attrs (from the native Const wants and their classes'
+        #: dtypes: no reader, readers wanting two dtypes, or the one they want
+        #: not float or their own), or None
+        self._const_skip = None
         #: (the same) (name -> node index, per node index the bit mask of the
         #: dtypes a Const's readers want, -1: unknown) for _convert_consts
         self._const_wants = None
         #: (the same) the painted nodes in the low dtype after painting (_finish)
         self._painted_low = None
+        #: (issue 17t, bulk_apply) the painted nodes' report entries, as the
+        #: native result's rows (native._Entries), written when read
+        self._entries = None
         self.casts_inserted = 0
         self.copy_reads = 0
         self._contested = set()  # painted low although an FP32 producer voted against
@@ -1002,7 +1028,11 @@ class PrecisionPass(Pass):
         cls = self._cls
         float_cls = {}  # (fast path) signature class of Consts -> holds a float
         cw = self._const_wants
-        for name in (g.nodes_of_type("Const") if fast else list(g.nodes)):
+        names = g.nodes_of_type("Const") if fast else list(g.nodes)
+        skip = self._const_skip
+        if skip is not None:  # (issue 17t: the constants the loop below passes over, known)
+            names = [n for n in names if n not in skip]
+        for name in names:
             node = g.nodes[name]
             if fast:  # (the same tests, the cheap one first: most constants are ints)
                 c = cls.get(name) if cls is not None else None
@@ -1051,6 +1081,8 @@ class PrecisionPass(Pass):
         self._cast_cache = {}
         mism = self._mismatch
         touched = self.touched
+        if mism is not None and self.bulk_casts:
+            return self._fix_edges_bulk(shapes, mism)
         if mism is not None:
             # (issue 17n: the native painting listed the nodes with a float input of
             # another float dtype; the steps since only remove such mismatches.  Of
@@ -1084,6 +1116,126 @@ class PrecisionPass(Pass):
                 new_ref = self.cast_to(inp, w, shapes)
                 self._before.save(name)
                 g.set_input(name, k, new_ref)
+
+    def _fix_edges_bulk(self, shapes, mism):
+        """``_fix_edges`` (native painting's mismatch list at hand) with the
+        casts decided first and inserted in one batch (issue 17t): the same
+        edges, the same reuse of a root, a cached or an existing Cast (or a
+        ``keep_fp16_copies`` read), the same new Cast NodeDefs and names, and
+        the graph edits in the reference's order (``Graph.add_and_rewire``)."""
+        g = self.g
+        nodes = g.nodes
+        touched = self.touched
+        visit = [n for n in sorted(mism, key=g._seq.__getitem__)
+                 if n in touched or any(parse_tensor(i)[0] in touched
+                                        for i in nodes[n].input if i[:1] != "^")]
+        # the sources an existing Cast reads at input 0 (only there can
+        # cast_to's search find one; a Cast made below is found in the cache)
+        cast_srcs = set()
+        for c in g.nodes_of_type("Cast"):
+            cin = nodes[c].input
+            if cin:
+                cast_srcs.add(parse_tensor(cin[0])[0])
+        cache = self._cast_cache
+        base_dtype = registry.base_dtype
+        in_dtypes, tensor_dtype, root_of = self.in_dtypes, self.tensor_dtype, self.root
+        save = self._before.save
+        steps = []
+        taken = set()  # names given to casts not added yet
+        templates = {}
+        cast_op = _NodeDef
+        masks = self._mismatch_inputs
+        for name in visit:
+            node = nodes[name]
+            want = in_dtypes(node)
+            if want is None:
+                continue
+            ins = node.input
+            m = min(len(want), len(ins))
+            if masks is not None:  # (only the inputs the native painting listed)
+                bits = masks[name]
+                ks = [k for k in range(min(m, 30)) if bits >> k & 1]
+                if bits >> 30 & 1:
+                    ks.extend(range(30, m))
+            else:
+                ks = range(m)
+            for k in ks:
+                inp = ins[k]
+                if inp[:1] == "^":
+                    continue
+                w = base_dtype(want[k])
+                if w not in FLOATS:
+                    continue
+                have = tensor_dtype(inp)
+                if have is None:
+                    continue
+                hb = base_dtype(have)
+                if hb not in FLOATS or hb == w:
+                    continue
+                # cast_to(inp, w, shapes), its node creation queued
+                root = root_of(inp)
+                rdt = tensor_dtype(root)
+                new = None
+                if rdt is not None and base_dtype(rdt) == w:
+                    ref = root
+                else:
+                    key = (root, w)
+                    ref = cache.get(key)
+                    if ref is None:
+                        src, port, _ = parse_tensor(root)
+                        if steps and self._copy_read_possible(src, port, w):
+                            g.add_and_rewire(steps)  # (it adds a node now: keep the order)
+                            steps = []
+                        copy_read = self._fp16_copy_read(src, port, w)
+                        if copy_read is not None:
+                            ref = cache[key] = copy_read
+                            if shapes is not None:
+                                shapes.alias(copy_read, root)
+                        elif src in cast_srcs:
+                            for cname, idx in sorted(g.consumers(src, port=port)):
+                                c = nodes[cname]
+                                if (c.op == "Cast" and idx == 0 and c.attr["DstT"].type == w
+                                        and c.attr["SrcT"].type == base_dtype(rdt)
+                                        and not any(i.startswith("^") for i in c.input)):
+                                    ref = cache[key] = cname
+                                    break
+                        if ref is None:
+                            base = f"{src}/{_CAST_SUFFIX[w]}" + (f"_{port}" if port else "")
+                            cname = base
+                            if cname in nodes or cname in taken:
+                                j = 1
+                                while f"{base}_{j}" in nodes or f"{base}_{j}" in taken:
+                                    j += 1
+                                cname = f"{base}_{j}"
+                            taken.add(cname)
+                            dev = nodes[src].device
+                            tk = (base_dtype(rdt), w, dev)
+                            tmpl = templates.get(tk)
+                            if tmpl is None:
+                                tmpl = templates[tk] = cast_op(op="Cast", device=dev)
+                                tmpl.attr["SrcT"].type = tk[0]
+                                tmpl.attr["DstT"].type = w
+                                tmpl.attr["Truncate"].b = False
+                            new = cast_op(name=cname, op="Cast", input=[root], device=dev)
+                            new.attr.MergeFrom(tmpl.attr)
+                            self.casts_inserted += 1
+                            self.new_casts.append(cname)
+                            if shapes is not None:
+                                shapes.alias(cname, root)
+                            ref = cache[key] = cname
+                save(name)
+                if new is not None or ref != inp:
+                    steps.append((new, name, k, ref))
+        if steps:
+            g.add_and_rewire(steps)
+
+    def _copy_read_possible(self, src, port, dt):
+        """Whether ``_fp16_copy_read(src, port, dt)`` may add a node (cheap
+        tests first: a ReadVariableOp of a handle with an FP16 copy)."""
+        node = self.g.nodes[src]
+        if dt != registry.DT_HALF or port != 0 or node.op != "ReadVariableOp" or not node.input:
+            return False
+        return parse_tensor(node.input[0])[0] + "/Fp16Copy" in self.g.nodes
 
     def cast_to(self, ref, dt, shapes=None):
         """A tensor holding ``ref`` in ``dt``: the root itself, a cached or
@@ -1316,7 +1468,19 @@ class PrecisionPass(Pass):
             if node.op in _stats.MATRIX_OPS:
                 matrix.append((node, low))
         redo = [n for n in self.touched if n in g.nodes] + list(self.new_casts)
-        if self.fast_paths and type(rep).decide is Report.decide:
+        entries = self._entries
+        if entries is not None:
+            # (issue 17t) the painted nodes' entries from the native rows, before
+            # the others (the order _apply's dict gives), when the report is read
+            write = functools.partial(_write_entries, entries, self.decisions)
+            if type(rep).decide is Report.decide:
+                rep.defer_decisions(write)
+            else:
+                tmp = {}
+                write(tmp)
+                for n, fields in tmp.items():
+                    rep.decide(n, **fields)
+        elif self.fast_paths and type(rep).decide is Report.decide:
             # (issue 17j) Report.decide inline: no call and no keyword dict per decision
             get = rep.decisions.setdefault
             for n, fields in self.decisions.items():
@@ -1339,6 +1503,25 @@ class PrecisionPass(Pass):
         stats = dict(summary, nodes_changed=changed)
         rep.defer(functools.partial(_shape_figures, g, shapes, before, matrix, redo, stats))
         return stats
+
+
+def _write_entries(entries, extra, decisions):
+    """(issue 17t) Write the precision pass's decisions into a report's
+    ``decisions`` as ``_finish`` does with the dict ``native._apply`` starts:
+    the native rows (``entries``, topological order), an entry the later
+    steps replaced (``extra``: ``_record`` of a re-targeted Cast) in its
+    place, then ``extra``'s other entries in their order."""
+    get = decisions.setdefault
+    seen = set()
+    add = seen.add
+    xget = extra.get
+    for name, fields in entries.items():
+        add(name)
+        ov = xget(name)
+        get(name, {}).update(fields if ov is None else ov)
+    for n, fields in extra.items():
+        if n not in seen:
+            get(n, {}).update(fields)
 
 
 class _Snapshot:

@@ -16,14 +16,18 @@ Preconditions: a ``PrecisionPass`` set up by ``run`` (fast paths on) in
 topological order of every node.
 Postconditions (when :func:`paint` returns a count): the pass's nodes,
 ``decisions``, ``state``, ``touched``, ``_contested``, ``_painted`` and the
-report's warnings are what the three Python loops leave, in the same order.
+report's warnings are what the three Python loops leave, in the same order
+(with ``PrecisionPass.bulk_apply``, issue 17t: ``state`` is not filled and
+the painted nodes' ``decisions`` are kept as the result's rows,
+:class:`_Entries`, written into the report when it is read).
 
 What crosses (``ints``, int32, length-prefixed sections after a header
-``[version 2, n nodes, k classes, low dtype]``; back: ``OUT_WIDTH`` ints per
+``[version 3, n nodes, k classes, low dtype]``; back: ``OUT_WIDTH`` ints per
 node, the decision codes (see custom_ops/precision_paint.cc ``enum Out``),
 then (format 2, issue 17n) whether a float data input has another float
 dtype than the node wants after the loops (``_fix_edges`` visits only
-those) and, per Const, the bit mask of the dtypes its output-0 readers want
+those; format 3, issue 17t: which ones, bit k for input k < 30, bit 30 for
+any from 30 on) and, per Const, the bit mask of the dtypes its output-0 readers want
 or -1 (``_convert_consts``)):
 
 * the topological order (node indices; nodes are numbered in graph order);
@@ -58,7 +62,7 @@ from .. import registry
 from . import lists as _lists
 from . import planner as _planner
 
-VERSION = 2
+VERSION = 3
 OUT_WIDTH = 18
 (O_DECIDED, O_TARGET, O_STATE, O_BASE, O_VOTER, O_REFUSE, O_REFUSE_CONST, O_F32FAIL, O_DEMOTED,
  O_DEMOTE_F32, O_DEMOTE_LOW, O_FOLLOWED, O_GO, O_STAY, O_CONTESTED, O_LST,
@@ -190,7 +194,8 @@ def paint(pp, order, fn):
             flags[i] |= F_PROT | (0 if ops[i] in stateful else F_PROT_PAINT)
     ints = array("i", (VERSION, n, kcount, low))
     ints.append(n)
-    ints.extend(array("i", map(idx.__getitem__, order)))
+    oid = array("i", map(idx.__getitem__, order))
+    ints.extend(oid)
     for sec in (cid, flags, rec):
         ints.append(len(sec))
         ints.extend(sec)
@@ -213,6 +218,8 @@ def paint(pp, order, fn):
     out = fn(strings, ints, n * OUT_WIDTH, check)
     if out is None:
         return None
+    if batched and pp.bulk_apply:
+        return _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec)
     return _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec)
 
 
@@ -253,12 +260,20 @@ def _plan_flags(plan, node, name, forced):
     return f
 
 
+#: (issue 17t) op type -> its OpDef has a ``fused_ops`` attr (registered ops only; process-wide)
+_HAS_FUSED_OPS = {}
+
+
 def _per_node_kernel(pp, node, info, low):
     """True when the kernel check of ``node``'s class depends on more than
     the class and the device string (fused ops; ops whose check reads type
     attrs the class does not fix)."""
-    od = registry.op_def(node.op)
-    pn = od is None or any(a.name == "fused_ops" for a in od.attr)
+    pn = _HAS_FUSED_OPS.get(node.op)
+    if pn is None:
+        od = registry.op_def(node.op)
+        pn = od is None or any(a.name == "fused_ops" for a in od.attr)
+        if od is not None:  # (a registered OpDef does not change; an unknown op may be registered later)
+            _HAS_FUSED_OPS[node.op] = pn
     if not pn:
         pp.kernel_ok(node, info, low)  # fills _other_types
         ent = pp._other_types.get((node.op, info.attrs))
@@ -477,6 +492,166 @@ def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
         if painted is not None:  # (what _finish counts: the painted nodes now in the low dtype)
             pp._painted_low = low_now
     return changed
+
+
+def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec):
+    """:func:`_apply` from the result's columns (issue 17t): the decided,
+    re-typed, demoted and followed nodes selected with numpy, a Python
+    statement only per re-typed node and per warning; the report's entries
+    (``pp.decisions`` of the painted nodes: reasons, states, lists, dtypes)
+    are not built here but handed to :meth:`PrecisionPass._finish` as a
+    writer (:class:`_Entries`) the report runs the first time its decisions
+    are read (``Report.defer_decisions``).  ``pp.state`` is not filled (no
+    step after the native loops reads it).  The same graph, warnings,
+    ``touched``, ``_contested``, ``_painted``, memos and, once written, the
+    same decisions in the same order as :func:`_apply`."""
+    W = OUT_WIDTH
+    n = len(names)
+    a = np.frombuffer(out, dtype=np.int32).reshape(n, W)
+    o = np.frombuffer(oid, dtype=np.int32)
+    dec = a[o, O_DECIDED]
+    sel = o[dec != 0]  # the decided nodes, in topological order
+    pnt = o[dec == 2]  # the painted ones
+    cls_arr = np.frombuffer(cid, dtype=np.int32)
+    cur_c = np.frombuffer(rec, dtype=np.int32)[2::5]
+    cur = cur_c[cls_arr[pnt]]
+    target = a[pnt, O_TARGET]
+    nget = names.__getitem__
+    pp._painted = set(map(nget, pnt.tolist()))
+    warn = pp.ctx.warn
+    dname = registry.dtype_name
+    low_name = pp.low_name
+    special = {}  # node index -> the reason a refusal / missing FP32 kernel gave (warned now)
+    rare = pnt[(a[pnt, O_REFUSE] != 0) | (a[pnt, O_F32FAIL] != 0)]
+    for i in rare.tolist():
+        node, name = nodes[i], names[i]
+        c = cid[i]
+        ci = rec[5 * c + 2]
+        reason = None
+        refuse = a[i, O_REFUSE]
+        if refuse:
+            if refuse == 1:
+                cnode = nodes[a[i, O_REFUSE_CONST]]
+                reason = (f"const underflow: input '{cnode.name}' {pp.unsafe_const(cnode, pp.low)}; "
+                          f"'{name}' stays FP32")
+            else:
+                reason = (f"no kernel: {node.op} has no {low_name} kernel on "
+                          f"{pp.device_type(node)}; stays {dname(ci)}")
+            warn(reason, node=name)
+        if a[i, O_F32FAIL]:
+            reason = (f"no kernel: {node.op} has no float32 kernel on {pp.device_type(node)}; "
+                      f"keeps {dname(ci)}")
+            warn(reason, node=name)
+        special[i] = reason
+    pp._contested.update(map(nget, pnt[a[pnt, O_CONTESTED] != 0].tolist()))
+    # re-typings, in _apply's order: painted (topological), demoted, followed (reverse)
+    moved = target != cur
+    first = pnt[moved]
+    dem = pnt[a[pnt, O_DEMOTED] != 0][::-1]
+    fol = pnt[a[pnt, O_FOLLOWED] != 0][::-1]
+    changed = int(moved.sum()) - int((cur[a[pnt, O_DEMOTED] != 0] == registry.DT_FLOAT).sum()) + len(fol)
+    paths = {}
+    retype = pp._retype  # (saves the node for the "before" snapshot, drops its memos)
+    f32, low = registry.DT_FLOAT, pp.low
+    for i, dt in zip(first.tolist(), target[moved].tolist()):
+        paths[i] = (dt,)
+    for i in dem.tolist():
+        paths[i] = paths.get(i, ()) + (f32,)
+    for i in fol.tolist():
+        paths[i] = paths.get(i, ()) + (low,)
+    for i, path in paths.items():  # (each node's re-typings in order)
+        node = nodes[i]
+        attrs = infos[cid[i]].attrs
+        for dt in path:
+            retype(node, attrs, dt)
+    pp.touched.update(map(nget, paths))
+    _refill_memos(pp, paths, names, nodes, cid, infos)
+    final = target.copy()
+    final[a[pnt, O_DEMOTED] != 0] = f32
+    final[a[pnt, O_FOLLOWED] != 0] = low
+    low_types = np.array(sorted(registry.LOW_TYPES), dtype=np.int32)
+    pp._painted_low = set(map(nget, pnt[np.isin(final, low_types)].tolist()))
+    col = a[:, O_MISMATCH]
+    hit = np.flatnonzero(col)
+    pp._mismatch = set(map(nget, hit.tolist()))
+    # (format 3) which inputs: bit k for input k < 30, bit 30 for any from 30 on
+    pp._mismatch_inputs = dict(zip(map(nget, hit.tolist()), col[hit].tolist()))
+    cw = a[:, O_CONST_WANTS]
+    pp._const_wants = (idx, cw.tolist())
+    # the Consts whose wants _convert_consts would pass over: no reader or
+    # readers wanting two dtypes, or the one wanted not float or their dtype
+    # (a Const's dtype is its class's: the loops never re-type a Const)
+    kind_c = np.frombuffer(rec, dtype=np.int32)[4::5]
+    consts = np.flatnonzero(kind_c[cls_arr] == 1)
+    m = cw[consts].astype(np.int64)
+    single = (m > 0) & ((m & (m - 1)) == 0)
+    w = np.zeros_like(m)
+    w[single] = np.log2(m[single]).astype(np.int64)
+    floats = np.array(sorted(registry.FLOAT_TYPES), dtype=np.int64)
+    convert = single & np.isin(w, floats) & (w != cur_c[cls_arr[consts]])
+    pp._const_skip = set(map(nget, consts[(m >= 0) & ~convert].tolist()))
+    pp._entries = _Entries(names, sel, a[sel].copy(), cls_arr[sel].copy(),
+                           [None if inf is None else inf.fixed for inf in infos],
+                           [None if x is None else x[1] for x in lsts], cur_c.copy(), low_name, special)
+    return changed
+
+
+class _Entries:
+    """(issue 17t) The precision pass's report entries of the nodes the
+    native loops decided, kept as the result's rows until the report is read
+    (see :func:`_apply_bulk`): :meth:`items` yields ``(name, fields)`` in
+    topological order, the fields (and their key order) those
+    :func:`_apply` builds, demotion and follow-up reasons appended."""
+
+    __slots__ = ("names", "sel", "rows", "cls", "fixed", "why", "cur", "low_name", "special")
+
+    def __init__(self, names, sel, rows, cls, fixed, why, cur, low_name, special):
+        self.names, self.sel, self.rows, self.cls = names, sel, rows, cls
+        self.fixed, self.why, self.cur, self.low_name, self.special = fixed, why, cur, low_name, special
+
+    def names_set(self):
+        return set(map(self.names.__getitem__, self.sel.tolist()))
+
+    def items(self):
+        dname = registry.dtype_name
+        names, low_name, special = self.names, self.low_name, self.special
+        fixed, why, curs = self.fixed, self.why, self.cur
+        st_name, lst_name = _STATE, _LST_NAME
+        for i, r, c in zip(self.sel.tolist(), self.rows.tolist(), self.cls.tolist()):
+            name = names[i]
+            if r[O_DECIDED] == 1:
+                yield name, {"reason": f"fixed: {fixed[c]}", "state": "fixed", "list": "fixed",
+                             "dtype": dname(r[O_TARGET])}
+                continue
+            lst = lst_name[r[O_LST]]
+            base = r[O_BASE]
+            reason = special.get(i)
+            if reason is None:
+                if base == 1:
+                    reason = "fetched/preserved: keeps its dtype"
+                elif base == 2:
+                    reason = "keep_dtype: never converted"
+                elif base == 3:
+                    reason = "low_precision_nodes: forced low precision"
+                elif base == 4:
+                    reason = f"white list: {why[c]}"
+                elif base == 5:
+                    reason = f"black list: {why[c]}"
+                elif base == 6:
+                    reason = f"{lst}: no voting producer (constants/variables only); keeps its dtype"
+                elif base == 7:
+                    reason = f"{lst}: followed producer '{names[r[O_VOTER]]}' ({low_name})"
+                else:
+                    reason = f"{lst}: followed producer '{names[r[O_VOTER]]}' (float32)"
+            st = st_name[r[O_STATE]]
+            dt = dname(r[O_TARGET])
+            if r[O_DEMOTED]:
+                st, dt = "f32", "float32"
+                reason += f"; kept FP32: {r[O_DEMOTE_F32]} cast(s) instead of {r[O_DEMOTE_LOW]}"
+            if r[O_FOLLOWED]:
+                st, dt = "low", low_name
+                reason += f"; low before its fan-out: {r[O_GO]} cast(s) instead of {r[O_STAY]}"
+            yield name, {"reason": reason, "state": st, "list": lst, "dtype": dt, "was": dname(curs[c])}
 
 
 def _refill_memos(pp, paths, names, nodes, cid, infos):

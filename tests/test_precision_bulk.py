@@ -1,0 +1,279 @@
+"""Issue 17t: the precision pass's Python around the native painting, in bulk.
+
+``PrecisionPass.bulk_apply`` applies the native result from its columns
+(numpy selections) and hands the painted nodes' report entries to the
+report as a writer run when its decisions are first read
+(``Report.defer_decisions``); ``PrecisionPass.bulk_casts`` inserts the
+casts ``_fix_edges`` needs in one batch (``Graph.add_casts``).  False runs
+the reference (17n's ``native._apply``, ``cast_to`` per edge).
+
+Each graph is rewritten with the switches on and off: the GraphDefs must be
+byte-identical and the reports equal, in the same order (decisions, their
+fields, warnings, summary), timings aside.  Real graphs (Keras ResNet50,
+Keras 2 and Keras 3 transformer training steps, TF-Slim ResNet-v1-50, the
+BERT-like builder), FP16 and BF16, the other precision modes, a
+modify_mixlist, name overrides, constants unsafe in the low dtype, offline
+and through grappler.  Planted faults in the deferred entries are caught.
+"""
+import json
+
+import pytest
+
+import npu_amp_tf
+from graph_passes.precision import amp
+from graph_passes.precision import native as native_mod
+from graph_passes.report import Report
+from npu_amp_tf import bridge, pipeline
+from test_precision_fast import _strip_times
+from test_precision_native import _graph, unsafe_constants_graph
+from test_speed_paths import plugin_only_grappler
+
+SWITCHES = ("bulk_apply", "bulk_casts")
+
+MODES = {
+    "fp16": dict(precision_mode="allow_mix_precision"),
+    "bf16": dict(precision_mode="allow_mix_precision_bf16"),
+    "fp16_l3": dict(precision_mode="allow_mix_precision", graph_level=3),
+    "keep": dict(precision_mode="must_keep_origin_dtype"),
+    "fp32_to_fp16": dict(precision_mode="allow_fp32_to_fp16"),
+    "force_fp16": dict(precision_mode="force_fp16"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _library():
+    bridge.register()
+    assert pipeline.native_paint_entry() is not None, "the library has no native painting"
+
+
+def _set(monkeypatch, on):
+    for s in SWITCHES:
+        if hasattr(amp.PrecisionPass, s):
+            monkeypatch.setattr(amp.PrecisionPass, s, on)
+
+
+def _rewrite(monkeypatch, gd, fetches, kw, on):
+    _set(monkeypatch, on)
+    out, rep = npu_amp_tf.rewrite_graph(gd, fetches=[f.split(":")[0] for f in fetches], **kw)
+    return out.SerializeToString(deterministic=True), rep
+
+
+def assert_bulk_equals_reference(monkeypatch, gd, fetches, kw, casts=True):
+    out_b, rep_b = _rewrite(monkeypatch, gd, fetches, kw, True)
+    out_r, rep_r = _rewrite(monkeypatch, gd, fetches, kw, False)
+    paint = rep_b.summary.get("precision_paint")
+    if str(kw.get("precision_mode", "")).startswith("allow_mix"):
+        assert paint == "native", paint  # (the main graph painted natively: the bulk path ran)
+    a, b = _strip_times(rep_b.to_json()), _strip_times(rep_r.to_json())
+    assert a["summary"].get("failed_pass") is None, a["warnings"][:3]
+    if casts:
+        assert a["summary"]["casts_inserted"] + a["summary"].get("functions_casts_inserted", 0) > 0
+    assert out_b == out_r, "the bulk path rewrote the graph differently"
+    assert a["warnings"] == b["warnings"]
+    assert a["decisions"] == b["decisions"], _first_difference(a["decisions"], b["decisions"])
+    assert a == b
+    assert json.dumps(a, default=str) == json.dumps(b, default=str), "the reports' order differs"
+    return a
+
+
+def _first_difference(a, b):
+    for k in list(a) + list(b):
+        if a.get(k) != b.get(k):
+            return k, a.get(k), b.get(k)
+    return list(a)[:5], list(b)[:5]
+
+
+REAL = ["keras_resnet50_training", "keras_transformer_training", "slim_resnet_v1_50", "bert_like"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", REAL)
+def test_real_graphs_bulk_equals_reference(k2, monkeypatch, name, mode):
+    gd, fetches = _graph(name, k2)
+    mixed = MODES[mode]["precision_mode"].startswith("allow_mix")
+    assert_bulk_equals_reference(monkeypatch, gd, fetches, MODES[mode], casts=mixed or mode == "force_fp16")
+
+
+def test_keras3_transformer(monkeypatch):
+    from test_fusion_skip import keras3_transformer_training_graph
+
+    gd, fetches = keras3_transformer_training_graph()
+    for mode in ("fp16", "bf16"):
+        assert_bulk_equals_reference(monkeypatch, gd, fetches, MODES[mode])
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_modify_mixlist_and_overrides(k2, monkeypatch, tmp_path, mode):
+    gd, fetches = _graph("bert_like", k2)
+    mix = tmp_path / "mixlist.json"
+    mix.write_text(json.dumps({"black-list": {"to-remove": ["Exp"], "to-add": ["Tanh"]},
+                               "white-list": {"to-remove": ["BatchMatMulV2"]}}))
+    names = [n.name for n in gd.node]
+    adds = [n.name for n in gd.node if n.op == "AddV2"][:4]
+    kw = dict(MODES[mode], modify_mixlist=str(mix), keep_dtype_nodes=adds[:2],
+              low_precision_nodes=adds[2:])
+    rep = assert_bulk_equals_reference(monkeypatch, gd, fetches, kw)
+    assert rep["decisions"][adds[0]]["list"] == "keep_dtype", names[:3]
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_unsafe_constants(monkeypatch, mode):
+    gd, fetches = unsafe_constants_graph()
+    rep = assert_bulk_equals_reference(monkeypatch, gd, fetches + ["scaled_tiny"], MODES[mode])
+    if mode == "fp16":
+        assert "const underflow" in rep["decisions"]["mm_tiny"]["reason"]
+        assert any("const underflow" in w["message"] for w in rep["warnings"])
+
+
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])
+def test_through_grappler(k2, monkeypatch, name):
+    """Inside grappler (the item's index, fusion first): the same output and
+    report with the switches on and off."""
+    from tensorflow.python.grappler import tf_optimizer
+
+    gd, fetches = _graph(name, k2)
+    mg, cfg = plugin_only_grappler(gd, fetches)
+    outs, reps = [], []
+    for on in (True, False):
+        _set(monkeypatch, on)
+        bridge.clear_reports()
+        out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=name.encode())
+        recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
+        assert recs, "the plugin did not rewrite the graph"
+        outs.append(out.SerializeToString(deterministic=True))
+        reps.append(_strip_times(recs[-1]["report"]))
+    assert reps[0]["summary"]["casts_inserted"] > 0
+    assert outs[0] == outs[1]
+    assert json.dumps(reps[0], default=str) == json.dumps(reps[1], default=str)
+
+
+def test_report_decisions_deferred_in_order():
+    """A decide() made while entries are deferred lands after them, as if
+    everything had been written at once; reading resolves once."""
+    r = Report()
+    r.decide("a", x=1)
+    calls = []
+
+    def writer(d):
+        calls.append(1)
+        d.setdefault("b", {}).update(y=2)
+        d.setdefault("a", {}).update(z=3)
+
+    r.defer_decisions(writer)
+    r.decide("c", w=4)
+    r.decide("b", v=5)
+    assert not calls
+    assert list(r.decisions) == ["a", "b", "c"]
+    assert r.decisions == {"a": {"x": 1, "z": 3}, "b": {"y": 2, "v": 5}, "c": {"w": 4}}
+    assert calls == [1]
+    r.decisions = {"q": {}}
+    assert r.decisions == {"q": {}}
+
+
+def test_the_deferred_entries_are_not_built_in_the_pass(monkeypatch):
+    """With bulk_apply the pass leaves its painted entries to the report;
+    nothing builds them until the report is read."""
+    gd, fetches = unsafe_constants_graph()
+    built = []
+    orig = native_mod._Entries.items
+
+    def items(self):
+        built.append(1)
+        return orig(self)
+
+    monkeypatch.setattr(native_mod._Entries, "items", items)
+    _set(monkeypatch, True)
+    from graph_passes.graph import Graph
+    from graph_passes.manager import PassContext
+    from npu_amp_tf.options import Options
+
+    ctx = PassContext(Options.from_kwargs(**MODES["fp16"]), ["loss", "train"], ())
+    ctx.native_paint = pipeline.native_paint_entry()
+    amp.PrecisionPass().run(Graph(gd), ctx)
+    assert not built
+    assert ctx.report.decisions["mm"]["state"] == "low"
+    assert built == [1]
+
+
+@pytest.mark.parametrize("fault", ["demote", "voter", "order", "cast_order", "mask", "const_skip"])
+def test_a_planted_fault_is_caught(k2, monkeypatch, fault):
+    from graph_passes.graph import Graph
+
+    if fault == "const_skip":  # every Const passed over
+        orig_conv = amp.PrecisionPass._convert_consts
+
+        def conv(self):
+            if self._const_skip is not None:
+                self._const_skip = set(self.g.nodes_of_type("Const"))
+            return orig_conv(self)
+        monkeypatch.setattr(amp.PrecisionPass, "_convert_consts", conv)
+
+    if fault == "mask":  # one listed input dropped from the native mismatch masks
+        orig_fix = amp.PrecisionPass._fix_edges_bulk
+
+        def fix(self, shapes, mism):
+            m = self._mismatch_inputs
+            if m:
+                name = next(n for n in sorted(m) if m[n])
+                m[name] &= m[name] - 1
+            return orig_fix(self, shapes, mism)
+        monkeypatch.setattr(amp.PrecisionPass, "_fix_edges_bulk", fix)
+    if fault == "cast_order":  # the batch's casts added in reverse
+        orig_rewire = Graph.add_and_rewire
+        monkeypatch.setattr(Graph, "add_and_rewire", lambda self, steps: orig_rewire(self, steps[::-1]))
+    orig = native_mod._Entries.items
+
+    def items(self):
+        out = list(orig(self))
+        if fault == "demote":
+            out = [(n, dict(f, reason=f["reason"].replace("kept FP32", "kept fp32"))) for n, f in out]
+        elif fault in ("cast_order", "mask", "const_skip"):
+            pass
+        elif fault == "voter":
+            out = [(n, dict(f, reason=f["reason"].replace("followed producer '", "followed '"))) for n, f in out]
+        else:
+            out = out[1:] + out[:1]
+        return iter(out)
+
+    monkeypatch.setattr(native_mod._Entries, "items", items)
+    gd, fetches = _graph("keras_resnet50_training", k2)
+    with pytest.raises(AssertionError):
+        assert_bulk_equals_reference(monkeypatch, gd, fetches, MODES["fp16"])
+
+
+def test_fp16_copy_reads_between_casts(monkeypatch):
+    """``keep_fp16_copies``: the FP16 copy reads the pass adds while it
+    inserts casts land in the graph in the reference's order (the batch is
+    flushed before each)."""
+    import numpy as np
+    import tensorflow as tf
+
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [4, 3], name="x")
+        y = tf1.placeholder(tf.int32, [4], name="y")
+        h = x
+        for i in range(3):
+            w = tf1.get_variable(f"w{i}", initializer=np.full((3, 3), 0.1 * (i + 1), np.float32),
+                                 use_resource=True)
+            h = tf.nn.relu(tf.matmul(h, w, name=f"mm{i}") + tf.reduce_sum(x, name=f"sx{i}"), name=f"act{i}")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h), name="loss")
+        opt = npu_amp_tf.AMP_Optimizer(tf1.train.GradientDescentOptimizer(0.5), keep_fp16_copies=True)
+        train = opt.minimize(loss).name
+        tf.group(tf1.global_variables_initializer(), name="init_global")
+        tf.group(tf1.local_variables_initializer(), name="init_local")
+    from graph_passes.graph import Graph
+
+    calls = []
+    orig = Graph.add_and_rewire
+
+    def add_and_rewire(self, steps):
+        calls.append(len(steps))
+        return orig(self, steps)
+
+    monkeypatch.setattr(Graph, "add_and_rewire", add_and_rewire)
+    rep = assert_bulk_equals_reference(monkeypatch, g.as_graph_def(),
+                                       ["loss", train, "init_global", "init_local"], MODES["fp16"])
+    assert rep["summary"]["fp16_copy_reads"] == 3
+    assert len(calls) >= 2, calls  # (a batch was flushed before a copy read)
