@@ -164,12 +164,20 @@ struct Sink {
   // and the item's serialized bytes (valid while the callback runs)
   int flags = 0;
   std::string_view graph_bytes;
+  // (issue 17u) the item index's names and edges (NpuAmpItemIndex with
+  // kFlagPrecheckFromIndex), for NpuAmpItemOpdefPrecheck; and the item's
+  // fingerprint (NpuAmpItemFingerprint)
+  npu_amp_tf::BaseIndex kept;
+  uint64_t fingerprint = 0;
 };
 
 // Sink flags (issue 17r), set by Python (bridge.MOVE_ITEM_NODES,
 // bridge.INDEX_FROM_BYTES); 0 is the reference behaviour.
 constexpr int kFlagMoveItemNodes = 1;   // AssembleParsedPatch moves the item's nodes
 constexpr int kFlagIndexFromBytes = 2;  // GraphIndexText reads ViewsOfBytes
+// (issue 17u) set by Python (bridge.FAST_NAME_TABLE, bridge.PRECHECK_FROM_INDEX)
+constexpr int kFlagFastNames = 4;          // GraphIndexText looks names up in a NameTable
+constexpr int kFlagPrecheckFromIndex = 8;  // the pre-check reads the item index (Sink::kept)
 
 // ---- shapes -----------------------------------------------------------------
 // Runs grappler's static shape inference on `item` and writes the line format
@@ -449,18 +457,34 @@ bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
   return true;
 }
 
+// (issue 17u) `fast`: names looked up in a NameTable (opdef_precheck.h)
+// instead of a std::unordered_map (the same index); `keep`: the names and the
+// edges grouped by consumed name kept for OpdefPrecheckIndexed (valid only
+// when this returns true).
 bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
-                    std::string* out) {
+                    std::string* out, bool fast = false,
+                    npu_amp_tf::BaseIndex* keep = nullptr) {
+  if (keep != nullptr) keep->valid = false;
   const int32_t n = graph.node_size();
   if (static_cast<int64_t>(views.name.size()) != n) return false;
   std::unordered_map<std::string_view, int32_t> index;
-  index.reserve(static_cast<size_t>(n) * 2);
+  npu_amp_tf::NameTable table;
+  if (fast) {
+    table.Reserve(static_cast<size_t>(n));
+  } else {
+    index.reserve(static_cast<size_t>(n) * 2);
+  }
+  auto find = [&](std::string_view name) -> int32_t {
+    if (fast) return table.Find(name);
+    auto it = index.find(name);
+    return it == index.end() ? -1 : it->second;
+  };
   std::unordered_map<std::string_view, int32_t> op_slot;
   std::vector<std::string_view> op_order;
   std::vector<int32_t> op_of_node(n);
   for (int32_t i = 0; i < n; ++i) {
     const std::string_view name = views.name[i];
-    if (!IsAscii(name) || !index.emplace(name, i).second) return false;
+    if (!IsAscii(name) || !(fast ? table.Insert(name) : index.emplace(name, i).second)) return false;
     std::string_view op = views.op[i];
     auto it = op_slot.find(op);
     if (it == op_slot.end()) {
@@ -498,13 +522,13 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
         if (port) src = ref.substr(0, colon);
       }
       int32_t slot;
-      auto nit = index.find(src);
-      if (nit != index.end()) {
-        slot = slot_of_node[nit->second];
+      const int32_t at = find(src);
+      if (at >= 0) {
+        slot = slot_of_node[at];
         if (slot < 0) {
-          slot = slot_of_node[nit->second] = static_cast<int32_t>(src_order.size());
+          slot = slot_of_node[at] = static_cast<int32_t>(src_order.size());
           src_order.push_back(src);
-          src_node.push_back(nit->second);
+          src_node.push_back(at);
         }
       } else {
         auto dit = dangling_slot.find(src);
@@ -636,6 +660,20 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   }
   AppendInt32s(order, out);
   AppendInt32s(classes, out);
+  if (keep != nullptr) {
+    if (fast) {
+      keep->names = std::move(table);
+    } else {
+      keep->names.Reserve(static_cast<size_t>(n));
+      for (int32_t i = 0; i < n; ++i) keep->names.Insert(views.name[i]);
+    }
+    keep->slot_of_node = std::move(slot_of_node);
+    keep->dangling = std::move(dangling_slot);
+    keep->start = std::move(start);
+    keep->readers = std::move(readers);
+    keep->positions = std::move(positions);
+    keep->valid = true;
+  }
   return true;
 }
 
@@ -865,6 +903,18 @@ NPU_AMP_EXPORT void NpuAmpSinkFlags(void* sink, int flags) {
   static_cast<Sink*>(sink)->flags = flags;
 }
 
+// (issue 17u) The fingerprint Optimize() computed of the item's bytes and its
+// context (parameters, fetch, preserve, devices: what it remembers graphs
+// by), for Python's memo key instead of hashing the same bytes again; 0
+// and *fp = 0 outside the callback.
+NPU_AMP_EXPORT int NpuAmpItemFingerprint(void* sink, uint64_t* fp) {
+  auto* s = static_cast<Sink*>(sink);
+  *fp = 0;
+  if (s == nullptr || s->item == nullptr) return 1;
+  *fp = s->fingerprint;
+  return 0;
+}
+
 // AssemblePatch offline, for tests: `graph` a serialized GraphDef; writes the
 // assembled graph's deterministic serialization.  Returns 0, or 1 and a
 // message in *out.  The bytes stay valid until the next call on the thread.
@@ -965,7 +1015,8 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
     views = GraphViews();
     ViewsOfGraph(s->item->graph, &views);
   }
-  const bool ok = GraphIndexText(s->item->graph, views, &s->index);
+  const bool ok = GraphIndexText(s->item->graph, views, &s->index, (s->flags & kFlagFastNames) != 0,
+                                 (s->flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr);
   g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
   if (!ok) return 1;
   *data = s->index.data();
@@ -990,7 +1041,7 @@ NPU_AMP_EXPORT int NpuAmpGraphIndexFlags(const char* graph, size_t graph_len, in
     views = GraphViews();
     ViewsOfGraph(gd, &views);
   }
-  if (!GraphIndexText(gd, views, &buf)) return 1;
+  if (!GraphIndexText(gd, views, &buf, (flags & kFlagFastNames) != 0)) return 1;
   *data = buf.data();
   *len = buf.size();
   return 0;
@@ -1022,6 +1073,12 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
   s->checked_order.assign(order, order + n);
   s->checked_bytes.assign(data, len);
   s->has_checked = true;
+  if ((s->flags & kFlagPrecheckFromIndex) && s->kept.valid) {
+    // (issue 17u) the item index's names and consumers: the same answer
+    return npu_amp_tf::OpdefPrecheckIndexed(s->item->graph, s->kept, s->checked_order, s->checked,
+                                            std::string_view(broken, broken_len),
+                                            std::string_view(device ? device : "CPU"));
+  }
   std::vector<const tensorflow::NodeDef*> nodes;
   std::vector<char> changed;
   if (!npu_amp_tf::PatchNodes(s->item->graph, s->checked_order, s->checked, &nodes, &changed)) {
@@ -1030,6 +1087,38 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
   return npu_amp_tf::OpdefPrecheck(nodes, changed, s->checked.library(),
                                    std::string_view(broken, broken_len),
                                    std::string_view(device ? device : "CPU"));
+}
+
+// (issue 17u) The pre-check offline with NpuAmpItemOpdefPrecheck's paths:
+// `flags` & kFlagPrecheckFromIndex builds the input's C++ index (with
+// kFlagFastNames: its NameTable lookups) and answers with
+// OpdefPrecheckIndexed, as the callback does (when the index refuses the
+// graph, the reference check answers); else NpuAmpGraphOpdefPrecheck.
+// Arguments and answers as NpuAmpGraphOpdefPrecheck's.
+NPU_AMP_EXPORT int NpuAmpGraphOpdefPrecheckFlags(const char* graph, size_t graph_len, int flags,
+                                                 const int32_t* order, size_t n, const char* patch,
+                                                 size_t patch_len, const char* broken,
+                                                 size_t broken_len, const char* device) {
+  if (!(flags & kFlagPrecheckFromIndex)) {
+    return NpuAmpGraphOpdefPrecheck(graph, graph_len, order, n, patch, patch_len, broken,
+                                    broken_len, device);
+  }
+  tensorflow::GraphDef base, delta;
+  if (!base.ParseFromArray(graph, static_cast<int>(graph_len)) ||
+      !delta.ParseFromArray(patch, static_cast<int>(patch_len))) {
+    return npu_amp_tf::kPrecheckUnable;
+  }
+  GraphViews views;
+  ViewsOfGraph(base, &views);
+  std::string text;
+  npu_amp_tf::BaseIndex kept;
+  if (!GraphIndexText(base, views, &text, (flags & kFlagFastNames) != 0, &kept)) {
+    return NpuAmpGraphOpdefPrecheck(graph, graph_len, order, n, patch, patch_len, broken,
+                                    broken_len, device);
+  }
+  return npu_amp_tf::OpdefPrecheckIndexed(base, kept, std::vector<int32_t>(order, order + n), delta,
+                                          std::string_view(broken, broken_len),
+                                          std::string_view(device ? device : "CPU"));
 }
 
 // Kahn's topological order over integer arrays (issue 17f), the rule of
@@ -1185,6 +1274,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     Sink sink;
     sink.item = &item;
     sink.graph_bytes = graph_bytes;
+    sink.fingerprint = fp_in;
     for (auto& t : g_step_ns) t.store(0);
     g_step_ns[kStepNoFloat].store(t_nofloat - t_start);
     g_step_ns[kStepSerialize].store(t_serialize - t_nofloat);
@@ -1197,6 +1287,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     g_in_flight.fetch_sub(1);
     sink.item = nullptr;
     sink.graph_bytes = std::string_view();
+    sink.kept = npu_amp_tf::BaseIndex();  // (its views are of graph_bytes)
     graph_bytes.clear();
     graph_bytes.shrink_to_fit();
     const int64_t t_callback = ThreadCpuNs();
