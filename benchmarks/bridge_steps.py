@@ -11,7 +11,7 @@ printed, never asserted.
 
     python benchmarks/bridge_steps.py [--graphs resnet50,bert] [--repeat 7] [--group 17r|17u]
 
-``--group 17u`` (issue 17u) toggles instead ``bridge.FAST_NAME_TABLE``,
+``--group 17u`` (issue 17u) toggles instead ``bridge.FAST_INDEX``,
 ``bridge.PRECHECK_FROM_INDEX``, ``bridge.SHARED_FINGERPRINT``,
 ``Graph.numpy_adopt`` and ``Graph.fast_patch`` (17r's switches stay on).
 """
@@ -33,7 +33,7 @@ from npu_amp_tf import bridge, pipeline  # noqa: E402
 
 MODES = {"ref": False, "fast": True}
 GROUPS = {"17r": ((bridge, "INDEX_FROM_BYTES"), (bridge, "MOVE_ITEM_NODES"), (pipeline, "OWN_PARSE")),
-          "17u": ((bridge, "FAST_NAME_TABLE"), (bridge, "PRECHECK_FROM_INDEX"),
+          "17u": ((bridge, "FAST_INDEX"), (bridge, "PRECHECK_FROM_INDEX"),
                   (bridge, "SHARED_FINGERPRINT"), (Graph, "numpy_adopt"), (Graph, "fast_patch"))}
 _group = GROUPS["17r"]
 

@@ -77,6 +77,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -175,8 +176,8 @@ struct Sink {
 // bridge.INDEX_FROM_BYTES); 0 is the reference behaviour.
 constexpr int kFlagMoveItemNodes = 1;   // AssembleParsedPatch moves the item's nodes
 constexpr int kFlagIndexFromBytes = 2;  // GraphIndexText reads ViewsOfBytes
-// (issue 17u) set by Python (bridge.FAST_NAME_TABLE, bridge.PRECHECK_FROM_INDEX)
-constexpr int kFlagFastNames = 4;          // GraphIndexText looks names up in a NameTable
+// (issue 17u) set by Python (bridge.FAST_INDEX, bridge.PRECHECK_FROM_INDEX)
+constexpr int kFlagFastIndex = 4;          // GraphIndexText: NameTable, IsAsciiWords, binary keys
 constexpr int kFlagPrecheckFromIndex = 8;  // the pre-check reads the item index (Sink::kept)
 
 // ---- shapes -----------------------------------------------------------------
@@ -265,6 +266,27 @@ bool IsAscii(std::string_view s) {  // printable ASCII: no separator of the form
   return true;
 }
 
+// IsAscii, 8 bytes at a time (issue 17u, kFlagFastIndex): a byte b is
+// outside [0x20, 0x80) when its high bit is set or b + 0x60 does not carry
+// into bit 7 (b < 0x20); per byte, without carries between bytes.
+bool IsAsciiWords(std::string_view s) {
+  constexpr uint64_t kHigh = 0x8080808080808080ULL, kLow7 = 0x7f7f7f7f7f7f7f7fULL;
+  constexpr uint64_t kAdd = 0x6060606060606060ULL;
+  const char* p = s.data();
+  size_t n = s.size();
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    // ((w & 0x7f..) + 0x60..) has bit 7 set per byte iff (b & 0x7f) >= 0x20
+    if ((w & kHigh) != 0 || (((w & kLow7) + kAdd) & kHigh) != kHigh) return false;
+  }
+  for (; n > 0; --n, ++p) {
+    const unsigned char c = static_cast<unsigned char>(*p);
+    if (c < 0x20 || c >= 0x80) return false;
+  }
+  return true;
+}
+
 void AppendInt32s(const std::vector<int32_t>& v, std::string* out) {
   if (v.empty()) return;
   out->append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int32_t));
@@ -286,7 +308,8 @@ void AppendJoined(const std::vector<std::string_view>& items, std::string* out) 
 // not as its OpDef default.
 std::vector<int32_t> SignatureClasses(const tensorflow::GraphDef& graph,
                                       const std::vector<int32_t>& op_of_node,
-                                      const std::vector<std::string_view>& op_order) {
+                                      const std::vector<std::string_view>& op_order,
+                                      bool fast = false) {
   const int32_t n = graph.node_size();
   std::vector<int32_t> classes(n, -1);
   // per op slot: the (attr, kind) list, or registered = false
@@ -320,11 +343,42 @@ std::vector<int32_t> SignatureClasses(const tensorflow::GraphDef& graph,
   }
   std::unordered_map<std::string, int32_t> class_of;
   std::string key;
+  // (issue 17u, `fast`) the same classes from a binary key: the op slot and
+  // per attr a kind byte and its value's bytes (a list: its count first),
+  // as injective as the text key, without std::to_string
+  auto put = [&key](int64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
   for (int32_t i = 0; i < n; ++i) {
     const OpSig& sig = sigs[op_of_node[i]];
     if (!sig.registered) continue;
     const auto& node = graph.node(i);
     key.clear();
+    if (fast) {
+      put(op_of_node[i]);
+      const auto& attrs = node.attr();
+      for (const auto& a : sig.attrs) {
+        auto it = attrs.find(a.first);
+        if (it == attrs.end()) {
+          key.push_back('-');  // absent
+          continue;
+        }
+        const tensorflow::AttrValue& v = it->second;
+        if (a.second == 0) {
+          key.push_back('t');
+          put(static_cast<int>(v.type()));
+        } else if (a.second == 1) {
+          key.push_back('l');
+          put(v.list().type_size());
+          for (int t : v.list().type()) put(t);
+        } else {
+          key.push_back('i');
+          put(v.i());
+        }
+      }
+      auto it = class_of.find(key);
+      if (it == class_of.end()) it = class_of.emplace(key, static_cast<int32_t>(class_of.size())).first;
+      classes[i] = it->second;
+      continue;
+    }
     key.append(std::to_string(op_of_node[i]));
     for (const auto& a : sig.attrs) {
       key.push_back('|');
@@ -458,7 +512,9 @@ bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
 }
 
 // (issue 17u) `fast`: names looked up in a NameTable (opdef_precheck.h)
-// instead of a std::unordered_map (the same index); `keep`: the names and the
+// instead of a std::unordered_map, names and inputs checked 8 bytes at a time
+// (IsAsciiWords), signature classes keyed in binary (the same index);
+// `keep`: the names and the
 // edges grouped by consumed name kept for OpdefPrecheckIndexed (valid only
 // when this returns true).
 bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
@@ -484,7 +540,10 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   std::vector<int32_t> op_of_node(n);
   for (int32_t i = 0; i < n; ++i) {
     const std::string_view name = views.name[i];
-    if (!IsAscii(name) || !(fast ? table.Insert(name) : index.emplace(name, i).second)) return false;
+    if (!(fast ? IsAsciiWords(name) : IsAscii(name)) ||
+        !(fast ? table.Insert(name) : index.emplace(name, i).second)) {
+      return false;
+    }
     std::string_view op = views.op[i];
     auto it = op_slot.find(op);
     if (it == op_slot.end()) {
@@ -507,7 +566,7 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
     const int64_t k0 = views.in_start[i];
     for (int32_t k = 0; k < views.in_start[i + 1] - k0; ++k) {
       std::string_view ref = views.input[k0 + k];
-      if (!IsAscii(ref)) return false;
+      if (!(fast ? IsAsciiWords(ref) : IsAscii(ref))) return false;
       std::string_view src = ref;
       int32_t pos = k;
       if (!ref.empty() && ref[0] == '^') {
@@ -598,7 +657,7 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   std::vector<int32_t> members(n);
   for (int32_t i = 0; i < n; ++i) members[op_start[op_of_node[i]]++] = i;
 
-  const std::vector<int32_t> classes = SignatureClasses(graph, op_of_node, op_order);
+  const std::vector<int32_t> classes = SignatureClasses(graph, op_of_node, op_order, fast);
 
   // the distinct (reader, position) pairs and each edge's pair: a data input
   // (reader, k) is one edge; (reader, -1) is shared by its control inputs
@@ -1015,7 +1074,7 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
     views = GraphViews();
     ViewsOfGraph(s->item->graph, &views);
   }
-  const bool ok = GraphIndexText(s->item->graph, views, &s->index, (s->flags & kFlagFastNames) != 0,
+  const bool ok = GraphIndexText(s->item->graph, views, &s->index, (s->flags & kFlagFastIndex) != 0,
                                  (s->flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr);
   g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
   if (!ok) return 1;
@@ -1041,7 +1100,7 @@ NPU_AMP_EXPORT int NpuAmpGraphIndexFlags(const char* graph, size_t graph_len, in
     views = GraphViews();
     ViewsOfGraph(gd, &views);
   }
-  if (!GraphIndexText(gd, views, &buf, (flags & kFlagFastNames) != 0)) return 1;
+  if (!GraphIndexText(gd, views, &buf, (flags & kFlagFastIndex) != 0)) return 1;
   *data = buf.data();
   *len = buf.size();
   return 0;
@@ -1091,7 +1150,7 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
 
 // (issue 17u) The pre-check offline with NpuAmpItemOpdefPrecheck's paths:
 // `flags` & kFlagPrecheckFromIndex builds the input's C++ index (with
-// kFlagFastNames: its NameTable lookups) and answers with
+// kFlagFastIndex: its NameTable lookups) and answers with
 // OpdefPrecheckIndexed, as the callback does (when the index refuses the
 // graph, the reference check answers); else NpuAmpGraphOpdefPrecheck.
 // Arguments and answers as NpuAmpGraphOpdefPrecheck's.
@@ -1112,7 +1171,7 @@ NPU_AMP_EXPORT int NpuAmpGraphOpdefPrecheckFlags(const char* graph, size_t graph
   ViewsOfGraph(base, &views);
   std::string text;
   npu_amp_tf::BaseIndex kept;
-  if (!GraphIndexText(base, views, &text, (flags & kFlagFastNames) != 0, &kept)) {
+  if (!GraphIndexText(base, views, &text, (flags & kFlagFastIndex) != 0, &kept)) {
     return NpuAmpGraphOpdefPrecheck(graph, graph_len, order, n, patch, patch_len, broken,
                                     broken_len, device);
   }

@@ -379,7 +379,7 @@ def graph_index(graph_def, data=None):
     fn = getattr(_lib, "NpuAmpGraphIndexFlags", None)
     if fn is not None:
         return _index_call(fn, data, len(data), (2 if INDEX_FROM_BYTES else 0)
-                           | (4 if FAST_NAME_TABLE else 0))
+                           | (4 if FAST_INDEX else 0))
     fn = getattr(_lib, "NpuAmpGraphIndex", None)
     if fn is None:
         return None
@@ -459,7 +459,7 @@ def graph_opdef_precheck(graph_bytes: bytes, patch, device: str = "CPU", indexed
     GraphDef serialized in ``graph_bytes`` (parsed again in C++).
     ``indexed`` (issue 17u, for tests): the callback's path under
     :data:`PRECHECK_FROM_INDEX` (the input's C++ index built first, its
-    names and consumers read; with :data:`FAST_NAME_TABLE`'s lookups);
+    names and consumers read; with :data:`FAST_INDEX`'s lookups);
     False: the reference check (offline, an index built only for the check
     would cost more than it saves)."""
     fn = getattr(_lib, "NpuAmpGraphOpdefPrecheck", None) if _lib is not None else None
@@ -471,7 +471,7 @@ def graph_opdef_precheck(graph_bytes: bytes, patch, device: str = "CPU", indexed
         if flags_fn is None:
             return None
         return _precheck_answer(flags_fn(graph_bytes, len(graph_bytes),
-                                         8 | (4 if FAST_NAME_TABLE else 0),
+                                         8 | (4 if FAST_INDEX else 0),
                                          order.buffer_info()[0] if len(order) else None, len(order),
                                          patch.payload, len(patch.payload), table, len(table),
                                          (device or "CPU").encode()))
@@ -565,8 +565,10 @@ INDEX_FROM_BYTES = True
 
 #: (issue 17u) the C++ index looks node names up in an open-addressing table
 #: (``NameTable`` in custom_ops/opdef_precheck.h) instead of a
-#: ``std::unordered_map``; False: the map (the reference; the same index bytes)
-FAST_NAME_TABLE = True
+#: ``std::unordered_map``, checks names and inputs for printable ASCII 8 bytes
+#: at a time and keys the signature classes in binary instead of text; False:
+#: the map, per byte, text keys (the reference; the same index bytes)
+FAST_INDEX = True
 #: (issue 17u) the C++ index keeps the item's names and consumers for the
 #: OpDef pre-check, which then visits only the unchanged nodes reading a
 #: changed node instead of parsing every node's inputs
@@ -582,9 +584,9 @@ SHARED_FINGERPRINT = True
 
 def _sink_flags() -> int:
     """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES /
-    FAST_NAME_TABLE / PRECHECK_FROM_INDEX."""
+    FAST_INDEX / PRECHECK_FROM_INDEX."""
     return ((1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
-            | (4 if FAST_NAME_TABLE else 0) | (8 if PRECHECK_FROM_INDEX else 0))
+            | (4 if FAST_INDEX else 0) | (8 if PRECHECK_FROM_INDEX else 0))
 
 
 def item_fingerprint(sink, size: int):

@@ -3,10 +3,13 @@ serialisation, memo key).
 
 Each fast path sits behind a switch whose False value is the reference:
 
-* ``bridge.FAST_NAME_TABLE``: the C++ index (``GraphIndexText``) looks names
-  up in an open-addressing ``NameTable`` instead of a ``std::unordered_map``.
-  Checked: the index bytes are identical on real graphs and odd ones
-  (duplicate and non-ASCII names refused by both, dangling inputs, loops).
+* ``bridge.FAST_INDEX``: the C++ index (``GraphIndexText``) looks names
+  up in an open-addressing ``NameTable`` instead of a ``std::unordered_map``,
+  checks names and inputs for printable ASCII 8 bytes at a time, and keys
+  the signature classes in binary.  Checked: the index bytes (signature
+  classes included) are identical on real graphs and odd ones (duplicate
+  names, a control or non-ASCII byte at every position of two 8-byte words
+  refused by both, DEL and blanks accepted, dangling inputs, loops).
 * ``bridge.PRECHECK_FROM_INDEX``: the OpDef pre-check reads the names and
   consumers the C++ index kept (``OpdefPrecheckIndexed``) and visits only
   the unchanged nodes that read a changed node.  Checked: the same answer as
@@ -47,7 +50,7 @@ F32, F16, I32 = types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_INT32
 pytestmark = pytest.mark.skipif(
     not hasattr(bridge.library(), "NpuAmpGraphOpdefPrecheckFlags"), reason="library without issue 17u's paths")
 
-SWITCHES = ((bridge, "FAST_NAME_TABLE"), (bridge, "PRECHECK_FROM_INDEX"), (bridge, "SHARED_FINGERPRINT"),
+SWITCHES = ((bridge, "FAST_INDEX"), (bridge, "PRECHECK_FROM_INDEX"), (bridge, "SHARED_FINGERPRINT"),
             (Graph, "numpy_adopt"), (Graph, "fast_patch"))
 
 
@@ -110,6 +113,21 @@ def test_name_table_refuses_and_accepts_what_the_reference_does(case, switches):
     assert (ref is None) == (case != "dangling_and_loop")
 
 
+@pytest.mark.parametrize("where", ["name", "input"])
+def test_fast_ascii_check_refuses_and_accepts_what_the_reference_does(where, switches):
+    for ch in ("\x1f", "\x01", "\t", "\x7f", " ", "~", "\u00e9", "\u20ac"):
+        for pos in range(17):
+            odd = "a" * pos + ch + "b" * (16 - pos)
+            gd = graph_pb2.GraphDef()
+            if where == "name":
+                gd.node.extend([_n("Placeholder", odd, dtype=F32), _n("Identity", "i", [odd], T=F32)])
+            else:
+                gd.node.extend([_n("Placeholder", "x", dtype=F32), _n("Identity", "i", ["x", "^" + odd], T=F32)])
+            ref, fast = _both_indexes(gd.SerializeToString(), switches)
+            assert fast == ref, (ch, pos)
+            assert (ref is None) == (ch not in ("\x7f", " ", "~")), (ch, pos)
+
+
 # ------------------------------------------------------------------ the pre-check from the index
 def _prechecks(before, edit, device="CPU"):
     """The reference and the indexed C++ answers for ``before`` edited by
@@ -135,7 +153,7 @@ def test_indexed_precheck_answers_as_the_reference_for_every_problem_class(case,
         monkeypatch.setitem(registry.BROKEN_FUSED_OPS, ("_FusedMatMul", "CPU", F32, "Relu"),
                             ((2, 0), "planted for the test"))
     for fast_names in (False, True):
-        monkeypatch.setattr(bridge, "FAST_NAME_TABLE", fast_names)
+        monkeypatch.setattr(bridge, "FAST_INDEX", fast_names)
         ref, indexed, problems = _prechecks(build(), edit)
         assert indexed == ref, (name, ref, indexed)
         assert ref is (phrase is None) and (problems == []) is (phrase is None), (ref, problems)
