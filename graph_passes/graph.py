@@ -1247,7 +1247,7 @@ class Graph:
         seq = self._seq
         keys = list(nodes)
         n, nb = len(keys), len(base)
-        if not self._seq_is_base or len(seq) != n:
+        if not getattr(self, "_seq_is_base", False) or len(seq) != n:
             return None
         ranks = np.fromiter(map(seq.get, keys, repeat(-1)), np.int64, n)
         if n and ranks.min() < 0:
