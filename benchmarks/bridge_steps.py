@@ -9,7 +9,11 @@ grappler's own logged wall time for the optimizer; it checks that grappler's
 outputs (bytes) and the reports (timings stripped) are identical.  Times are
 printed, never asserted.
 
-    python benchmarks/bridge_steps.py [--graphs resnet50,bert] [--repeat 7]
+    python benchmarks/bridge_steps.py [--graphs resnet50,bert] [--repeat 7] [--group 17r|17u]
+
+``--group 17u`` (issue 17u) toggles instead ``bridge.FAST_INDEX``,
+``bridge.PRECHECK_FROM_INDEX``, ``bridge.SHARED_FINGERPRINT``,
+``Graph.numpy_adopt`` and ``Graph.fast_patch`` (17r's switches stay on).
 """
 import argparse
 import hashlib
@@ -24,13 +28,19 @@ sys.path[:0] = [os.path.join(_here, ".."), _here, os.path.join(_here, "..", "tes
 
 import precision as P  # noqa: E402
 
+from graph_passes.graph import Graph  # noqa: E402
 from npu_amp_tf import bridge, pipeline  # noqa: E402
 
 MODES = {"ref": False, "fast": True}
+GROUPS = {"17r": ((bridge, "INDEX_FROM_BYTES"), (bridge, "MOVE_ITEM_NODES"), (pipeline, "OWN_PARSE")),
+          "17u": ((bridge, "FAST_INDEX"), (bridge, "PRECHECK_FROM_INDEX"),
+                  (bridge, "SHARED_FINGERPRINT"), (Graph, "numpy_adopt"), (Graph, "fast_patch"))}
+_group = GROUPS["17r"]
 
 
 def _set(on):
-    bridge.INDEX_FROM_BYTES = bridge.MOVE_ITEM_NODES = pipeline.OWN_PARSE = on
+    for obj, name in _group:
+        setattr(obj, name, on)
 
 
 def _strip(o):
@@ -46,7 +56,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--graphs", default="resnet50,bert")
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--group", choices=sorted(GROUPS), default="17r")
     a = ap.parse_args(argv)
+    global _group
+    _group = GROUPS[a.group]
     for gname in a.graphs.split(","):
         g, f = P.resnet50_training_graph() if gname == "resnet50" else P.bert_training_graph()
         mg, cfg = P.metagraph(g, f), P.grappler_config("ours")

@@ -77,6 +77,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -164,12 +165,20 @@ struct Sink {
   // and the item's serialized bytes (valid while the callback runs)
   int flags = 0;
   std::string_view graph_bytes;
+  // (issue 17u) the item index's names and edges (NpuAmpItemIndex with
+  // kFlagPrecheckFromIndex), for NpuAmpItemOpdefPrecheck; and the item's
+  // fingerprint (NpuAmpItemFingerprint)
+  npu_amp_tf::BaseIndex kept;
+  uint64_t fingerprint = 0;
 };
 
 // Sink flags (issue 17r), set by Python (bridge.MOVE_ITEM_NODES,
 // bridge.INDEX_FROM_BYTES); 0 is the reference behaviour.
 constexpr int kFlagMoveItemNodes = 1;   // AssembleParsedPatch moves the item's nodes
 constexpr int kFlagIndexFromBytes = 2;  // GraphIndexText reads ViewsOfBytes
+// (issue 17u) set by Python (bridge.FAST_INDEX, bridge.PRECHECK_FROM_INDEX)
+constexpr int kFlagFastIndex = 4;          // GraphIndexText: NameTable, IsAsciiWords, binary keys
+constexpr int kFlagPrecheckFromIndex = 8;  // the pre-check reads the item index (Sink::kept)
 
 // ---- shapes -----------------------------------------------------------------
 // Runs grappler's static shape inference on `item` and writes the line format
@@ -257,6 +266,27 @@ bool IsAscii(std::string_view s) {  // printable ASCII: no separator of the form
   return true;
 }
 
+// IsAscii, 8 bytes at a time (issue 17u, kFlagFastIndex): a byte b is
+// outside [0x20, 0x80) when its high bit is set or b + 0x60 does not carry
+// into bit 7 (b < 0x20); per byte, without carries between bytes.
+bool IsAsciiWords(std::string_view s) {
+  constexpr uint64_t kHigh = 0x8080808080808080ULL, kLow7 = 0x7f7f7f7f7f7f7f7fULL;
+  constexpr uint64_t kAdd = 0x6060606060606060ULL;
+  const char* p = s.data();
+  size_t n = s.size();
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    // ((w & 0x7f..) + 0x60..) has bit 7 set per byte iff (b & 0x7f) >= 0x20
+    if ((w & kHigh) != 0 || (((w & kLow7) + kAdd) & kHigh) != kHigh) return false;
+  }
+  for (; n > 0; --n, ++p) {
+    const unsigned char c = static_cast<unsigned char>(*p);
+    if (c < 0x20 || c >= 0x80) return false;
+  }
+  return true;
+}
+
 void AppendInt32s(const std::vector<int32_t>& v, std::string* out) {
   if (v.empty()) return;
   out->append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int32_t));
@@ -278,7 +308,8 @@ void AppendJoined(const std::vector<std::string_view>& items, std::string* out) 
 // not as its OpDef default.
 std::vector<int32_t> SignatureClasses(const tensorflow::GraphDef& graph,
                                       const std::vector<int32_t>& op_of_node,
-                                      const std::vector<std::string_view>& op_order) {
+                                      const std::vector<std::string_view>& op_order,
+                                      bool fast = false) {
   const int32_t n = graph.node_size();
   std::vector<int32_t> classes(n, -1);
   // per op slot: the (attr, kind) list, or registered = false
@@ -312,11 +343,42 @@ std::vector<int32_t> SignatureClasses(const tensorflow::GraphDef& graph,
   }
   std::unordered_map<std::string, int32_t> class_of;
   std::string key;
+  // (issue 17u, `fast`) the same classes from a binary key: the op slot and
+  // per attr a kind byte and its value's bytes (a list: its count first),
+  // as injective as the text key, without std::to_string
+  auto put = [&key](int64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
   for (int32_t i = 0; i < n; ++i) {
     const OpSig& sig = sigs[op_of_node[i]];
     if (!sig.registered) continue;
     const auto& node = graph.node(i);
     key.clear();
+    if (fast) {
+      put(op_of_node[i]);
+      const auto& attrs = node.attr();
+      for (const auto& a : sig.attrs) {
+        auto it = attrs.find(a.first);
+        if (it == attrs.end()) {
+          key.push_back('-');  // absent
+          continue;
+        }
+        const tensorflow::AttrValue& v = it->second;
+        if (a.second == 0) {
+          key.push_back('t');
+          put(static_cast<int>(v.type()));
+        } else if (a.second == 1) {
+          key.push_back('l');
+          put(v.list().type_size());
+          for (int t : v.list().type()) put(t);
+        } else {
+          key.push_back('i');
+          put(v.i());
+        }
+      }
+      auto it = class_of.find(key);
+      if (it == class_of.end()) it = class_of.emplace(key, static_cast<int32_t>(class_of.size())).first;
+      classes[i] = it->second;
+      continue;
+    }
     key.append(std::to_string(op_of_node[i]));
     for (const auto& a : sig.attrs) {
       key.push_back('|');
@@ -449,18 +511,39 @@ bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
   return true;
 }
 
+// (issue 17u) `fast`: names looked up in a NameTable (opdef_precheck.h)
+// instead of a std::unordered_map, names and inputs checked 8 bytes at a time
+// (IsAsciiWords), signature classes keyed in binary (the same index);
+// `keep`: the names and the
+// edges grouped by consumed name kept for OpdefPrecheckIndexed (valid only
+// when this returns true).
 bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
-                    std::string* out) {
+                    std::string* out, bool fast = false,
+                    npu_amp_tf::BaseIndex* keep = nullptr) {
+  if (keep != nullptr) keep->valid = false;
   const int32_t n = graph.node_size();
   if (static_cast<int64_t>(views.name.size()) != n) return false;
   std::unordered_map<std::string_view, int32_t> index;
-  index.reserve(static_cast<size_t>(n) * 2);
+  npu_amp_tf::NameTable table;
+  if (fast) {
+    table.Reserve(static_cast<size_t>(n));
+  } else {
+    index.reserve(static_cast<size_t>(n) * 2);
+  }
+  auto find = [&](std::string_view name) -> int32_t {
+    if (fast) return table.Find(name);
+    auto it = index.find(name);
+    return it == index.end() ? -1 : it->second;
+  };
   std::unordered_map<std::string_view, int32_t> op_slot;
   std::vector<std::string_view> op_order;
   std::vector<int32_t> op_of_node(n);
   for (int32_t i = 0; i < n; ++i) {
     const std::string_view name = views.name[i];
-    if (!IsAscii(name) || !index.emplace(name, i).second) return false;
+    if (!(fast ? IsAsciiWords(name) : IsAscii(name)) ||
+        !(fast ? table.Insert(name) : index.emplace(name, i).second)) {
+      return false;
+    }
     std::string_view op = views.op[i];
     auto it = op_slot.find(op);
     if (it == op_slot.end()) {
@@ -483,7 +566,7 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
     const int64_t k0 = views.in_start[i];
     for (int32_t k = 0; k < views.in_start[i + 1] - k0; ++k) {
       std::string_view ref = views.input[k0 + k];
-      if (!IsAscii(ref)) return false;
+      if (!(fast ? IsAsciiWords(ref) : IsAscii(ref))) return false;
       std::string_view src = ref;
       int32_t pos = k;
       if (!ref.empty() && ref[0] == '^') {
@@ -498,13 +581,13 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
         if (port) src = ref.substr(0, colon);
       }
       int32_t slot;
-      auto nit = index.find(src);
-      if (nit != index.end()) {
-        slot = slot_of_node[nit->second];
+      const int32_t at = find(src);
+      if (at >= 0) {
+        slot = slot_of_node[at];
         if (slot < 0) {
-          slot = slot_of_node[nit->second] = static_cast<int32_t>(src_order.size());
+          slot = slot_of_node[at] = static_cast<int32_t>(src_order.size());
           src_order.push_back(src);
-          src_node.push_back(nit->second);
+          src_node.push_back(at);
         }
       } else {
         auto dit = dangling_slot.find(src);
@@ -574,7 +657,7 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   std::vector<int32_t> members(n);
   for (int32_t i = 0; i < n; ++i) members[op_start[op_of_node[i]]++] = i;
 
-  const std::vector<int32_t> classes = SignatureClasses(graph, op_of_node, op_order);
+  const std::vector<int32_t> classes = SignatureClasses(graph, op_of_node, op_order, fast);
 
   // the distinct (reader, position) pairs and each edge's pair: a data input
   // (reader, k) is one edge; (reader, -1) is shared by its control inputs
@@ -636,6 +719,20 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   }
   AppendInt32s(order, out);
   AppendInt32s(classes, out);
+  if (keep != nullptr) {
+    if (fast) {
+      keep->names = std::move(table);
+    } else {
+      keep->names.Reserve(static_cast<size_t>(n));
+      for (int32_t i = 0; i < n; ++i) keep->names.Insert(views.name[i]);
+    }
+    keep->slot_of_node = std::move(slot_of_node);
+    keep->dangling = std::move(dangling_slot);
+    keep->start = std::move(start);
+    keep->readers = std::move(readers);
+    keep->positions = std::move(positions);
+    keep->valid = true;
+  }
   return true;
 }
 
@@ -865,6 +962,18 @@ NPU_AMP_EXPORT void NpuAmpSinkFlags(void* sink, int flags) {
   static_cast<Sink*>(sink)->flags = flags;
 }
 
+// (issue 17u) The fingerprint Optimize() computed of the item's bytes and its
+// context (parameters, fetch, preserve, devices: what it remembers graphs
+// by), for Python's memo key instead of hashing the same bytes again; 0
+// and *fp = 0 outside the callback.
+NPU_AMP_EXPORT int NpuAmpItemFingerprint(void* sink, uint64_t* fp) {
+  auto* s = static_cast<Sink*>(sink);
+  *fp = 0;
+  if (s == nullptr || s->item == nullptr) return 1;
+  *fp = s->fingerprint;
+  return 0;
+}
+
 // AssemblePatch offline, for tests: `graph` a serialized GraphDef; writes the
 // assembled graph's deterministic serialization.  Returns 0, or 1 and a
 // message in *out.  The bytes stay valid until the next call on the thread.
@@ -965,7 +1074,8 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
     views = GraphViews();
     ViewsOfGraph(s->item->graph, &views);
   }
-  const bool ok = GraphIndexText(s->item->graph, views, &s->index);
+  const bool ok = GraphIndexText(s->item->graph, views, &s->index, (s->flags & kFlagFastIndex) != 0,
+                                 (s->flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr);
   g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
   if (!ok) return 1;
   *data = s->index.data();
@@ -990,7 +1100,7 @@ NPU_AMP_EXPORT int NpuAmpGraphIndexFlags(const char* graph, size_t graph_len, in
     views = GraphViews();
     ViewsOfGraph(gd, &views);
   }
-  if (!GraphIndexText(gd, views, &buf)) return 1;
+  if (!GraphIndexText(gd, views, &buf, (flags & kFlagFastIndex) != 0)) return 1;
   *data = buf.data();
   *len = buf.size();
   return 0;
@@ -1022,6 +1132,12 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
   s->checked_order.assign(order, order + n);
   s->checked_bytes.assign(data, len);
   s->has_checked = true;
+  if ((s->flags & kFlagPrecheckFromIndex) && s->kept.valid) {
+    // (issue 17u) the item index's names and consumers: the same answer
+    return npu_amp_tf::OpdefPrecheckIndexed(s->item->graph, s->kept, s->checked_order, s->checked,
+                                            std::string_view(broken, broken_len),
+                                            std::string_view(device ? device : "CPU"));
+  }
   std::vector<const tensorflow::NodeDef*> nodes;
   std::vector<char> changed;
   if (!npu_amp_tf::PatchNodes(s->item->graph, s->checked_order, s->checked, &nodes, &changed)) {
@@ -1030,6 +1146,38 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
   return npu_amp_tf::OpdefPrecheck(nodes, changed, s->checked.library(),
                                    std::string_view(broken, broken_len),
                                    std::string_view(device ? device : "CPU"));
+}
+
+// (issue 17u) The pre-check offline with NpuAmpItemOpdefPrecheck's paths:
+// `flags` & kFlagPrecheckFromIndex builds the input's C++ index (with
+// kFlagFastIndex: its NameTable lookups) and answers with
+// OpdefPrecheckIndexed, as the callback does (when the index refuses the
+// graph, the reference check answers); else NpuAmpGraphOpdefPrecheck.
+// Arguments and answers as NpuAmpGraphOpdefPrecheck's.
+NPU_AMP_EXPORT int NpuAmpGraphOpdefPrecheckFlags(const char* graph, size_t graph_len, int flags,
+                                                 const int32_t* order, size_t n, const char* patch,
+                                                 size_t patch_len, const char* broken,
+                                                 size_t broken_len, const char* device) {
+  if (!(flags & kFlagPrecheckFromIndex)) {
+    return NpuAmpGraphOpdefPrecheck(graph, graph_len, order, n, patch, patch_len, broken,
+                                    broken_len, device);
+  }
+  tensorflow::GraphDef base, delta;
+  if (!base.ParseFromArray(graph, static_cast<int>(graph_len)) ||
+      !delta.ParseFromArray(patch, static_cast<int>(patch_len))) {
+    return npu_amp_tf::kPrecheckUnable;
+  }
+  GraphViews views;
+  ViewsOfGraph(base, &views);
+  std::string text;
+  npu_amp_tf::BaseIndex kept;
+  if (!GraphIndexText(base, views, &text, (flags & kFlagFastIndex) != 0, &kept)) {
+    return NpuAmpGraphOpdefPrecheck(graph, graph_len, order, n, patch, patch_len, broken,
+                                    broken_len, device);
+  }
+  return npu_amp_tf::OpdefPrecheckIndexed(base, kept, std::vector<int32_t>(order, order + n), delta,
+                                          std::string_view(broken, broken_len),
+                                          std::string_view(device ? device : "CPU"));
 }
 
 // Kahn's topological order over integer arrays (issue 17f), the rule of
@@ -1185,6 +1333,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     Sink sink;
     sink.item = &item;
     sink.graph_bytes = graph_bytes;
+    sink.fingerprint = fp_in;
     for (auto& t : g_step_ns) t.store(0);
     g_step_ns[kStepNoFloat].store(t_nofloat - t_start);
     g_step_ns[kStepSerialize].store(t_serialize - t_nofloat);
@@ -1197,6 +1346,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     g_in_flight.fetch_sub(1);
     sink.item = nullptr;
     sink.graph_bytes = std::string_view();
+    sink.kept = npu_amp_tf::BaseIndex();  // (its views are of graph_bytes)
     graph_bytes.clear();
     graph_bytes.shrink_to_fit();
     const int64_t t_callback = ThreadCpuNs();

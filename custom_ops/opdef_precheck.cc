@@ -174,13 +174,25 @@ class Checker {
     for (const auto& b : broken_) broken_ops_.insert(b.op);
   }
 
+  // (issue 17u) look names up in `base` (the index of the graph the
+  // unchanged nodes come from, order[k] their base ids) instead of indexing
+  // every output name; see OpdefPrecheckIndexed
+  void UseBase(const BaseIndex* base, const std::vector<int32_t>* order) {
+    base_ = base;
+    order_ = order;
+  }
+
   int Run() {
     const size_t n = nodes_.size();
     if (changed_.size() != n) return kPrecheckUnable;
-    index_.reserve(n * 2);
-    for (size_t k = 0; k < n; ++k) {
-      if (!index_.emplace(nodes_[k]->name(), static_cast<int32_t>(k)).second) {
-        return kPrecheckUnable;  // duplicate names: Python checks those itself
+    if (base_ != nullptr) {
+      if (!IndexFromBase()) return kPrecheckUnable;  // duplicate names (see there)
+    } else {
+      index_.reserve(n * 2);
+      for (size_t k = 0; k < n; ++k) {
+        if (!index_.emplace(nodes_[k]->name(), static_cast<int32_t>(k)).second) {
+          return kPrecheckUnable;  // duplicate names: Python checks those itself
+        }
       }
     }
     out_state_.assign(n, 0);
@@ -213,6 +225,10 @@ class Checker {
         continue;
       }
       // an unchanged reader: its data edges from changed nodes, when its arity is right
+      // (with a base index, only the nodes it says read a changed node: the
+      // others' inputs resolve to no changed node, and being printable ASCII
+      // they parse without an Unable)
+      if (base_ != nullptr && !reads_changed_[k]) continue;
       from_changed.clear();
       int k_data = 0;
       for (const auto& inp : node.input()) {
@@ -403,9 +419,71 @@ class Checker {
         name = name.substr(0, colon);
       }
     }
+    if (base_ != nullptr) {
+      *src = Lookup(name);
+      return kPrecheckClean;
+    }
     auto it = index_.find(name);
     *src = it == index_.end() ? -1 : it->second;
     return kPrecheckClean;
+  }
+
+  // (issue 17u) The output node named `name` (-1: none) from the patch's
+  // names and the base index.
+  int32_t Lookup(std::string_view name) const {
+    const int32_t p = patch_names_.Find(name);
+    if (p >= 0) return patch_k_[p];
+    const int32_t id = base_->names.Find(name);
+    return id >= 0 ? out_of_base_[id] : -1;
+  }
+
+  // (issue 17u) The output's names from the base index: out_of_base_ (base
+  // id -> output position of the unchanged node), patch_names_ (the changed
+  // nodes), and reads_changed_ (the unchanged nodes with a data input whose
+  // name is a changed node's: the base's consumers of that name).  False
+  // when the output has a name twice (a base id twice in the order, a
+  // changed node named as another or as a kept base node): the reference's
+  // index_ refuses those as well.
+  bool IndexFromBase() {
+    const BaseIndex& b = *base_;
+    const std::vector<int32_t>& order = *order_;
+    const size_t n = nodes_.size();
+    const int32_t nb = static_cast<int32_t>(b.names.size());
+    if (order.size() != n || static_cast<int32_t>(b.slot_of_node.size()) != nb) return false;
+    out_of_base_.assign(nb, -1);
+    for (size_t k = 0; k < n; ++k) {
+      if (changed_[k]) continue;
+      const int32_t id = order[k];
+      if (id < 0 || id >= nb || out_of_base_[id] >= 0) return false;
+      out_of_base_[id] = static_cast<int32_t>(k);
+    }
+    size_t n_changed = 0;
+    for (size_t k = 0; k < n; ++k) n_changed += changed_[k] ? 1 : 0;
+    patch_names_.Reserve(n_changed);
+    patch_k_.reserve(n_changed);
+    reads_changed_.assign(n, 0);
+    for (size_t k = 0; k < n; ++k) {
+      if (!changed_[k]) continue;
+      const std::string& name = nodes_[k]->name();
+      if (!patch_names_.Insert(name)) return false;
+      patch_k_.push_back(static_cast<int32_t>(k));
+      const int32_t id = b.names.Find(name);
+      int32_t slot = -1;
+      if (id >= 0) {
+        if (out_of_base_[id] >= 0) return false;
+        slot = b.slot_of_node[id];
+      } else {
+        auto it = b.dangling.find(name);
+        if (it != b.dangling.end()) slot = it->second;
+      }
+      if (slot < 0) continue;
+      for (int32_t e = b.start[slot]; e < b.start[slot + 1]; ++e) {
+        if (b.positions[e] < 0) continue;
+        const int32_t r = out_of_base_[b.readers[e]];
+        if (r >= 0) reads_changed_[r] = 1;
+      }
+    }
+    return true;
   }
 
   // Graph._edge_problem: does data input `ref` carry `want`?
@@ -441,6 +519,13 @@ class Checker {
   std::unordered_map<std::string, const OpDef*> lib_;
   std::unordered_map<std::string, OpInfo> infos_;
   std::unordered_map<std::string_view, int32_t> index_;
+  // (issue 17u) with a base index (UseBase)
+  const BaseIndex* base_ = nullptr;
+  const std::vector<int32_t>* order_ = nullptr;
+  std::vector<int32_t> out_of_base_;
+  NameTable patch_names_;
+  std::vector<int32_t> patch_k_;
+  std::vector<char> reads_changed_;
   std::vector<char> out_state_;
   std::vector<std::vector<int>> out_dts_;
 };
@@ -474,6 +559,21 @@ int OpdefPrecheck(const std::vector<const NodeDef*>& nodes, const std::vector<ch
                   const tensorflow::FunctionDefLibrary& library, std::string_view broken,
                   std::string_view default_device) {
   Checker checker(nodes, changed, library, broken, default_device);
+  return checker.Run();
+}
+
+int OpdefPrecheckIndexed(const tensorflow::GraphDef& base, const BaseIndex& index,
+                         const std::vector<int32_t>& order, const tensorflow::GraphDef& patch,
+                         std::string_view broken, std::string_view default_device) {
+  if (!index.valid || static_cast<int>(index.names.size()) != base.node_size() ||
+      index.start.size() < 1 || index.readers.size() != index.positions.size()) {
+    return kPrecheckUnable;
+  }
+  std::vector<const NodeDef*> nodes;
+  std::vector<char> changed;
+  if (!PatchNodes(base, order, patch, &nodes, &changed)) return kPrecheckUnable;
+  Checker checker(nodes, changed, patch.library(), broken, default_device);
+  checker.UseBase(&index, &order);
   return checker.Run();
 }
 

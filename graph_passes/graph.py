@@ -190,8 +190,16 @@ class Graph:
         if not adopted:
             self.reindex()
         self._dirty = False
+        #: (issue 17u) ``_seq`` still ranks the input's nodes by their input
+        #: index (no :meth:`reindex` since): :meth:`serialize_patch` reads it
+        self._seq_is_base = True
         #: the input graph's node names in its order (serialize_patch)
         self._base_names = None if self.duplicates else list(self.nodes)
+
+    #: (issue 17u) :meth:`_adopt_index` maps the C++ index's int32 sections
+    #: to names and consumer pairs through numpy object arrays; False: through
+    #: Python maps over the arrays (the reference; equal indexes)
+    numpy_adopt = True
 
     # ------------------------------------------------------------ indexes
     def _adopt_index(self, graph_def, blob) -> bool:
@@ -237,13 +245,28 @@ class Graph:
             if len(ints) != at + 2 * n + edge_ints + ncls or sum(op_counts) != n:
                 return False
             nget = names.__getitem__
+            if self.numpy_adopt:
+                # (issue 17u) the id -> name / pair maps as numpy object
+                # arrays indexed by the int32 sections (no Python int per id)
+                a32 = np.frombuffer(binary, np.int32) if len(binary) else np.zeros(0, np.int32)
+                name_arr = np.fromiter(names, object, n)
+                nget = lambda sec: name_arr[sec].tolist()  # noqa: E731
+                members = nget(a32[at:at + n])
             # (C-level loops: no Python statement per node or edge)
-            members = list(map(nget, ints[at:at + n]))
+            else:
+                members = list(map(nget, ints[at:at + n]))
             ends = list(accumulate(op_counts))
             by_op = dict(zip(ops, map(dict.fromkeys, map(members.__getitem__,
                                                          map(slice, [0, *ends[:-1]], ends)))))
             at_e = at + n
-            if t is None:
+            if self.numpy_adopt:
+                if t is None:
+                    pairs = list(zip(nget(a32[at_e:at_e + e]), a32[at_e + e:at_e + 2 * e].tolist()))
+                else:
+                    table = np.fromiter(zip(nget(a32[at_e:at_e + t]), a32[at_e + t:at_e + 2 * t].tolist()),
+                                        object, t)
+                    pairs = table[a32[at_e + 2 * t:at_e + 2 * t + e]].tolist()
+            elif t is None:
                 pairs = list(zip(map(nget, ints[at_e:at_e + e]), ints[at_e + e:at_e + 2 * e]))
             else:
                 # one tuple per distinct pair, shared by the edges (a reader's
@@ -253,7 +276,7 @@ class Graph:
             ends = list(accumulate(src_counts))
             cons = defaultdict(list, zip(srcs, map(pairs.__getitem__, map(slice, [0, *ends[:-1]], ends))))
             at_o = at_e + edge_ints
-            order = list(map(nget, ints[at_o:at_o + n]))
+            order = nget(a32[at_o:at_o + n]) if self.numpy_adopt else list(map(nget, ints[at_o:at_o + n]))
             if len(by_op) != no or len(cons) != ns:
                 return False
         except (ValueError, IndexError, UnicodeDecodeError, TypeError):
@@ -321,6 +344,7 @@ class Graph:
         self._consumers = cons
         self._by_op = by_op
         self._seq = seq  # name -> rank in graph order (new nodes rank last)
+        self._seq_is_base = False
         self._next_seq = len(seq)
         self._id_name = list(seq)
         self._id_dead = bytearray(len(seq))
@@ -1121,6 +1145,22 @@ class Graph:
         add(self._tail())
         return b"".join(parts)
 
+    def _node_bytes(self, n, names):
+        """``n``'s deterministic bytes as a GraphDef ``node`` entry (field 1),
+        colocation entries naming a node not in ``names`` dropped (see
+        :meth:`_node_entry`; one bytes object instead of three parts)."""
+        b = n.SerializeToString(deterministic=True)
+        if b"_class" in b:
+            keep = _colocation_kept(n, names() if callable(names) else names)
+            if keep is not None:
+                c = node_def_pb2.NodeDef()
+                c.CopyFrom(n)
+                _drop_colocation(c, keep)
+                b = c.SerializeToString(deterministic=True)
+        k = len(b)
+        return (b"\x0a" + (bytes((k,)) if k < 0x80 else bytes((k & 0x7F | 0x80, k >> 7)) if k < 0x4000
+                           else _varint(k)) + b)
+
     def _node_entry(self, n, names, add):
         """Append ``n``'s bytes as a GraphDef ``node`` entry (field 1), with
         colocation entries naming a node not in ``names`` (bytes; or a
@@ -1146,6 +1186,10 @@ class Graph:
     #: hand the bridge a patch (:meth:`serialize_patch`) instead of the whole
     #: graph's bytes; False: always :meth:`serialize` (the reference)
     patch_output = True
+    #: (issue 17u) :meth:`serialize_patch` takes the order from ``_seq`` with
+    #: numpy and writes each node entry as one bytes object; False: names
+    #: mapped through a dict of the input's names (the reference; the same patch)
+    fast_patch = True
 
     def serialize_patch(self):
         """The rewritten graph as a patch of the graph this object was built
@@ -1171,6 +1215,10 @@ class Graph:
         nodes = self.nodes
         if len(nodes) == len(base):
             return None
+        if self.fast_patch:
+            out = self._fast_patch(base, nodes)
+            if out is not None:
+                return out
         keys = list(nodes)
         order = list(map(dict(zip(base, range(len(base)))).get, keys, repeat(-1)))
         special = self.created | self.modified
@@ -1188,6 +1236,35 @@ class Graph:
             entry(nodes[keys[k]], names, add)
         add(self._tail())
         return GraphPatch(array("i", order), b"".join(parts), len(keys))
+
+    def _fast_patch(self, base, nodes):
+        """:meth:`serialize_patch`'s result from ``_seq`` (issue 17u): a node's
+        rank is its input index while no :meth:`reindex` ran since the
+        input (``_seq_is_base``); a node added since ranks past the input's
+        and is in ``created``; so the order is the rank for the other nodes
+        below the input's count, -1 else.  None when ``_seq`` does not name
+        every node (a node put in by hand): the caller maps names."""
+        seq = self._seq
+        keys = list(nodes)
+        n, nb = len(keys), len(base)
+        if not getattr(self, "_seq_is_base", False) or len(seq) != n:
+            return None
+        ranks = np.fromiter(map(seq.get, keys, repeat(-1)), np.int64, n)
+        if n and ranks.min() < 0:
+            return None
+        special = self.created | self.modified
+        mark = np.zeros(self._next_seq + 1, np.bool_)
+        if special:
+            mark[np.fromiter(map(seq.get, special, repeat(self._next_seq)), np.int64, len(special))] = True
+        order = np.where((ranks < nb) & ~mark[ranks], ranks, -1).astype(np.int32)
+        names = functools.lru_cache(maxsize=1)(lambda: {name.encode() for name in keys})
+        entry = self._node_bytes
+        kget = keys.__getitem__
+        parts = [entry(nodes[kget(k)], names) for k in np.flatnonzero(order < 0).tolist()]
+        parts.append(self._tail())
+        out = array("i")
+        out.frombytes(order.tobytes())
+        return GraphPatch(out, b"".join(parts), n)
 
     def __len__(self):
         return len(self.nodes)

@@ -140,6 +140,11 @@ def library():
                         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t,
                         ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
                     getattr(lib, fn).restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpGraphOpdefPrecheckFlags"):  # (issue 17u)
+                lib.NpuAmpGraphOpdefPrecheckFlags.argtypes = [
+                    ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+                    ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
+                lib.NpuAmpGraphOpdefPrecheckFlags.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpKahnOrder"):  # (issue 17f; an older library: Python sorts)
                 lib.NpuAmpKahnOrder.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -151,6 +156,9 @@ def library():
                     ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
                     ctypes.POINTER(ctypes.c_size_t)]
                 lib.NpuAmpGraphIndexFlags.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpItemFingerprint"):  # (issue 17u)
+                lib.NpuAmpItemFingerprint.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+                lib.NpuAmpItemFingerprint.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpStepTimes"):  # (issue 17r)
                 lib.NpuAmpStepTimes.argtypes = [ctypes.c_void_p, ctypes.c_int]
                 lib.NpuAmpStepTimes.restype = ctypes.c_int
@@ -370,7 +378,8 @@ def graph_index(graph_def, data=None):
         data = graph_def.SerializeToString()
     fn = getattr(_lib, "NpuAmpGraphIndexFlags", None)
     if fn is not None:
-        return _index_call(fn, data, len(data), 2 if INDEX_FROM_BYTES else 0)
+        return _index_call(fn, data, len(data), (2 if INDEX_FROM_BYTES else 0)
+                           | (4 if FAST_INDEX else 0))
     fn = getattr(_lib, "NpuAmpGraphIndex", None)
     if fn is None:
         return None
@@ -445,13 +454,27 @@ def item_opdef_precheck(sink, patch, device: str = "CPU"):
                                (device or "CPU").encode()))
 
 
-def graph_opdef_precheck(graph_bytes: bytes, patch, device: str = "CPU"):
+def graph_opdef_precheck(graph_bytes: bytes, patch, device: str = "CPU", indexed: bool = False):
     """:func:`item_opdef_precheck` offline: ``patch`` a GraphPatch of the
-    GraphDef serialized in ``graph_bytes`` (parsed again in C++)."""
+    GraphDef serialized in ``graph_bytes`` (parsed again in C++).
+    ``indexed`` (issue 17u, for tests): the callback's path under
+    :data:`PRECHECK_FROM_INDEX` (the input's C++ index built first, its
+    names and consumers read; with :data:`FAST_INDEX`'s lookups);
+    False: the reference check (offline, an index built only for the check
+    would cost more than it saves)."""
     fn = getattr(_lib, "NpuAmpGraphOpdefPrecheck", None) if _lib is not None else None
     if fn is None or not NATIVE_OPDEF_PRECHECK:
         return None
     order, table = patch.order, _broken_table()
+    if indexed:
+        flags_fn = getattr(_lib, "NpuAmpGraphOpdefPrecheckFlags", None)
+        if flags_fn is None:
+            return None
+        return _precheck_answer(flags_fn(graph_bytes, len(graph_bytes),
+                                         8 | (4 if FAST_INDEX else 0),
+                                         order.buffer_info()[0] if len(order) else None, len(order),
+                                         patch.payload, len(patch.payload), table, len(table),
+                                         (device or "CPU").encode()))
     return _precheck_answer(fn(graph_bytes, len(graph_bytes),
                                order.buffer_info()[0] if len(order) else None, len(order),
                                patch.payload, len(patch.payload), table, len(table),
@@ -495,6 +518,7 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         if hasattr(_lib, "NpuAmpSinkFlags"):
             _lib.NpuAmpSinkFlags(sink, _sink_flags())
         shapes = item_shape_source(sink)
+        digest = item_fingerprint(sink, glen) if SHARED_FINGERPRINT else None
         try:
             graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
@@ -502,7 +526,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                _split(devices), (item_id or b"").decode("utf-8", "replace"),
                                shapes=shapes, index=lambda: item_index(sink),
                                patch=_patch_fn() is not None,
-                               opdef_precheck=lambda p, dev: item_opdef_precheck(sink, p, dev))
+                               opdef_precheck=lambda p, dev: item_opdef_precheck(sink, p, dev),
+                               digest=digest)
         finally:
             shapes.expire()
             _tls.active = False
@@ -538,9 +563,44 @@ MOVE_ITEM_NODES = True
 INDEX_FROM_BYTES = True
 
 
+#: (issue 17u) the C++ index looks node names up in an open-addressing table
+#: (``NameTable`` in custom_ops/opdef_precheck.h) instead of a
+#: ``std::unordered_map``, checks names and inputs for printable ASCII 8 bytes
+#: at a time and keys the signature classes in binary instead of text; False:
+#: the map, per byte, text keys (the reference; the same index bytes)
+FAST_INDEX = True
+#: (issue 17u) the C++ index keeps the item's names and consumers for the
+#: OpDef pre-check, which then visits only the unchanged nodes reading a
+#: changed node instead of parsing every node's inputs
+#: (``OpdefPrecheckIndexed``); False: the pre-check indexes the output
+#: itself (the reference; the same answers)
+PRECHECK_FROM_INDEX = True
+#: (issue 17u) the memo of :func:`handle` knows the item's bytes by the
+#: fingerprint the C++ side computed of them anyway (:func:`item_fingerprint`)
+#: instead of their SHA-1 (~2 ms per 4 MB); False: SHA-1 (the reference; the
+#: same graphs and reports)
+SHARED_FINGERPRINT = True
+
+
 def _sink_flags() -> int:
-    """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES."""
-    return (1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
+    """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES /
+    FAST_INDEX / PRECHECK_FROM_INDEX."""
+    return ((1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
+            | (4 if FAST_INDEX else 0) | (8 if PRECHECK_FROM_INDEX else 0))
+
+
+def item_fingerprint(sink, size: int):
+    """The C++ side's fingerprint of the item grappler is optimizing now (its
+    serialized bytes and context: ``Fingerprint`` in grappler_bridge.cc) as
+    :func:`handle`'s ``digest``, ``("fp", value, size)``; None without the
+    library function or outside the callback (then SHA-1)."""
+    fn = getattr(_lib, "NpuAmpItemFingerprint", None) if _lib is not None else None
+    if fn is None or sink is None:
+        return None
+    fp = ctypes.c_uint64()
+    if fn(sink, ctypes.byref(fp)) != 0:
+        return None
+    return ("fp", fp.value, size)
 
 
 def _patch_fn():
@@ -646,7 +706,7 @@ def parse_options(config_bytes: bytes):
 
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
            item_id: str = "graph", shapes=None, index=None, patch: bool = False,
-           opdef_precheck="auto"):
+           opdef_precheck="auto", digest=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
@@ -658,7 +718,9 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     (:func:`pipeline.optimize_serialized`) instead of bytes: the grappler
     callback hands it to C++ (``NpuAmpWritePatch``).  ``opdef_precheck``:
     the OpDef guard's C++ pre-check of such a patch (:func:`item_opdef_precheck`),
-    see :func:`pipeline.optimize_serialized`."""
+    see :func:`pipeline.optimize_serialized`.  ``digest``: what the memo
+    knows ``graph_bytes`` by (the grappler callback hands the C++ side's
+    fingerprint of them, :func:`item_fingerprint`); None: their SHA-1."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -685,8 +747,9 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     #    The mixlist file is keyed by its parsed CONTENT (read again by
     #    parse_options on every call), not its path: an edited file is seen.
     mix = json.dumps(options.mixlist, sort_keys=True, default=list) if options.mixlist else None
-    key = (hash(options), mix, hashlib.sha1(graph_bytes).digest(), tuple(fetches), tuple(preserve),
-           tuple(devices), bool(patch))
+    if digest is None:
+        digest = hashlib.sha1(graph_bytes).digest()
+    key = (hash(options), mix, digest, tuple(fetches), tuple(preserve), tuple(devices), bool(patch))
     with _lock:
         cached = _memo.get(key)
         if cached is not None:
