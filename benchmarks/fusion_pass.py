@@ -68,9 +68,10 @@ class Captured:
         #: the graph the fusion pass left inside grappler (a replay must give the same bytes)
         self.output = None
 
-    def make(self):
+    def make(self, options=None):
         """A fresh (Graph, PassContext) as the callback builds them: the C++
-        index and the shape source of the same bytes."""
+        index and the shape source of the same bytes (``options``: instead of
+        the captured ones)."""
         from npu_amp_tf import bridge
 
         gd = graph_pb2.GraphDef()
@@ -79,7 +80,7 @@ class Captured:
         src = bridge.graph_shape_source(gd)
         if src is not None:
             _shapes.attach(graph, src)
-        ctx = _manager.PassContext(self.options, self.fetches, self.preserve, self.devices)
+        ctx = _manager.PassContext(options or self.options, self.fetches, self.preserve, self.devices)
         return graph, ctx
 
 
@@ -91,37 +92,40 @@ def build(name, bert_layers=12):
     raise SystemExit(f"--graphs: unknown graph '{name}'; accepted: resnet50, bert")
 
 
-def capture(name, graph, fetches) -> Captured:
-    """Run the plugin once through grappler and keep the fusion pass's input."""
+def capture(name, graph, fetches, pass_cls=None, label="fusion", cls=Captured) -> Captured:
+    """Run the plugin once through grappler and keep the input of
+    ``pass_cls`` (default the fusion pass; ``label``: its name in the report)
+    as a ``cls``."""
     from npu_amp_tf import bridge
 
+    pass_cls = pass_cls or _fp.FusionPass
     mg = _bench.metagraph(graph, fetches)
     box = {}
-    orig = _fp.FusionPass.run
+    orig = pass_cls.run
 
     def run(self, g, ctx):
         first = "cap" not in box
         if first:
-            box["cap"] = Captured(name, g.serialize(), ctx)
+            box["cap"] = cls(name, g.serialize(), ctx)
         stats = orig(self, g, ctx)
         if first:
             box["cap"].output = g.serialize()
         return stats
 
-    _fp.FusionPass.run = run
+    pass_cls.run = run
     try:
         bridge.register()
         bridge.clear_reports()
         tf_optimizer.OptimizeGraph(_bench.grappler_config("ours"), mg, graph_id=b"bench")
     finally:
-        _fp.FusionPass.run = orig
+        pass_cls.run = orig
     cap = box.get("cap")
     if cap is None:
-        raise SystemExit(f"{name}: the fusion pass did not run inside grappler")
+        raise SystemExit(f"{name}: the {label} pass did not run inside grappler")
     recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
     if recs and recs[-1].get("report"):
         cap.callback_cpu_s = next((p.get("cpu_s") for p in recs[-1]["report"]["passes"]
-                                   if p["name"] == "fusion"), None)
+                                   if p["name"] == label), None)
     cap.nodes = len(graph_pb2.GraphDef.FromString(cap.data).node)
     return cap
 

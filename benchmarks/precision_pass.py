@@ -45,79 +45,27 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import tensorflow as tf  # noqa: E402
-from tensorflow.core.framework import graph_pb2  # noqa: E402
-from tensorflow.python.grappler import tf_optimizer  # noqa: E402
 
-import fusion_pass as _fpb  # noqa: E402  (graphs, switch paths)
-import precision as _bench  # noqa: E402
-from graph_passes import manager as _manager  # noqa: E402
-from graph_passes import shapes as _shapes  # noqa: E402
+import fusion_pass as _fpb  # noqa: E402  (graphs, capture, switch paths)
 from graph_passes.graph import Graph  # noqa: E402
 from graph_passes.precision import amp as _amp  # noqa: E402
 from graph_passes.precision import native as _native  # noqa: E402
 
 
-class Captured:
+class Captured(_fpb.Captured):
     """What the precision pass received inside grappler (bytes, options,
     fetches, preserved nodes, devices) and what it left there."""
 
-    def __init__(self, name, data, ctx):
-        self.name = name
-        self.data = data
-        self.options = ctx.options
-        self.fetches = set(ctx.fetches)
-        self.preserve = set(ctx.preserve)
-        self.devices = tuple(ctx.devices)
-        self.callback_cpu_s = None
-        self.nodes = 0
-        self.output = None
-
     def make(self, options=None):
-        from npu_amp_tf import bridge, pipeline
+        from npu_amp_tf import pipeline
 
-        gd = graph_pb2.GraphDef()
-        gd.ParseFromString(self.data)
-        graph = Graph(gd, index=bridge.graph_index(gd, self.data))
-        src = bridge.graph_shape_source(gd)
-        if src is not None:
-            _shapes.attach(graph, src)
-        ctx = _manager.PassContext(options or self.options, self.fetches, self.preserve, self.devices)
+        graph, ctx = super().make(options)
         ctx.native_paint = pipeline.native_paint_entry()
         return graph, ctx
 
 
 def capture(name, graph, fetches) -> Captured:
-    from npu_amp_tf import bridge
-
-    mg = _bench.metagraph(graph, fetches)
-    box = {}
-    orig = _amp.PrecisionPass.run
-
-    def run(self, g, ctx):
-        first = "cap" not in box
-        if first:
-            box["cap"] = Captured(name, g.serialize(), ctx)
-        stats = orig(self, g, ctx)
-        if first:
-            box["cap"].output = g.serialize()
-        return stats
-
-    _amp.PrecisionPass.run = run
-    try:
-        bridge.register()
-        bridge.clear_reports()
-        tf_optimizer.OptimizeGraph(_bench.grappler_config("ours"), mg, graph_id=b"bench")
-    finally:
-        _amp.PrecisionPass.run = orig
-    cap = box.get("cap")
-    if cap is None:
-        raise SystemExit(f"{name}: the precision pass did not run inside grappler")
-    recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-    if recs and recs[-1].get("report"):
-        cap.callback_cpu_s = next((p.get("cpu_s") for p in recs[-1]["report"]["passes"]
-                                   if p["name"] == "precision"), None)
-    cap.nodes = len(graph_pb2.GraphDef.FromString(cap.data).node)
-    return cap
+    return _fpb.capture(name, graph, fetches, pass_cls=_amp.PrecisionPass, label="precision", cls=Captured)
 
 
 def run_once(cap, options=None):

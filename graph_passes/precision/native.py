@@ -367,6 +367,30 @@ def _unsafe_const(pp, node, dt):
     return pp.unsafe_const(node, dt)
 
 
+def _base_reason(base, lst, why, names, voter, low_name):
+    """The report's reason for a node the native loops painted, from its base
+    code (1-8: the result's ``O_BASE`` column); ``lst``: its list's name,
+    ``why``: its class's list reason, ``names[voter]``: the producer it
+    followed (codes 7, 8).  None for any other code."""
+    if base == 1:
+        return "fetched/preserved: keeps its dtype"
+    if base == 2:
+        return "keep_dtype: never converted"
+    if base == 3:
+        return "low_precision_nodes: forced low precision"
+    if base == 4:
+        return f"white list: {why}"
+    if base == 5:
+        return f"black list: {why}"
+    if base == 6:
+        return f"{lst}: no voting producer (constants/variables only); keeps its dtype"
+    if base == 7:
+        return f"{lst}: followed producer '{names[voter]}' ({low_name})"
+    if base == 8:
+        return f"{lst}: followed producer '{names[voter]}' (float32)"
+    return None
+
+
 def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
     """Write the native result into ``pp`` the way the Python loops do."""
     W = OUT_WIDTH
@@ -401,23 +425,9 @@ def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
         lst = _LST_NAME[out[b + O_LST]]
         cur = rec[5 * c + 2]  # (the class's current dtype: the node is unedited so far)
         base = out[b + O_BASE]
-        if base == 1:
-            reason = "fetched/preserved: keeps its dtype"
-        elif base == 2:
-            reason = "keep_dtype: never converted"
-        elif base == 3:
-            reason = "low_precision_nodes: forced low precision"
-        elif base == 4:
-            reason = f"white list: {lsts[c][1]}"
-        elif base == 5:
-            reason = f"black list: {lsts[c][1]}"
-        elif base == 6:
-            reason = f"{lst}: no voting producer (constants/variables only); keeps its dtype"
-        elif base == 7:
-            reason = f"{lst}: followed producer '{names[out[b + O_VOTER]]}' ({low_name})"
-        elif base == 8:
-            reason = f"{lst}: followed producer '{names[out[b + O_VOTER]]}' (float32)"
-        else:  # (not reached: every painted node has a reason)
+        why = lsts[c][1] if lsts[c] is not None else None
+        reason = _base_reason(base, lst, why, names, out[b + O_VOTER], low_name)
+        if reason is None:  # (not reached: every painted node has a reason)
             return _fail(name)
         refuse = out[b + O_REFUSE]
         if refuse:
@@ -627,22 +637,7 @@ class _Entries:
             base = r[O_BASE]
             reason = special.get(i)
             if reason is None:
-                if base == 1:
-                    reason = "fetched/preserved: keeps its dtype"
-                elif base == 2:
-                    reason = "keep_dtype: never converted"
-                elif base == 3:
-                    reason = "low_precision_nodes: forced low precision"
-                elif base == 4:
-                    reason = f"white list: {why[c]}"
-                elif base == 5:
-                    reason = f"black list: {why[c]}"
-                elif base == 6:
-                    reason = f"{lst}: no voting producer (constants/variables only); keeps its dtype"
-                elif base == 7:
-                    reason = f"{lst}: followed producer '{names[r[O_VOTER]]}' ({low_name})"
-                else:
-                    reason = f"{lst}: followed producer '{names[r[O_VOTER]]}' (float32)"
+                reason = _base_reason(base, lst, why[c], names, r[O_VOTER], low_name)
             st = st_name[r[O_STATE]]
             dt = dname(r[O_TARGET])
             if r[O_DEMOTED]:
