@@ -40,7 +40,8 @@ import npu_amp_tf
 from graph_passes import manager, opdef_check, registry
 from graph_passes.graph import Graph, GraphPatch
 from npu_amp_tf import bridge, pipeline
-from test_opdef_precheck import CASES, _add, _fp32_root, _gd, _list_min_op, _node, _ph, _touch
+from test_bridge_17r import _both_indexes
+from test_opdef_precheck import CASES, _add, _gd, _list_min_op, _node, _ph, _touch, plant_fp32_feed, rewritten
 from test_precision_core import GRAPHS, _build
 from test_precision_fast import _strip_times
 from test_speed_paths import plugin_only_grappler
@@ -69,14 +70,6 @@ def _n(op, name, inputs=(), **attrs):
     for k, v in attrs.items():
         n.attr[k].type = v
     return n
-
-
-def _both_indexes(data, switches):
-    out = []
-    for on in (False, True):
-        switches(on)
-        out.append(bridge.graph_index(None, data))
-    return out
 
 
 @pytest.mark.parametrize("name", GRAPHS)
@@ -205,19 +198,11 @@ def test_indexed_precheck_on_names_and_readers(case):
 
 @pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like", "slim_resnet_v1_50"])
 def test_indexed_precheck_on_real_rewrites_clean_and_with_a_planted_fault(k2, name):
-    gd, fetches = _build(name, k2)
-    data = gd.SerializeToString(deterministic=True)
-    opts = npu_amp_tf.Options.from_kwargs(precision_mode="allow_mix_precision")
-    g = Graph(data)
-    manager.PassManager(pipeline.pass_names(opts)).run(g, manager.PassContext(opts, fetches))
+    data, g = rewritten(name, k2)
     patch = g.serialize_patch()
     assert bridge.graph_opdef_precheck(data, patch, "CPU") is True
     assert bridge.graph_opdef_precheck(data, patch, "CPU", indexed=True) is True
-    # test_opdef_precheck's planted fault: a low-precision MatMul / Conv2D fed
-    # straight from its FP32 source, past its Cast
-    node = next(n for n in sorted(g.changed_nodes()) if g.nodes[n].op in ("MatMul", "Conv2D")
-                and g.nodes[n].attr["T"].type in registry.LOW_TYPES and _fp32_root(g, n))
-    g.set_input(node, 0, _fp32_root(g, node))
+    node = plant_fp32_feed(g)  # (test_opdef_precheck's planted fault)
     patch = g.serialize_patch()
     problems = opdef_check.changed_problems(g, g.changed_nodes(), "CPU")
     assert any(f"-> '{node}':0 carries float32" in p for p in problems), problems

@@ -336,18 +336,32 @@ def _fp32_root(g, n):
     return src if g.tensor_dtype(src) == registry.DT_FLOAT else None
 
 
-@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like", "slim_resnet_v1_50"])
-def test_a_fault_planted_in_a_real_rewrite_is_flagged(k2, name):
-    """A low-precision MatMul/Conv2D of the rewritten graph fed straight from
-    its FP32 source (past its Cast): both checks find it."""
+def rewritten(name, k2):
+    """(the real graph ``name``'s bytes, its Graph after the plugin's passes in
+    allow_mix_precision)."""
     gd, fetches = _build(name, k2)
     data = gd.SerializeToString(deterministic=True)
     opts = npu_amp_tf.Options.from_kwargs(precision_mode="allow_mix_precision")
     g = Graph(data)
     manager.PassManager(pipeline.pass_names(opts)).run(g, manager.PassContext(opts, fetches))
+    return data, g
+
+
+def plant_fp32_feed(g):
+    """The planted fault: a low-precision MatMul / Conv2D the rewrite changed,
+    fed straight from its FP32 source, past its Cast.  Returns its name."""
     node = next(n for n in sorted(g.changed_nodes()) if g.nodes[n].op in ("MatMul", "Conv2D")
                 and g.nodes[n].attr["T"].type in registry.LOW_TYPES and _fp32_root(g, n))
     g.set_input(node, 0, _fp32_root(g, node))
+    return node
+
+
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like", "slim_resnet_v1_50"])
+def test_a_fault_planted_in_a_real_rewrite_is_flagged(k2, name):
+    """A low-precision MatMul/Conv2D of the rewritten graph fed straight from
+    its FP32 source (past its Cast): both checks find it."""
+    data, g = rewritten(name, k2)
+    node = plant_fp32_feed(g)
     patch = g.serialize_patch()
     problems = opdef_check.changed_problems(g, g.changed_nodes(), "CPU")
     assert any(f"-> '{node}':0 carries float32" in p for p in problems), problems
