@@ -26,8 +26,13 @@ ops: venv
 demo: ops
 	$(BIN)/npu-amp demo
 
+# A test still running after TEST_TIMEOUT seconds ends the lane with every
+# thread's stack printed (pytest-timeout), instead of holding CI to its limit;
+# the slowest tests are listed at the end of each lane.
+TEST_TIMEOUT ?= 900
 test: ops
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
+	  --durations=25 $(PYTEST_ARGS) tests
 
 bench: ops
 	for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
