@@ -40,3 +40,13 @@ def k2():
     if k is None:
         pytest.skip("Keras 2 (tf_keras) not installed")
     return k
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The lane's peak memory, for reading CI logs (two lanes share the machine)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    terminalreporter.write_line(
+        f"peak RSS: {peak:.0f} MiB in the test process, {children:.0f} MiB in its largest subprocess")
