@@ -31,7 +31,7 @@ from graph_passes.graph import GraphPatch, _varint
 from npu_amp_tf import bridge, pipeline
 from test_precision_core import GRAPHS, _build
 from test_precision_fast import _strip_times
-from test_speed_paths import plugin_only_grappler
+from test_speed_paths import optimize_rewritten, plugin_only_grappler
 
 F32 = types_pb2.DT_FLOAT
 
@@ -135,13 +135,10 @@ def test_grappler_output_is_identical_with_and_without_the_17r_paths(k2, name, s
     outs, steps, reps = [], [], []
     for on in (False, True, False):
         switches(on)
-        bridge.clear_reports()
-        out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=b"test_17r")
-        recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-        assert recs, bridge.last_reports()
-        outs.append(out.SerializeToString(deterministic=True))
+        out, rep = optimize_rewritten(cfg, mg, b"test_17r")
+        outs.append(out)
         steps.append(bridge.step_times())
-        reps.append(_strip_times(recs[-1]["report"]))  # (its deferred shape figures computed now)
+        reps.append(_strip_times(rep))  # (its deferred shape figures computed now)
     assert outs[1] == outs[0] and outs[2] == outs[0]
     assert reps[1] == reps[0] and reps[2] == reps[0]
     assert len(graph_pb2.GraphDef.FromString(outs[0]).node) != len(gd.node)  # a patch was assembled

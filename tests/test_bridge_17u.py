@@ -44,7 +44,7 @@ from test_bridge_17r import _both_indexes
 from test_opdef_precheck import CASES, _add, _gd, _list_min_op, _node, _ph, _touch, plant_fp32_feed, rewritten
 from test_precision_core import GRAPHS, _build
 from test_precision_fast import _strip_times
-from test_speed_paths import plugin_only_grappler
+from test_speed_paths import optimize_rewritten, plugin_only_grappler
 
 F32, F16, I32 = types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_INT32
 
@@ -294,12 +294,9 @@ def _grappler_runs(gd, fetches, switches, modes=(False, True, False)):
     outs, reps = [], []
     for on in modes:
         switches(on)
-        bridge.clear_reports()
-        out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=b"test_17u")
-        recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-        assert recs, bridge.last_reports()
-        outs.append(out.SerializeToString(deterministic=True))
-        reps.append(_strip_times(recs[-1]["report"]))
+        out, rep = optimize_rewritten(cfg, mg, b"test_17u")
+        outs.append(out)
+        reps.append(_strip_times(rep))
     return outs, reps
 
 

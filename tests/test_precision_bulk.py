@@ -26,7 +26,7 @@ from graph_passes.report import Report
 from npu_amp_tf import bridge, pipeline
 from test_precision_fast import _strip_times
 from test_precision_native import _graph, unsafe_constants_graph
-from test_speed_paths import plugin_only_grappler
+from test_speed_paths import optimize_rewritten, plugin_only_grappler
 
 SWITCHES = ("bulk_apply", "bulk_casts")
 
@@ -129,19 +129,15 @@ def test_unsafe_constants(monkeypatch, mode):
 def test_through_grappler(k2, monkeypatch, name):
     """Inside grappler (the item's index, fusion first): the same output and
     report with the switches on and off."""
-    from tensorflow.python.grappler import tf_optimizer
 
     gd, fetches = _graph(name, k2)
     mg, cfg = plugin_only_grappler(gd, fetches)
     outs, reps = [], []
     for on in (True, False):
         _set(monkeypatch, on)
-        bridge.clear_reports()
-        out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=name.encode())
-        recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-        assert recs, "the plugin did not rewrite the graph"
-        outs.append(out.SerializeToString(deterministic=True))
-        reps.append(_strip_times(recs[-1]["report"]))
+        out, rep = optimize_rewritten(cfg, mg, name.encode())
+        outs.append(out)
+        reps.append(_strip_times(rep))
     assert reps[0]["summary"]["casts_inserted"] > 0
     assert outs[0] == outs[1]
     assert json.dumps(reps[0], default=str) == json.dumps(reps[1], default=str)

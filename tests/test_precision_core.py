@@ -28,7 +28,8 @@ from npu_amp_tf import bridge
 from test_graph_core import ALL, _odd_graph
 from test_precision_fast import (MODES, _memo_problems, _strip_times, control_dependencies_graph,
                                  keras_learning_phase_graph, slim_resnet_graph, v1_loop_graph)
-from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph, plugin_only_grappler
+from test_speed_paths import (_keras_resnet_training_graph, bert_like_training_graph, optimize_rewritten,
+                              plugin_only_grappler)
 
 tf1 = tf.compat.v1
 
@@ -254,7 +255,6 @@ def test_classes_through_grappler(k2, monkeypatch, name):
     passes that run ahead of precision: fusion on the BERT-like graph edits
     nodes, which are left out): the same output graph and report with and
     without them."""
-    from tensorflow.python.grappler import tf_optimizer
 
     gd, fetches = _build(name, k2)
     mg, cfg = plugin_only_grappler(gd, fetches)
@@ -269,12 +269,9 @@ def test_classes_through_grappler(k2, monkeypatch, name):
             return cls
 
         monkeypatch.setattr(amp, "_usable_classes", usable)
-        bridge.clear_reports()
-        out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=name.encode())
-        recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-        assert recs, "the plugin did not rewrite the graph"
-        outs.append(out.SerializeToString(deterministic=True))
-        reps.append(_strip_times(recs[-1]["report"]))
+        out, rep = optimize_rewritten(cfg, mg, name.encode())
+        outs.append(out)
+        reps.append(_strip_times(rep))
         if classes:
             assert used and used[0] > 0, "no classes inside grappler"
     monkeypatch.setattr(amp, "_usable_classes", real_usable)

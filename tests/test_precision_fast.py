@@ -19,8 +19,8 @@ import tensorflow as tf
 import npu_amp_tf
 from graph_passes import registry
 from graph_passes.precision import amp
-from npu_amp_tf import bridge
-from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph, plugin_only_grappler
+from test_speed_paths import (_keras_resnet_training_graph, bert_like_training_graph, optimize_rewritten,
+                              plugin_only_grappler)
 
 tf1 = tf.compat.v1
 
@@ -299,18 +299,14 @@ def test_v1_while_loop(monkeypatch):
 def test_through_grappler_keras_resnet50(k2, monkeypatch):
     """The same through the grappler callback (grappler's item, its own
     fetch list and shapes)."""
-    from tensorflow.python.grappler import tf_optimizer
 
     gd = _keras_resnet_training_graph(k2)
     mg, cfg = plugin_only_grappler(gd)
     results = []
     for fast in (True, False):
         monkeypatch.setattr(amp.PrecisionPass, "fast_paths", fast)
-        bridge.clear_reports()
-        out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=b"fast")
-        recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-        assert recs
-        results.append((out.SerializeToString(deterministic=True), _strip_times(recs[-1]["report"])))
+        out, rep = optimize_rewritten(cfg, mg, b"fast")
+        results.append((out, _strip_times(rep)))
     assert results[0][1]["summary"]["casts_inserted"] > 0
     assert results[0][0] == results[1][0]
     assert results[0][1] == results[1][1]

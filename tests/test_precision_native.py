@@ -28,7 +28,8 @@ from graph_passes.precision import native as native_mod
 from npu_amp_tf import bridge, pipeline
 from test_precision_fast import (_strip_times, control_dependencies_graph, keras_learning_phase_graph,
                                  slim_resnet_graph)
-from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph, plugin_only_grappler
+from test_speed_paths import (_keras_resnet_training_graph, bert_like_training_graph, optimize_rewritten,
+                              plugin_only_grappler)
 from train_graphs import control_flow_v1
 
 tf1 = tf.compat.v1
@@ -275,20 +276,15 @@ def test_fetched_nodes_and_keep_attr(monkeypatch):
 def test_through_grappler(k2, monkeypatch, name):
     """Inside grappler (the item's index and classes, fusion first): the same
     output graph and report with the native loops and with Python's."""
-    from tensorflow.python.grappler import tf_optimizer
 
     gd, fetches = _graph(name, k2)
     mg, cfg = plugin_only_grappler(gd, fetches)
     outs, reps = [], []
     for native in (True, False):
         monkeypatch.setattr(amp.PrecisionPass, "native_paint", native)
-        bridge.clear_reports()
-        out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=name.encode())
-        recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-        assert recs, "the plugin did not rewrite the graph"
-        rep = recs[-1]["report"]
+        out, rep = optimize_rewritten(cfg, mg, name.encode())
         assert rep["summary"]["precision_paint"] == ("native" if native else "python")
-        outs.append(out.SerializeToString(deterministic=True))
+        outs.append(out)
         reps.append(_strip(_strip_times(rep)))
     assert reps[0]["summary"]["casts_inserted"] > 0
     assert outs[0] == outs[1]

@@ -249,6 +249,19 @@ def plugin_only_grappler(gd, fetches=("loss", "train")):
     return mg, cfg
 
 
+def optimize_rewritten(cfg, mg, graph_id):
+    """One ``OptimizeGraph`` call with the plugin: ``(output bytes,
+    deterministic, the last rewritten graph's report)``; fails when the
+    plugin rewrote nothing."""
+    from tensorflow.python.grappler import tf_optimizer
+
+    bridge.clear_reports()
+    out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=graph_id)
+    recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
+    assert recs, bridge.last_reports()
+    return out.SerializeToString(deterministic=True), recs[-1]["report"]
+
+
 def _keras_resnet_training_graph(k, batch=2, size=32):
     g = tf.Graph()
     with g.as_default():

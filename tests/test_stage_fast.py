@@ -118,7 +118,7 @@ def test_guard_fast_readers_on_training_graphs_with_planted_faults(params):
 # ------------------------------------------------------ the output as a patch
 from npu_amp_tf import bridge  # noqa: E402
 from test_precision_core import GRAPHS, _build  # noqa: E402
-from test_speed_paths import plugin_only_grappler  # noqa: E402
+from test_speed_paths import optimize_rewritten, plugin_only_grappler  # noqa: E402
 
 
 def _patch_and_reference(gd, fetches, **params):
@@ -216,7 +216,6 @@ def test_patch_through_grappler_equals_bytes(k2, monkeypatch, name):
     """Inside grappler: the optimized graph with the patch handed to C++
     equals the one with the whole graph's bytes (``Graph.patch_output =
     False``), byte for byte."""
-    from tensorflow.python.grappler import tf_optimizer
 
     gd, fetches = _build(name, k2)
     mg, cfg = plugin_only_grappler(gd, fetches)
@@ -232,10 +231,8 @@ def test_patch_through_grappler_equals_bytes(k2, monkeypatch, name):
 
         monkeypatch.setattr(Graph, "serialize_patch", spy)
         monkeypatch.setattr(Graph, "patch_output", on)
-        bridge.clear_reports()
-        out = tf_optimizer.OptimizeGraph(cfg, mg, graph_id=name.encode())
-        assert [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-        outs.append(out.SerializeToString(deterministic=True))
+        out, _ = optimize_rewritten(cfg, mg, name.encode())
+        outs.append(out)
         kinds.append(made)
     assert kinds[0] and kinds[0][0] and not any(kinds[1])
     assert outs[0] == outs[1]
