@@ -388,8 +388,6 @@ _BROADCAST = frozenset({
     "SquaredDifference", "Pow", "FloorDiv", "FloorMod", "MulNoNan"})
 _REDUCE = frozenset({"Mean", "Sum", "Max", "Min", "Prod"})
 _BATCH_MATMUL = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
-#: producers followed at most this deep before the whole-graph inference is asked
-LOCAL_DEPTH = 256
 
 
 def local_shape(graph, ref, memo=None):
@@ -400,74 +398,71 @@ def local_shape(graph, ref, memo=None):
     variables; None when any dim on the way is unknown or an op is not
     covered (the caller then asks the whole-graph inference, which gives the
     same answer where this one gives one: the same shape functions).
-    ``memo``: a dict shared between calls on the same graph."""
+    ``memo``: a dict shared between calls on the same graph.
+
+    The walk keeps its own stack (each tensor's computation is a generator
+    that yields the tensors it needs, one at a time, in the order it needs
+    them), so a chain of any length (the gradient of a deep network's first
+    layer sits behind every later layer's backward) is walked once, with no
+    limit from Python's recursion."""
     if memo is None:
         memo = {}
-    # A chain deeper than LOCAL_DEPTH (the gradient of a deep network's first
-    # layer sits behind every later layer's backward) is walked in pieces:
-    # the tensor where the walk stopped is answered first (and memoised),
-    # then the walk above it is tried again.  Every restart memoises one more
-    # tensor, so the restarts are bounded by the graph's size.
-    todo = [ref]
-    for _ in range(len(graph.nodes) + 1):
-        try:
-            sh = _local(graph, todo[-1], memo, 0)
-        except _TooDeep as exc:
-            if exc.ref in todo:  # (cannot happen: a walk starts at depth 0)
-                return None
-            todo.append(exc.ref)
-            continue
-        except RecursionError:
-            return None
-        todo.pop()
-        if not todo:
-            return sh
-    return None
-
-
-class _TooDeep(Exception):
-    """The walk went deeper than LOCAL_DEPTH at tensor ``ref``: nothing on its
-    path is memoised."""
-
-    def __init__(self, ref):
-        super().__init__(ref)
-        self.ref = ref
-
-
-def _local(graph, ref, memo, depth):
     if ref in memo:
         return memo[ref]
-    if depth > LOCAL_DEPTH:
-        raise _TooDeep(ref)
-    memo[ref] = None  # (a cycle through a loop answers None)
+    memo[ref] = None  # (a tensor in progress: a cycle through it answers None)
+    stack = [(ref, _compute(graph, ref))]
+    value = None
     try:
-        sh = _local_compute(graph, ref, memo, depth)
+        while True:
+            r, gen = stack[-1]
+            try:
+                need = gen.send(value)
+            except StopIteration as done:
+                sh = done.value
+                if sh is not None and any(d < 0 for d in sh):
+                    sh = None
+                memo[r] = sh
+                stack.pop()
+                if not stack:
+                    return sh
+                value = sh
+                continue
+            if need in memo:
+                value = memo[need]
+                continue
+            memo[need] = None
+            stack.append((need, _compute(graph, need)))
+            value = None
     except BaseException:
-        del memo[ref]  # a later, shallower walk may answer it
+        for r, _ in stack:  # nothing in progress stays memoised
+            del memo[r]
         raise
-    if sh is not None and any(d < 0 for d in sh):
-        sh = None
-    memo[ref] = sh
-    return sh
 
 
-def _const_ints(graph, ref, memo=None, depth=0):
-    """The int values of a constant operand (a Const behind Identities, or,
-    with ``memo``, the ``Shape`` of a tensor whose shape is fully known)."""
+def _const_ints(graph, ref):
+    """The int values of a constant operand (a Const behind Identities)."""
+    v = const_value(graph, ref)
+    if v is None or v.dtype.kind not in "iu":
+        return None
+    return [int(x) for x in v.reshape(-1)]
+
+
+def _const_ints_walk(graph, ref):
+    """:func:`_const_ints`, or the fully known shape of the tensor a ``Shape``
+    operand reads (yielded to the walk): a generator."""
     v = const_value(graph, ref)
     if v is None:
-        if memo is not None:
-            src, port, ctrl = parse_tensor(ref)
-            node = graph.nodes.get(src)
-            if node is not None and node.op == "Shape" and port == 0 and not ctrl and node.input:
-                return _local(graph, node.input[0], memo, depth + 1)
+        src, port, ctrl = parse_tensor(ref)
+        node = graph.nodes.get(src)
+        if node is not None and node.op == "Shape" and port == 0 and not ctrl and node.input:
+            return (yield node.input[0])
         return None
     if v.dtype.kind not in "iu":
         return None
     return [int(x) for x in v.reshape(-1)]
 
 
-def _local_compute(graph, ref, memo, depth):
+def _compute(graph, ref):
     src, port, ctrl = parse_tensor(ref)
     node = graph.nodes.get(src)
     if node is None or ctrl:
@@ -492,22 +487,22 @@ def _local_compute(graph, ref, memo, depth):
         handle = graph.nodes.get(parse_tensor(data[0])[0])
         return _shape_attr(handle) if handle is not None and handle.op == "VarHandleOp" else None
     if op in _SAME_SHAPE:
-        return _local(graph, data[0], memo, depth + 1)
+        return (yield data[0])
     if op in _BROADCAST and len(data) == 2:
-        a = _local(graph, data[0], memo, depth + 1)
-        b = _local(graph, data[1], memo, depth + 1) if a is not None else None
+        a = (yield data[0])
+        b = (yield data[1]) if a is not None else None
         return None if b is None else _broadcast(a, b)
     if op in ("LayerNormGrad", "RMSNormGrad") and len(data) >= 2:  # dx: x's shape (input 1)
-        return _local(graph, data[1], memo, depth + 1)
+        return (yield data[1])
     if op == "AddN":  # every input has the output's shape
         for d in data:
-            sh = _local(graph, d, memo, depth + 1)
+            sh = (yield d)
             if sh is not None:
                 return sh
         return None
     if op in ("MatMul", "_FusedMatMul", "_MklNativeFusedMatMul", "_MklFusedMatMul") and len(data) >= 2:
-        a = _local(graph, data[0], memo, depth + 1)
-        b = _local(graph, data[1], memo, depth + 1) if a is not None else None
+        a = (yield data[0])
+        b = (yield data[1]) if a is not None else None
         if b is None or len(a) != 2 or len(b) != 2:
             return None
         ta = attr["transpose_a"].b if "transpose_a" in attr else False
@@ -516,8 +511,8 @@ def _local_compute(graph, ref, memo, depth):
             return None
         return [a[1] if ta else a[0], b[0] if tb else b[1]]
     if op in _BATCH_MATMUL and len(data) == 2:
-        a = _local(graph, data[0], memo, depth + 1)
-        b = _local(graph, data[1], memo, depth + 1) if a is not None else None
+        a = (yield data[0])
+        b = (yield data[1]) if a is not None else None
         if b is None or len(a) < 2 or len(b) < 2:
             return None
         adj_a = attr["adj_x"].b if "adj_x" in attr else False
@@ -536,21 +531,21 @@ def _local_compute(graph, ref, memo, depth):
                 return None
         return batch + [m, n]
     if op in ("Fill", "BroadcastTo") and len(data) == 2:
-        dims = _const_ints(graph, data[0 if op == "Fill" else 1], memo, depth)
+        dims = (yield from _const_ints_walk(graph, data[0 if op == "Fill" else 1]))
         return None if dims is None or any(d < 0 for d in dims) else dims
     if op == "Tile" and len(data) == 2:
-        mult = _const_ints(graph, data[1], memo, depth)
-        x = _local(graph, data[0], memo, depth + 1) if mult is not None else None
+        mult = (yield from _const_ints_walk(graph, data[1]))
+        x = (yield data[0]) if mult is not None else None
         if x is None or len(mult) != len(x):
             return None
         return [a * b for a, b in zip(x, mult)]
     if op == "Reshape" and len(data) == 2:
-        target = _const_ints(graph, data[1], memo, depth)
+        target = (yield from _const_ints_walk(graph, data[1]))
         if target is None or any(d < -1 for d in target) or target.count(-1) > 1:
             return None
         if -1 not in target:
             return target
-        x = _local(graph, data[0], memo, depth + 1)
+        x = (yield data[0])
         if x is None:
             return None
         total = 1
@@ -565,13 +560,13 @@ def _local_compute(graph, ref, memo, depth):
         return [total // rest if d == -1 else d for d in target]
     if op == "Transpose" and len(data) == 2:
         perm = _const_ints(graph, data[1])
-        x = _local(graph, data[0], memo, depth + 1) if perm is not None else None
+        x = (yield data[0]) if perm is not None else None
         if x is None or sorted(perm) != list(range(len(x))):
             return None
         return [x[p] for p in perm]
     if op in _REDUCE and len(data) == 2:
         axes = _const_ints(graph, data[1])
-        x = _local(graph, data[0], memo, depth + 1) if axes is not None else None
+        x = (yield data[0]) if axes is not None else None
         if x is None:
             return None
         r = len(x)

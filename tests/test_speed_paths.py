@@ -388,9 +388,9 @@ def test_local_shapes_agree_with_grappler_and_spare_the_inference():
 
 def test_local_shape_walks_past_its_depth_limit_on_a_deep_training_graph():
     """The gradient of a deep network's first layer sits behind every later
-    layer's backward: its producers' chain is longer than one walk may go
-    (``shapes.LOCAL_DEPTH``).  The walk goes on in pieces, still equal to
-    grappler's shape on every tensor it answers for, and the fusion pass,
+    layer's backward: its producers' chain is long (past 256, the depth a
+    recursive walk once stopped at and restarted from).  The walk (its own
+    stack) is equal to grappler's shape on every tensor it answers for, and the fusion pass,
     which fuses every LayerNorm with its gradient region here, asks grappler's
     whole-graph inference for nothing (it used to, for the first layer's
     gradient AddN: ~0.5 s on the 12-layer BERT-base-like benchmark graph)."""
@@ -400,7 +400,7 @@ def test_local_shape_walks_past_its_depth_limit_on_a_deep_training_graph():
     inferred = shapes_mod.infer_shapes(gd)
     addn = [n for n, node in g.nodes.items() if node.op == "AddN" and n.startswith("gradients/")]
     chain = _longest_chains(g)
-    deep = [n for n in addn if chain[n] > shapes_mod.LOCAL_DEPTH]
+    deep = [n for n in addn if chain[n] > 256]
     assert deep, max(chain[n] for n in addn)
     for name in deep:  # each from scratch (no memo)
         assert shapes_mod.local_shape(g, name) == inferred.get(name)[0], name
@@ -419,6 +419,61 @@ def test_local_shape_walks_past_its_depth_limit_on_a_deep_training_graph():
     fusion = next(p for p in rep.passes if p["name"] == "fusion")["stats"]
     assert fusion["fused"].get("layer_norm") == 1 + 2 * layers, fusion["fused"]
     assert calls == [] and rep.raw_summary["shapes_inferred_in_pipeline"] is False
+
+
+def test_local_shape_walks_a_chain_deeper_than_python_recursion():
+    """A chain of 3x Python's recursion limit (elementwise ops and adds of a
+    constant, then a MatMul and a Reshape with a Shape operand at the top):
+    every tensor's shape, from scratch and walked readers first, equals the
+    one NumPy broadcasting gives by hand; a cycle among such ops (a malformed
+    graph) answers None and leaves nothing half-done in the memo."""
+    import sys
+
+    from tensorflow.core.framework import graph_pb2
+
+    n = 3 * sys.getrecursionlimit()
+    gd = graph_pb2.GraphDef()
+
+    def add(name, op, inputs=(), **attrs):
+        node = gd.node.add(name=name, op=op)
+        node.input.extend(inputs)
+        for k, v in attrs.items():
+            node.attr[k].CopyFrom(v)
+        return node
+
+    f32 = tf.float32.as_datatype_enum
+    dt = tf.compat.v1.AttrValue(type=f32)
+    x = add("x", "Placeholder", dtype=dt,
+            shape=tf.compat.v1.AttrValue(shape=tf.TensorShape([4, 1, 3]).as_proto()))
+    add("b", "Const", dtype=dt, value=tf.compat.v1.AttrValue(
+        tensor=tf.make_tensor_proto(np.zeros([5, 1], np.float32))))
+    prev = x.name
+    for i in range(n):
+        prev = add(f"c{i}", "Relu" if i % 2 else "AddV2", [prev] if i % 2 else [prev, "b"], T=dt).name
+    add("w", "Const", dtype=dt, value=tf.compat.v1.AttrValue(
+        tensor=tf.make_tensor_proto(np.zeros([3, 7], np.float32))))
+    add("flat_shape", "Const", dtype=tf.compat.v1.AttrValue(type=tf.int32.as_datatype_enum),
+        value=tf.compat.v1.AttrValue(tensor=tf.make_tensor_proto(np.array([-1, 3], np.int32))))
+    add("flat", "Reshape", [prev, "flat_shape"], T=dt)
+    add("mm", "MatMul", ["flat", "w"], T=dt)
+    add("mm_shape", "Shape", ["mm"], T=dt)
+    add("zero", "Const", dtype=dt, value=tf.compat.v1.AttrValue(tensor=tf.make_tensor_proto(np.float32(0))))
+    add("filled", "Fill", ["mm_shape", "zero"], T=dt)
+    g = Graph(gd)
+    expected = {"x": [4, 1, 3], "flat": [20, 3], "mm": [20, 7], "filled": [20, 7]}
+    expected.update({f"c{i}": [4, 5, 3] for i in range(n)})  # (4,1,3) + (5,1) -> (4,5,3)
+    for name in ("filled", "mm", "flat", f"c{n - 1}"):  # each from scratch
+        assert shapes_mod.local_shape(g, name) == expected[name], name
+    memo = {}
+    for name in reversed(list(g.nodes)):
+        if name in expected:
+            assert shapes_mod.local_shape(g, name, memo) == expected[name], name
+    # a cycle of covered ops (not a valid TF graph): None, and the memo holds only answers
+    gd.node[2].input[0] = f"c{n - 1}"
+    cyc = Graph(gd)
+    memo = {}
+    assert shapes_mod.local_shape(cyc, "c10", memo) is None
+    assert all(v is None for v in memo.values()) and "c10" in memo
 
 
 def _longest_chains(g):
