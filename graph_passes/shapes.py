@@ -450,19 +450,16 @@ def _const_ints(graph, ref):
 def _const_ints_walk(graph, ref):
     """:func:`_const_ints`, or the fully known shape of the tensor a ``Shape``
     operand reads (yielded to the walk): a generator."""
-    v = const_value(graph, ref)
-    if v is None:
-        src, port, ctrl = parse_tensor(ref)
-        node = graph.nodes.get(src)
-        if node is not None and node.op == "Shape" and port == 0 and not ctrl and node.input:
-            return (yield node.input[0])
-        return None
-    if v.dtype.kind not in "iu":
-        return None
-    return [int(x) for x in v.reshape(-1)]
+    src, port, ctrl = parse_tensor(ref)
+    node = graph.nodes.get(src)
+    if node is not None and node.op == "Shape" and port == 0 and not ctrl and node.input:
+        return (yield node.input[0])  # (a Shape is no constant: const_value gives None)
+    return _const_ints(graph, ref)
 
 
 def _compute(graph, ref):
+    """The shape of ``ref`` from its producer's op: a generator that yields
+    each input tensor whose shape it needs and receives that shape (or None)."""
     src, port, ctrl = parse_tensor(ref)
     node = graph.nodes.get(src)
     if node is None or ctrl:

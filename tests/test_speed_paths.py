@@ -250,8 +250,8 @@ def plugin_only_grappler(gd, fetches=("loss", "train")):
 
 
 def optimize_rewritten(cfg, mg, graph_id):
-    """One ``OptimizeGraph`` call with the plugin: ``(output bytes,
-    deterministic, the last rewritten graph's report)``; fails when the
+    """One ``OptimizeGraph`` call with the plugin: ``(the output's
+    deterministic bytes, the last rewritten graph's report)``; fails when the
     plugin rewrote nothing."""
     from tensorflow.python.grappler import tf_optimizer
 
@@ -423,7 +423,7 @@ def test_local_shape_walks_past_its_depth_limit_on_a_deep_training_graph():
 
 def test_local_shape_walks_a_chain_deeper_than_python_recursion():
     """A chain of 3x Python's recursion limit (elementwise ops and adds of a
-    constant, then a MatMul and a Reshape with a Shape operand at the top):
+    constant, then a Reshape, a MatMul and a Fill whose dims are a Shape):
     every tensor's shape, from scratch and walked readers first, equals the
     one NumPy broadcasting gives by hand; a cycle among such ops (a malformed
     graph) answers None and leaves nothing half-done in the memo."""
