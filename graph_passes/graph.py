@@ -767,6 +767,10 @@ class Graph:
             found.sort(key=seq.__getitem__)
         return found
 
+    def op_types(self) -> list[str]:
+        """The op types of the graph's nodes (from the op-type index)."""
+        return [op for op, names in self._by_op.items() if names]
+
     def count_of_type(self, op: str) -> int:
         """How many nodes have op type ``op`` (from the op-type index)."""
         return len(self._by_op.get(op, ()))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
+from . import registry
 from .errors import GraphError, NpuAmpError, PassError
 from .graph import Graph, parse_tensor
 from .report import Report
@@ -120,7 +121,15 @@ class PassManager:
             raise PassError(unknown[0], f"no such pass; registered: {sorted(PASS_REGISTRY)}")
         self.validate = validate
 
+    #: (issue 17) fetch the kernels of every op type in the graph with one
+    #: scan of TF's kernel registry before the passes ask about them one op
+    #: type at a time (:func:`registry.prefetch_kernels`: the same answers);
+    #: False: as they ask (the reference)
+    prefetch_kernels = True
+
     def run(self, graph: Graph, ctx: PassContext) -> Report:
+        if self.prefetch_kernels:
+            registry.prefetch_kernels(graph.op_types())
         iface = _interface(graph, ctx.protected)
         before_problems = set(graph.validate()) if self.validate else set()
         for name in self.pass_names:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import re
 
-from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework import kernel_def_pb2, types_pb2
 
 from . import _tf
 
@@ -221,19 +221,64 @@ def input_dtypes(node, library=None) -> list[int] | None:
 
 
 # ---------------------------------------------------------------- kernels
-@functools.lru_cache(maxsize=None)
+#: ``fn(op types) -> bytes | None``: the serialized ``KernelList`` of every
+#: kernel registered for those op types, from one scan of TF's kernel
+#: registry (``NpuAmpKernelsForOps`` in custom_ops/grappler_bridge.cc; TF's
+#: own call scans the whole registry once per op type).  graph_passes never
+#: imports npu_amp_tf: the package installs it when its library is loaded;
+#: None: :func:`_kernels` asks TF one op type at a time.
+native_kernels = None
+
+#: op type -> :func:`_kernels`' answer, process-wide (an op's kernels are
+#: registered with its OpDef: the answer does not change)
+_KERNELS: dict = {}
+#: op type -> its ``KernelDef`` messages from :func:`prefetch_kernels`, until
+#: :func:`_kernels` first reads them (most prefetched op types are never asked)
+_FETCHED: dict = {}
+
+
+def _kernel_entries(kernels):
+    return tuple((k.device_type, k.label, {c.name: frozenset(c.allowed_values.list.type) for c in k.constraint})
+                 for k in kernels)
+
+
 def _kernels(op_type: str):
     """(device type, label, {attr: allowed dtypes}) per registered kernel.
 
     TF answers an unknown op name with an empty list; any exception from TF
     here is a real fault and propagates (the pass manager turns it into a
     report warning and keeps the original graph)."""
-    kl = _tf.registered_kernels(op_type)
-    out = []
-    for k in kl.kernel:
-        cons = {c.name: frozenset(c.allowed_values.list.type) for c in k.constraint}
-        out.append((k.device_type, k.label, cons))
-    return tuple(out)
+    out = _KERNELS.get(op_type)
+    if out is None:
+        kernels = _FETCHED.pop(op_type, None)
+        if kernels is None:
+            kernels = _tf.registered_kernels(op_type).kernel
+        out = _KERNELS[op_type] = _kernel_entries(kernels)
+    return out
+
+
+def prefetch_kernels(op_types) -> int:
+    """Fill :func:`_kernels`' cache for every op type in ``op_types`` not in
+    it yet, with one scan of TF's registry (:data:`native_kernels`): the
+    same entries, in the same order, as one TF call per op type.  Returns
+    how many op types were fetched (0 without the native scan, or when all
+    were cached already)."""
+    fn = native_kernels
+    if fn is None:
+        return 0
+    missing = [op for op in dict.fromkeys(op_types) if op not in _KERNELS and op not in _FETCHED]
+    if not missing:
+        return 0
+    data = fn(missing)
+    if data is None:
+        return 0
+    grouped = {op: [] for op in missing}
+    for k in kernel_def_pb2.KernelList.FromString(data).kernel:
+        if k.op in grouped:
+            grouped[k.op].append(k)
+    for op, kernels in grouped.items():
+        _FETCHED.setdefault(op, kernels)
+    return len(missing)
 
 
 #: known-broken combinations: (op, device type, dtype) -> why.  TensorFlow

@@ -159,6 +159,10 @@ def library():
             if hasattr(lib, "NpuAmpItemFingerprint"):  # (issue 17u)
                 lib.NpuAmpItemFingerprint.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
                 lib.NpuAmpItemFingerprint.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpKernelsForOps"):  # (issue 17; else one TF call per op type)
+                lib.NpuAmpKernelsForOps.argtypes = [ctypes.c_char_p, ctypes.c_size_t,
+                                                    ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
+                lib.NpuAmpKernelsForOps.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpStepTimes"):  # (issue 17r)
                 lib.NpuAmpStepTimes.argtypes = [ctypes.c_void_p, ctypes.c_int]
                 lib.NpuAmpStepTimes.restype = ctypes.c_int
@@ -176,6 +180,10 @@ def library():
                 from graph_passes import graph as _graph
 
                 _graph.native_kahn = kahn_order
+            if hasattr(lib, "NpuAmpKernelsForOps"):
+                from graph_passes import registry as _registry
+
+                _registry.native_kernels = kernels_for_ops
         return _lib
 
 
@@ -408,6 +416,21 @@ def kahn_order(n, counts, readers, back):
         return None
     del out[k:]
     return out
+
+
+def kernels_for_ops(op_types):
+    """The serialized ``KernelList`` of every kernel TF registers for the op
+    types ``op_types`` (a list of str), from one scan of the registry in C++
+    (``graph_passes.registry.native_kernels``, installed by :func:`library`);
+    None when the library cannot."""
+    fn = getattr(_lib, "NpuAmpKernelsForOps", None) if _lib is not None else None
+    if fn is None:
+        return None
+    ops = "\n".join(op_types).encode()
+    data, size = ctypes.c_void_p(), ctypes.c_size_t()
+    if fn(ops, len(ops), ctypes.byref(data), ctypes.byref(size)) != 0:
+        return None
+    return ctypes.string_at(data, size.value) if size.value else b""
 
 
 # ---------------------------------------------------------------------------
