@@ -261,19 +261,24 @@ def prefetch_kernels(op_types) -> int:
     """Fill :func:`_kernels`' cache for every op type in ``op_types`` not in
     it yet, with one scan of TF's registry (:data:`native_kernels`): the
     same entries, in the same order, as one TF call per op type.  Returns
-    how many op types were fetched (0 without the native scan, or when all
-    were cached already)."""
+    how many op types were fetched (0 without the native scan, when all
+    were cached already, or when the scan failed: then each op type is
+    asked of TF when first needed, as without it)."""
     fn = native_kernels
     if fn is None:
         return 0
     missing = [op for op in dict.fromkeys(op_types) if op not in _KERNELS and op not in _FETCHED]
     if not missing:
         return 0
-    data = fn(missing)
-    if data is None:
+    try:
+        data = fn(missing)
+        kernels = kernel_def_pb2.KernelList.FromString(data).kernel if data is not None else None
+    except Exception:  # noqa: BLE001 - a shortcut only: TF's per-op call answers instead
+        return 0
+    if kernels is None:
         return 0
     grouped = {op: [] for op in missing}
-    for k in kernel_def_pb2.KernelList.FromString(data).kernel:
+    for k in kernels:
         if k.op in grouped:
             grouped[k.op].append(k)
     for op, kernels in grouped.items():

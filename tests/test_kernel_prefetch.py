@@ -71,8 +71,13 @@ def test_prefetch_fills_the_cache_without_per_op_calls(monkeypatch, fresh_caches
     assert not registry.has_kernel("NoSuchOp_npu_amp", "CPU", {"T": registry.DT_FLOAT})
 
 
-def test_without_the_library_scan_each_op_is_asked(monkeypatch, fresh_caches):
-    monkeypatch.setattr(registry, "native_kernels", None)
+@pytest.mark.parametrize("native", ["absent", "fails", "garbage"])
+def test_without_a_working_library_scan_each_op_is_asked(monkeypatch, fresh_caches, native):
+    def fails(ops):
+        raise OSError("the library call failed")
+
+    monkeypatch.setattr(registry, "native_kernels",
+                        {"absent": None, "fails": fails, "garbage": lambda ops: b"\xff\xff\xff"}[native])
     asked = []
     orig = gtf.registered_kernels
 
