@@ -48,3 +48,17 @@ def pytest_terminal_summary(terminalreporter):
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     terminalreporter.write_line(f"peak RSS of the test process: {peak:.0f} MiB")
+
+
+def assert_same(a, b, what="the values"):
+    """``assert a == b`` for long strings or bytes (a report's JSON, a
+    serialised graph), explained by the first difference.  pytest's own
+    explanation is a difflib diff, quadratic on one long line, and it is not
+    truncated under ``-vv`` or with ``CI`` set: the tests that plant a fault
+    expect this assertion to fail, and would wait on that diff for hours."""
+    if a == b:
+        return
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    lo = max(0, i - 60)
+    raise AssertionError(f"{what} differ at index {i} (lengths {len(a)} and {len(b)}): "
+                         f"{a[lo:i + 60]!r} vs {b[lo:i + 60]!r}")
