@@ -272,13 +272,13 @@ def prefetch_kernels(op_types) -> int:
         return 0
     try:
         data = fn(missing)
-        kernels = kernel_def_pb2.KernelList.FromString(data).kernel if data is not None else None
+        if data is None:
+            return 0
+        found = kernel_def_pb2.KernelList.FromString(data).kernel
     except Exception:  # noqa: BLE001 - a shortcut only: TF's per-op call answers instead
         return 0
-    if kernels is None:
-        return 0
     grouped = {op: [] for op in missing}
-    for k in kernels:
+    for k in found:
         if k.op in grouped:
             grouped[k.op].append(k)
     for op, kernels in grouped.items():
