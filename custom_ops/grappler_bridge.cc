@@ -80,6 +80,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -141,6 +142,8 @@ int64_t ThreadCpuNs() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
+struct GraphViews;
+
 struct Sink {
   std::string result;
   std::string error;
@@ -170,6 +173,10 @@ struct Sink {
   // fingerprint (NpuAmpItemFingerprint)
   npu_amp_tf::BaseIndex kept;
   uint64_t fingerprint = 0;
+  // (issue 17) the views NpuAmpItemIndex read the item's names and inputs
+  // through (of graph_bytes, or of the item's GraphDef), for
+  // NpuAmpItemPaintStrings; null until then
+  std::shared_ptr<GraphViews> views;
 };
 
 // Sink flags (issue 17r), set by Python (bridge.MOVE_ITEM_NODES,
@@ -1069,13 +1076,15 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
   *len = 0;
   if (s == nullptr || s->item == nullptr) return 1;
   const int64_t t0 = ThreadCpuNs();
-  GraphViews views;
+  auto held = std::make_shared<GraphViews>();
+  GraphViews& views = *held;
   if (!(s->flags & kFlagIndexFromBytes) || !ViewsOfBytes(s->graph_bytes, &views)) {
     views = GraphViews();
     ViewsOfGraph(s->item->graph, &views);
   }
   const bool ok = GraphIndexText(s->item->graph, views, &s->index, (s->flags & kFlagFastIndex) != 0,
                                  (s->flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr);
+  if (static_cast<int64_t>(views.name.size()) == s->item->graph.node_size()) s->views = std::move(held);
   g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
   if (!ok) return 1;
   *data = s->index.data();
@@ -1256,6 +1265,86 @@ NPU_AMP_EXPORT int NpuAmpKernelsForOps(const char* ops, size_t ops_len, const ch
   return 0;
 }
 
+// The precision pass's painting input (issue 17, graph_passes/precision/native.py):
+// its strings section, names joined by \x01, \x03, then per node the first
+// counts[i] of its inputs (all of them when counts[i] < 0) joined by \x01,
+// nodes joined by \x02 -- with the inputs of every node the passes left
+// unchanged read here from the item grappler holds instead of turned into
+// Python strings and joined there (most of a graph's nodes; ~5-8 ms of
+// Python per callback on a ResNet-50 / BERT-base training graph).
+// `names`: the section's names part (n names, \x01-joined); `base[i]`: node
+// i's index in the item's graph, or -1 for a node created or edited since
+// (its inputs come from `extra`: those nodes' sections in node order, joined
+// by \x02).  Every base node's name is compared with the item node's.
+// Returns 0 and the whole section in *data/*len (valid until the next call
+// on this thread), 1 when the arguments do not describe the item (Python
+// then joins every node's inputs itself).
+NPU_AMP_EXPORT int NpuAmpItemPaintStrings(void* sink, const char* names, size_t names_len,
+                                          const int32_t* base, const int32_t* counts, int64_t n,
+                                          const char* extra, size_t extra_len, const char** data,
+                                          size_t* len) {
+  thread_local std::string buf;
+  *data = nullptr;
+  *len = 0;
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || s->item == nullptr || n < 0 || (n > 0 && (base == nullptr || counts == nullptr))) {
+    return 1;
+  }
+  const tensorflow::GraphDef& graph = s->item->graph;
+  const int64_t size = graph.node_size();
+  const GraphViews* views = s->views.get();
+  const std::string_view all_names(names, names_len);
+  std::string_view rest_extra(extra == nullptr ? "" : extra, extra == nullptr ? 0 : extra_len);
+  int64_t pending = 0;  // the nodes whose section comes from `extra`
+  for (int64_t i = 0; i < n; ++i) pending += base[i] < 0 ? 1 : 0;
+  buf.clear();
+  buf.reserve(names_len + 1 + extra_len + static_cast<size_t>(n) * 48);
+  buf.append(all_names);
+  buf.push_back('\x03');
+  size_t at = 0;  // the next name in `names`
+  for (int64_t i = 0; i < n; ++i) {
+    size_t end = all_names.find('\x01', at);
+    if (end == std::string_view::npos) {
+      if (i != n - 1) return 1;
+      end = all_names.size();
+    }
+    const std::string_view name = all_names.substr(at, end - at);
+    at = end + 1;
+    if (i > 0) buf.push_back('\x02');
+    const int32_t k = base[i];
+    if (k < 0) {
+      size_t cut = rest_extra.find('\x02');
+      if ((--pending > 0) != (cut != std::string_view::npos)) return 1;  // one section per such node
+      if (cut == std::string_view::npos) cut = rest_extra.size();
+      buf.append(rest_extra.substr(0, cut));
+      rest_extra.remove_prefix(cut == rest_extra.size() ? cut : cut + 1);
+      continue;
+    }
+    if (k >= size) return 1;
+    if (views != nullptr) {  // (the index's views: one sequential read of the item's bytes)
+      if (views->name[k] != name) return 1;
+      const int64_t first = views->in_start[k], have = views->in_start[k + 1] - first;
+      const int64_t m = counts[i] < 0 ? have : std::min<int64_t>(counts[i], have);
+      for (int64_t j = 0; j < m; ++j) {
+        if (j > 0) buf.push_back('\x01');
+        buf.append(views->input[first + j]);
+      }
+      continue;
+    }
+    const tensorflow::NodeDef& node = graph.node(k);
+    if (node.name() != name) return 1;
+    const int m = counts[i] < 0 ? node.input_size() : std::min(counts[i], node.input_size());
+    for (int j = 0; j < m; ++j) {
+      if (j > 0) buf.push_back('\x01');
+      buf.append(node.input(j));
+    }
+  }
+  if (at < all_names.size() || !rest_extra.empty()) return 1;
+  *data = buf.data();
+  *len = buf.size();
+  return 0;
+}
+
 // The step timings of the last Optimize() that called Python (see Step):
 // writes min(n, kStepCount) values (thread CPU ns) to out, returns kStepCount.
 NPU_AMP_EXPORT int NpuAmpStepTimes(int64_t* out, int n) {
@@ -1379,6 +1468,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     sink.item = nullptr;
     sink.graph_bytes = std::string_view();
     sink.kept = npu_amp_tf::BaseIndex();  // (its views are of graph_bytes)
+    sink.views.reset();                     // (the same)
     graph_bytes.clear();
     graph_bytes.shrink_to_fit();
     const int64_t t_callback = ThreadCpuNs();

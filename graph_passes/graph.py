@@ -1248,19 +1248,11 @@ class Graph:
         and is in ``created``; so the order is the rank for the other nodes
         below the input's count, -1 else.  None when ``_seq`` does not name
         every node (a node put in by hand): the caller maps names."""
-        seq = self._seq
         keys = list(nodes)
-        n, nb = len(keys), len(base)
-        if not getattr(self, "_seq_is_base", False) or len(seq) != n:
+        n = len(keys)
+        order = self._base_ranks(keys, len(base))
+        if order is None:
             return None
-        ranks = np.fromiter(map(seq.get, keys, repeat(-1)), np.int64, n)
-        if n and ranks.min() < 0:
-            return None
-        special = self.created | self.modified
-        mark = np.zeros(self._next_seq + 1, np.bool_)
-        if special:
-            mark[np.fromiter(map(seq.get, special, repeat(self._next_seq)), np.int64, len(special))] = True
-        order = np.where((ranks < nb) & ~mark[ranks], ranks, -1).astype(np.int32)
         names = functools.lru_cache(maxsize=1)(lambda: {name.encode() for name in keys})
         entry = self._node_bytes
         kget = keys.__getitem__
@@ -1269,6 +1261,46 @@ class Graph:
         out = array("i")
         out.frombytes(order.tobytes())
         return GraphPatch(out, b"".join(parts), n)
+
+    def _base_ranks(self, keys, nb):
+        """Per name of ``keys`` (every node, in ``nodes`` order) its index in
+        the input graph when no pass created or edited it, else -1 (int32
+        numpy array), from ``_seq`` (see :meth:`_fast_patch`); None when
+        ``_seq`` does not name every node or no longer ranks by input index."""
+        seq = self._seq
+        n = len(keys)
+        if not getattr(self, "_seq_is_base", False) or len(seq) != n:
+            return None
+        if list(seq) == keys:  # (the usual case: ``_seq`` holds the nodes in their order)
+            ranks = np.fromiter(seq.values(), np.int64, n)
+        else:
+            ranks = np.fromiter(map(seq.get, keys, repeat(-1)), np.int64, n)
+            if n and ranks.min() < 0:
+                return None
+        special = self.created | self.modified
+        mark = np.zeros(self._next_seq + 1, np.bool_)
+        if special:
+            mark[np.fromiter(map(seq.get, special, repeat(self._next_seq)), np.int64, len(special))] = True
+        return np.where((ranks < nb) & ~mark[ranks], ranks, -1).astype(np.int32)
+
+    #: (issue 17) who built this graph from a serialized one it still holds
+    #: may set this to ``fn(names, base, counts, extra) -> bytes | None``: the
+    #: precision pass's painting strings (see ``precision/native.py``) with
+    #: the inputs of the nodes no pass created or edited read from that
+    #: graph (``base``: per node its input index or -1, :meth:`base_positions`)
+    #: instead of from the NodeDefs here (the grappler bridge does, from the
+    #: item it holds: ``NpuAmpItemPaintStrings``); None: not available
+    base_inputs = None
+
+    def base_positions(self):
+        """Per node (``nodes`` order) its index in the graph this object was
+        built from when no pass created or edited it since, else -1 (an
+        int32 numpy array); None when that is not known (duplicate names,
+        an untracked pass, a node put in by hand, a :meth:`reindex`)."""
+        base = self._base_names
+        if base is None or self.duplicates or self._all_modified:
+            return None
+        return self._base_ranks(list(self.nodes), len(base))
 
     def __len__(self):
         return len(self.nodes)

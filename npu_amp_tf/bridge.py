@@ -163,6 +163,12 @@ def library():
                 lib.NpuAmpKernelsForOps.argtypes = [ctypes.c_char_p, ctypes.c_size_t,
                                                     ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
                 lib.NpuAmpKernelsForOps.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpItemPaintStrings"):  # (issue 17; else Python joins every node's inputs)
+                lib.NpuAmpItemPaintStrings.argtypes = [
+                    ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
+                    ctypes.POINTER(ctypes.c_size_t)]
+                lib.NpuAmpItemPaintStrings.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpStepTimes"):  # (issue 17r)
                 lib.NpuAmpStepTimes.argtypes = [ctypes.c_void_p, ctypes.c_int]
                 lib.NpuAmpStepTimes.restype = ctypes.c_int
@@ -433,6 +439,32 @@ def kernels_for_ops(op_types):
     return ctypes.string_at(data, size.value) if size.value else b""
 
 
+def item_paint_strings(sink, names: bytes, base, counts, extra: bytes):
+    """The precision pass's painting strings (``Graph.base_inputs``, see
+    ``graph_passes/precision/native.py``) with the inputs of the nodes whose
+    ``base`` entry is an item index read from the item grappler is optimizing
+    now (only inside the callback; ``base``/``counts``: ``array('i')`` per
+    node, ``extra``: the other nodes' inputs); None when the library lacks
+    the call or the arguments do not describe the item (Python then joins
+    every node's inputs)."""
+    fn = getattr(_lib, "NpuAmpItemPaintStrings", None) if _lib is not None else None
+    n = len(base)
+    if (fn is None or sink is None or len(counts) != n or base.itemsize != 4 or counts.itemsize != 4
+            or not BASE_PAINT_STRINGS):
+        return None
+    data, size = ctypes.c_void_p(), ctypes.c_size_t()
+    if fn(sink, names, len(names), base.buffer_info()[0] if n else None,
+          counts.buffer_info()[0] if n else None, n, extra, len(extra),
+          ctypes.byref(data), ctypes.byref(size)) != 0:
+        return None
+    return ctypes.string_at(data, size.value) if size.value else b""
+
+
+#: (issue 17) hand the precision pass :func:`item_paint_strings` inside the
+#: callback; False: it joins every node's inputs (the reference; the same bytes)
+BASE_PAINT_STRINGS = True
+
+
 # ---------------------------------------------------------------------------
 # the OpDef guard's pre-check in C++ (issue 17m; custom_ops/opdef_precheck.cc)
 # ---------------------------------------------------------------------------
@@ -550,7 +582,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                shapes=shapes, index=lambda: item_index(sink),
                                patch=_patch_fn() is not None,
                                opdef_precheck=lambda p, dev: item_opdef_precheck(sink, p, dev),
-                               digest=digest)
+                               digest=digest,
+                               base_inputs=lambda *a: item_paint_strings(sink, *a))
         finally:
             shapes.expire()
             _tls.active = False
@@ -729,7 +762,7 @@ def parse_options(config_bytes: bytes):
 
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
            item_id: str = "graph", shapes=None, index=None, patch: bool = False,
-           opdef_precheck="auto", digest=None):
+           opdef_precheck="auto", digest=None, base_inputs=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
@@ -743,7 +776,9 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     the OpDef guard's C++ pre-check of such a patch (:func:`item_opdef_precheck`),
     see :func:`pipeline.optimize_serialized`.  ``digest``: what the memo
     knows ``graph_bytes`` by (the grappler callback hands the C++ side's
-    fingerprint of them, :func:`item_fingerprint`); None: their SHA-1."""
+    fingerprint of them, :func:`item_fingerprint`); None: their SHA-1.
+    ``base_inputs``: ``Graph.base_inputs`` of the graph parsed from
+    ``graph_bytes`` (the callback's :func:`item_paint_strings`), or None."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -801,7 +836,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         out, report, nodes = pipeline.optimize_serialized(
             graph_bytes if own else gd, options, fetches=fetches, preserve=preserve, devices=devices,
             graph_name=item_id, shapes=shapes, index=index, patch=patch,
-            opdef_precheck=opdef_precheck)
+            opdef_precheck=opdef_precheck, base_inputs=base_inputs)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)

@@ -109,7 +109,8 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 
 def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
                         devices=(), include_functions: bool = True, graph_name: str | None = None,
-                        shapes=None, index="auto", patch: bool = False, opdef_precheck="auto"):
+                        shapes=None, index="auto", patch: bool = False, opdef_precheck="auto",
+                        base_inputs=None):
     """:func:`optimize`, with the rewritten graph as its deterministic
     serialization (what the grappler bridge hands back), written straight
     from the indexed graph (``Graph.serialize``) instead of through a copied
@@ -129,10 +130,15 @@ def optimize_serialized(graph_def, options: Options | None = None, fetches=(), p
     Python guard does not run), False or None (it runs): the bridge's
     :func:`npu_amp_tf.bridge.item_opdef_precheck` on the item grappler
     holds.  ``"auto"``: the same check on ``graph_def``'s bytes when they
-    were given and the library is loaded; None: the Python guard alone."""
+    were given and the library is loaded; None: the Python guard alone.
+
+    ``base_inputs`` (issue 17): ``Graph.base_inputs`` of the main graph (a
+    source of the input's node inputs for the precision pass's painting:
+    the bridge's :func:`npu_amp_tf.bridge.item_paint_strings` on the item it
+    was serialized from), or None."""
     return _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                      shapes, index, serialized="patch" if patch else True,
-                     opdef_precheck=opdef_precheck)
+                     opdef_precheck=opdef_precheck, base_inputs=base_inputs)
 
 
 def _optimize(*args, **kwargs):
@@ -171,7 +177,7 @@ PROMOTE_SURVIVORS = True
 
 
 def _optimize_run(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
-                  shapes, index, serialized, opdef_precheck=None):
+                  shapes, index, serialized, opdef_precheck=None, base_inputs=None):
     options = options if options is not None else Options.from_kwargs()
     data = None
     own = False  # (issue 17r) graph_def is this run's own parse: rewritten in place
@@ -208,6 +214,8 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         report.warn(f"pass module {mod} failed to import and did not run: {err}")
     try:
         graph = Graph(graph_def, index=index, copy=not own)
+        if base_inputs is not None:
+            graph.base_inputs = base_inputs
         stages["graph"] = cpu() - c0
         if shapes is None:
             from .bridge import graph_shape_source

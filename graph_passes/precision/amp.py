@@ -191,6 +191,13 @@ class PrecisionPass(Pass):
     #: False runs 17n's ``native._apply`` (the A/B reference; the same graph
     #: and, once read, the same report: tests/test_precision_bulk.py)
     bulk_apply = True
+    #: (issue 17) the native painting's strings with the inputs of the nodes
+    #: no pass created or edited read by the graph's builder from the graph it
+    #: was built from (``Graph.base_inputs``: the grappler bridge, from the
+    #: item it holds) instead of joined from every NodeDef here; False, or no
+    #: source, joins them all (the reference; the same bytes,
+    #: tests/test_paint_strings.py)
+    base_strings = True
     #: (issue 17t) ``_fix_edges`` decides every cast first (a Cast NodeDef
     #: copied from a template per (SrcT, DstT, device), the existing-Cast
     #: search only for sources an existing Cast reads) and the graph adds

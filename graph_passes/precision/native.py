@@ -209,8 +209,10 @@ def paint(pp, order, fn):
     # the control inputs after them, most of a Keras training graph's edges,
     # are never read, nor turned into Python strings)
     cut = [slice(None) if ins is None else slice(0, len(ins)) for ins in dts[0]]
-    data_ins = map(getitem, map(_input, nodes), map(cut.__getitem__, cid))
-    strings = ("\x01".join(names) + "\x03" + "\x02".join(map("\x01".join, data_ins))).encode()
+    strings = _strings(g, names, nodes, cid, cut, dts[0]) if pp.base_strings else None
+    if strings is None:
+        data_ins = map(getitem, map(_input, nodes), map(cut.__getitem__, cid))
+        strings = ("\x01".join(names) + "\x03" + "\x02".join(map("\x01".join, data_ins))).encode()
 
     def check(candidates):
         return [c for c in candidates if _unsafe_const(pp, nodes[c], low)]
@@ -221,6 +223,27 @@ def paint(pp, order, fn):
     if batched and pp.bulk_apply:
         return _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec)
     return _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec)
+
+
+def _strings(g, names, nodes, cid, cut, ins_dts):
+    """The ``strings`` argument from ``g.base_inputs`` (issue 17: the graph's
+    builder reads the inputs of the nodes no pass created or edited from the
+    graph it was built from, ``Graph.base_positions``; only the other nodes'
+    inputs are joined here), or None (then every node's are)."""
+    fn = g.base_inputs
+    if fn is None:
+        return None
+    base = g.base_positions()
+    if base is None or len(base) != len(names):
+        return None
+    counts = np.array([-1 if ins is None else len(ins) for ins in ins_dts], np.int32)
+    per_node = array("i")
+    per_node.frombytes(counts[np.frombuffer(cid, np.int32)].tobytes())
+    edited = np.flatnonzero(base < 0).tolist()
+    extra = "\x02".join(["\x01".join(nodes[i].input[cut[cid[i]]]) for i in edited])
+    at = array("i")
+    at.frombytes(base.tobytes())
+    return fn("\x01".join(names).encode(), at, per_node, extra.encode())
 
 
 def _flags_per_node(pp, n, nodes, names, cid, paintable, infos, rec, devs, low):
