@@ -574,17 +574,23 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
             _lib.NpuAmpSinkFlags(sink, _sink_flags())
         shapes = item_shape_source(sink)
         digest = item_fingerprint(sink, glen) if SHARED_FINGERPRINT else None
+        # the sink lives on the C++ stack for this call only: the callables
+        # handed on read it from `live`, emptied when the call ends (one kept
+        # past it then answers None, as outside a callback, and never reads
+        # freed memory)
+        live = [sink]
         try:
             graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
                                _split(devices), (item_id or b"").decode("utf-8", "replace"),
-                               shapes=shapes, index=lambda: item_index(sink),
+                               shapes=shapes, index=lambda: item_index(live[0]),
                                patch=_patch_fn() is not None,
-                               opdef_precheck=lambda p, dev: item_opdef_precheck(sink, p, dev),
+                               opdef_precheck=lambda p, dev: item_opdef_precheck(live[0], p, dev),
                                digest=digest,
-                               base_inputs=lambda *a: item_paint_strings(sink, *a))
+                               base_inputs=lambda *a: item_paint_strings(live[0], *a))
         finally:
+            live[0] = None
             shapes.expire()
             _tls.active = False
         if code == RC_OK:

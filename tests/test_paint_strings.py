@@ -182,3 +182,30 @@ def test_outside_the_callback_nothing_is_read_from_an_item(k2):
     out, rep = npu_amp_tf.rewrite_graph(gd, fetches=list(fetches), precision_mode="allow_mix_precision")
     assert rep.summary["casts_inserted"] > 0
     assert amp.PrecisionPass.base_strings
+
+
+def test_callables_kept_past_the_callback_answer_none(k2, monkeypatch):
+    """The sink lives on the C++ stack during one callback: the item-bound
+    callables the bridge hands the pipeline answer None once it returned
+    (a test or a user keeping one must not read freed memory)."""
+    kept = []
+    real = bridge.handle
+
+    def handle(*args, **kw):
+        kept.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bridge, "handle", handle)
+    gd, fetches = _build("bert_like", k2)
+    bridge.register()
+    mg, cfg = plugin_only_grappler(gd, fetches)
+    bridge.clear_reports()
+    tf_optimizer.OptimizeGraph(cfg, mg, graph_id=b"test_paint_strings_kept")
+    assert kept
+    import array
+
+    a = array.array("i", [0])
+    for kw in kept:
+        assert kw["base_inputs"](b"x", a, a, b"") is None
+        assert kw["index"]() is None
+        assert kw["opdef_precheck"](None, "CPU") is None
