@@ -13,7 +13,10 @@ printed, never asserted.
 
 ``--group 17u`` (issue 17u) toggles instead ``bridge.FAST_INDEX``,
 ``bridge.PRECHECK_FROM_INDEX``, ``bridge.SHARED_FINGERPRINT``,
-``Graph.numpy_adopt`` and ``Graph.fast_patch`` (17r's switches stay on).
+``Graph.numpy_adopt`` and ``Graph.fast_patch`` (17r's switches stay on);
+``--group paint`` (issue 17, stop 38) ``bridge.BASE_PAINT_STRINGS`` (the
+precision pass's painting strings with the unchanged nodes' inputs read from
+the item in C++).
 """
 import argparse
 import hashlib
@@ -34,7 +37,8 @@ from npu_amp_tf import bridge, pipeline  # noqa: E402
 MODES = {"ref": False, "fast": True}
 GROUPS = {"17r": ((bridge, "INDEX_FROM_BYTES"), (bridge, "MOVE_ITEM_NODES"), (pipeline, "OWN_PARSE")),
           "17u": ((bridge, "FAST_INDEX"), (bridge, "PRECHECK_FROM_INDEX"),
-                  (bridge, "SHARED_FINGERPRINT"), (Graph, "numpy_adopt"), (Graph, "fast_patch"))}
+                  (bridge, "SHARED_FINGERPRINT"), (Graph, "numpy_adopt"), (Graph, "fast_patch")),
+          "paint": ((bridge, "BASE_PAINT_STRINGS"),)}
 _group = GROUPS["17r"]
 
 
