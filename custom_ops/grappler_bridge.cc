@@ -1278,7 +1278,9 @@ NPU_AMP_EXPORT int NpuAmpKernelsForOps(const char* ops, size_t ops_len, const ch
 // by \x02).  Every base node's name is compared with the item node's.
 // Returns 0 and the whole section in *data/*len (valid until the next call
 // on this thread), 1 when the arguments do not describe the item (Python
-// then joins every node's inputs itself).
+// then joins every node's inputs itself).  The item's inputs are read through
+// the views NpuAmpItemIndex kept (one sequential read of its bytes), or
+// views of the parsed graph built here when no index was asked for.
 NPU_AMP_EXPORT int NpuAmpItemPaintStrings(void* sink, const char* names, size_t names_len,
                                           const int32_t* base, const int32_t* counts, int64_t n,
                                           const char* extra, size_t extra_len, const char** data,
@@ -1290,9 +1292,13 @@ NPU_AMP_EXPORT int NpuAmpItemPaintStrings(void* sink, const char* names, size_t 
   if (s == nullptr || s->item == nullptr || n < 0 || (n > 0 && (base == nullptr || counts == nullptr))) {
     return 1;
   }
-  const tensorflow::GraphDef& graph = s->item->graph;
-  const int64_t size = graph.node_size();
-  const GraphViews* views = s->views.get();
+  if (s->views == nullptr) {  // (no index built this call: views of the parsed graph)
+    auto held = std::make_shared<GraphViews>();
+    ViewsOfGraph(s->item->graph, held.get());
+    s->views = std::move(held);
+  }
+  const GraphViews& views = *s->views;
+  const int64_t size = static_cast<int64_t>(views.name.size());
   const std::string_view all_names(names, names_len);
   std::string_view rest_extra(extra == nullptr ? "" : extra, extra == nullptr ? 0 : extra_len);
   int64_t pending = 0;  // the nodes whose section comes from `extra`
@@ -1320,23 +1326,12 @@ NPU_AMP_EXPORT int NpuAmpItemPaintStrings(void* sink, const char* names, size_t 
       rest_extra.remove_prefix(cut == rest_extra.size() ? cut : cut + 1);
       continue;
     }
-    if (k >= size) return 1;
-    if (views != nullptr) {  // (the index's views: one sequential read of the item's bytes)
-      if (views->name[k] != name) return 1;
-      const int64_t first = views->in_start[k], have = views->in_start[k + 1] - first;
-      const int64_t m = counts[i] < 0 ? have : std::min<int64_t>(counts[i], have);
-      for (int64_t j = 0; j < m; ++j) {
-        if (j > 0) buf.push_back('\x01');
-        buf.append(views->input[first + j]);
-      }
-      continue;
-    }
-    const tensorflow::NodeDef& node = graph.node(k);
-    if (node.name() != name) return 1;
-    const int m = counts[i] < 0 ? node.input_size() : std::min(counts[i], node.input_size());
-    for (int j = 0; j < m; ++j) {
+    if (k >= size || views.name[k] != name) return 1;
+    const int64_t first = views.in_start[k], have = views.in_start[k + 1] - first;
+    const int64_t m = counts[i] < 0 ? have : std::min<int64_t>(counts[i], have);
+    for (int64_t j = 0; j < m; ++j) {
       if (j > 0) buf.push_back('\x01');
-      buf.append(node.input(j));
+      buf.append(views.input[first + j]);
     }
   }
   if (at < all_names.size() || !rest_extra.empty()) return 1;

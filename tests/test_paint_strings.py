@@ -209,3 +209,20 @@ def test_callables_kept_past_the_callback_answer_none(k2, monkeypatch):
         assert kw["base_inputs"](b"x", a, a, b"") is None
         assert kw["index"]() is None
         assert kw["opdef_precheck"](None, "CPU") is None
+
+
+def test_without_the_index_the_item_is_read_through_its_parsed_graph(k2, spy, monkeypatch):
+    """No C++ index asked for in this callback (Python builds the indexes):
+    the strings come from views of the item's parsed GraphDef, equal to the
+    join (spy), and grappler's output is the one with the switch off."""
+    gd, fetches = _build("bert_like", k2)
+    bridge.register()
+    mg, cfg = plugin_only_grappler(gd, fetches)
+    monkeypatch.setattr(bridge, "BASE_PAINT_STRINGS", False)
+    ref, _ = optimize_rewritten(cfg, mg, b"test_paint_strings_noindex_ref")
+    monkeypatch.setattr(bridge, "BASE_PAINT_STRINGS", True)
+    monkeypatch.setattr(bridge, "item_index", lambda sink: None)
+    del spy[:]
+    out, _ = optimize_rewritten(cfg, mg, b"test_paint_strings_noindex")
+    assert spy and all(used for used, _, _ in spy), spy
+    assert out == ref
