@@ -74,7 +74,6 @@
 #include <mutex>
 #include <algorithm>
 #include <atomic>
-#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -744,57 +743,6 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   return true;
 }
 
-// ---- the item's bytes: one buffer kept between calls (issue 17) -------------------
-// The item's deterministic serialization went into a fresh std::string on
-// every call, and the kernel faulted in and zeroed each of its pages again
-// (TF 2.21.0, Keras ResNet50 training graph, 4.2 MB: 14.3 ms of thread CPU,
-// against 5.5 ms for the same serialization into pages already mapped).
-// One buffer is kept for the next call instead, while it holds at most
-// kKeepItemBytes; a call that finds it in use (another thread, or a nested
-// call on this one) serializes into its own string as before.
-constexpr size_t kKeepItemBytes = size_t{32} << 20;
-std::atomic<bool> g_item_bytes_busy{false};
-std::string g_item_bytes;
-
-class ItemBytes {
- public:
-  explicit ItemBytes(const tensorflow::GraphDef& graph) {
-    bool idle = false;
-    shared_ = g_item_bytes_busy.compare_exchange_strong(idle, true);
-    std::string& buf = shared_ ? g_item_bytes : own_;
-    const size_t size = graph.ByteSizeLong();  // (caches the sizes the writer uses)
-    if (size > static_cast<size_t>(INT_MAX)) return;
-    if (buf.size() < size) buf.resize(size);  // (the pages kept from the last call are reused)
-    ok_ = tensorflow::SerializeToBufferDeterministic(graph, &buf[0], size);
-    view_ = std::string_view(buf.data(), size);
-  }
-  ItemBytes(const ItemBytes&) = delete;
-  ItemBytes& operator=(const ItemBytes&) = delete;
-  ~ItemBytes() { Release(); }
-
-  bool ok() const { return ok_; }
-  std::string_view view() const { return view_; }
-
-  // The bytes are no longer needed: the shared buffer goes back (freed when
-  // larger than kKeepItemBytes), an own one is freed.
-  void Release() {
-    view_ = std::string_view();
-    if (shared_) {
-      if (g_item_bytes.capacity() > kKeepItemBytes) std::string().swap(g_item_bytes);
-      shared_ = false;
-      g_item_bytes_busy.store(false);
-    } else {
-      std::string().swap(own_);
-    }
-  }
-
- private:
-  bool shared_ = false;
-  bool ok_ = false;
-  std::string own_;
-  std::string_view view_;
-};
-
 // ---- work skipped before Python is called -------------------------------------
 std::mutex g_seen_mu;
 std::deque<uint64_t> g_seen;  // fingerprints of graphs known to need nothing
@@ -803,8 +751,8 @@ std::atomic<uint64_t> g_skip_seen{0};
 std::atomic<uint64_t> g_skip_tf_data{0};
 std::atomic<uint64_t> g_skip_no_float{0};
 
-uint64_t Fingerprint(std::string_view graph_bytes, const std::string& context) {
-  const uint64_t a = std::hash<std::string_view>{}(graph_bytes);
+uint64_t Fingerprint(const std::string& graph_bytes, const std::string& context) {
+  const uint64_t a = std::hash<std::string_view>{}(std::string_view(graph_bytes));
   const uint64_t b = std::hash<std::string_view>{}(std::string_view(context));
   return a ^ (b + 0x9e3779b97f4a7c15ULL + (a << 6) + (a >> 2)) ^ (graph_bytes.size() << 1);
 }
@@ -1461,9 +1409,8 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       return errors::Aborted("NpuAmpOptimizer: graph '", item.id, "' has no float tensors");
     }
     const int64_t t_nofloat = ThreadCpuNs();
-    ItemBytes item_bytes(item.graph);
-    const std::string_view graph_bytes = item_bytes.view();
-    if (!item_bytes.ok()) {
+    std::string graph_bytes;
+    if (!SerializeToStringDeterministic(item.graph, &graph_bytes)) {
       return errors::Internal("NpuAmpOptimizer: cannot serialize the GraphDef of item '",
                               item.id, "'");
     }
@@ -1517,7 +1464,8 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     sink.graph_bytes = std::string_view();
     sink.kept = npu_amp_tf::BaseIndex();  // (its views are of graph_bytes)
     sink.views.reset();                     // (the same)
-    item_bytes.Release();
+    graph_bytes.clear();
+    graph_bytes.shrink_to_fit();
     const int64_t t_callback = ThreadCpuNs();
     g_step_ns[kStepCallback].store(t_callback - t_context);
 
