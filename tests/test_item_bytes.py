@@ -20,6 +20,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.grappler import tf_optimizer
 
+from graph_passes.graph import parse_tensor
 from npu_amp_tf import bridge
 from test_speed_paths import plugin_only_grappler
 
@@ -41,7 +42,7 @@ def _mlp(width, layers, name="loss"):
 def _fanin(gd, fetch):
     """The names of ``fetch`` and every node it depends on (data or control):
     what grappler keeps of the graph for that fetch."""
-    inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in gd.node}
+    inputs = {n.name: [parse_tensor(i)[0] for i in n.input] for n in gd.node}
     seen, stack = set(), [fetch]
     while stack:
         name = stack.pop()
@@ -91,25 +92,23 @@ def test_a_small_graph_after_a_large_one_gets_exactly_its_bytes(captured):
         # the larger graph's bytes would add fields or fail to parse)
         assert len(parsed.SerializeToString()) == len(data)
         assert sorted(n.name for n in parsed.node) == _fanin(gd, "loss")
-    # deterministic: the same graph, the same bytes, whatever the buffer held before
+    # deterministic: the same graph, the same bytes, whatever graph came before
     assert after == first
 
 
 def test_the_memo_and_the_seen_skip_still_recognise_a_graph(captured):
     gd = _mlp(8, 3)
     assert _optimize(gd, b"memo-1").get("rewritten") == 1
-    _optimize(_mlp(64, 40), b"memo-large")  # the kept buffer grows past the small graph
+    _optimize(_mlp(64, 40), b"memo-large")  # a larger graph in between
     # the same bytes again: Python's memo answers (keyed by the C++ fingerprint of the bytes)
     assert _optimize(gd, b"memo-2").get("cached") == 1
     assert captured[0] == captured[2]
 
     # a graph the plugin leaves unchanged is remembered by its fingerprint in
     # C++ and not handed to Python again
-    plain = graph_pb2.GraphDef()
     with tf.Graph().as_default() as g:
-        a = tf1.placeholder(tf.float32, [2], name="a")
-        tf.identity(a, name="loss")
-    plain.CopyFrom(g.as_graph_def())
+        tf.identity(tf1.placeholder(tf.float32, [2], name="a"), name="loss")
+    plain = g.as_graph_def()
     n = len(captured)
     first = _optimize(plain, b"plain-1")
     assert first.get("unchanged") == 1, first
