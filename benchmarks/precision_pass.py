@@ -70,9 +70,11 @@ def capture(name, graph, fetches) -> Captured:
 
 def run_once(cap, options=None):
     graph, ctx = cap.make(options)
-    c0 = time.thread_time()
-    stats = _amp.PrecisionPass().run(graph, ctx)
-    return time.thread_time() - c0, graph, ctx, stats
+    with _fpb.collector_paused():
+        c0 = time.thread_time()
+        stats = _amp.PrecisionPass().run(graph, ctx)
+        t = time.thread_time() - c0
+    return t, graph, ctx, stats
 
 
 def outcome(graph, ctx, stats):
@@ -131,9 +133,10 @@ def profile(cap, n, options=None):
     pr = cProfile.Profile()
     for _ in range(n):
         graph, ctx = cap.make(options)
-        pr.enable()
-        _amp.PrecisionPass().run(graph, ctx)
-        pr.disable()
+        with _fpb.collector_paused():
+            pr.enable()
+            _amp.PrecisionPass().run(graph, ctx)
+            pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(35)
     print(s.getvalue())
