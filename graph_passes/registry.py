@@ -510,21 +510,33 @@ LIST_ATTRS_FOLLOW = {
 }
 
 
-def retype(node, attrs, dt: int):
+def retype(node, attrs, dt: int) -> list:
     """Set the float type attrs ``attrs`` of ``node`` to ``dt``, and the
     entries of the list(type) attrs tied to them (:data:`LIST_ATTRS_FOLLOW`)
-    that held the old dtype, so fused args follow the op's dtype."""
-    follow = LIST_ATTRS_FOLLOW.get(node.op, {})
+    that held the old dtype, so fused args follow the op's dtype.  Returns
+    the old types of ``attrs``, in order (None: the attr was absent)."""
+    amap = node.attr
+    follow = LIST_ATTRS_FOLLOW.get(node.op)
+    olds = []
     for a in attrs:
-        old = node.attr[a].type if a in node.attr else None
-        node.attr[a].type = dt
+        av = amap.get(a)  # (one map lookup when the attr is there: the usual case)
+        if av is None:
+            old = None
+            amap[a].type = dt
+        else:
+            old = av.type
+            av.type = dt
+        olds.append(old)
+        if not follow:
+            continue
         for lst, owner in follow.items():
-            if owner != a or lst not in node.attr:
+            if owner != a or lst not in amap:
                 continue
-            types = node.attr[lst].list.type
+            types = amap[lst].list.type
             for i, t in enumerate(types):
                 if t == old or (old is None and t in FLOAT_TYPES):
                     types[i] = dt
+    return olds
 
 
 def kernel_devices(op_type: str) -> set[str]:
