@@ -391,8 +391,9 @@ class PrecisionPass(Pass):
         return dts[port]
 
     def _retype(self, node, attrs, dt):
+        self._before.save(node.name)
         self._edited(node.name)
-        self._before.retype(node, attrs, dt)  # (saved first; fused args (TArgs) follow)
+        registry.retype(node, attrs, dt)  # fused args (TArgs) follow
 
     def _set_type(self, node, attr, dt):
         self._before.save(node.name)
@@ -1180,7 +1181,7 @@ class PrecisionPass(Pass):
                     continue
                 # cast_to(inp, w, shapes), its node creation queued
                 root = root_of(inp)
-                rdt = tensor_dtype(root)
+                rdt = have if root == inp else tensor_dtype(root)  # (no Cast behind: the same tensor)
                 new = None
                 if rdt is not None and base_dtype(rdt) == w:
                     ref = root
@@ -1541,19 +1542,10 @@ class _Snapshot:
     nodes (later passes that edit nodes have the deferred figures computed
     first: ``Pass.keeps_deferred``).  Without it every node is copied now."""
 
-    #: (issue 17) a node whose only edits are re-typings (:meth:`retype`) is
-    #: saved as its old attr types, not as a NodeDef copy: the copy is made
-    #: from the node when it is next edited otherwise (:meth:`save`) or when
-    #: the graph is assembled, with those types put back (the same NodeDef);
-    #: False: a copy before the first re-typing (the reference)
-    lazy_retypes = True
-
     def __init__(self, graph, order, copy_on_write=False):
         from tensorflow.core.framework import graph_pb2
 
         self._gd = graph_pb2.GraphDef()
-        #: name -> (attrs, their types before the first re-typing; None: absent)
-        self._retyped = {}
         if copy_on_write:
             self._graph, self._names, self._saved = graph, list(graph.nodes), {}
         else:
@@ -1574,38 +1566,11 @@ class _Snapshot:
             if node is not None:
                 copy = saved[name] = _NodeDef()
                 copy.CopyFrom(node)
-                rec = self._retyped.pop(name, None)
-                if rec is not None:  # (re-typed only, since the pass began: those types back)
-                    amap = copy.attr
-                    for a, old in zip(*rec):
-                        if old is None:
-                            del amap[a]
-                        else:
-                            amap[a].type = old
-
-    def retype(self, node, attrs, dt):
-        """``registry.retype(node, attrs, dt)``, the node saved first (its old
-        types only, with :data:`lazy_retypes`, while re-typings are its only edits)."""
-        saved = self._saved
-        name = node.name
-        if saved is None or name in saved or not self.lazy_retypes or node.op in registry.LIST_ATTRS_FOLLOW:
-            self.save(name)
-            registry.retype(node, attrs, dt)
-            return
-        rec = self._retyped.get(name)
-        olds = registry.retype(node, attrs, dt)
-        if rec is None:
-            self._retyped[name] = (tuple(attrs), olds)
-        elif any(a not in rec[0] for a in attrs):  # (types first changed now: their old ones too)
-            more = [(a, o) for a, o in zip(attrs, olds) if a not in rec[0]]
-            self._retyped[name] = (rec[0] + tuple(a for a, _ in more), rec[1] + [o for _, o in more])
 
     def graph_def(self):
         if not self._full:  # what Graph.to_graph_def() gave: nodes, library, versions
             self._full = True
             if self._names is not None:
-                for name in list(self._retyped):  # (the copies of the nodes only re-typed)
-                    self.save(name)
                 nodes, saved = self._graph.nodes, self._saved
                 self._gd.node.extend([saved[n] if n in saved else nodes[n] for n in self._names])
                 self._graph = self._names = self._saved = None
