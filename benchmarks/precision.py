@@ -21,6 +21,9 @@ without the item building that the CPU-time differences must subtract):
   * grappler's whole meta-optimizer (default optimizers, 2 iterations) with and
     without the plugin: the start-up cost a user sees.  Remapper is off in every
     run: TF 2.15 + oneDNN has aborted inside it on BERT-style raw-op graphs.
+  * paired: the median over rounds of each round's ours / AMP ratio (by the log; by process
+    CPU less that round's "nothing on" run): every mode runs back to back in a round, so a slow
+    spell of the host weighs on both sides of a ratio.
 
 ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_EMULATE_FP16=0``: in CPU mode grappler
 otherwise *emulates* FP16 (ops stay FP32 between casts), 0% of FLOPs in FP16.
@@ -156,9 +159,12 @@ def _optimize_logged(cfg, mg):
     return out, logged
 
 
-def time_modes(mg, modes, repeat):
+def time_modes(mg, modes, repeat, rounds=None):
     """Interleaved OptimizeGraph runs; returns ({mode: min s}, {mode: output},
-    our record, {mode: min logged s of the mode's own optimizer})."""
+    our record, {mode: min logged s of the mode's own optimizer}).
+    ``rounds``: a dict filled with the per-round lists (``"cpu"``: {mode:
+    [process CPU s]}, ``"log"``: {mode: [logged s]}, None where a round's
+    log lacked the line), for the paired figures (:func:`paired`)."""
     from npu_amp_tf import bridge
 
     times = {m: [] for m in modes}
@@ -171,8 +177,9 @@ def time_modes(mg, modes, repeat):
             t0 = time.process_time()
             outs[m], log_ms = _optimize_logged(grappler_config(m), mg)
             times[m].append(time.process_time() - t0)
-            if m in logged and _LOGGED_NAME[m] in log_ms:
-                logged[m].append(log_ms[_LOGGED_NAME[m]] / 1e3)
+            if m in logged:
+                got = log_ms.get(_LOGGED_NAME[m])
+                logged[m].append(None if got is None else got / 1e3)
             if m == "ours":
                 recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
                 rep = recs[-1] if recs else None
@@ -182,9 +189,31 @@ def time_modes(mg, modes, repeat):
         # (the first run of this graph in this process: for the first graph of
         # the process, what a user's first start-up pays, caches cold)
         rep = dict(rep, cpu_min_s=min(cb_cpu), cpu_first_s=cb_cpu[0])
+    if rounds is not None:
+        rounds["cpu"], rounds["log"] = times, logged
     # the minimum: on a shared machine the noise only ever adds time
     return ({m: min(v) for m, v in times.items()}, outs, rep,
-            {m: min(v) for m, v in logged.items() if v})
+            {m: min(x for x in v if x is not None) for m, v in logged.items() if any(x is not None for x in v)})
+
+
+def paired(rounds):
+    """(median per-round ours / AMP ratio by grappler's log, the same by
+    process CPU less that round's 'nothing on' run), each None when no round
+    gives one.  Each round runs every mode back to back, so a slow spell of
+    the host weighs on both sides of a round's ratio, where the minima of
+    each side may come from different rounds."""
+    def med(xs):
+        xs = sorted(xs)
+        return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+    log, cpu = rounds.get("log", {}), rounds.get("cpu", {})
+    by_log = [o / a for a, o in zip(log.get("amp", ()), log.get("ours", ()))
+              if a is not None and o is not None and a > 0]
+    by_cpu = []
+    for off, a, o in zip(cpu.get("off", ()), cpu.get("amp", ()), cpu.get("ours", ())):
+        if a - off > 0 and o - off > 0:
+            by_cpu.append((o - off) / (a - off))
+    return med(by_log), med(by_cpu), len(by_log), len(by_cpu)
 
 
 # ------------------------------------------------------------------ metrics
@@ -256,7 +285,8 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
     mg = metagraph(graph, fetches)
     modes = ["off", "amp", "ours"] + (["meta", "meta+ours"] if meta else [])
     print(f"\n== {name}: {len(gd.node)} nodes", flush=True)
-    t, outs, rec, logged = time_modes(mg, modes, repeat)
+    rounds = {}
+    t, outs, rec, logged = time_modes(mg, modes, repeat, rounds)
     t_amp, t_ours = t["amp"] - t["off"], t["ours"] - t["off"]
     # (callback_s: the callback's thread CPU, minimum over the repeats: what the
     # scaling check compares; its wall time counts the neighbours on a shared machine)
@@ -277,6 +307,14 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
         print(f"  grappler's own log (meta-optimizer's timer around each optimizer, wall, min of "
               f"{repeat}): ours {_ms(lo)} vs auto_mixed_precision_cpu {_ms(la)}: {_ratio(lo, la)}x  "
               f"(goal <= 1.0x: {'met' if lo <= la else 'MISSED'})")
+    r_log, r_cpu, n_log, n_cpu = paired(rounds)
+    if r_log is not None or r_cpu is not None:
+        res.update(paired_log_ratio=r_log, paired_cpu_ratio=r_cpu)
+        print("  paired (median over rounds of each round's ours / AMP): "
+              + (f"by grappler's log {r_log:.2f}x ({n_log} rounds)" if r_log is not None else "by the log: none")
+              + "; " + (f"by process CPU {r_cpu:.2f}x ({n_cpu} of {repeat} rounds with both above "
+                        f"'nothing on')" if r_cpu is not None else "by process CPU: no round with both above "
+                                                                  "'nothing on'"))
     if rec is not None and rec.get("report"):
         rep = rec["report"]
         parts = [f"{p['name']} {_ms(p['time_s'])}" + (f" ({_ms(p['cpu_s'])} CPU)" if "cpu_s" in p else "")

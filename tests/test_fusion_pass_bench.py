@@ -71,3 +71,50 @@ def test_breakdown_names_the_rule_that_fused(captured, capsys):
     fpb.breakdown(cap, 1)
     out = capsys.readouterr().out
     assert "layer_norm #" in out and "rule runs + checks" in out
+
+
+def test_replay_runs_with_the_collector_paused(captured, monkeypatch):
+    """The pipeline pauses Python's cyclic collector around every pass; the replay must
+    too, or it times collections the callback never pays (and restores it after)."""
+    import gc
+
+    fpb, cap = captured
+    from graph_passes.fusion import fusion_pass as fp
+
+    seen = []
+    orig = fp.FusionPass.run
+
+    def run(self, g, ctx):
+        seen.append(gc.isenabled())
+        return orig(self, g, ctx)
+
+    monkeypatch.setattr(fp.FusionPass, "run", run)
+    assert gc.isenabled()
+    fpb.run_once(cap)
+    assert seen == [False] and gc.isenabled()
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_ratio():
+    """benchmarks/precision.py's paired figures: per round, ours / AMP by the log, and by
+    process CPU less that round's 'nothing on' run; the median over rounds, rounds without
+    a figure left out.  Expected values worked out by hand below."""
+    saved = dict(os.environ)
+    try:
+        import precision as pb
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    rounds = {
+        # a slow spell in round 2 makes every mode slower there: the minima of each side come
+        # from different rounds (ours 0.50 - off 0.40 = 0.10, AMP 0.46 - 0.40 = 0.06: 1.67x)
+        "cpu": {"off": [0.40, 0.60, 0.42], "amp": [0.46, 0.68, 0.47], "ours": [0.50, 0.66, 0.52]},
+        "log": {"amp": [0.060, 0.080, None], "ours": [0.090, 0.060, 0.070]},
+    }
+    r_log, r_cpu, n_log, n_cpu = pb.paired(rounds)
+    # log: rounds 1 and 2 only (round 3 lacks AMP's line): 1.5 and 0.75 -> median 1.125
+    assert (n_log, round(r_log, 6)) == (2, 1.125)
+    # CPU: (0.10 / 0.06, 0.06 / 0.08, 0.10 / 0.05) = (1.667, 0.75, 2.0) -> median 1.667
+    assert n_cpu == 3 and abs(r_cpu - 0.10 / 0.06) < 1e-9
+    # a round where the baseline moved above a mode gives no CPU ratio
+    r_log, r_cpu, n_log, n_cpu = pb.paired({"cpu": {"off": [0.5], "amp": [0.45], "ours": [0.6]}, "log": {}})
+    assert (r_log, r_cpu, n_log, n_cpu) == (None, None, 0, 0)
