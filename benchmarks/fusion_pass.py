@@ -9,6 +9,7 @@ keeps the graph and the pass context the fusion pass received (after
 ``unfuse``), and then runs ``FusionPass`` again and again on a fresh
 ``Graph`` built from those bytes with the same C++ index and shape source the
 callback uses: thread CPU (``time.thread_time``) of ``FusionPass.run`` only,
+with Python's cyclic collector paused as the pipeline runs every pass,
 minimum over rounds (a shared machine only ever adds time).
 
     python benchmarks/fusion_pass.py --graphs bert,resnet50 --rounds 7

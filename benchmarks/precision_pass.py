@@ -8,7 +8,8 @@ graph and pass context the precision pass received (after fusion) are kept,
 and ``PrecisionPass.run`` runs again on a fresh ``Graph`` built from those
 bytes with a C++ index of them, the shape source and the native painting
 entry point the callback uses: thread CPU (``time.thread_time``) of
-``PrecisionPass.run`` only, minimum over rounds.  (The fresh index gives
+``PrecisionPass.run`` only, the collector paused as in the pipeline,
+minimum over rounds.  (The fresh index gives
 every node a signature class, where inside grappler the nodes fusion made
 or edited have none: the replay's output is compared with the pass's output
 inside grappler and the comparison printed.)
