@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -203,8 +204,7 @@ def paired(rounds):
     the host weighs on both sides of a round's ratio, where the minima of
     each side may come from different rounds."""
     def med(xs):
-        xs = sorted(xs)
-        return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+        return statistics.median(xs) if xs else None
 
     log, cpu = rounds.get("log", {}), rounds.get("cpu", {})
     by_log = [o / a for a, o in zip(log.get("amp", ()), log.get("ours", ()))
@@ -310,11 +310,10 @@ def bench(name, graph, fetches, repeat, quality=True, meta=True):
     r_log, r_cpu, n_log, n_cpu = paired(rounds)
     if r_log is not None or r_cpu is not None:
         res.update(paired_log_ratio=r_log, paired_cpu_ratio=r_cpu)
-        print("  paired (median over rounds of each round's ours / AMP): "
-              + (f"by grappler's log {r_log:.2f}x ({n_log} rounds)" if r_log is not None else "by the log: none")
-              + "; " + (f"by process CPU {r_cpu:.2f}x ({n_cpu} of {repeat} rounds with both above "
-                        f"'nothing on')" if r_cpu is not None else "by process CPU: no round with both above "
-                                                                  "'nothing on'"))
+        by_log = f"by grappler's log {r_log:.2f}x ({n_log} rounds)" if r_log is not None else "by the log: none"
+        by_cpu = (f"by process CPU {r_cpu:.2f}x ({n_cpu} of {repeat} rounds with both above 'nothing on')"
+                  if r_cpu is not None else "by process CPU: no round with both above 'nothing on'")
+        print(f"  paired (median over rounds of each round's ours / AMP): {by_log}; {by_cpu}")
     if rec is not None and rec.get("report"):
         rep = rec["report"]
         parts = [f"{p['name']} {_ms(p['time_s'])}" + (f" ({_ms(p['cpu_s'])} CPU)" if "cpu_s" in p else "")

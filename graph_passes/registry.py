@@ -510,14 +510,12 @@ LIST_ATTRS_FOLLOW = {
 }
 
 
-def retype(node, attrs, dt: int) -> list:
+def retype(node, attrs, dt: int):
     """Set the float type attrs ``attrs`` of ``node`` to ``dt``, and the
     entries of the list(type) attrs tied to them (:data:`LIST_ATTRS_FOLLOW`)
-    that held the old dtype, so fused args follow the op's dtype.  Returns
-    the old types of ``attrs``, in order (None: the attr was absent)."""
+    that held the old dtype, so fused args follow the op's dtype."""
     amap = node.attr
     follow = LIST_ATTRS_FOLLOW.get(node.op)
-    olds = []
     for a in attrs:
         av = amap.get(a)  # (one map lookup when the attr is there: the usual case)
         if av is None:
@@ -526,7 +524,6 @@ def retype(node, attrs, dt: int) -> list:
         else:
             old = av.type
             av.type = dt
-        olds.append(old)
         if not follow:
             continue
         for lst, owner in follow.items():
@@ -536,7 +533,6 @@ def retype(node, attrs, dt: int) -> list:
             for i, t in enumerate(types):
                 if t == old or (old is None and t in FLOAT_TYPES):
                     types[i] = dt
-    return olds
 
 
 def kernel_devices(op_type: str) -> set[str]:

@@ -20,14 +20,21 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 LAYERS = 2
 
 
-@pytest.fixture(scope="module")
-def captured():
+def _import_bench(name):
+    """A benchmarks/ module, the environment put back after (they set TF environment variables)."""
+    import importlib
+
     saved = dict(os.environ)
     try:
-        import fusion_pass as fpb  # (it and precision.py set TF environment variables)
+        return importlib.import_module(name)
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def captured():
+    fpb = _import_bench("fusion_pass")
     from real_models import bert_training_graph
 
     g, fetches = bert_training_graph(layers=LAYERS, hidden=32, heads=2, seq=8, batch=2, vocab=50, ffn=64)
@@ -98,12 +105,7 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio():
     """benchmarks/precision.py's paired figures: per round, ours / AMP by the log, and by
     process CPU less that round's 'nothing on' run; the median over rounds, rounds without
     a figure left out.  Expected values worked out by hand below."""
-    saved = dict(os.environ)
-    try:
-        import precision as pb
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    pb = _import_bench("precision")
     rounds = {
         # a slow spell in round 2 makes every mode slower there: the minima of each side come
         # from different rounds (ours 0.50 - off 0.40 = 0.10, AMP 0.46 - 0.40 = 0.06: 1.67x)
