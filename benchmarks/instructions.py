@@ -1,0 +1,284 @@
+"""Instructions executed (valgrind's callgrind): ours vs grappler's AMP pass,
+a pass's replay, and A/B of a switch, free of this host's noise (issue 17).
+
+Times on this 2-core VM swing by tens of percent between runs of the same
+graph (the same warm callback has read 63 ms in one process and 104 ms in
+the next), and the VM exposes no hardware counters (``perf stat -e
+instructions`` counts nothing).  Callgrind counts the guest instructions a
+program executes: the same for the same binary, input and environment,
+whatever the neighbours do (seen here: counts of repeated runs within
+0.1%).  Instructions are not time (Python's interpreter and grappler's C++
+retire different numbers of instructions per cycle, and cache misses cost
+nothing here): the figures complement ``precision.py``'s times, and they
+resolve A/B differences far below the host's noise.
+
+Counted, per graph (``precision.py``'s graphs and grappler configs):
+
+* ``amp``: instructions inside ``tensorflow::grappler::AutoMixedPrecision::Optimize``
+  (callgrind ``--toggle-collect``) in ``OptimizeGraph`` with only
+  ``auto_mixed_precision_cpu`` on: grappler's AMP pass alone, what its log's
+  timer measures;
+* ``ours``: inside ``NpuAmpOptimizer::Optimize`` (the bridge: serialise, the
+  Python pipeline, parse back) with only the plugin on;
+* ``--ab SWITCH``: ``ours`` with the switch (a dotted True/False attribute,
+  ``A+B`` flips several, as in ``fusion_pass.py``) True and False, and
+  whether the two output graphs are byte-identical;
+* ``--replay fusion|precision``: the pass alone on the input it received
+  inside grappler (``fusion_pass.py`` / ``precision_pass.py``'s replay,
+  collector paused, between client requests; the fresh graph is built
+  outside the count); with ``--ab``, per arm, and whether graphs, stats and
+  report entries are identical.
+
+Every counted configuration runs once uncounted first (lazy imports, caches,
+the op library).  The script re-runs itself under ``valgrind --tool=callgrind
+--instr-atstart=no`` with ``PYTHONHASHSEED=0`` (string hashes, hence set
+orders, fixed): instrumentation starts after TensorFlow is imported and the
+graphs are built, through client requests a small C file compiled here
+issues.  Under instrumentation everything runs ~50x slower: a BERT-12
+``ours`` run takes ~40 s.  Needs ``valgrind``, its header
+``valgrind/callgrind.h`` (Debian: ``valgrind``) and ``gcc``.  Counts are
+printed, never asserted.
+
+    python benchmarks/instructions.py --graphs resnet50,bert
+    python benchmarks/instructions.py --graphs bert --replay fusion --ab graph_passes.fusion.grad_region.STOP_AT_DY
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: the C++ functions whose instructions the end-to-end figures count
+TOGGLES = {"amp": "tensorflow::grappler::AutoMixedPrecision::Optimize(*",
+           "ours": "tensorflow::grappler::NpuAmpOptimizer::Optimize(*"}
+
+MARKER_C = r"""
+#include <valgrind/callgrind.h>
+int npu_cg_running(void) { return RUNNING_ON_VALGRIND; }
+void npu_cg_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; }
+void npu_cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void npu_cg_dump(const char *tag) { CALLGRIND_DUMP_STATS_AT(tag); }
+void npu_cg_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+_CHILD_ENV = "NPU_AMP_CG_MARKER"
+_RESULT = "@@npu-cg "
+_TRIGGER = "desc: Trigger: Client Request: "
+
+
+class ToolMissing(SystemExit):
+    pass
+
+
+def build_marker(tmp: str) -> str:
+    """Compile the client-request marker library into ``tmp``; its path."""
+    for tool in ("valgrind", "gcc"):
+        if shutil.which(tool) is None:
+            raise ToolMissing(f"instructions.py: '{tool}' is not on PATH; it needs valgrind (Debian package "
+                              f"'valgrind', with its header valgrind/callgrind.h) and gcc")
+    src, lib = os.path.join(tmp, "marker.c"), os.path.join(tmp, "libnpu_cg_marker.so")
+    with open(src, "w") as f:
+        f.write(MARKER_C)
+    res = subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", lib, src], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise ToolMissing("instructions.py: could not compile the callgrind marker (is valgrind/callgrind.h "
+                          "installed? Debian package 'valgrind'):\n" + res.stderr.strip())
+    return lib
+
+
+def read_dumps(out_dir: str) -> dict:
+    """{tag: instructions} from callgrind's dumps in ``out_dir`` (one file per
+    ``CALLGRIND_DUMP_STATS_AT(tag)``: its ``desc: Trigger: Client Request:
+    <tag>`` and ``summary:`` / ``totals:`` lines; the program-end dump has no tag)."""
+    counts = {}
+    for fn in sorted(os.listdir(out_dir)):
+        if not fn.startswith("cg."):
+            continue
+        tag = total = None
+        with open(os.path.join(out_dir, fn), errors="replace") as f:
+            for line in f:
+                if line.startswith(_TRIGGER):
+                    tag = line[len(_TRIGGER):].strip()
+                elif line.startswith(("summary:", "totals:")) and total is None:
+                    total = int(line.split()[1])
+                if tag is not None and total is not None:
+                    break
+        if tag is not None and total is not None:
+            counts[tag] = total
+    return counts
+
+
+def run_child(argv, tmp, lib, toggles=()) -> tuple[dict, list]:
+    """This script under callgrind with ``argv``: ({tag: instructions}, [result dicts])."""
+    out_dir = os.path.join(tmp, "dumps")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.makedirs(out_dir)
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+           f"--callgrind-out-file={out_dir}/cg.%p", *(f"--toggle-collect={t}" for t in toggles),
+           sys.executable, os.path.abspath(__file__), "--child", *argv]
+    env = dict(os.environ, PYTHONHASHSEED="0", TF_CPP_MIN_LOG_LEVEL="2")
+    env[_CHILD_ENV] = lib
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    results = [json.loads(line[len(_RESULT):]) for line in res.stdout.splitlines() if line.startswith(_RESULT)]
+    if res.returncode != 0:
+        tail = "\n".join(res.stderr.strip().splitlines()[-15:])
+        raise SystemExit(f"instructions.py: the run under callgrind failed (exit {res.returncode}):\n{tail}")
+    return read_dumps(out_dir), results
+
+
+def _mi(n) -> str:
+    return f"{n / 1e6:,.1f} M" if n is not None else "n/a"
+
+
+def _spread(xs) -> str:
+    return f"{(max(xs) - min(xs)) / min(xs) * 100:.2f}%" if len(xs) > 1 and min(xs) else "-"
+
+
+# ------------------------------------------------------------------ the child (under callgrind)
+def _child(args):
+    import ctypes
+    import hashlib
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, HERE)
+    import fusion_pass as fpb  # noqa: E402  (graphs, capture, replay, switches)
+    import precision as pb  # noqa: E402
+    from npu_amp_tf import bridge
+
+    lib = ctypes.CDLL(os.environ[_CHILD_ENV])
+    lib.npu_cg_dump.argtypes = [ctypes.c_char_p]
+    bridge.register()
+    switches = [fpb._resolve(p) for p in args.ab.split("+")] if args.ab else []  # noqa: SLF001
+    arms = [(True, "on"), (False, "off")] if switches else [(None, "")]
+
+    def set_arm(val):
+        for owner, attr in switches:
+            if val is not None:
+                setattr(owner, attr, val)
+
+    def emit(**kw):
+        print(_RESULT + json.dumps(kw), flush=True)
+
+    for name in args.graphs.split(","):
+        graph, fetches = fpb.build(name, args.bert_layers)
+        if args.replay:
+            if args.replay == "fusion":
+                cap, cls = fpb.capture(name, graph, fetches), fpb._fp.FusionPass  # noqa: SLF001
+                outcome = fpb.outcome
+            else:
+                import precision_pass as ppb
+                cap, cls, outcome = ppb.capture(name, graph, fetches), ppb._amp.PrecisionPass, ppb.outcome  # noqa: SLF001
+
+            def once(val, tag=None):
+                set_arm(val)
+                g, ctx = cap.make()
+                with fpb.collector_paused():
+                    if tag:
+                        lib.npu_cg_toggle()
+                    stats = cls().run(g, ctx)
+                    if tag:
+                        lib.npu_cg_toggle()
+                        lib.npu_cg_dump(tag.encode())
+                return outcome(g, ctx, stats)
+
+            for val, _ in arms:
+                once(val)  # uncounted
+            lib.npu_cg_start()
+            outs = {}
+            for r in range(args.runs):
+                for val, arm in arms:
+                    out = once(val, f"{name}|{args.replay}{'|' + arm if arm else ''}|{r}")
+                    outs.setdefault(arm, out)
+            lib.npu_cg_stop()
+            same = None
+            if switches:
+                a, b = outs["on"], outs["off"]
+                same = [p for p, x, y in zip(("graph", "stats", "decisions", "warnings", "summary"), a, b) if x != y]
+            emit(graph=name, nodes=cap.nodes, differ=same)
+            continue
+        mg = pb.metagraph(graph, fetches)
+        modes = [("amp", None, "amp")] + [("ours", val, "ours" + (f"|{arm}" if arm else "")) for val, arm in arms]
+
+        def optimize(mode, val):
+            set_arm(val)
+            bridge.clear_reports()  # no memo: every run does the full work
+            out = pb.tf_optimizer.OptimizeGraph(pb.grappler_config(mode), mg, graph_id=b"bench")
+            return hashlib.sha256(out.SerializeToString(deterministic=True)).hexdigest()
+
+        for mode, val, _ in modes:
+            optimize(mode, val)  # uncounted
+        lib.npu_cg_start()
+        digests = {}
+        for r in range(args.runs):
+            for mode, val, label in modes:
+                digests.setdefault(label, set()).add(optimize(mode, val))
+                lib.npu_cg_dump(f"{name}|{label}|{r}".encode())
+        lib.npu_cg_stop()
+        emit(graph=name, nodes=len(mg.graph_def.node),
+             differ=None if not switches else (digests["ours|on"] != digests["ours|off"]))
+
+
+# ------------------------------------------------------------------ the parent
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--graphs", default="resnet50,bert")
+    ap.add_argument("--bert-layers", type=int, default=12)
+    ap.add_argument("--runs", type=int, default=2, help="counted runs per configuration")
+    ap.add_argument("--replay", choices=("fusion", "precision"), default=None)
+    ap.add_argument("--ab", default=None, metavar="SWITCH",
+                    help="dotted path of a True/False switch ('A+B' flips several together)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for g in args.graphs.split(","):
+        if g not in ("resnet50", "bert"):
+            ap.error(f"--graphs: unknown graph '{g}'; accepted: resnet50, bert")
+    if args.runs < 1:
+        ap.error(f"--runs: {args.runs}; accepted: an integer >= 1")
+    if args.child:
+        return _child(args)
+    passthrough = ["--graphs", args.graphs, "--bert-layers", str(args.bert_layers), "--runs", str(args.runs)]
+    passthrough += ["--replay", args.replay] if args.replay else []
+    passthrough += ["--ab", args.ab] if args.ab else []
+    with tempfile.TemporaryDirectory(prefix="npu_cg_") as tmp:
+        lib = build_marker(tmp)
+        toggles = () if args.replay else tuple(TOGGLES.values())
+        counts, results = run_child(passthrough, tmp, lib, toggles)
+    print(f"Instructions executed (callgrind, PYTHONHASHSEED=0; {args.runs} counted run(s) per configuration, "
+          f"after one uncounted)")
+    summary = []
+    for res in results:
+        name = res["graph"]
+        per = {}
+        for tag, n in counts.items():
+            g, *label, _r = tag.split("|")
+            if g == name:
+                per.setdefault("|".join(label), []).append(n)
+        print(f"\n== {name}: {res['nodes']} nodes")
+        for label, xs in per.items():
+            print(f"  {label:<22} {_mi(min(xs)):>14}  (spread over runs {_spread(xs)})")
+        row = {"graph": name, "counts": {k: min(v) for k, v in per.items()}}
+        c = row["counts"]
+        if "amp" in c:
+            for label in [k for k in c if k.startswith("ours")]:
+                print(f"  {label} / amp: {c[label] / c['amp']:.2f}x  (goal <= 1.0x by time; "
+                      f"instructions are not time)")
+        if args.ab:
+            on, off = (next(v for k, v in c.items() if k.endswith("|on")),
+                       next(v for k, v in c.items() if k.endswith("|off")))
+            differ = res.get("differ")
+            same = "identical" if not differ else f"DIFFER ({differ})" if isinstance(differ, list) else "DIFFER"
+            print(f"  {args.ab}: True {_mi(on)} vs False {_mi(off)}: {(on - off) / off * 100:+.2f}% for True; "
+                  f"outputs {same}")
+            row["identical"] = not differ
+        summary.append(row)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
