@@ -41,6 +41,7 @@ printed, never asserted.
 
     python benchmarks/instructions.py --graphs resnet50,bert
     python benchmarks/instructions.py --graphs bert --replay fusion --ab graph_passes.fusion.grad_region.STOP_AT_DY
+    python benchmarks/instructions.py --graphs bert --runs 1 --keep /tmp/cg && callgrind_annotate --inclusive=yes /tmp/cg/cg.*.2
 """
 from __future__ import annotations
 
@@ -233,6 +234,8 @@ def main(argv=None):
     ap.add_argument("--replay", choices=("fusion", "precision"), default=None)
     ap.add_argument("--ab", default=None, metavar="SWITCH",
                     help="dotted path of a True/False switch ('A+B' flips several together)")
+    ap.add_argument("--keep", default=None, metavar="DIR",
+                    help="copy callgrind's dumps (one per counted run, tagged) to DIR, for callgrind_annotate")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for g in args.graphs.split(","):
@@ -249,6 +252,8 @@ def main(argv=None):
         lib = build_marker(tmp)
         toggles = () if args.replay else tuple(TOGGLES.values())
         counts, results = run_child(passthrough, tmp, lib, toggles)
+        if args.keep:
+            shutil.copytree(os.path.join(tmp, "dumps"), args.keep, dirs_exist_ok=True)
     print(f"Instructions executed (callgrind, PYTHONHASHSEED=0; {args.runs} counted run(s) per configuration, "
           f"after one uncounted)")
     summary = []

@@ -34,7 +34,7 @@ class FunctionGraph(Graph):
         gd = graph_pb2.GraphDef()
         body_names = {n.name for n in fdef.node_def}
         self._arg_node = {}
-        for i, arg in enumerate(sig.input_arg):
+        for i, arg in enumerate(sig.input_arg[:]):
             dt = self._fixed_dtype(arg)
             name = arg.name if arg.name not in body_names else f"{arg.name}__arg"
             self._arg_node[arg.name] = name
@@ -55,10 +55,10 @@ class FunctionGraph(Graph):
             n = gd.node.add()
             n.CopyFrom(nd)
             del n.input[:]
-            n.input.extend(self._flatten(i) for i in nd.input)
+            n.input.extend(self._flatten(i) for i in nd.input[:])
         taken = body_names | set(self._arg_node.values())
         self._ret_node = {}
-        for j, arg in enumerate(sig.output_arg):
+        for j, arg in enumerate(sig.output_arg[:]):
             name = f"{arg.name}_RetVal"
             while name in taken:
                 name += "_"
@@ -147,7 +147,7 @@ class FunctionGraph(Graph):
             nd = out.node_def.add()
             nd.CopyFrom(n)
             del nd.input[:]
-            nd.input.extend(self._unflatten(i) for i in n.input)
+            nd.input.extend(self._unflatten(i) for i in n.input[:])
         for arg, rname in self._ret_node.items():
             out.ret[arg] = self._unflatten(self.nodes[rname].input[0])
         return out

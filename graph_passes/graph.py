@@ -337,7 +337,7 @@ class Graph:
                 ops = by_op[n.op] = {}
             ops[name] = None
             i = 0
-            for inp in n.input:
+            for inp in n.input[:]:
                 src, _, ctrl = pt(inp)
                 cons[src].append((name, -1 if ctrl else i))
                 i += 1
@@ -384,7 +384,7 @@ class Graph:
                                f"{'gone' if n is None else n.op}")
         want = defaultdict(list)
         for name, n in self.nodes.items():
-            for i, inp in enumerate(n.input):
+            for i, inp in enumerate(n.input[:]):
                 src, _, ctrl = parse_tensor(inp)
                 want[src].append((name, -1 if ctrl else i))
         for src in set(want) | {k for k, v in self._consumers.items() if v}:
@@ -430,7 +430,7 @@ class Graph:
     fast_consumers = True
 
     def data_inputs(self, node) -> list[str]:
-        return [i for i in node.input if not i.startswith("^")]
+        return [i for i in node.input[:] if not i.startswith("^")]
 
     def input_node(self, node, index: int):
         return self.nodes.get(parse_tensor(node.input[index])[0])
@@ -472,7 +472,7 @@ class Graph:
         self.created.add(name)
         self._edit_log.append(name)
         marked = self._kdnames
-        for i, inp in enumerate(node.input):
+        for i, inp in enumerate(node.input[:]):
             src, _, ctrl = parse_tensor(inp)
             self._consumers[src].append((name, -1 if ctrl else i))
             marked.add(src)
@@ -525,7 +525,7 @@ class Graph:
             raise GraphError(
                 f"cannot remove node '{name}': still read by {sorted({c for c, _ in self._consumers[name]})}")
         marked = self._kdnames
-        for inp in node.input:
+        for inp in node.input[:]:
             src, _, _ = parse_tensor(inp)
             lst = self._consumers.get(src)
             if lst:
@@ -576,7 +576,7 @@ class Graph:
         srcs = {}
         pt = parse_tensor
         for node in gone.values():
-            for inp in node.input:
+            for inp in node.input[:]:
                 srcs[pt(inp)[0]] = None
         self._kdnames.update(srcs)
         for src in srcs:
@@ -695,7 +695,7 @@ class Graph:
     def add_control_input(self, node_name: str, src: str):
         node = self.nodes[node_name]
         ref = "^" + src
-        if ref in node.input:
+        if ref in node.input[:]:
             return
         self.modified.add(node_name)
         self._edit_log.append(node_name)
@@ -996,7 +996,7 @@ class Graph:
     def validate(self, raise_error: bool = False, check_dtypes: bool = True) -> list[str]:
         problems = [f"duplicate node name '{d}'" for d in self.duplicates]
         for n in self.nodes.values():
-            for inp in n.input:
+            for inp in n.input[:]:
                 src, port, _ = parse_tensor(inp)
                 if src not in self.nodes:
                     problems.append(f"node '{n.name}' reads '{inp}', which does not exist")
@@ -1015,7 +1015,7 @@ class Graph:
         # topo_order appends cyclic nodes last; find where the valid prefix ends
         pos = {n: i for i, n in enumerate(order)}
         for i, name in enumerate(order):
-            for inp in self.nodes[name].input:
+            for inp in self.nodes[name].input[:]:
                 src = parse_tensor(inp)[0]
                 if src in pos and pos[src] > i and self.nodes[src].op not in LOOP_BACK_OPS:
                     return i
@@ -1061,7 +1061,7 @@ class Graph:
             if idxs is not None and n.name not in names:
                 self._edge_problems_at(n, want, idxs, out_cache, problems)
                 continue
-            data = list(filterfalse(_is_control, n.input))
+            data = list(filterfalse(_is_control, n.input[:]))
             if len(data) != len(want):
                 problems.append(f"node '{n.name}' ({n.op}) has {len(data)} data inputs, its signature wants {len(want)}")
                 continue

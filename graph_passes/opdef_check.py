@@ -96,7 +96,7 @@ def node_problems(node, library=None, default_device: str = "CPU") -> list[str]:
                 out.append(f"{where} attr {a_name}={registry.dtype_name(av.type)} is not allowed by "
                            f"its OpDef (allowed: {sorted(registry.dtype_name(t) for t in allowed)})")
         elif a_type == "list(type)":
-            types = list(av.list.type)
+            types = av.list.type[:]
             allowed = registry.allowed_types(node.op).get(a_name)
             bad = [t for t in types if allowed is not None and t not in allowed]
             if bad:

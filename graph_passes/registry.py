@@ -71,7 +71,7 @@ def _arg_dtypes(arg, attrs) -> list[int] | None:
         a = attrs.get(arg.type_list_attr)
         if a is None:
             return None
-        return list(a.list.type)
+        return a.list.type[:]
     if arg.type_attr:
         a = attrs.get(arg.type_attr)
         if a is None:
@@ -108,7 +108,7 @@ def _signature_attrs(op_type: str):
     if od is None:
         return None
     kinds = {}
-    for arg in list(od.input_arg) + list(od.output_arg):
+    for arg in od.input_arg[:] + od.output_arg[:]:
         for n, k in ((arg.type_attr, 0), (arg.type_list_attr, 1), (arg.number_attr, 2)):
             if n:
                 kinds.setdefault(n, k)
@@ -118,7 +118,7 @@ def _signature_attrs(op_type: str):
 def _fingerprint(av, kind):
     if av is None:
         return None
-    return av.type if kind == 0 else (tuple(av.list.type) if kind == 1 else av.i)
+    return av.type if kind == 0 else (tuple(av.list.type[:]) if kind == 1 else av.i)
 
 
 _RANGES_CACHE: dict = {}
@@ -238,7 +238,7 @@ _FETCHED: dict = {}
 
 
 def _kernel_entries(kernels):
-    return tuple((k.device_type, k.label, {c.name: frozenset(c.allowed_values.list.type) for c in k.constraint})
+    return tuple((k.device_type, k.label, {c.name: frozenset(c.allowed_values.list.type[:]) for c in k.constraint})
                  for k in kernels)
 
 

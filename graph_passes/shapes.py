@@ -42,8 +42,8 @@ def static_shapes(node) -> list[list[int] | None] | None:
     if a is None:
         return None
     out = []
-    for sh in a.list.shape:
-        out.append(None if sh.unknown_rank else [d.size for d in sh.dim])
+    for sh in a.list.shape[:]:
+        out.append(None if sh.unknown_rank else [d.size for d in sh.dim[:]])
     return out
 
 
@@ -110,7 +110,7 @@ class _PropertiesShapes(_LazyShapes):
         s = []
         for b in raw:
             sh = tp.FromString(b).shape
-            s.append(None if sh.unknown_rank else [max(d.size, -1) for d in sh.dim])
+            s.append(None if sh.unknown_rank else [max(d.size, -1) for d in sh.dim[:]])
         return s
 
 
@@ -472,12 +472,12 @@ def _compute(graph, ref):
         return None
     attr = node.attr
     if op == "Const":
-        return [d.size for d in attr["value"].tensor.tensor_shape.dim]
+        return [d.size for d in attr["value"].tensor.tensor_shape.dim[:]]
     if op in ("Placeholder", "VariableV2"):
         return _shape_attr(node)
     if op == "VarHandleOp":
         return []  # a resource handle is a scalar
-    data = [i for i in node.input if not i.startswith("^")]
+    data = [i for i in node.input[:] if not i.startswith("^")]
     if not data:
         return None
     if op == "ReadVariableOp":
@@ -578,7 +578,7 @@ def _compute(graph, ref):
 
 def _shape_attr(node):
     s = node.attr["shape"].shape if "shape" in node.attr else None
-    return None if s is None or s.unknown_rank else [d.size for d in s.dim]
+    return None if s is None or s.unknown_rank else [d.size for d in s.dim[:]]
 
 
 def _broadcast(a, b):
@@ -640,7 +640,7 @@ def tensor_value(tensor):
     per element); every other tensor goes to ``tf.make_ndarray``."""
     spec = _DECODE.get(tensor.dtype) if FAST_TENSOR_DECODE else None
     if spec is not None:
-        shape = [d.size for d in tensor.tensor_shape.dim]
+        shape = [d.size for d in tensor.tensor_shape.dim[:]]
         if min(shape, default=0) >= 0:
             content = tensor.tensor_content
             if content:

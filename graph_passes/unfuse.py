@@ -113,7 +113,7 @@ class Unfuse(Pass):
                 continue
             dev_type = registry.device_type_of(node, default_dev)
             broken = BROKEN_KERNELS.get((node.op, dev_type, low))
-            parts = [s.decode() for s in node.attr["fused_ops"].list.s]
+            parts = [s.decode() for s in node.attr["fused_ops"].list.s[:]]
             broken = broken or registry.fused_ops_broken(node.op, dev_type, low, parts)
             listed = [p for p in parts if ACTIVATIONS.get(p, (p,))[0] in black]
             if listed:  # a black-listed activation must not ride along in low precision
@@ -144,8 +144,8 @@ class Unfuse(Pass):
         head, add, act = plan
         name, dev = node.name, node.device
         T = node.attr["T"].type
-        data = [i for i in node.input if not i.startswith("^")]
-        ctrl = [i for i in node.input if i.startswith("^")]
+        data = [i for i in node.input[:] if not i.startswith("^")]
+        ctrl = [i for i in node.input[:] if i.startswith("^")]
         x, w, args = data[0], data[1], data[2:]
         base = f"{name}/Unfused"
         a = node.attr

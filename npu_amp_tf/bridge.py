@@ -990,11 +990,11 @@ def poison(gd, message: str, fetches=(), devices=(), name: str = INVALID_OPTIONS
     for n in out.node:
         if n.op in _ARG_LIKE:
             continue
-        data_srcs = [i.split(":")[0] for i in n.input if not i.startswith("^")]
+        data_srcs = [i.split(":")[0] for i in n.input[:] if not i.startswith("^")]
         root = (not n.input
                 or all(by_name.get(s) is not None and by_name[s].op in _ARG_LIKE for s in data_srcs)
                 or n.name in fetch_names)
-        if root and ctrl not in n.input:
+        if root and ctrl not in n.input[:]:
             n.input.append(ctrl)
     node = out.node.add()
     node.name = name

@@ -79,7 +79,7 @@ def _grappler_function_optimizer(graph_def, keep):
 
 def _unread(graph_def, ops=None) -> set[str]:
     """Nodes (of ``ops``, or any) that no node reads: the graph's own outputs."""
-    read = {_node_of(i) for n in graph_def.node for i in n.input}
+    read = {_node_of(i) for n in graph_def.node for i in n.input[:]}
     return {n.name for n in graph_def.node if (ops is None or n.op in ops) and n.name not in read}
 
 

@@ -399,7 +399,7 @@ def _build(m, b):
     for cname, idxs in readers.items():
         node = g.nodes[cname]
         b.replace(cname, control_ok=True)
-        inputs = list(node.input)
+        inputs = node.input[:]
         for i in idxs:
             inputs[i] = stat_tensor(_canon(inputs[i]))
         b.emit(node.op, cname, inputs, dict(node.attr))
@@ -520,7 +520,7 @@ def _clone_shared(b, region, refs, inner):
                 return chain
             node = g.nodes[nm]
             ins = []
-            for i in node.input:
+            for i in node.input[:]:
                 src, port, ctrl = parse_tensor(i)
                 if src in chain:
                     ins.append(("^" if ctrl else "") + (clones[(lay, src)] if port == 0 or ctrl
@@ -535,7 +535,7 @@ def _clone_shared(b, region, refs, inner):
     for cname, idxs in readers.items():
         node = g.nodes[cname]
         b.replace(cname, control_ok=True)
-        ins = list(node.input)
+        ins = node.input[:]
         for i in idxs:
             src, port, _ = parse_tensor(ins[i])
             c = clones[(layers[cname], src)]
@@ -555,7 +555,7 @@ def _kept_nodes(g, region, refs, inner):
         if nm in keep:
             continue
         keep.add(nm)
-        for i in g.nodes[nm].input:
+        for i in g.nodes[nm].input[:]:
             src = parse_tensor(i)[0]
             if src in inner:
                 raise Skip(f"not fused: '{nm}', a gradient another batch norm shares, reads the "

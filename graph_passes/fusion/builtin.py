@@ -773,7 +773,7 @@ def reemit_aggregator(b, g, term, src, dt):
     agg = g.nodes[term.aggregator]
     b.replace(agg.name, control_ok=True)
     rest = [i for i in g.data_inputs(agg) if _canon(i) not in term.refs]
-    rest_ctrl = [i for i in agg.input if i.startswith("^")]
+    rest_ctrl = [i for i in agg.input[:] if i.startswith("^")]
     if not rest:
         b.emit("Identity", agg.name, [src] + rest_ctrl, {"T": ("type", dt)})
     elif agg.op == "AddN":
@@ -1465,9 +1465,9 @@ def _filter_grad_predicate(node, graph):
         return False
     a = node.attr
     fmt = a["data_format"].s.decode() if "data_format" in a else "NHWC"
-    dil = list(a["dilations"].list.i) if "dilations" in a else [1, 1, 1, 1]
+    dil = a["dilations"].list.i[:] if "dilations" in a else [1, 1, 1, 1]
     pad = a["padding"].s.decode() if "padding" in a else ""
-    st = list(a["strides"].list.i) if "strides" in a else []
+    st = a["strides"].list.i[:] if "strides" in a else []
     return (fmt == "NHWC" and pad in ("SAME", "VALID") and all(d == 1 for d in dil)
             and len(st) == 4 and st[0] == 1 and st[3] == 1 and st[1] >= 1 and st[2] >= 1)
 
@@ -1495,7 +1495,7 @@ def _filter_grad_setup(b, want_1x1: bool):
     b.require(xs is not None and ys is not None and len(xs) == 4 and len(ys) == 4
               and xs[3] == fs[2] and ys[3] == fs[3],
               f"input {xs} / gradient {ys} shapes do not match filter_sizes {fs}")
-    return x, dy, dt, fs, xs, ys, list(node.attr["strides"].list.i)
+    return x, dy, dt, fs, xs, ys, node.attr["strides"].list.i[:]
 
 
 def _emit_filter_matmul(b, cols, dy, dt, fs, what):

@@ -197,16 +197,16 @@ class ShapeOracle:
         if sh is not None and port < len(sh) and sh[port] is not None:
             return list(sh[port])
         if node.op == "Const":
-            return [d.size for d in node.attr["value"].tensor.tensor_shape.dim]
+            return [d.size for d in node.attr["value"].tensor.tensor_shape.dim[:]]
         if node.op in ("Placeholder", "VarHandleOp") and "shape" in node.attr:
             s = node.attr["shape"].shape
-            return None if s.unknown_rank else [d.size for d in s.dim]
+            return None if s.unknown_rank else [d.size for d in s.dim[:]]
         if node.op == "ReadVariableOp" and node.input:
             # a function's resource _Arg records its variable's shape in _handle_shapes
             hsrc = self.graph.nodes.get(parse_tensor(node.input[0])[0])
             hs = hsrc.attr.get("_handle_shapes") if hsrc is not None else None
             if hs is not None and len(hs.list.shape) == 1 and not hs.list.shape[0].unknown_rank:
-                dims = [d.size for d in hs.list.shape[0].dim]
+                dims = [d.size for d in hs.list.shape[0].dim[:]]
                 if min(dims, default=0) >= 0:
                     return dims
         if node.op in _PASS_THROUGH and node.input:
@@ -398,7 +398,7 @@ class Builder:
             raise Skip(f"'{name}' is not in the graph")
         if name in protected:
             raise Skip(f"not fused: '{name}' is fetched or preserved")
-        if not control_ok and any(i.startswith("^") for i in node.input):
+        if not control_ok and any(i.startswith("^") for i in node.input[:]):
             raise Skip(f"not fused: '{name}' has control inputs")
         if not control_ok and any(idx < 0 for _, idx in self.graph.consumers(name)):
             raise Skip(f"not fused: '{name}' has a control consumer")
@@ -500,7 +500,7 @@ class Trail:
     def note_removal(self, graph: Graph, name: str):
         node = graph.nodes.get(name)
         if node is not None:
-            self.removed_inputs.extend(parse_tensor(i)[0] for i in node.input)
+            self.removed_inputs.extend(parse_tensor(i)[0] for i in node.input[:])
 
 
 def _select_forms(b: Builder):
@@ -827,7 +827,7 @@ def _commit(graph: Graph, m: Match, plan, ctx, trail: Trail | None) -> Outcome:
     ctrl = []
     upstream = []
     for name in m.matched:
-        for inp in graph.nodes[name].input:
+        for inp in graph.nodes[name].input[:]:
             src, _, is_ctrl = parse_tensor(inp)
             if is_ctrl:
                 if src not in matched and src not in ctrl and src not in b.region_nodes:
@@ -841,7 +841,7 @@ def _commit(graph: Graph, m: Match, plan, ctx, trail: Trail | None) -> Outcome:
     rewires, ctrl_moves, region_ctrl_in = [], [], []
     gone = matched | region | set(b.replaced)
     for name in b.region_nodes:
-        for inp in graph.nodes[name].input:
+        for inp in graph.nodes[name].input[:]:
             src, _, is_ctrl = parse_tensor(inp)
             if is_ctrl and src not in gone and src not in region_ctrl_in:
                 region_ctrl_in.append(src)
@@ -874,7 +874,7 @@ def _commit(graph: Graph, m: Match, plan, ctx, trail: Trail | None) -> Outcome:
             continue
         if idx < 0:
             if not keep_name:
-                inputs = list(graph.nodes[cname].input)
+                inputs = graph.nodes[cname].input[:]
                 if "^" + m.anchor in inputs:
                     graph.set_input(cname, inputs.index("^" + m.anchor),
                                     "^" + parse_tensor(out_map[0])[0])
@@ -909,7 +909,7 @@ def _canon_ref(ref: str) -> str:
 def _move_control_input(graph: Graph, cname: str, old: str, new: str):
     """``^old`` on node ``cname`` becomes ``^new`` (dropped if already there)."""
     node = graph.nodes[cname]
-    inputs = list(node.input)
+    inputs = node.input[:]
     i = inputs.index("^" + old) if "^" + old in inputs else -1
     if i < 0:
         return
@@ -951,7 +951,7 @@ def _remove_dead(graph: Graph, names, ctx, trail: Trail | None = None):
         node = graph.nodes.get(name)
         if node is None or name in protected or graph.consumers(name) or not _removable(node):
             continue
-        inputs = [parse_tensor(i)[0] for i in node.input]
+        inputs = [parse_tensor(i)[0] for i in node.input[:]]
         if trail is not None:
             trail.removed_inputs.extend(inputs)
         graph.remove_node(name)

@@ -191,7 +191,7 @@ def _dirty_since(graph, trail, edit_mark, removal_mark):
         if node is None:
             continue
         dirty.add(name)
-        for inp in node.input:
+        for inp in node.input[:]:
             dirty.add(parse_tensor(inp)[0])
     dirty.update(trail.removed_inputs[removal_mark:])
     return Changes(graph, dirty)

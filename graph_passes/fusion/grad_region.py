@@ -361,7 +361,7 @@ def _positions(graph: Graph) -> dict:
             name, expanded = stack.pop()
             if name not in pending or (not expanded and name in opened):
                 continue  # placed, or on a cycle (the check below sends it to the full sort)
-            srcs = [parse_tensor(i)[0] for i in nodes[name].input]
+            srcs = [parse_tensor(i)[0] for i in nodes[name].input[:]]
             if not expanded:
                 opened.add(name)
                 stack.append((name, True))
@@ -371,7 +371,7 @@ def _positions(graph: Graph) -> dict:
             pos[name] = max((pos[s] for s in srcs if s in pos), default=-1.0) + _EPS
     for name in changed:
         p = pos[name]
-        for inp in nodes[name].input:
+        for inp in nodes[name].input[:]:
             q = pos.get(parse_tensor(inp)[0])
             if q is not None and q >= p:
                 break
@@ -516,7 +516,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             node = nodes.get(stack.pop())
             if node is None:
                 continue
-            for inp in node.input:
+            for inp in node.input[:]:
                 src = parse_tensor(inp)[0]
                 if src in inner:
                     hit = True
@@ -565,7 +565,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         kinds = []  # (kind, input ref, source node) per input (ctrl_ext for outside control inputs)
         new_dy = None
         ctrl_in_region = False  # a control input from G (not in kinds)
-        for inp in node.input:
+        for inp in node.input[:]:
             src, _, ctrl = parse_tensor(inp)
             if ctrl:
                 if src in region:
@@ -703,7 +703,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     ctrl_in, ctrl_out = [], []
     for name in order:
         node = nodes[name]
-        for inp in node.input:
+        for inp in node.input[:]:
             src, _, ctrl = parse_tensor(inp)
             if ctrl and src not in region and src not in fwd and src not in ctrl_in:
                 ctrl_in.append(src)

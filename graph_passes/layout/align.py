@@ -68,7 +68,7 @@ def op_item(graph: Graph, node, shapes) -> dict | None:
     def shape(ref):
         return _shapes.tensor_shape(shapes, ref)
 
-    data = [i for i in node.input if not i.startswith("^")]
+    data = [i for i in node.input[:] if not i.startswith("^")]
     out = (shapes.get(node.name) or [None])[0]
     op = node.op
     if op in CONV_OPS + DEPTHWISE_OPS:

@@ -185,7 +185,7 @@ class LayoutPass(Pass):
         fmt = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NHWC"
         if fmt != "NHWC":
             return None, f"data_format {fmt}: only NHWC graphs are rewritten"
-        data = [i for i in node.input if not i.startswith("^")]
+        data = [i for i in node.input[:] if not i.startswith("^")]
         ins, outs = {}, {}
         for i in spec.act_in:
             if i >= len(data):
@@ -230,7 +230,7 @@ class LayoutPass(Pass):
         if out_dt not in op_lists.TRANSDATA_DTYPES:
             return None, f"dtype {out_dt} has no NC1HWC0 layout"
         c0 = formats.c0_for(out_dt)
-        data = [i for i in node.input if not i.startswith("^")]
+        data = [i for i in node.input[:] if not i.startswith("^")]
         ins = {}
         if op == "BiasAdd":
             if node.attr["data_format"].s.decode() not in ("", "NHWC"):
@@ -345,7 +345,7 @@ class LayoutPass(Pass):
 
     def _touches_5hd(self, name):
         node = self.g.nodes[name]
-        if any(self._producer_5hd(i) for i in node.input if not i.startswith("^")):
+        if any(self._producer_5hd(i) for i in node.input[:] if not i.startswith("^")):
             return True
         return any(c in self.plan for c, i in self.g.consumers(name, control=False))
 
@@ -433,7 +433,7 @@ class LayoutPass(Pass):
         for name, n in g.nodes.items():
             if n.op == "TransData":
                 key = (n.input[0], n.attr["src_format"].s, n.attr["dst_format"].s, n.attr["T"].type,
-                       tuple(n.attr["orig_shape"].list.i))
+                       tuple(n.attr["orig_shape"].list.i[:]))
                 groups[key].append(name)
         merged = 0
         for key, names in sorted(groups.items(), key=lambda kv: sorted(kv[1])[0]):
@@ -447,7 +447,7 @@ class LayoutPass(Pass):
             final = g.unique_name(td_name(ref, s, d)) if td_name(ref, s, d) != keep else keep
             if final != keep:
                 old = g.nodes[keep]
-                new = g.new_node("TransData", final, list(old.input), dict(old.attr.items()),
+                new = g.new_node("TransData", final, old.input[:], dict(old.attr.items()),
                                  device=old.device)
                 g.replace_all_uses(keep, new.name)
                 g.remove_node(keep)
@@ -493,7 +493,7 @@ class LayoutPass(Pass):
                     grads.append((a, gsrc))
             if not ok or not read_tds:
                 continue
-            shape = [d.size for d in var.attr["shape"].shape.dim]
+            shape = [d.size for d in var.attr["shape"].shape.dim[:]]
             dt = registry.dtype_name(var.attr["dtype"].type)
             if len(shape) != 4 or min(shape) < 1 or dt not in op_lists.TRANSDATA_DTYPES:
                 continue

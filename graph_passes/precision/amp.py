@@ -419,7 +419,7 @@ class PrecisionPass(Pass):
         straight from an ``Enter``), or a Merge fed by ``NextIteration`` or
         ``Enter``: part of a v1 while loop, where one loop-carried value keeps
         one dtype on every edge.  Switch/Merge of a conditional are not."""
-        for inp in node.input:
+        for inp in node.input[:]:
             if inp.startswith("^"):
                 continue
             src = self.g.nodes.get(parse_tensor(inp)[0])
@@ -1097,7 +1097,7 @@ class PrecisionPass(Pass):
             nodes = g.nodes
             visit = [n for n in sorted(mism, key=g._seq.__getitem__)
                      if n in touched or any(parse_tensor(i)[0] in touched
-                                            for i in nodes[n].input if i[:1] != "^")]
+                                            for i in nodes[n].input[:] if i[:1] != "^")]
         else:
             check = set(touched)
             for name in touched:
@@ -1135,7 +1135,7 @@ class PrecisionPass(Pass):
         touched = self.touched
         visit = [n for n in sorted(mism, key=g._seq.__getitem__)
                  if n in touched or any(parse_tensor(i)[0] in touched
-                                        for i in nodes[n].input if i[:1] != "^")]
+                                        for i in nodes[n].input[:] if i[:1] != "^")]
         # the sources an existing Cast reads at input 0 (only there can
         # cast_to's search find one; a Cast made below is found in the cache)
         cast_srcs = set()
@@ -1203,7 +1203,7 @@ class PrecisionPass(Pass):
                                 c = nodes[cname]
                                 if (c.op == "Cast" and idx == 0 and c.attr["DstT"].type == w
                                         and c.attr["SrcT"].type == base_dtype(rdt)
-                                        and not any(i.startswith("^") for i in c.input)):
+                                        and not any(i.startswith("^") for i in c.input[:])):
                                     ref = cache[key] = cname
                                     break
                         if ref is None:
@@ -1267,7 +1267,7 @@ class PrecisionPass(Pass):
             c = g.nodes[cname]
             if (c.op == "Cast" and idx == 0 and c.attr["DstT"].type == dt
                     and c.attr["SrcT"].type == registry.base_dtype(rdt)
-                    and not any(i.startswith("^") for i in c.input)):
+                    and not any(i.startswith("^") for i in c.input[:])):
                 self._cast_cache[key] = cname
                 return cname
         base = f"{src}/{_CAST_SUFFIX[dt]}" + (f"_{port}" if port else "")
@@ -1338,7 +1338,7 @@ class PrecisionPass(Pass):
             first = min(pos.get(r, -1) for r, _ in readers)
             waits = []
             for reader, idx in readers:
-                for k, inp in enumerate(g.nodes[reader].input):
+                for k, inp in enumerate(g.nodes[reader].input[:]):
                     if k == idx or inp.startswith("^"):
                         continue
                     other = parse_tensor(inp)[0]
@@ -1368,7 +1368,7 @@ class PrecisionPass(Pass):
                 and not self._acyclic():
             for cname in delayed:
                 node = g.nodes[cname]
-                keep = [i for i in node.input if not i.startswith("^")]
+                keep = [i for i in node.input[:] if not i.startswith("^")]
                 del node.input[:]
                 node.input.extend(keep)
                 self.decisions.get(cname, {}).pop("waits_for", None)
@@ -1404,7 +1404,7 @@ class PrecisionPass(Pass):
         g = self.g
         for name in moved:
             p = pos[name]
-            for inp in g.nodes[name].input:
+            for inp in g.nodes[name].input[:]:
                 q = pos.get(parse_tensor(inp)[0])
                 if q is None or q >= p:
                     return False
@@ -1658,7 +1658,7 @@ def _op_meta(op):
     if fixed is None and od.is_stateful:
         fixed = "stateful op (variable update / optimizer / random)"
     if fixed is None:
-        for arg in list(od.input_arg) + list(od.output_arg):
+        for arg in od.input_arg[:] + od.output_arg[:]:
             if arg.is_ref or arg.type in (registry.DT_RESOURCE, registry.DT_VARIANT):
                 fixed = ("TensorList/variant op" if arg.type == registry.DT_VARIANT
                          else "reads or writes a variable")
@@ -1666,11 +1666,11 @@ def _op_meta(op):
     fixed = fixed or None
     type_attrs = {a.name for a in od.attr if a.type == "type"}
     used = []
-    for arg in list(od.input_arg) + list(od.output_arg):
+    for arg in od.input_arg[:] + od.output_arg[:]:
         if arg.type_attr and arg.type_attr in type_attrs and arg.type_attr not in used:
             used.append(arg.type_attr)
     defaults = {a.name: a.default_value for a in od.attr if a.HasField("default_value")}
-    in_args = tuple((a.type_attr, a.type_list_attr, a.number_attr) for a in od.input_arg)
+    in_args = tuple((a.type_attr, a.type_list_attr, a.number_attr) for a in od.input_arg[:])
     return fixed, tuple(used), defaults, in_args
 
 
@@ -1693,7 +1693,7 @@ def _convert_const(node, dt):
             vals = np.array(t.half_val, dtype=np.uint16).view(_np_dtype(t.dtype)).astype(np.float32)
     if vals is not None:
         n = 1
-        for d in t.tensor_shape.dim:
+        for d in t.tensor_shape.dim[:]:
             n *= max(d.size, 0)
     if vals is not None and n != 1:
         new = tensor_pb2.TensorProto(dtype=dt)

@@ -372,7 +372,7 @@ def _unsafe_const(pp, node, dt):
     if (t.dtype == registry.DT_FLOAT and not t.tensor_content and len(t.float_val) == 1
             and node.attr["dtype"].type == registry.DT_FLOAT):
         n = 1
-        for d in t.tensor_shape.dim:
+        for d in t.tensor_shape.dim[:]:
             n *= d.size
         v = t.float_val[0]
         if n >= 1 and v == v:  # (NaN: the reference path)

@@ -89,7 +89,7 @@ def matmul_flops(node, shapes: ShapeTable):
     """2*M*N*K style FLOPs of one matrix/conv node, or None when shapes are unknown."""
     op = node.op
     out = shapes.get(node.name)
-    ins = [shapes.get(i) for i in node.input if not i.startswith("^")]
+    ins = [shapes.get(i) for i in node.input[:] if not i.startswith("^")]
 
     def inp(k):
         return ins[k] if k < len(ins) else None
@@ -166,7 +166,7 @@ def activation_bytes(graph, shapes: ShapeTable, names=None, per_node=None):
         if node is None or node.op in _PARAM_OPS or node.op in _ALIAS_OPS:
             continue
         if dependent is not None and name not in dependent:
-            if not any(parse_tensor(i)[0] in dependent for i in node.input if not i.startswith("^")):
+            if not any(parse_tensor(i)[0] in dependent for i in node.input[:] if not i.startswith("^")):
                 continue
             dependent.add(name)
         dts = graph.output_dtypes(node)
@@ -250,7 +250,7 @@ def peak_step_bytes(graph, shapes: ShapeTable, dependent=False) -> int:
         node = nodes[name]
         i = pos[name]
         ins = []
-        for ref in node.input:
+        for ref in node.input[:]:
             if not ref.startswith("^"):
                 src, port, _ = parse_tensor(ref)
                 t = root((src, port))

@@ -259,7 +259,7 @@ def _sink_nodes(gd) -> list[str]:
     """Nodes no data edge reads, that produce a value (the natural outputs)."""
     read = set()
     for n in gd.node:
-        for i in n.input:
+        for i in n.input[:]:
             if not i.startswith("^"):
                 read.add(_node_of(i))
     out = []
@@ -408,7 +408,7 @@ def _updates_variables(graph_def, fetch_nodes) -> bool:
         if op.startswith(("Apply", "ResourceApply", "Assign", "ResourceScatter", "ScatterAdd", "ScatterUpdate",
                           "ResourceSparseApply", "SparseApply")):
             return True
-        stack.extend(_node_of(i) for i in nodes[name].input)
+        stack.extend(_node_of(i) for i in nodes[name].input[:])
     return False
 
 
@@ -488,17 +488,17 @@ def _stub_orphan_py_funcs(graph_def) -> list[str]:
     notes = []
 
     def read_as_data(nodes):
-        return {i.split(":")[0] for n in nodes for i in n.input if not i.startswith("^")}
+        return {i.split(":")[0] for n in nodes for i in n.input[:] if not i.startswith("^")}
 
     def stub(node, where, read, valid=None):
-        touts = list(node.attr["Tout"].list.type)
+        touts = node.attr["Tout"].list.type[:]
         if len(touts) != 1 or node.name in read:
             return
         import tensorflow as tf
 
         dtype = tf.dtypes.as_dtype(touts[0])
         value = tf.make_tensor_proto(np.zeros([], dtype.as_numpy_dtype), dtype=dtype)
-        ctrl = ["^" + i.lstrip("^").split(":")[0] for i in node.input
+        ctrl = ["^" + i.lstrip("^").split(":")[0] for i in node.input[:]
                 if valid is None or i.lstrip("^").split(":")[0] in valid]
         op = node.op
         node.op = "Const"

@@ -254,7 +254,7 @@ def _func_attrs(node, library):
         if v.HasField("func") and v.func.name in library:
             out.append((key, v.func.name))
         elif v.HasField("list") and v.list.func:
-            out += [(f"{key}_{i}", f.name) for i, f in enumerate(v.list.func) if f.name in library]
+            out += [(f"{key}_{i}", f.name) for i, f in enumerate(v.list.func[:]) if f.name in library]
     return out
 
 
@@ -324,7 +324,7 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
             if bodies:
                 inlined.add(full)
                 off = 1 if node.op in _SELECTOR_OPS else 0
-                n_data = sum(1 for i in node.input if not i.startswith("^"))
+                n_data = sum(1 for i in node.input[:] if not i.startswith("^"))
                 for attr, fname, sub in bodies:
                     add(sub, depth + 1, stack | {fname})
                     for bn, bnode in sub.graph.nodes.items():
@@ -364,7 +364,7 @@ def build_view(report, graph_def, fetches=(), signature=None, meta_graph=None):
         for name, node in ctx.graph.nodes.items():
             full = ctx.prefix + name
             k = 0
-            for ref in node.input:
+            for ref in node.input[:]:
                 src, port, ctrl = parse_tensor(ref)
                 srcs = sources(ctx.prefix + src, port, ctrl)
                 if full in inlined:
