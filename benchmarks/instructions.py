@@ -267,7 +267,7 @@ def main(argv=None):
         print(f"\n== {name}: {res['nodes']} nodes")
         for label, xs in per.items():
             print(f"  {label:<22} {_mi(min(xs)):>14}  (spread over runs {_spread(xs)})")
-        row = {"graph": name, "counts": {k: min(v) for k, v in per.items()}}
+        row = {"graph": name, "counts": {k: min(v) for k, v in per.items()}, "runs": per}
         c = row["counts"]
         if "amp" in c:
             for label in [k for k in c if k.startswith("ours")]:
