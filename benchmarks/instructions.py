@@ -30,7 +30,9 @@ Counted, per graph (``precision.py``'s graphs and grappler configs):
   report entries are identical.
 
 Every counted configuration runs once uncounted first (lazy imports, caches,
-the op library).  The script re-runs itself under ``valgrind --tool=callgrind
+the op library); ``--cold`` empties the engine's memo caches (``functools.lru_cache``
+of ``parse_tensor``, ``name_parts``...) before every run, counted or not, as in a
+process's first callback.  The script re-runs itself under ``valgrind --tool=callgrind
 --instr-atstart=no`` with ``PYTHONHASHSEED=0`` (string hashes, hence set
 orders, fixed): instrumentation starts after TensorFlow is imported and the
 graphs are built, through client requests a small C file compiled here
@@ -41,7 +43,8 @@ printed, never asserted.
 
     python benchmarks/instructions.py --graphs resnet50,bert
     python benchmarks/instructions.py --graphs bert --replay fusion --ab graph_passes.fusion.grad_region.STOP_AT_DY
-    python benchmarks/instructions.py --graphs bert --runs 1 --keep /tmp/cg && callgrind_annotate --inclusive=yes /tmp/cg/cg.*.2
+    python benchmarks/instructions.py --graphs bert --runs 1 --keep /tmp/cg
+    callgrind_annotate --inclusive=yes /tmp/cg/cg.*.2          (the dump of the second counted run)
 """
 from __future__ import annotations
 
@@ -163,6 +166,15 @@ def _child(args):
             if val is not None:
                 setattr(owner, attr, val)
 
+    def cold():
+        """Empty the engine's memo caches (functools.lru_cache: parse_tensor,
+        name_parts...), as in a process's first callback (``--cold``)."""
+        if args.cold:
+            for mod in [m for n, m in sys.modules.items() if n.split(".")[0] in ("graph_passes", "npu_amp_tf")]:
+                for obj in list(vars(mod).values()):
+                    if callable(getattr(obj, "cache_clear", None)):
+                        obj.cache_clear()
+
     def emit(**kw):
         print(_RESULT + json.dumps(kw), flush=True)
 
@@ -174,11 +186,13 @@ def _child(args):
                 outcome = fpb.outcome
             else:
                 import precision_pass as ppb
-                cap, cls, outcome = ppb.capture(name, graph, fetches), ppb._amp.PrecisionPass, ppb.outcome  # noqa: SLF001
+                cap, outcome = ppb.capture(name, graph, fetches), ppb.outcome
+                cls = ppb._amp.PrecisionPass  # noqa: SLF001
 
             def once(val, tag=None):
                 set_arm(val)
                 g, ctx = cap.make()
+                cold()
                 with fpb.collector_paused():
                     if tag:
                         lib.npu_cg_toggle()
@@ -209,6 +223,7 @@ def _child(args):
         def optimize(mode, val):
             set_arm(val)
             bridge.clear_reports()  # no memo: every run does the full work
+            cold()
             out = pb.tf_optimizer.OptimizeGraph(pb.grappler_config(mode), mg, graph_id=b"bench")
             return hashlib.sha256(out.SerializeToString(deterministic=True)).hexdigest()
 
@@ -234,6 +249,8 @@ def main(argv=None):
     ap.add_argument("--replay", choices=("fusion", "precision"), default=None)
     ap.add_argument("--ab", default=None, metavar="SWITCH",
                     help="dotted path of a True/False switch ('A+B' flips several together)")
+    ap.add_argument("--cold", action="store_true",
+                    help="empty the engine's memo caches (lru_cache) before every run, as in a first callback")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="copy callgrind's dumps (one per counted run, tagged) to DIR, for callgrind_annotate")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -248,6 +265,7 @@ def main(argv=None):
     passthrough = ["--graphs", args.graphs, "--bert-layers", str(args.bert_layers), "--runs", str(args.runs)]
     passthrough += ["--replay", args.replay] if args.replay else []
     passthrough += ["--ab", args.ab] if args.ab else []
+    passthrough += ["--cold"] if args.cold else []
     with tempfile.TemporaryDirectory(prefix="npu_cg_") as tmp:
         lib = build_marker(tmp)
         toggles = () if args.replay else tuple(TOGGLES.values())
