@@ -23,6 +23,9 @@ Counted, per graph (``precision.py``'s graphs and grappler configs):
 * ``--ab SWITCH``: ``ours`` with the switch (a dotted True/False attribute,
   ``A+B`` flips several, as in ``fusion_pass.py``) True and False, and
   whether the two output graphs are byte-identical;
+* ``--stages``: ``ours`` split at the pipeline's and the pass manager's own
+  timers (``stages`` in ``pipeline._optimize_run``: graph, passes,
+  serialize, opdef_check; each pass), a dump at every boundary;
 * ``--replay fusion|precision``: the pass alone on the input it received
   inside grappler (``fusion_pass.py`` / ``precision_pass.py``'s replay,
   collector paused, between client requests; the fresh graph is built
@@ -42,6 +45,7 @@ issues.  Under instrumentation everything runs ~50x slower: a BERT-12
 printed, never asserted.
 
     python benchmarks/instructions.py --graphs resnet50,bert
+    python benchmarks/instructions.py --graphs bert --stages --cold
     python benchmarks/instructions.py --graphs bert --replay fusion --ab graph_passes.fusion.grad_region.STOP_AT_DY
     python benchmarks/instructions.py --graphs bert --runs 1 --keep /tmp/cg
     callgrind_annotate --inclusive=yes /tmp/cg/cg.*.2          (the dump of the second counted run)
@@ -145,6 +149,51 @@ def _spread(xs) -> str:
 
 
 # ------------------------------------------------------------------ the child (under callgrind)
+class _StageTimer:
+    """``time.thread_time`` for ``--stages``: the pipeline and the pass manager
+    read it at every stage and pass boundary (``pipeline._optimize_run``'s
+    ``stages``, ``PassManager.run``); during a counted ``ours`` run each read
+    first dumps the instructions since the previous one, tagged with what the
+    interval was, named from the reading line (``stages["graph"] = cpu() -
+    c0``: "graph"; the manager's end of a pass: "pass fusion")."""
+
+    def __init__(self, lib):
+        import time
+
+        self.lib, self.real, self.run, self.seq, self.in_pipeline = lib, time.thread_time, None, 0, False
+
+    def start(self, run):
+        """Count the boundaries of ``run`` ((graph, round)), or none (None)."""
+        self.run, self.seq, self.in_pipeline = run, 0, False
+
+    def __call__(self):
+        if self.run is not None:
+            import linecache
+            import re
+
+            frame = sys._getframe(1)  # noqa: SLF001
+            fn = os.path.basename(frame.f_code.co_filename)
+            text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            m = re.search(r'stages\["(\w+)"\]', text)
+            if m is not None:
+                label = m.group(1)
+            elif fn == "manager.py":
+                label = f"pass {frame.f_locals.get('name')}" if text.startswith("dt,") else "between passes"
+            elif fn == "pipeline.py":
+                label = "outside the stages" if self.in_pipeline else "callback entry (options, parse)"
+                self.in_pipeline = True
+            elif fn == "bridge.py" and "_cpu0" in text:
+                label = "C++ bridge before the callback (serialise, index)"
+            elif fn == "bridge.py" and frame.f_code.co_name == "_finish":
+                label = "callback end (summary, report record)"
+            else:
+                label = f"{fn}:{frame.f_lineno}"
+            graph, r = self.run
+            self.lib.npu_cg_dump(f"{graph}|@{label}#{self.seq}|{r}".encode())
+            self.seq += 1
+        return self.real()
+
+
 def _child(args):
     import ctypes
     import hashlib
@@ -177,6 +226,11 @@ def _child(args):
 
     def emit(**kw):
         print(_RESULT + json.dumps(kw), flush=True)
+
+    stage_timer = _StageTimer(lib)
+    if args.stages:
+        import time
+        time.thread_time = stage_timer
 
     for name in args.graphs.split(","):
         graph, fetches = fpb.build(name, args.bert_layers)
@@ -233,7 +287,11 @@ def _child(args):
         digests = {}
         for r in range(args.runs):
             for mode, val, label in modes:
-                digests.setdefault(label, set()).add(optimize(mode, val))
+                stage_timer.start((name, r) if args.stages and mode == "ours" else None)
+                try:
+                    digests.setdefault(label, set()).add(optimize(mode, val))
+                finally:
+                    stage_timer.start(None)
                 lib.npu_cg_dump(f"{name}|{label}|{r}".encode())
         lib.npu_cg_stop()
         emit(graph=name, nodes=len(mg.graph_def.node),
@@ -249,6 +307,8 @@ def main(argv=None):
     ap.add_argument("--replay", choices=("fusion", "precision"), default=None)
     ap.add_argument("--ab", default=None, metavar="SWITCH",
                     help="dotted path of a True/False switch ('A+B' flips several together)")
+    ap.add_argument("--stages", action="store_true",
+                    help="split ours by the pipeline's stages and passes (their own timers as boundaries)")
     ap.add_argument("--cold", action="store_true",
                     help="empty the engine's memo caches (lru_cache) before every run, as in a first callback")
     ap.add_argument("--keep", default=None, metavar="DIR",
@@ -258,6 +318,8 @@ def main(argv=None):
     for g in args.graphs.split(","):
         if g not in ("resnet50", "bert"):
             ap.error(f"--graphs: unknown graph '{g}'; accepted: resnet50, bert")
+    if args.stages and (args.ab or args.replay):
+        ap.error("--stages: splits the end-to-end 'ours' runs; not with --ab or --replay")
     if args.runs < 1:
         ap.error(f"--runs: {args.runs}; accepted: an integer >= 1")
     if args.child:
@@ -266,6 +328,7 @@ def main(argv=None):
     passthrough += ["--replay", args.replay] if args.replay else []
     passthrough += ["--ab", args.ab] if args.ab else []
     passthrough += ["--cold"] if args.cold else []
+    passthrough += ["--stages"] if args.stages else []
     with tempfile.TemporaryDirectory(prefix="npu_cg_") as tmp:
         lib = build_marker(tmp)
         toggles = () if args.replay else tuple(TOGGLES.values())
@@ -277,15 +340,37 @@ def main(argv=None):
     summary = []
     for res in results:
         name = res["graph"]
-        per = {}
+        per, stages, first = {}, {}, {}
         for tag, n in counts.items():
-            g, *label, _r = tag.split("|")
-            if g == name:
-                per.setdefault("|".join(label), []).append(n)
+            g, *label, r = tag.split("|")
+            if g != name:
+                continue
+            label = "|".join(label)
+            if label.startswith("@"):  # --stages: one interval of an ours run
+                stage, seq = label[1:].rsplit("#", 1)
+                first[stage] = min(first.get(stage, 1 << 30), int(seq))
+                by_run = stages.setdefault(stage, {})
+                by_run[r] = by_run.get(r, 0) + n
+                continue
+            per.setdefault(label, []).append((r, n))
+        stages = dict(sorted(stages.items(), key=lambda kv: first[kv[0]]))  # in the order a run meets them
+        if stages and "ours" in per:
+            # the tail after the last stage timer is the "ours" dump: the run's total adds the intervals
+            tail = dict(per["ours"])
+            stages["C++ assembly of the output"] = tail
+            per["ours"] = [(r, sum(v.get(r, 0) for v in stages.values())) for r in tail]
+        per = {k: [n for _, n in v] for k, v in per.items()}
         print(f"\n== {name}: {res['nodes']} nodes")
         for label, xs in per.items():
             print(f"  {label:<22} {_mi(min(xs)):>14}  (spread over runs {_spread(xs)})")
-        row = {"graph": name, "counts": {k: min(v) for k, v in per.items()}, "runs": per}
+        if stages:
+            total = min(per["ours"])
+            print("  ours by stage (the pipeline's and the pass manager's own timers as boundaries; min over runs):")
+            for label, by_run in stages.items():
+                n = min(by_run.values())
+                print(f"    {label:<52} {_mi(n):>12}  {n / total * 100:5.1f}%")
+        row = {"graph": name, "counts": {k: min(v) for k, v in per.items()}, "runs": per,
+               "stages": {k: min(v.values()) for k, v in stages.items()}}
         c = row["counts"]
         if "amp" in c:
             for label in [k for k in c if k.startswith("ours")]:

@@ -63,3 +63,25 @@ def test_counts_repeat_and_resolve_an_exact_ab(capsys):
         assert len(runs) == 2 and (max(runs) - min(runs)) / min(runs) < 0.01, (label, runs)
     assert row["identical"], out
     assert c["ours|on"] < c["ours|off"], out  # pass A stops at dy: fewer tries
+
+
+def test_stages_need_the_end_to_end_runs(capsys):
+    with pytest.raises(SystemExit):
+        instructions.main(["--graphs", "bert", "--stages", "--replay", "fusion"])
+    assert "--stages: splits the end-to-end 'ours' runs; not with --ab or --replay" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None or not os.path.exists("/usr/include/valgrind/callgrind.h"),
+                    reason="valgrind (with valgrind/callgrind.h) is not installed")
+def test_stages_split_ours_at_the_pipelines_timers(capsys):
+    (row,) = instructions.main(["--graphs", "bert", "--bert-layers", "1", "--runs", "1", "--stages"])
+    out = capsys.readouterr().out
+    st = list(row["stages"])
+    # the bridge enters first, the C++ assembly ends; the pipeline's stages and the default passes between
+    assert st[0].startswith("C++ bridge before the callback") and st[-1] == "C++ assembly of the output", st
+    for label in ("graph", "pass fusion", "pass precision", "serialize", "opdef_check"):
+        assert label in st, (label, st)
+    assert st.index("graph") < st.index("pass fusion") < st.index("pass precision") < st.index("serialize"), st
+    assert all(n > 0 for n in row["stages"].values()), row["stages"]
+    # a 1-layer BERT-like graph has layer norms to fuse and matmuls to paint: both passes do real work
+    assert row["stages"]["pass fusion"] > 1e6 and row["stages"]["pass precision"] > 1e6, out
