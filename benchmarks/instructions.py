@@ -34,7 +34,7 @@ Counted, per graph (``precision.py``'s graphs and grappler configs):
 
 Every counted configuration runs once uncounted first (lazy imports, caches,
 the op library); ``--cold`` empties the engine's memo caches (``functools.lru_cache``
-of ``parse_tensor``, ``name_parts``...) before every run, counted or not, as in a
+of ``parse_tensor``, ``is_autodiff_name``...) before every run, counted or not, as in a
 process's first callback.  The script re-runs itself under ``valgrind --tool=callgrind
 --instr-atstart=no`` with ``PYTHONHASHSEED=0`` (string hashes, hence set
 orders, fixed): instrumentation starts after TensorFlow is imported and the
@@ -68,7 +68,6 @@ TOGGLES = {"amp": "tensorflow::grappler::AutoMixedPrecision::Optimize(*",
 
 MARKER_C = r"""
 #include <valgrind/callgrind.h>
-int npu_cg_running(void) { return RUNNING_ON_VALGRIND; }
 void npu_cg_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; }
 void npu_cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
 void npu_cg_dump(const char *tag) { CALLGRIND_DUMP_STATS_AT(tag); }
@@ -211,13 +210,13 @@ def _child(args):
     arms = [(True, "on"), (False, "off")] if switches else [(None, "")]
 
     def set_arm(val):
-        for owner, attr in switches:
-            if val is not None:
+        if val is not None:
+            for owner, attr in switches:
                 setattr(owner, attr, val)
 
     def cold():
         """Empty the engine's memo caches (functools.lru_cache: parse_tensor,
-        name_parts...), as in a process's first callback (``--cold``)."""
+        is_autodiff_name...), as in a process's first callback (``--cold``)."""
         if args.cold:
             for mod in [m for n, m in sys.modules.items() if n.split(".")[0] in ("graph_passes", "npu_amp_tf")]:
                 for obj in list(vars(mod).values()):
