@@ -39,7 +39,14 @@ process's first callback.  The script re-runs itself under ``valgrind --tool=cal
 --instr-atstart=no`` with ``PYTHONHASHSEED=0`` (string hashes, hence set
 orders, fixed): instrumentation starts after TensorFlow is imported and the
 graphs are built, through client requests a small C file compiled here
-issues.  Under instrumentation everything runs ~50x slower: a BERT-12
+issues.  The same child runs natively first (one run per configuration):
+valgrind's virtual CPU has no AVX-512, so TensorFlow would turn its oneDNN
+path off under it, and the plugin's kernel checks read that state; the
+callgrind child gets the native state pinned (``TF_ENABLE_ONEDNN_OPTS``) and
+checks it, and the outputs counted are compared with the native ones (the
+output graph's digest; for a replay, of graph, stats and report entries):
+"identical to the native run's" is printed, or which differ.  Under
+instrumentation everything runs ~50x slower: a BERT-12
 ``ours`` run takes ~40 s.  Needs ``valgrind``, its header
 ``valgrind/callgrind.h`` (Debian: ``valgrind``) and ``gcc``.  Counts are
 printed, never asserted.
@@ -75,6 +82,8 @@ void npu_cg_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
 """
 
 _CHILD_ENV = "NPU_AMP_CG_MARKER"
+#: the oneDNN state ("1" / "0") the native run had, which the callgrind child must have
+_ONEDNN_ENV = "NPU_AMP_CG_ONEDNN"
 _RESULT = "@@npu-cg "
 _TRIGGER = "desc: Trigger: Client Request: "
 
@@ -121,22 +130,45 @@ def read_dumps(out_dir: str) -> dict:
     return counts
 
 
-def run_child(argv, tmp, lib, toggles=()) -> tuple[dict, list]:
-    """This script under callgrind with ``argv``: ({tag: instructions}, [result dicts])."""
+def run_child(argv, tmp, lib, toggles=(), native=None) -> tuple[dict, list]:
+    """This script under callgrind with ``argv``: ({tag: instructions}, [result dicts]).
+
+    ``native``: the result dicts of the same child run natively (no
+    valgrind; the client requests are no-ops there), or None for the native
+    run itself.  Valgrind's CPU hides AVX-512, and TensorFlow turns its
+    oneDNN path off on such a CPU unless ``TF_ENABLE_ONEDNN_OPTS`` says
+    otherwise; the plugin's kernel checks read that state (registry's
+    ``_BROKEN_WITH_ONEDNN``), so unpinned, the counted rewrite was not the
+    native one (TF 2.21.0: one more ``bias`` fusion in ResNet50).  The
+    callgrind child gets the native run's state pinned, and checks it."""
     out_dir = os.path.join(tmp, "dumps")
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
-    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-           f"--callgrind-out-file={out_dir}/cg.%p", *(f"--toggle-collect={t}" for t in toggles),
-           sys.executable, os.path.abspath(__file__), "--child", *argv]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", *argv]
+    if native is not None:
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+               f"--callgrind-out-file={out_dir}/cg.%p", *(f"--toggle-collect={t}" for t in toggles), *cmd]
     env = dict(os.environ, PYTHONHASHSEED="0", TF_CPP_MIN_LOG_LEVEL="2")
     env[_CHILD_ENV] = lib
+    if native:
+        state = "1" if native[0]["onednn"] else "0"
+        env.update({"TF_ENABLE_ONEDNN_OPTS": state, _ONEDNN_ENV: state})
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     results = [json.loads(line[len(_RESULT):]) for line in res.stdout.splitlines() if line.startswith(_RESULT)]
     if res.returncode != 0:
         tail = "\n".join(res.stderr.strip().splitlines()[-15:])
-        raise SystemExit(f"instructions.py: the run under callgrind failed (exit {res.returncode}):\n{tail}")
+        where = "natively" if native is None else "under callgrind"
+        raise SystemExit(f"instructions.py: the run {where} failed (exit {res.returncode}):\n{tail}")
     return read_dumps(out_dir), results
+
+
+def native_differences(native: list, counted: list) -> dict:
+    """{graph: [labels whose output under callgrind is not the native run's]}
+    (the digests of the output graphs, or of a replay's graph, stats and
+    report entries)."""
+    ref = {r["graph"]: r.get("digests", {}) for r in native}
+    return {r["graph"]: sorted(k for k, d in r.get("digests", {}).items() if ref.get(r["graph"], {}).get(k) != d)
+            for r in counted}
 
 
 def _mi(n) -> str:
@@ -196,6 +228,10 @@ class _StageTimer:
 def _child(args):
     import ctypes
     import hashlib
+    import random
+
+    import numpy as np
+    import tensorflow as tf
 
     sys.path.insert(0, os.path.dirname(HERE))
     sys.path.insert(0, HERE)
@@ -203,8 +239,18 @@ def _child(args):
     import precision as pb  # noqa: E402
     from npu_amp_tf import bridge
 
+    from graph_passes import _tf as tf_probe
+
     lib = ctypes.CDLL(os.environ[_CHILD_ENV])
     lib.npu_cg_dump.argtypes = [ctypes.c_char_p]
+    onednn = tf_probe.onednn_enabled()
+    want = os.environ.get(_ONEDNN_ENV)
+    if want is not None and onednn != (want == "1"):
+        raise SystemExit(f"instructions.py: TensorFlow's oneDNN path is {'on' if onednn else 'off'} under "
+                         f"callgrind, {'on' if want == '1' else 'off'} natively (TF_ENABLE_ONEDNN_OPTS="
+                         f"{os.environ.get('TF_ENABLE_ONEDNN_OPTS')!r} did not pin it): the counts would be "
+                         f"of another rewrite")
+    emit_state = {"onednn": onednn}
     bridge.register()
     switches = [fpb._resolve(p) for p in args.ab.split("+")] if args.ab else []  # noqa: SLF001
     arms = [(True, "on"), (False, "off")] if switches else [(None, "")]
@@ -232,6 +278,11 @@ def _child(args):
         time.thread_time = stage_timer
 
     for name in args.graphs.split(","):
+        # (the initializers' seeds are constants of the graph: fixed, so that
+        # the native run and the callgrind run build the same graph)
+        random.seed(0)
+        np.random.seed(0)
+        tf.random.set_seed(0)
         graph, fetches = fpb.build(name, args.bert_layers)
         if args.replay:
             if args.replay == "fusion":
@@ -268,7 +319,9 @@ def _child(args):
             if switches:
                 a, b = outs["on"], outs["off"]
                 same = [p for p, x, y in zip(("graph", "stats", "decisions", "warnings", "summary"), a, b) if x != y]
-            emit(graph=name, nodes=cap.nodes, differ=same)
+            digests = {f"{args.replay}{'|' + arm if arm else ''}": hashlib.sha256(repr(out).encode()).hexdigest()
+                       for arm, out in outs.items()}
+            emit(graph=name, nodes=cap.nodes, differ=same, digests=digests, **emit_state)
             continue
         mg = pb.metagraph(graph, fetches)
         modes = [("amp", None, "amp")] + [("ours", val, "ours" + (f"|{arm}" if arm else "")) for val, arm in arms]
@@ -294,7 +347,9 @@ def _child(args):
                 lib.npu_cg_dump(f"{name}|{label}|{r}".encode())
         lib.npu_cg_stop()
         emit(graph=name, nodes=len(mg.graph_def.node),
-             differ=None if not switches else (digests["ours|on"] != digests["ours|off"]))
+             differ=None if not switches else (digests["ours|on"] != digests["ours|off"]),
+             digests={k: sorted(v)[0] if len(v) == 1 else "runs differ" for k, v in digests.items()},
+             **emit_state)
 
 
 # ------------------------------------------------------------------ the parent
@@ -331,11 +386,14 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="npu_cg_") as tmp:
         lib = build_marker(tmp)
         toggles = () if args.replay else tuple(TOGGLES.values())
-        counts, results = run_child(passthrough, tmp, lib, toggles)
+        _, native = run_child(passthrough[:4] + ["--runs", "1"] + passthrough[6:], tmp, lib)
+        counts, results = run_child(passthrough, tmp, lib, toggles, native=native)
+        differ_native = native_differences(native, results)
         if args.keep:
             shutil.copytree(os.path.join(tmp, "dumps"), args.keep, dirs_exist_ok=True)
+    onednn = "on" if native[0]["onednn"] else "off"
     print(f"Instructions executed (callgrind, PYTHONHASHSEED=0; {args.runs} counted run(s) per configuration, "
-          f"after one uncounted)")
+          f"after one uncounted; TensorFlow's oneDNN path {onednn}, as natively)")
     summary = []
     for res in results:
         name = res["graph"]
@@ -360,6 +418,10 @@ def main(argv=None):
             per["ours"] = [(r, sum(v.get(r, 0) for v in stages.values())) for r in tail]
         per = {k: [n for _, n in v] for k, v in per.items()}
         print(f"\n== {name}: {res['nodes']} nodes")
+        bad = differ_native.get(name)
+        print(f"  outputs under callgrind: " + (f"DIFFER from the native run's for {', '.join(bad)}: these "
+                                                 f"counts are of another rewrite" if bad else
+                                                 "identical to the native run's"))
         for label, xs in per.items():
             print(f"  {label:<22} {_mi(min(xs)):>14}  (spread over runs {_spread(xs)})")
         if stages:
@@ -369,6 +431,7 @@ def main(argv=None):
                 n = min(by_run.values())
                 print(f"    {label:<52} {_mi(n):>12}  {n / total * 100:5.1f}%")
         row = {"graph": name, "counts": {k: min(v) for k, v in per.items()}, "runs": per,
+               "native_identical": not bad, "onednn": res["onednn"],
                "stages": {k: min(v.values()) for k, v in stages.items()}}
         c = row["counts"]
         if "amp" in c:

@@ -36,6 +36,16 @@ def test_read_dumps(tmp_path):
     assert instructions.read_dumps(str(tmp_path)) == {"bert|amp|0": 279_400_000, "bert|ours|on|1": 936_400_123}
 
 
+def test_native_differences_names_the_outputs_that_differ():
+    native = [{"graph": "bert", "digests": {"amp": "a", "ours|on": "b", "ours|off": "c"}}]
+    counted = [{"graph": "bert", "digests": {"amp": "a", "ours|on": "x", "ours|off": "c"}}]
+    assert instructions.native_differences(native, counted) == {"bert": ["ours|on"]}
+    assert instructions.native_differences(native, native) == {"bert": []}
+    # a configuration the native run lacks is no match either
+    assert instructions.native_differences([{"graph": "bert", "digests": {}}], counted) == \
+        {"bert": ["amp", "ours|off", "ours|on"]}
+
+
 def test_missing_valgrind_is_one_clear_error(tmp_path, monkeypatch):
     real = shutil.which
     monkeypatch.setattr(shutil, "which", lambda tool, *a, **k: None if tool == "valgrind" else real(tool, *a, **k))
@@ -63,6 +73,11 @@ def test_counts_repeat_and_resolve_an_exact_ab(capsys):
         assert len(runs) == 2 and (max(runs) - min(runs)) / min(runs) < 0.01, (label, runs)
     assert row["identical"], out
     assert c["ours|on"] < c["ours|off"], out  # pass A stops at dy: fewer tries
+    # the rewrite counted is the native one: TF's oneDNN state pinned to the native run's
+    # (valgrind's CPU has no AVX-512: unpinned, TF turns oneDNN off under it)
+    from graph_passes import _tf
+    assert row["onednn"] == _tf.onednn_enabled(), out
+    assert row["native_identical"] and "identical to the native run's" in out, out
 
 
 def test_stages_need_the_end_to_end_runs(capsys):
