@@ -743,6 +743,211 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   return true;
 }
 
+// ---- the item's bytes (issue 17) ----------------------------------------------
+// SerializeGraph writes the bytes tsl::SerializeToStringDeterministic writes
+// for a GraphDef (fields in number order, map entries sorted by key, key and
+// value always written, a set oneof member always written), without the
+// generated code's UTF-8 verification of every name, op, input and device
+// string (proto3 `string` fields: ~11 of the ~29 M instructions that call
+// takes on the Keras ResNet-50 training graph, 63k inputs).  Grappler's item
+// holds strings TF itself produced, and Python's parser accepts any bytes the
+// generated code would have written.  A NodeDef with more than fields 1-5 or
+// with unknown fields, an attr value other than a scalar (type, i, f, b, s),
+// and every field of the GraphDef after `node` are written by the generated
+// code, deterministic, in place.  g_serialize_fast = false: the generated code
+// for all of it (the reference; tests compare both).
+bool g_serialize_fast = true;
+
+namespace wire {
+inline size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+inline char* PutVarint(char* p, uint64_t v) {
+  while (v >= 0x80) {
+    *p++ = static_cast<char>(v | 0x80);
+    v >>= 7;
+  }
+  *p++ = static_cast<char>(v);
+  return p;
+}
+// a length-delimited field with a one-byte tag (field numbers < 16)
+inline size_t LenSize(size_t len) { return 1 + VarintSize(len) + len; }
+inline char* PutTagLen(char* p, int field, size_t len) {
+  *p++ = static_cast<char>(field << 3 | 2);
+  return PutVarint(p, len);
+}
+inline char* PutBytes(char* p, int field, std::string_view s) {
+  p = PutTagLen(p, field, s.size());
+  std::memcpy(p, s.data(), s.size());
+  return p + s.size();
+}
+}  // namespace wire
+
+// The size of an AttrValue written by hand (a scalar oneof member), or 0
+// when the generated code writes it (the member, or nothing set).
+size_t ScalarAttrSize(const tensorflow::AttrValue& v) {
+  using tensorflow::AttrValue;
+  switch (v.value_case()) {
+    case AttrValue::kType:
+      return 1 + wire::VarintSize(static_cast<uint64_t>(static_cast<int64_t>(v.type())));
+    case AttrValue::kI:
+      return 1 + wire::VarintSize(static_cast<uint64_t>(v.i()));
+    case AttrValue::kF:
+      return 5;
+    case AttrValue::kB:
+      return 2;
+    case AttrValue::kS:
+      return wire::LenSize(v.s().size());
+    default:
+      return 0;
+  }
+}
+
+char* PutScalarAttr(char* p, const tensorflow::AttrValue& v) {
+  using tensorflow::AttrValue;
+  switch (v.value_case()) {
+    case AttrValue::kType:
+      *p++ = static_cast<char>(6 << 3);
+      return wire::PutVarint(p, static_cast<uint64_t>(static_cast<int64_t>(v.type())));
+    case AttrValue::kI:
+      *p++ = static_cast<char>(3 << 3);
+      return wire::PutVarint(p, static_cast<uint64_t>(v.i()));
+    case AttrValue::kF: {
+      *p++ = static_cast<char>(4 << 3 | 5);
+      const float f = v.f();
+      std::memcpy(p, &f, 4);  // little-endian (x86-64, aarch64)
+      return p + 4;
+    }
+    case AttrValue::kB:
+      *p++ = static_cast<char>(5 << 3);
+      *p++ = v.b() ? 1 : 0;
+      return p;
+    case AttrValue::kS:
+      return wire::PutBytes(p, 2, v.s());
+    default:
+      return p;
+  }
+}
+
+// Per node: whether the generated code writes it whole (more than fields
+// 1-5, or unknown fields), its body size, and its attrs in key order with
+// each value's size.
+struct NodePlan {
+  bool whole = false;
+  size_t body = 0;
+  std::vector<std::pair<const std::string*, const tensorflow::AttrValue*>> attrs;
+  std::vector<size_t> value_size;  // per attr: its AttrValue's bytes
+  std::vector<bool> scalar;
+};
+
+bool SerializeGraph(const tensorflow::GraphDef& graph, std::string* out) {
+  if (!g_serialize_fast || !graph.GetReflection()->GetUnknownFields(graph).empty()) {
+    return tensorflow::SerializeToStringDeterministic(graph, out);
+  }
+  const int n = graph.node_size();
+  std::vector<NodePlan> plans(n);
+  size_t total = 0;
+  for (int i = 0; i < n; ++i) {
+    const tensorflow::NodeDef& node = graph.node(i);
+    NodePlan& pl = plans[i];
+    if (node.has_experimental_debug_info() || node.has_experimental_type() ||
+        !node.GetReflection()->GetUnknownFields(node).empty()) {
+      pl.whole = true;
+      pl.body = node.ByteSizeLong();  // (caches the sizes the write below uses)
+    } else {
+      size_t b = 0;
+      if (!node.name().empty()) b += wire::LenSize(node.name().size());
+      if (!node.op().empty()) b += wire::LenSize(node.op().size());
+      for (const auto& in : node.input()) b += wire::LenSize(in.size());
+      if (!node.device().empty()) b += wire::LenSize(node.device().size());
+      pl.attrs.reserve(node.attr().size());
+      for (const auto& kv : node.attr()) pl.attrs.emplace_back(&kv.first, &kv.second);
+      std::sort(pl.attrs.begin(), pl.attrs.end(),
+                [](const auto& a, const auto& b) { return *a.first < *b.first; });
+      pl.value_size.resize(pl.attrs.size());
+      pl.scalar.resize(pl.attrs.size());
+      for (size_t k = 0; k < pl.attrs.size(); ++k) {
+        const tensorflow::AttrValue& v = *pl.attrs[k].second;
+        size_t vs = ScalarAttrSize(v);
+        pl.scalar[k] = vs != 0;
+        if (vs == 0) vs = v.ByteSizeLong();
+        pl.value_size[k] = vs;
+        const size_t entry = wire::LenSize(pl.attrs[k].first->size()) + wire::LenSize(vs);
+        b += wire::LenSize(entry);
+      }
+      pl.body = b;
+    }
+    total += wire::LenSize(pl.body);
+  }
+  // the fields after `node`, by the generated code: a GraphDef without nodes
+  // would need a copy of them, so each is written as its own field
+  const bool has_lib = graph.has_library(), has_ver = graph.has_versions(),
+             has_dbg = graph.has_debug_info();
+  const size_t lib = has_lib ? graph.library().ByteSizeLong() : 0;
+  const size_t ver = has_ver ? graph.versions().ByteSizeLong() : 0;
+  const size_t dbg = has_dbg ? graph.debug_info().ByteSizeLong() : 0;
+  const int32_t old_version = graph.version();  // (deprecated field 3)
+  if (has_lib) total += wire::LenSize(lib);
+  if (old_version != 0) total += 1 + wire::VarintSize(static_cast<uint64_t>(static_cast<int64_t>(old_version)));
+  if (has_ver) total += wire::LenSize(ver);
+  if (has_dbg) total += wire::LenSize(dbg);
+  out->resize(total);
+  char* p = out->data();
+  char* const end = p + total;
+  for (int i = 0; i < n; ++i) {
+    const tensorflow::NodeDef& node = graph.node(i);
+    const NodePlan& pl = plans[i];
+    p = wire::PutTagLen(p, 1, pl.body);
+    if (pl.whole) {
+      if (!tensorflow::SerializeToBufferDeterministic(node, p, pl.body)) return false;
+      p += pl.body;
+      continue;
+    }
+    if (!node.name().empty()) p = wire::PutBytes(p, 1, node.name());
+    if (!node.op().empty()) p = wire::PutBytes(p, 2, node.op());
+    for (const auto& in : node.input()) p = wire::PutBytes(p, 3, in);
+    if (!node.device().empty()) p = wire::PutBytes(p, 4, node.device());
+    for (size_t k = 0; k < pl.attrs.size(); ++k) {
+      const std::string& key = *pl.attrs[k].first;
+      const size_t vs = pl.value_size[k];
+      p = wire::PutTagLen(p, 5, wire::LenSize(key.size()) + wire::LenSize(vs));
+      p = wire::PutBytes(p, 1, key);
+      p = wire::PutTagLen(p, 2, vs);
+      if (pl.scalar[k]) {
+        p = PutScalarAttr(p, *pl.attrs[k].second);
+      } else {
+        if (!tensorflow::SerializeToBufferDeterministic(*pl.attrs[k].second, p, vs)) return false;
+        p += vs;
+      }
+    }
+  }
+  if (has_lib) {
+    p = wire::PutTagLen(p, 2, lib);
+    if (!tensorflow::SerializeToBufferDeterministic(graph.library(), p, lib)) return false;
+    p += lib;
+  }
+  if (old_version != 0) {
+    *p++ = static_cast<char>(3 << 3);
+    p = wire::PutVarint(p, static_cast<uint64_t>(static_cast<int64_t>(old_version)));
+  }
+  if (has_ver) {
+    p = wire::PutTagLen(p, 4, ver);
+    if (!tensorflow::SerializeToBufferDeterministic(graph.versions(), p, ver)) return false;
+    p += ver;
+  }
+  if (has_dbg) {
+    p = wire::PutTagLen(p, 5, dbg);
+    if (!tensorflow::SerializeToBufferDeterministic(graph.debug_info(), p, dbg)) return false;
+    p += dbg;
+  }
+  return p == end;
+}
+
 // ---- work skipped before Python is called -------------------------------------
 std::mutex g_seen_mu;
 std::deque<uint64_t> g_seen;  // fingerprints of graphs known to need nothing
@@ -1115,6 +1320,34 @@ NPU_AMP_EXPORT int NpuAmpGraphIndexFlags(const char* graph, size_t graph_len, in
   return 0;
 }
 
+// (issue 17, for tests) The item's bytes as the bridge writes them, of a
+// serialized GraphDef: `fast` 1 the hand-written writer, 0 the generated
+// code (deterministic).  The bytes stay valid until the next call on the
+// same thread.  1 when the bytes do not parse or a writer fails.
+NPU_AMP_EXPORT int NpuAmpSerializeGraph(const char* graph, size_t graph_len, int fast, const char** data,
+                                        size_t* len) {
+  thread_local std::string buf;
+  *data = nullptr;
+  *len = 0;
+  tensorflow::GraphDef gd;
+  if (!gd.ParseFromArray(graph, static_cast<int>(graph_len))) return 1;
+  const bool was = g_serialize_fast;
+  g_serialize_fast = fast != 0;
+  const bool ok = SerializeGraph(gd, &buf);
+  g_serialize_fast = was;
+  if (!ok) return 1;
+  *data = buf.data();
+  *len = buf.size();
+  return 0;
+}
+
+// Whether the bridge writes the item's bytes by hand (SerializeGraph); returns the previous setting.
+NPU_AMP_EXPORT int NpuAmpSetSerializeFast(int fast) {
+  const bool was = g_serialize_fast;
+  g_serialize_fast = fast != 0;
+  return was ? 1 : 0;
+}
+
 NPU_AMP_EXPORT int NpuAmpGraphIndex(const char* graph, size_t graph_len, const char** data,
                                     size_t* len) {
   return NpuAmpGraphIndexFlags(graph, graph_len, 0, data, len);
@@ -1410,7 +1643,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     }
     const int64_t t_nofloat = ThreadCpuNs();
     std::string graph_bytes;
-    if (!SerializeToStringDeterministic(item.graph, &graph_bytes)) {
+    if (!SerializeGraph(item.graph, &graph_bytes)) {
       return errors::Internal("NpuAmpOptimizer: cannot serialize the GraphDef of item '",
                               item.id, "'");
     }

@@ -145,6 +145,13 @@ def library():
                     ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
                     ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
                 lib.NpuAmpGraphOpdefPrecheckFlags.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpSerializeGraph"):  # (issue 17: the item's bytes written by hand)
+                lib.NpuAmpSerializeGraph.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
+                                                     ctypes.POINTER(ctypes.c_void_p),
+                                                     ctypes.POINTER(ctypes.c_size_t)]
+                lib.NpuAmpSerializeGraph.restype = ctypes.c_int
+                lib.NpuAmpSetSerializeFast.argtypes = [ctypes.c_int]
+                lib.NpuAmpSetSerializeFast.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpKahnOrder"):  # (issue 17f; an older library: Python sorts)
                 lib.NpuAmpKahnOrder.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -377,6 +384,24 @@ def item_index(sink):
     if fn is None or sink is None:
         return None
     return _index_call(fn, sink)
+
+
+def serialize_graph(data: bytes, fast: bool = True):
+    """The bytes the bridge hands the callback for the GraphDef serialized in
+    ``data`` (issue 17): ``fast`` the C++ bridge's own writer, else the
+    generated code's deterministic serialization, which it must equal byte
+    for byte; None when the library is not loaded or cannot."""
+    fn = getattr(_lib, "NpuAmpSerializeGraph", None) if _lib is not None else None
+    if fn is None:
+        return None
+    return _index_call(fn, data, len(data), int(bool(fast)))
+
+
+def set_serialize_fast(fast: bool) -> bool:
+    """Whether the bridge writes the item's bytes with its own writer (True,
+    the default) or the generated code's (False, the reference); returns the
+    previous setting."""
+    return bool(_lib.NpuAmpSetSerializeFast(int(bool(fast))))
 
 
 def graph_index(graph_def, data=None):
