@@ -16,7 +16,8 @@ printed, never asserted.
 ``Graph.numpy_adopt`` and ``Graph.fast_patch`` (17r's switches stay on);
 ``--group paint`` (issue 17, stop 38) ``bridge.BASE_PAINT_STRINGS`` (the
 precision pass's painting strings with the unchanged nodes' inputs read from
-the item in C++).
+the item in C++); ``--group serialize`` (stop 42) the bridge's own writer of
+the item's bytes (``bridge.set_serialize_fast``).
 """
 import argparse
 import hashlib
@@ -34,11 +35,21 @@ import precision as P  # noqa: E402
 from graph_passes.graph import Graph  # noqa: E402
 from npu_amp_tf import bridge, pipeline  # noqa: E402
 
+class _SerializeSwitch:
+    """``--group serialize`` (issue 17, stop 42): the C++ bridge's own writer
+    of the item's bytes (``bridge.set_serialize_fast``) vs the generated
+    code's deterministic serialization."""
+
+    def __setattr__(self, name, value):
+        bridge.set_serialize_fast(value)
+
+
 MODES = {"ref": False, "fast": True}
 GROUPS = {"17r": ((bridge, "INDEX_FROM_BYTES"), (bridge, "MOVE_ITEM_NODES"), (pipeline, "OWN_PARSE")),
           "17u": ((bridge, "FAST_INDEX"), (bridge, "PRECHECK_FROM_INDEX"),
                   (bridge, "SHARED_FINGERPRINT"), (Graph, "numpy_adopt"), (Graph, "fast_patch")),
-          "paint": ((bridge, "BASE_PAINT_STRINGS"),)}
+          "paint": ((bridge, "BASE_PAINT_STRINGS"),),
+          "serialize": ((_SerializeSwitch(), "fast"),)}
 _group = GROUPS["17r"]
 
 

@@ -751,10 +751,11 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
 // string (proto3 `string` fields: ~11 of the ~29 M instructions that call
 // takes on the Keras ResNet-50 training graph, 63k inputs).  Grappler's item
 // holds strings TF itself produced, and Python's parser accepts any bytes the
-// generated code would have written.  A NodeDef with more than fields 1-5 or
-// with unknown fields, an attr value other than a scalar (type, i, f, b, s),
-// and every field of the GraphDef after `node` are written by the generated
-// code, deterministic, in place.  g_serialize_fast = false: the generated code
+// generated code would have written (protobuf only logs invalid UTF-8 when
+// it serializes; Python's parser refuses it either way).  A NodeDef with more
+// than fields 1-5 or with unknown fields, an attr value other than a scalar
+// (type, i, f, b, s) or a list of scalars, and every field of the GraphDef
+// after `node` are written by the generated code, deterministic, in place.  g_serialize_fast = false: the generated code
 // for all of it (the reference; tests compare both).
 bool g_serialize_fast = true;
 
@@ -788,28 +789,88 @@ inline char* PutBytes(char* p, int field, std::string_view s) {
 }
 }  // namespace wire
 
-// The size of an AttrValue written by hand (a scalar oneof member), or 0
-// when the generated code writes it (the member, or nothing set).
-size_t ScalarAttrSize(const tensorflow::AttrValue& v) {
-  using tensorflow::AttrValue;
-  switch (v.value_case()) {
-    case AttrValue::kType:
-      return 1 + wire::VarintSize(static_cast<uint64_t>(static_cast<int64_t>(v.type())));
-    case AttrValue::kI:
-      return 1 + wire::VarintSize(static_cast<uint64_t>(v.i()));
-    case AttrValue::kF:
-      return 5;
-    case AttrValue::kB:
-      return 2;
-    case AttrValue::kS:
-      return wire::LenSize(v.s().size());
-    default:
-      return 0;
-  }
+// An attr value written by hand: a scalar oneof member (type, i, f, b, s) or
+// a list of scalars only (s, i, f, b, type; no shape, tensor or func), and
+// no unknown fields; else (0) the generated code writes it.
+enum AttrKind : uint8_t { kAttrGenerated = 0, kAttrScalar = 1, kAttrList = 2 };
+
+inline size_t EnumSize(int v) { return wire::VarintSize(static_cast<uint64_t>(static_cast<int64_t>(v))); }
+
+bool NoUnknown(const google::protobuf::Message& m) {
+  return m.GetReflection()->GetUnknownFields(m).empty();
 }
 
-char* PutScalarAttr(char* p, const tensorflow::AttrValue& v) {
+// The payload sizes of a scalar list's packed fields (i, f, b, type) and its total size.
+size_t ListSize(const tensorflow::AttrValue::ListValue& l, size_t* packed) {
+  size_t total = 0;
+  for (const auto& x : l.s()) total += wire::LenSize(x.size());
+  packed[0] = 0;
+  for (int64_t x : l.i()) packed[0] += wire::VarintSize(static_cast<uint64_t>(x));
+  packed[1] = 4 * static_cast<size_t>(l.f_size());
+  packed[2] = static_cast<size_t>(l.b_size());
+  packed[3] = 0;
+  for (int t : l.type()) packed[3] += EnumSize(t);
+  for (size_t k = 0; k < 4; ++k) {
+    if (packed[k]) total += wire::LenSize(packed[k]);
+  }
+  return total;
+}
+
+// (kind, size) of one attr value
+std::pair<AttrKind, size_t> AttrPlan(const tensorflow::AttrValue& v) {
   using tensorflow::AttrValue;
+  const auto c = v.value_case();
+  if (c == AttrValue::kList) {
+    const auto& l = v.list();
+    if (l.shape_size() || l.tensor_size() || l.func_size() || !NoUnknown(v) || !NoUnknown(l)) {
+      return {kAttrGenerated, 0};
+    }
+    size_t packed[4];
+    return {kAttrList, wire::LenSize(ListSize(l, packed))};
+  }
+  size_t n = 0;
+  switch (c) {
+    case AttrValue::kType: n = 1 + EnumSize(v.type()); break;
+    case AttrValue::kI: n = 1 + wire::VarintSize(static_cast<uint64_t>(v.i())); break;
+    case AttrValue::kF: n = 5; break;
+    case AttrValue::kB: n = 2; break;
+    case AttrValue::kS: n = wire::LenSize(v.s().size()); break;
+    default: return {kAttrGenerated, 0};
+  }
+  if (!NoUnknown(v)) return {kAttrGenerated, 0};
+  return {kAttrScalar, n};
+}
+
+char* PutFloat(char* p, float f) {
+  std::memcpy(p, &f, 4);  // little-endian (x86-64, aarch64)
+  return p + 4;
+}
+
+char* PutAttr(char* p, const tensorflow::AttrValue& v, AttrKind kind) {
+  using tensorflow::AttrValue;
+  if (kind == kAttrList) {
+    const auto& l = v.list();
+    size_t packed[4];
+    p = wire::PutTagLen(p, 1, ListSize(l, packed));
+    for (const auto& x : l.s()) p = wire::PutBytes(p, 2, x);
+    if (packed[0]) {
+      p = wire::PutTagLen(p, 3, packed[0]);
+      for (int64_t x : l.i()) p = wire::PutVarint(p, static_cast<uint64_t>(x));
+    }
+    if (packed[1]) {
+      p = wire::PutTagLen(p, 4, packed[1]);
+      for (float x : l.f()) p = PutFloat(p, x);
+    }
+    if (packed[2]) {
+      p = wire::PutTagLen(p, 5, packed[2]);
+      for (bool x : l.b()) *p++ = x ? 1 : 0;
+    }
+    if (packed[3]) {
+      p = wire::PutTagLen(p, 6, packed[3]);
+      for (int t : l.type()) p = wire::PutVarint(p, static_cast<uint64_t>(static_cast<int64_t>(t)));
+    }
+    return p;
+  }
   switch (v.value_case()) {
     case AttrValue::kType:
       *p++ = static_cast<char>(6 << 3);
@@ -817,12 +878,9 @@ char* PutScalarAttr(char* p, const tensorflow::AttrValue& v) {
     case AttrValue::kI:
       *p++ = static_cast<char>(3 << 3);
       return wire::PutVarint(p, static_cast<uint64_t>(v.i()));
-    case AttrValue::kF: {
+    case AttrValue::kF:
       *p++ = static_cast<char>(4 << 3 | 5);
-      const float f = v.f();
-      std::memcpy(p, &f, 4);  // little-endian (x86-64, aarch64)
-      return p + 4;
-    }
+      return PutFloat(p, v.f());
     case AttrValue::kB:
       *p++ = static_cast<char>(5 << 3);
       *p++ = v.b() ? 1 : 0;
@@ -834,58 +892,54 @@ char* PutScalarAttr(char* p, const tensorflow::AttrValue& v) {
   }
 }
 
-// Per node: whether the generated code writes it whole (more than fields
-// 1-5, or unknown fields), its body size, and its attrs in key order with
-// each value's size.
-struct NodePlan {
-  bool whole = false;
-  size_t body = 0;
-  std::vector<std::pair<const std::string*, const tensorflow::AttrValue*>> attrs;
-  std::vector<size_t> value_size;  // per attr: its AttrValue's bytes
-  std::vector<bool> scalar;
+struct AttrEntry {
+  const std::string* key;
+  const tensorflow::AttrValue* value;
+  size_t size;  // the AttrValue's bytes
+  AttrKind kind;
 };
 
 bool SerializeGraph(const tensorflow::GraphDef& graph, std::string* out) {
-  if (!g_serialize_fast || !graph.GetReflection()->GetUnknownFields(graph).empty()) {
+  if (!g_serialize_fast || !NoUnknown(graph)) {
     return tensorflow::SerializeToStringDeterministic(graph, out);
   }
   const int n = graph.node_size();
-  std::vector<NodePlan> plans(n);
+  // per node: its body's bytes, whether the generated code writes it whole
+  // (fields beyond 1-5 or unknown fields), its attrs' range in `entries`
+  std::vector<size_t> body(n);
+  std::vector<uint8_t> whole(n, 0);
+  std::vector<uint32_t> first(n + 1, 0);
+  std::vector<AttrEntry> entries;
+  entries.reserve(static_cast<size_t>(n) * 4);
   size_t total = 0;
   for (int i = 0; i < n; ++i) {
     const tensorflow::NodeDef& node = graph.node(i);
-    NodePlan& pl = plans[i];
-    if (node.has_experimental_debug_info() || node.has_experimental_type() ||
-        !node.GetReflection()->GetUnknownFields(node).empty()) {
-      pl.whole = true;
-      pl.body = node.ByteSizeLong();  // (caches the sizes the write below uses)
+    first[i] = static_cast<uint32_t>(entries.size());
+    if (node.has_experimental_debug_info() || node.has_experimental_type() || !NoUnknown(node)) {
+      whole[i] = 1;
+      body[i] = node.ByteSizeLong();  // (caches the sizes the write below uses)
     } else {
       size_t b = 0;
       if (!node.name().empty()) b += wire::LenSize(node.name().size());
       if (!node.op().empty()) b += wire::LenSize(node.op().size());
       for (const auto& in : node.input()) b += wire::LenSize(in.size());
       if (!node.device().empty()) b += wire::LenSize(node.device().size());
-      pl.attrs.reserve(node.attr().size());
-      for (const auto& kv : node.attr()) pl.attrs.emplace_back(&kv.first, &kv.second);
-      std::sort(pl.attrs.begin(), pl.attrs.end(),
-                [](const auto& a, const auto& b) { return *a.first < *b.first; });
-      pl.value_size.resize(pl.attrs.size());
-      pl.scalar.resize(pl.attrs.size());
-      for (size_t k = 0; k < pl.attrs.size(); ++k) {
-        const tensorflow::AttrValue& v = *pl.attrs[k].second;
-        size_t vs = ScalarAttrSize(v);
-        pl.scalar[k] = vs != 0;
-        if (vs == 0) vs = v.ByteSizeLong();
-        pl.value_size[k] = vs;
-        const size_t entry = wire::LenSize(pl.attrs[k].first->size()) + wire::LenSize(vs);
-        b += wire::LenSize(entry);
+      for (const auto& kv : node.attr()) {
+        auto [kind, vs] = AttrPlan(kv.second);
+        if (kind == kAttrGenerated) vs = kv.second.ByteSizeLong();
+        entries.push_back({&kv.first, &kv.second, vs, kind});
+        b += wire::LenSize(wire::LenSize(kv.first.size()) + wire::LenSize(vs));
       }
-      pl.body = b;
+      if (entries.size() - first[i] > 1) {
+        std::sort(entries.begin() + first[i], entries.end(),
+                  [](const AttrEntry& x, const AttrEntry& y) { return *x.key < *y.key; });
+      }
+      body[i] = b;
     }
-    total += wire::LenSize(pl.body);
+    total += wire::LenSize(body[i]);
   }
-  // the fields after `node`, by the generated code: a GraphDef without nodes
-  // would need a copy of them, so each is written as its own field
+  first[n] = static_cast<uint32_t>(entries.size());
+  // the fields after `node`, each written as its own field by the generated code
   const bool has_lib = graph.has_library(), has_ver = graph.has_versions(),
              has_dbg = graph.has_debug_info();
   const size_t lib = has_lib ? graph.library().ByteSizeLong() : 0;
@@ -893,7 +947,7 @@ bool SerializeGraph(const tensorflow::GraphDef& graph, std::string* out) {
   const size_t dbg = has_dbg ? graph.debug_info().ByteSizeLong() : 0;
   const int32_t old_version = graph.version();  // (deprecated field 3)
   if (has_lib) total += wire::LenSize(lib);
-  if (old_version != 0) total += 1 + wire::VarintSize(static_cast<uint64_t>(static_cast<int64_t>(old_version)));
+  if (old_version != 0) total += 1 + EnumSize(old_version);
   if (has_ver) total += wire::LenSize(ver);
   if (has_dbg) total += wire::LenSize(dbg);
   out->resize(total);
@@ -901,28 +955,26 @@ bool SerializeGraph(const tensorflow::GraphDef& graph, std::string* out) {
   char* const end = p + total;
   for (int i = 0; i < n; ++i) {
     const tensorflow::NodeDef& node = graph.node(i);
-    const NodePlan& pl = plans[i];
-    p = wire::PutTagLen(p, 1, pl.body);
-    if (pl.whole) {
-      if (!tensorflow::SerializeToBufferDeterministic(node, p, pl.body)) return false;
-      p += pl.body;
+    p = wire::PutTagLen(p, 1, body[i]);
+    if (whole[i]) {
+      if (!tensorflow::SerializeToBufferDeterministic(node, p, body[i])) return false;
+      p += body[i];
       continue;
     }
     if (!node.name().empty()) p = wire::PutBytes(p, 1, node.name());
     if (!node.op().empty()) p = wire::PutBytes(p, 2, node.op());
     for (const auto& in : node.input()) p = wire::PutBytes(p, 3, in);
     if (!node.device().empty()) p = wire::PutBytes(p, 4, node.device());
-    for (size_t k = 0; k < pl.attrs.size(); ++k) {
-      const std::string& key = *pl.attrs[k].first;
-      const size_t vs = pl.value_size[k];
-      p = wire::PutTagLen(p, 5, wire::LenSize(key.size()) + wire::LenSize(vs));
-      p = wire::PutBytes(p, 1, key);
-      p = wire::PutTagLen(p, 2, vs);
-      if (pl.scalar[k]) {
-        p = PutScalarAttr(p, *pl.attrs[k].second);
+    for (uint32_t k = first[i]; k < first[i + 1]; ++k) {
+      const AttrEntry& e = entries[k];
+      p = wire::PutTagLen(p, 5, wire::LenSize(e.key->size()) + wire::LenSize(e.size));
+      p = wire::PutBytes(p, 1, *e.key);
+      p = wire::PutTagLen(p, 2, e.size);
+      if (e.kind != kAttrGenerated) {
+        p = PutAttr(p, *e.value, e.kind);
       } else {
-        if (!tensorflow::SerializeToBufferDeterministic(*pl.attrs[k].second, p, vs)) return false;
-        p += vs;
+        if (!tensorflow::SerializeToBufferDeterministic(*e.value, p, e.size)) return false;
+        p += e.size;
       }
     }
   }

@@ -94,6 +94,16 @@ def test_every_kind_of_node_and_attr():
     n.attr["value"].CopyFrom(_attr(tensor=tf.make_tensor_proto(np.arange(6, dtype=np.float32))))
     n.attr["list"].CopyFrom(_attr(list=attr_value_pb2.AttrValue.ListValue(type=[1, 19], i=[-1, 2])))
     n.attr["empty_list"].CopyFrom(_attr(list=attr_value_pb2.AttrValue.ListValue()))
+    n.attr["scalars"].CopyFrom(_attr(list=attr_value_pb2.AttrValue.ListValue(
+        s=[b"loc:@a", b"", b"\x80"], i=[0, -(1 << 63), 300], f=[1.5, -0.0], b=[True, False], type=[19, 1, 0])))
+    n.attr["shapes"].CopyFrom(_attr(list=attr_value_pb2.AttrValue.ListValue(
+        s=[b"x"], shape=[tf.TensorShape([2]).as_proto()])))  # (not all scalars: the generated code)
+    odd = _attr(i=3)
+    odd.MergeFromString(b"\xf8\x01\x01")  # an unknown field on an AttrValue
+    n.attr["odd"].CopyFrom(odd)
+    odd_list = _attr(list=attr_value_pb2.AttrValue.ListValue(i=[1]))
+    odd_list.list.MergeFromString(b"\xf8\x01\x01")  # and on a ListValue
+    n.attr["odd_list"].CopyFrom(odd_list)
     fn = _attr(func=attr_value_pb2.NameAttrList(name="g"))
     fn.func.attr["z"].CopyFrom(_attr(i=1))
     fn.func.attr["a"].CopyFrom(_attr(type=1))  # (a nested map: sorted too)
