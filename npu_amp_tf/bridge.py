@@ -152,6 +152,7 @@ def library():
                 lib.NpuAmpSerializeGraph.restype = ctypes.c_int
                 lib.NpuAmpSetSerializeFast.argtypes = [ctypes.c_int]
                 lib.NpuAmpSetSerializeFast.restype = ctypes.c_int
+                lib.NpuAmpSerializeKnownSchema.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpKahnOrder"):  # (issue 17f; an older library: Python sorts)
                 lib.NpuAmpKahnOrder.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
