@@ -250,7 +250,6 @@ def _child(args):
                          f"callgrind, {'on' if want == '1' else 'off'} natively (TF_ENABLE_ONEDNN_OPTS="
                          f"{os.environ.get('TF_ENABLE_ONEDNN_OPTS')!r} did not pin it): the counts would be "
                          f"of another rewrite")
-    emit_state = {"onednn": onednn}
     bridge.register()
     switches = [fpb._resolve(p) for p in args.ab.split("+")] if args.ab else []  # noqa: SLF001
     arms = [(True, "on"), (False, "off")] if switches else [(None, "")]
@@ -321,7 +320,7 @@ def _child(args):
                 same = [p for p, x, y in zip(("graph", "stats", "decisions", "warnings", "summary"), a, b) if x != y]
             digests = {f"{args.replay}{'|' + arm if arm else ''}": hashlib.sha256(repr(out).encode()).hexdigest()
                        for arm, out in outs.items()}
-            emit(graph=name, nodes=cap.nodes, differ=same, digests=digests, **emit_state)
+            emit(graph=name, nodes=cap.nodes, differ=same, digests=digests, onednn=onednn)
             continue
         mg = pb.metagraph(graph, fetches)
         modes = [("amp", None, "amp")] + [("ours", val, "ours" + (f"|{arm}" if arm else "")) for val, arm in arms]
@@ -349,7 +348,7 @@ def _child(args):
         emit(graph=name, nodes=len(mg.graph_def.node),
              differ=None if not switches else (digests["ours|on"] != digests["ours|off"]),
              digests={k: sorted(v)[0] if len(v) == 1 else "runs differ" for k, v in digests.items()},
-             **emit_state)
+             onednn=onednn)
 
 
 # ------------------------------------------------------------------ the parent
@@ -378,7 +377,7 @@ def main(argv=None):
         ap.error(f"--runs: {args.runs}; accepted: an integer >= 1")
     if args.child:
         return _child(args)
-    passthrough = ["--graphs", args.graphs, "--bert-layers", str(args.bert_layers), "--runs", str(args.runs)]
+    passthrough = ["--graphs", args.graphs, "--bert-layers", str(args.bert_layers)]
     passthrough += ["--replay", args.replay] if args.replay else []
     passthrough += ["--ab", args.ab] if args.ab else []
     passthrough += ["--cold"] if args.cold else []
@@ -386,8 +385,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="npu_cg_") as tmp:
         lib = build_marker(tmp)
         toggles = () if args.replay else tuple(TOGGLES.values())
-        _, native = run_child(passthrough[:4] + ["--runs", "1"] + passthrough[6:], tmp, lib)
-        counts, results = run_child(passthrough, tmp, lib, toggles, native=native)
+        _, native = run_child(passthrough + ["--runs", "1"], tmp, lib)
+        counts, results = run_child(passthrough + ["--runs", str(args.runs)], tmp, lib, toggles, native=native)
         differ_native = native_differences(native, results)
         if args.keep:
             shutil.copytree(os.path.join(tmp, "dumps"), args.keep, dirs_exist_ok=True)

@@ -919,8 +919,8 @@ bool KnownSchema() {
   return known;
 }
 
-bool SerializeGraph(const tensorflow::GraphDef& graph, std::string* out) {
-  if (!g_serialize_fast || !KnownSchema() || !NoUnknown(graph)) {
+bool SerializeGraph(const tensorflow::GraphDef& graph, std::string* out, bool fast) {
+  if (!fast || !KnownSchema() || !NoUnknown(graph)) {
     return tensorflow::SerializeToStringDeterministic(graph, out);
   }
   const int n = graph.node_size();
@@ -1410,11 +1410,7 @@ NPU_AMP_EXPORT int NpuAmpSerializeGraph(const char* graph, size_t graph_len, int
   *len = 0;
   tensorflow::GraphDef gd;
   if (!gd.ParseFromArray(graph, static_cast<int>(graph_len))) return 1;
-  const bool was = g_serialize_fast;
-  g_serialize_fast = fast != 0;
-  const bool ok = SerializeGraph(gd, &buf);
-  g_serialize_fast = was;
-  if (!ok) return 1;
+  if (!SerializeGraph(gd, &buf, fast != 0)) return 1;
   *data = buf.data();
   *len = buf.size();
   return 0;
@@ -1725,7 +1721,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     }
     const int64_t t_nofloat = ThreadCpuNs();
     std::string graph_bytes;
-    if (!SerializeGraph(item.graph, &graph_bytes)) {
+    if (!SerializeGraph(item.graph, &graph_bytes, g_serialize_fast)) {
       return errors::Internal("NpuAmpOptimizer: cannot serialize the GraphDef of item '",
                               item.id, "'");
     }
