@@ -663,9 +663,13 @@ class Graph:
         key = (node_name, -1 if octrl else index)
         marked = self._kdnames
         marked.add(osrc)
-        try:
-            lst.remove(key)
-        except (ValueError, AttributeError):
+        indexed = lst is not None  # (checked, not caught: a caught AttributeError costs its message)
+        if indexed:
+            try:
+                lst.remove(key)
+            except ValueError:
+                indexed = False
+        if not indexed:
             if osrc not in self.nodes:  # the source was force-removed: nothing indexed
                 node.input[index] = new_ref
                 nsrc, _, nctrl = parse_tensor(new_ref)
@@ -1154,7 +1158,7 @@ class Graph:
         colocation entries naming a node not in ``names`` dropped (see
         :meth:`_node_entry`; one bytes object instead of three parts)."""
         b = n.SerializeToString(deterministic=True)
-        if b"_class" in b:
+        if b.find(b"_class") >= 0:  # (not `in`: see _node_entry)
             keep = _colocation_kept(n, names() if callable(names) else names)
             if keep is not None:
                 c = node_def_pb2.NodeDef()
@@ -1170,8 +1174,11 @@ class Graph:
         colocation entries naming a node not in ``names`` (bytes; or a
         callable giving them) dropped."""
         b = n.SerializeToString(deterministic=True)
-        # (only a node whose bytes hold "_class" can carry colocation entries)
-        keep = _colocation_kept(n, names() if callable(names) else names) if b"_class" in b else None
+        # (only a node whose bytes hold "_class" can carry colocation entries;
+        # `bytes.find`, not `in`: CPython's `in` on bytes first tries the
+        # operand as an int and formats a TypeError, ~2k instructions a call)
+        keep = (_colocation_kept(n, names() if callable(names) else names)
+                if b.find(b"_class") >= 0 else None)
         if keep is not None:  # colocated with a node that is gone: a fixed copy
             c = node_def_pb2.NodeDef()
             c.CopyFrom(n)

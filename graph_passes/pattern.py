@@ -455,7 +455,10 @@ def _predicate_candidates(graph: Graph, pat: Pat):
     (a superset, computed from a rare op the predicate requires nearby, as
     the LayerNorm rule's needs an Rsqrt or Sqrt a few products upstream),
     or None when it cannot narrow."""
-    hook = getattr(pat.predicate, "candidates", None) if PREDICATE_CANDIDATES else None
+    pred = pat.predicate
+    if pred is None or not PREDICATE_CANDIDATES:
+        return None  # (no getattr on None: a missed lookup formats an AttributeError)
+    hook = getattr(pred, "candidates", None)
     return None if hook is None else hook(graph)
 
 

@@ -266,7 +266,7 @@ class ShapeTable:
         x = self.get(node.input[0])
         if perm is None or x is None or perm.ndim != 1 or len(perm) != len(x):
             return None
-        perm = [int(p) for p in perm]
+        perm = [int(p) for p in perm.tolist()]
         if sorted(perm) != list(range(len(x))):
             return None
         if invert:
@@ -444,7 +444,7 @@ def _const_ints(graph, ref):
     v = const_value(graph, ref)
     if v is None or v.dtype.kind not in "iu":
         return None
-    return [int(x) for x in v.reshape(-1)]
+    return [int(x) for x in v.reshape(-1).tolist()]  # (a list: iterating an array ends in a formatted IndexError)
 
 
 def _const_ints_walk(graph, ref):

@@ -50,6 +50,7 @@ log = logging.getLogger("npu_amp_tf")
 
 OPTIMIZER_NAME = "NpuAmpOptimizer"
 RAISE_OP = "NpuAmpRaiseError"
+_RAISE_OP_BYTES = RAISE_OP.encode()
 #: name of the node inserted when the parameters are invalid
 INVALID_OPTIONS_NODE = "npu_amp_tf/InvalidOptions"
 #: name of the node inserted when a pass failed and fail_on_error=True
@@ -976,7 +977,7 @@ def _has_poison(gd, data: bytes | None = None) -> bool:
     nodes?  (``data``: its bytes; without the op's name in them it cannot,
     which a substring search of the bytes answers at once instead of
     visiting every node.)"""
-    if data is not None and RAISE_OP.encode() not in data:
+    if data is not None and data.find(_RAISE_OP_BYTES) < 0:
         return False
     if callable(gd):
         gd = gd()

@@ -561,7 +561,7 @@ def _trailing_axes(b, axes_ref, x_ref):
     v = b.const(axes_ref)
     if v is None or v.size < 1:
         return None
-    vals = [int(a) for a in v.reshape(-1)]
+    vals = [int(a) for a in v.reshape(-1).tolist()]
     if vals == [-1]:
         return 1
     xs = b.shape(x_ref)
@@ -1103,7 +1103,7 @@ def _build_norm(m, b):
     ax = b.const(res["axes"])
     b.require(ax is not None, "reduction axes are not constant")
     r = len(xs)
-    axes = sorted({int(a) % r for a in ax.reshape(-1)}) if r else []
+    axes = sorted({int(a) % r for a in ax.reshape(-1).tolist()}) if r else []
     b.require(axes and axes == list(range(r - len(axes), r)),
               f"the mean is over axes {sorted(int(a) for a in ax.reshape(-1))} of a rank-{r} "
               f"input: not over the last axis (or trailing axes)")

@@ -214,7 +214,7 @@ class ShapeOracle:
         if node.op == "Reshape":
             v = const_value(self.graph, node.input[1])
             if v is not None and (v >= 0).all():
-                return [int(d) for d in v.reshape(-1)]
+                return [int(d) for d in v.reshape(-1).tolist()]  # (see shapes._const_ints)
         if not _shapes.table(self.graph).inferred:  # once inferred, the table answers
             sh = _shapes.local_shape(self.graph, tensor_name(src, port), self._local)
             if sh is not None:
