@@ -371,7 +371,29 @@ def _odd_graph():
     return gd
 
 
-@pytest.mark.parametrize("build", ALL + [_odd_graph], ids=lambda f: f.__name__)
+def _repeated_inputs_graph():
+    """Consecutive nodes reading the same sources at the same input positions
+    (the C++ index reuses the previous lookup at a position when the name is
+    the same): TF1 gradient NoOps waiting on the same update ops, with a
+    dangling source, ports, a name that is a prefix of another, a source of
+    the same length as the one before, and a node with fewer inputs between."""
+    gd = graph_pb2.GraphDef()
+    updates = [f"bn{k}/AssignMovingAvg" for k in range(12)] + ["bn1/AssignMovingAvg_1", "gone"]
+    for u in updates[:-1]:
+        gd.node.add(name=u, op="NoOp")
+    gd.node.add(name="x", op="Placeholder")
+    gd.node.add(name="y", op="Placeholder")
+    for k in range(6):
+        n = gd.node.add(name=f"grad{k}/tuple/group_deps", op="NoOp")
+        n.input.extend("^" + u for u in updates)
+        s = gd.node.add(name=f"grad{k}/ShapeN", op="ShapeN")
+        s.input.extend(["x" if k % 2 else "y", "y:0" if k % 3 else "gone:2", *("^" + u for u in reversed(updates))])
+        if k == 3:
+            gd.node.add(name="short", op="Identity").input.extend(["bn1/AssignMovingAvg"])
+    return gd
+
+
+@pytest.mark.parametrize("build", ALL + [_odd_graph, _repeated_inputs_graph], ids=lambda f: f.__name__)
 def test_cpp_index_equals_the_python_index(build):
     """The indexes the C++ library computes (bridge.graph_index: the format
     the grappler bridge hands over with grappler's item) give a Graph whose
@@ -413,6 +435,13 @@ def test_cpp_index_refused_when_it_cannot_describe_the_graph():
     uni = _odd_graph()
     uni.node.add(name="caf\u00e9", op="NoOp")
     assert bridge.graph_index(uni) is None
+    # a dangling input outside printable ASCII, where the node before read an
+    # ASCII source of the same length at that position
+    dangling = _repeated_inputs_graph()
+    dangling.node.add(name="z1", op="NoOp").input.extend(["^bn1/AssignMovingAvg", "^gone"])
+    dangling.node.add(name="z2", op="NoOp").input.extend(["^bn1/AssignMovingAvg", "^g\u00e9n"])
+    assert bridge.graph_index(dangling) is None
+    assert Graph(dangling, index=lambda: bridge.graph_index(dangling)).prebuilt_index is False
     gd = training_graph()
     blob = bridge.graph_index(gd)
     other = bridge.graph_index(_odd_graph())
