@@ -139,7 +139,7 @@ def paint(pp, order, fn):
             else:
                 keys[i] = ("sig", k0)
     ids = {}
-    cid = array("i", [ids.setdefault(k, len(ids)) for k in keys])
+    cid = _i32([ids.setdefault(k, len(ids)) for k in keys], n)
     kcount = len(ids)
     first = dict(zip(reversed(cid), range(n - 1, -1, -1)))  # class -> its first node
     low = pp.low
@@ -194,7 +194,7 @@ def paint(pp, order, fn):
             flags[i] |= F_PROT | (0 if ops[i] in stateful else F_PROT_PAINT)
     ints = array("i", (VERSION, n, kcount, low))
     ints.append(n)
-    oid = array("i", map(idx.__getitem__, order))
+    oid = _i32(map(idx.__getitem__, order), len(order))
     ints.extend(oid)
     for sec in (cid, flags, rec):
         ints.append(len(sec))
@@ -283,6 +283,15 @@ def _plan_flags(plan, node, name, forced):
     return f
 
 
+def _i32(values, count):
+    """``array('i', values)`` (``count`` ints) through numpy: ``array`` built
+    from an iterable converts each item with ``PyArg_Parse`` (~300
+    instructions an int), ``np.fromiter`` in a C loop."""
+    out = array("i")
+    out.frombytes(np.fromiter(values, np.int32, count).tobytes())
+    return out
+
+
 #: (issue 17t) op type -> its OpDef has a ``fused_ops`` attr (registered ops only; process-wide)
 _HAS_FUSED_OPS = {}
 
@@ -332,7 +341,7 @@ def _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs,
         c = pair[0]
         if c not in per_node:
             bits_of[pair] = _kernel_bits(pp, nodes[i], infos[c], low, rec[5 * c + 2])
-    flags = array("i", map(bits_of.get, pairs, repeat(0)))
+    flags = _i32(map(bits_of.get, pairs, repeat(0)), n)
     fix = set()
     if per_node:
         fix.update(compress(range(n), map(per_node.__contains__, cid)))
