@@ -1223,8 +1223,13 @@ class PrecisionPass(Pass):
                                 tmpl.attr["SrcT"].type = tk[0]
                                 tmpl.attr["DstT"].type = w
                                 tmpl.attr["Truncate"].b = False
-                            new = cast_op(name=cname, op="Cast", input=[root], device=dev)
-                            new.attr.MergeFrom(tmpl.attr)
+                            # (a copy of the template, then its name and input: a
+                            # third of the instructions of a new NodeDef whose attr
+                            # map merges the template's)
+                            new = cast_op()
+                            new.CopyFrom(tmpl)
+                            new.name = cname
+                            new.input.append(root)
                             self.casts_inserted += 1
                             self.new_casts.append(cname)
                             if shapes is not None:

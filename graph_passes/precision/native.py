@@ -141,7 +141,8 @@ def paint(pp, order, fn):
     ids = {}
     cid = _i32([ids.setdefault(k, len(ids)) for k in keys], n)
     kcount = len(ids)
-    first = dict(zip(reversed(cid), range(n - 1, -1, -1)))  # class -> its first node
+    # class -> its first node (classes are numbered 0.. in order of first appearance)
+    first = np.unique(np.frombuffer(cid, np.int32), return_index=True)[1].tolist()
     low = pp.low
     rec = array("i", bytes(4 * 5 * kcount))
     fidx, dts = [None] * kcount, [[None] * kcount for _ in range(6)]
