@@ -314,10 +314,12 @@ def test_to_graph_def_after_edits():
     g.new_node("NoOp", "late")
     g.nodes["x"].attr["_touched"].b = True  # an in-place edit of a surviving node
     g.touch("x")
-    g.nodes["w"].attr["_class"].list.s.extend([b"loc:@x", b"loc:@gone", b"other"])
+    # (a name that is no UTF-8 and a non-ASCII one name no node either)
+    g.nodes["w"].attr["_class"].list.s.extend([b"loc:@x", b"loc:@gone", b"other", b"loc:@\xff", "loc:@xé".encode()])
     fast = g.to_graph_def()
     assert list(fast.node[[n.name for n in fast.node].index("w")].attr["_class"].list.s) == [b"loc:@w", b"loc:@x", b"other"]
-    g.nodes["w"].attr["_class"].list.s.remove(b"loc:@gone")
+    for gone in (b"loc:@gone", b"loc:@\xff", "loc:@xé".encode()):
+        g.nodes["w"].attr["_class"].list.s.remove(gone)
     slow = graph_pb2.GraphDef()
     slow.node.extend(g.nodes.values())
     slow.library.CopyFrom(g.library)
