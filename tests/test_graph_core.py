@@ -582,3 +582,18 @@ def test_native_kahn_planted_fault_and_refusal(monkeypatch):
     assert sorted(bad) == sorted(want) and bad != want  # caught: not the reference order
     monkeypatch.setattr(graph_mod, "native_kahn", lambda *a: None)
     assert Graph(gd).topo_order() == want
+
+
+def test_split_bytes_is_bytes_split():
+    """``_split_bytes`` (the C++ index's sections, split with ``bytes.find``)
+    gives ``bytes.split(sep, maxsplit)``'s parts on every short string of
+    separators and other bytes, for every maxsplit up to past the count."""
+    import itertools
+
+    from graph_passes.graph import _split_bytes
+
+    for size in range(7):
+        for chars in itertools.product(b"a\x03\x00", repeat=size):
+            data = bytes(chars)
+            for maxsplit in range(size + 2):
+                assert _split_bytes(data, b"\x03", maxsplit) == data.split(b"\x03", maxsplit)
