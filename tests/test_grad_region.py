@@ -390,3 +390,38 @@ def test_stopping_pass_a_too_early_is_caught(monkeypatch):
     assert calls_bad != calls_ref
     assert all(c[0] == "refused" for c in calls_bad)
     assert bad != ref
+
+
+def _scope_groups(rx, name):
+    m = rx.match(name)
+    return None if m is None else (m.group(1), m.group(2))
+
+
+def test_scope_matches_equal_the_regexes_on_generated_and_real_names(k2):
+    """``_TF1`` / ``_TF2`` (the last occurrence of the scope word first,
+    ``FAST_SCOPES``) give the groups of their regexes: on names built from
+    the pieces the patterns turn on (several and nested scope words, '/',
+    '_grad' with and without a following '/', numbered scopes with ASCII
+    and non-ASCII digits, a newline) and on every node name of real
+    training graphs."""
+    import random
+
+    from graph_passes.fusion import grad_region as gr
+    from test_precision_core import GRAPHS, _build
+
+    pieces = ["gradients", "gradients_2", "gradients_", "gradients_\u0663", "_grad", "_grad/", "grad",
+              "gradient_tape", "gradient_tape/", "/", "/", "a", "x_grad", "s", "_1", "\n", "gradients/"]
+    rnd = random.Random(17)
+    names = {"".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 9))) for _ in range(30000)}
+    names |= {"gradients/a_grad", "x/gradients/a_grad/gradients/b_grad/c", "gradients/gradients/a_grad",
+              "gradient_tape/", "gradient_tape/a", "a/gradient_tape/b/gradient_tape/c", "a/gradients_3/b_grad"}
+    for name in GRAPHS:
+        gd, _ = _build(name, k2)
+        names.update(n.name for n in gd.node)
+    hits = 0
+    for name in sorted(names):
+        for fast, rx in ((gr._TF1, gr._TF1_RX), (gr._TF2, gr._TF2_RX)):
+            want = _scope_groups(rx, name)
+            assert _scope_groups(fast, name) == want, (name, rx.pattern)
+            hits += want is not None
+    assert hits > 1000  # (the generated names reach the matching branches)

@@ -150,8 +150,82 @@ _STATIC_ARITH = frozenset({
     "Snapshot", "ZerosLike", "OnesLike", "Square", "Pow", "Equal", "Less", "Greater",
 })
 
-_TF1 = re.compile(r"^(.*/)?gradients(?:_\d+)?/(.+?)_grad(?:/|$)")
-_TF2 = re.compile(r"^(.*/)?gradient_tape/(.+)$")
+_TF1_RX = re.compile(r"^(.*/)?gradients(?:_\d+)?/(.+?)_grad(?:/|$)")
+_TF2_RX = re.compile(r"^(.*/)?gradient_tape/(.+)$")
+
+#: (issue 17) :class:`_ScopeMatch` finds the scope word's occurrences from the
+#: last one instead of running the regex, whose greedy ``(.*/)?`` backtracks
+#: over every '/' of the name (1.3 µs per BERT gradient name); False: the
+#: regexes (the reference; the same groups)
+FAST_SCOPES = True
+
+
+class _Groups(tuple):
+    """The two groups of a scope match, read as ``m.group(1)``, ``m.group(2)``."""
+
+    def group(self, i):
+        return self[i - 1]
+
+
+class _ScopeMatch:
+    """``rx.match(name)`` for ``rx = ^(.*/)?<word><tail>``: the greedy optional
+    prefix makes the regex take the last occurrence of ``word`` that starts
+    the name or follows a '/' and at which the tail matches; this tries
+    those occurrences from the last with ``tail(name, at)`` (the tail's
+    group, or None), string scans instead of the regex's backtracking and
+    lazy ``(.+?)``.  The same groups (prefix or None, the tail's group);
+    names holding a newline ('.' stops there) go to the regex."""
+
+    def __init__(self, rx, word, tail):
+        self.rx, self._word, self._tail = rx, word, tail
+
+    def match(self, name):
+        if not FAST_SCOPES or "\n" in name:
+            m = self.rx.match(name)
+            return None if m is None else _Groups(m.groups())
+        word, tail = self._word, self._tail
+        end = len(name)
+        while True:
+            p = name.rfind(word, 0, end)
+            if p < 0:
+                return None
+            if p == 0 or name[p - 1] == "/":
+                g = tail(name, p)
+                if g is not None:
+                    return _Groups((name[:p] if p else None, g))
+            end = p + len(word) - 1  # (the next occurrence starts before p)
+
+
+def _tf1_tail(name, p):
+    """``gradients(?:_\\d+)?/(.+?)_grad(?:/|$)`` matched at ``p`` (a name
+    without a newline): its group, or None."""
+    j = p + 9  # past "gradients"
+    if name[j:j + 1] == "_":  # a numbered scope: _ and decimal digits, then '/'
+        k = j + 1
+        while k < len(name) and name[k].isdecimal():  # (\d: Unicode category Nd)
+            k += 1
+        if k == j + 1:
+            return None
+        j = k
+    if name[j:j + 1] != "/":
+        return None
+    q = j + 1
+    k = name.find("_grad", q + 1)  # (.+? takes at least one character)
+    while k >= 0:
+        e = k + 5
+        if e == len(name) or name[e] == "/":
+            return name[q:k]
+        k = name.find("_grad", k + 1)
+    return None
+
+
+def _tf2_tail(name, p):
+    """``gradient_tape/(.+)$`` matched at ``p`` (a name without a newline)."""
+    return name[p + 14:] or None
+
+
+_TF1 = _ScopeMatch(_TF1_RX, "gradients", _tf1_tail)
+_TF2 = _ScopeMatch(_TF2_RX, "gradient_tape/", _tf2_tail)
 #: a name autodiff gave (TF1 tf.gradients, TF2 GradientTape), also under a
 #: grappler prefix ("ConstantFolding/gradients/...")
 _AUTODIFF = re.compile(r"(?:^|/)(?:gradients(?:_\d+)?|gradient_tape)/")
