@@ -1298,6 +1298,19 @@ NPU_AMP_EXPORT int NpuAmpItemFingerprint(void* sink, uint64_t* fp) {
   return 0;
 }
 
+// Whether a node of the item grappler is optimizing now has op type `op`: 1
+// yes, 0 no, -1 outside the callback.  (Python asks it for its own error
+// op before the item's 4 MB would be searched for the name.)
+NPU_AMP_EXPORT int NpuAmpItemHasOp(void* sink, const char* op) {
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || s->item == nullptr || op == nullptr) return -1;
+  const std::string_view want(op);
+  for (const auto& node : s->item->graph.node()) {
+    if (node.op() == want) return 1;
+  }
+  return 0;
+}
+
 // AssemblePatch offline, for tests: `graph` a serialized GraphDef; writes the
 // assembled graph's deterministic serialization.  Returns 0, or 1 and a
 // message in *out.  The bytes stay valid until the next call on the thread.

@@ -168,6 +168,9 @@ def library():
             if hasattr(lib, "NpuAmpItemFingerprint"):  # (issue 17u)
                 lib.NpuAmpItemFingerprint.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
                 lib.NpuAmpItemFingerprint.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpItemHasOp"):  # (issue 17)
+                lib.NpuAmpItemHasOp.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+                lib.NpuAmpItemHasOp.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpKernelsForOps"):  # (issue 17; else one TF call per op type)
                 lib.NpuAmpKernelsForOps.argtypes = [ctypes.c_char_p, ctypes.c_size_t,
                                                     ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
@@ -615,7 +618,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                patch=_patch_fn() is not None,
                                opdef_precheck=lambda p, dev: item_opdef_precheck(live[0], p, dev),
                                digest=digest,
-                               base_inputs=lambda *a: item_paint_strings(live[0], *a))
+                               base_inputs=lambda *a: item_paint_strings(live[0], *a),
+                               has_op=lambda op: item_has_op(live[0], op))
         finally:
             live[0] = None
             shapes.expire()
@@ -690,6 +694,17 @@ def item_fingerprint(sink, size: int):
     if fn(sink, ctypes.byref(fp)) != 0:
         return None
     return ("fp", fp.value, size)
+
+
+def item_has_op(sink, op: str):
+    """Whether the item grappler is optimizing now has a node of op type
+    ``op`` (``NpuAmpItemHasOp``): True / False, or None without the library
+    function or outside the callback."""
+    fn = getattr(_lib, "NpuAmpItemHasOp", None) if _lib is not None else None
+    if fn is None or sink is None:
+        return None
+    r = fn(sink, op.encode())
+    return None if r < 0 else bool(r)
 
 
 def _patch_fn():
@@ -795,7 +810,7 @@ def parse_options(config_bytes: bytes):
 
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
            item_id: str = "graph", shapes=None, index=None, patch: bool = False,
-           opdef_precheck="auto", digest=None, base_inputs=None):
+           opdef_precheck="auto", digest=None, base_inputs=None, has_op=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
@@ -811,7 +826,11 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     knows ``graph_bytes`` by (the grappler callback hands the C++ side's
     fingerprint of them, :func:`item_fingerprint`); None: their SHA-1.
     ``base_inputs``: ``Graph.base_inputs`` of the graph parsed from
-    ``graph_bytes`` (the callback's :func:`item_paint_strings`), or None."""
+    ``graph_bytes`` (the callback's :func:`item_paint_strings`), or None.
+    ``has_op``: ``has_op(op) -> bool | None``, whether ``graph_bytes``'s
+    graph has a node of op type ``op`` (the callback's :func:`item_has_op`),
+    asked before the bytes are searched for the plugin's error op; None: the
+    bytes are searched."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -860,7 +879,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     if not own:
         original()
     parse_s = time.perf_counter() - t_parse
-    if _has_poison(original, graph_bytes):
+    if _has_poison(original, graph_bytes, has_op):
         return _finish(entry, "unchanged", t0, None, gd=original(), code=RC_UNCHANGED)
     gd = None if own else original()
 
@@ -972,11 +991,15 @@ class _Parsed:
         return self._gd
 
 
-def _has_poison(gd, data: bytes | None = None) -> bool:
+def _has_poison(gd, data: bytes | None = None, has_op=None) -> bool:
     """Does ``gd`` (a GraphDef, or a callable giving it) hold one of our error
-    nodes?  (``data``: its bytes; without the op's name in them it cannot,
-    which a substring search of the bytes answers at once instead of
-    visiting every node.)"""
+    nodes?  (``has_op(op)``: whether the graph has a node of that op type, or
+    None when it cannot tell (:func:`item_has_op`, inside the callback);
+    ``data``: its bytes; without the op's name in them it cannot, which a
+    substring search of the bytes answers at once instead of visiting every
+    node.)"""
+    if has_op is not None and has_op(RAISE_OP) is False:
+        return False
     if data is not None and data.find(_RAISE_OP_BYTES) < 0:
         return False
     if callable(gd):

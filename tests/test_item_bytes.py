@@ -115,3 +115,34 @@ def test_the_memo_and_the_seen_skip_still_recognise_a_graph(captured):
     _optimize(_mlp(64, 40), b"plain-large")
     assert _optimize(plain, b"plain-2") == {"skipped_seen": 1}
     assert len(captured) == n + 2  # plain-1 and the large graph; plain-2 never reached Python
+
+
+def test_the_item_answers_which_op_types_it_holds(monkeypatch):
+    """``has_op`` (``NpuAmpItemHasOp`` on the item grappler holds) answers for
+    the op types of the graph handed over, inside the callback, and None once
+    it returned; a graph holding the plugin's error op is recognised by it
+    and left unchanged (grappler's second iteration over a poisoned graph)."""
+    answers, kept = [], []
+    real = bridge.handle
+
+    def spy(graph_bytes, *a, has_op=None, **k):
+        assert has_op is not None
+        parsed = graph_pb2.GraphDef.FromString(graph_bytes)
+        ops = {n.op for n in parsed.node}
+        answers.append({op: has_op(op) for op in ("MatMul", "Relu", "NoSuchOp17", bridge.RAISE_OP)})
+        answers.append({op: op in ops for op in ("MatMul", "Relu", "NoSuchOp17", bridge.RAISE_OP)})
+        kept.append(has_op)
+        return real(graph_bytes, *a, has_op=has_op, **k)
+
+    monkeypatch.setattr(bridge, "handle", spy)
+    bridge.register()
+    bridge.clear_reports()
+    _optimize(_mlp(8, 2), b"has-op")
+    assert answers and answers[0] == answers[1] and answers[0]["MatMul"] and not answers[0]["NoSuchOp17"]
+    assert kept[0]("MatMul") is None  # (after the callback: no item)
+
+    poisoned = graph_pb2.GraphDef.FromString(bridge.poison(_mlp(8, 2), "planted", fetches=("loss",)))
+    answers.clear()
+    _optimize(poisoned, b"has-op-poisoned")
+    assert answers[0] == answers[1] and answers[0][bridge.RAISE_OP] is True
+    assert bridge.last_reports()[-1]["status"] == "unchanged"
