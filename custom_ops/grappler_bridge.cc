@@ -1311,6 +1311,19 @@ NPU_AMP_EXPORT int NpuAmpItemHasOp(void* sink, const char* op) {
   return 0;
 }
 
+// Whether a node of the item grappler is optimizing now carries the attr
+// `name`: 1 yes, 0 no, -1 outside the callback.  (The precision pass asks it
+// for the user's _keep_dtype marks before reading every node's attr map.)
+NPU_AMP_EXPORT int NpuAmpItemHasAttr(void* sink, const char* name) {
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || s->item == nullptr || name == nullptr) return -1;
+  const std::string key(name);
+  for (const auto& node : s->item->graph.node()) {
+    if (node.attr().count(key) != 0) return 1;
+  }
+  return 0;
+}
+
 // AssemblePatch offline, for tests: `graph` a serialized GraphDef; writes the
 // assembled graph's deterministic serialization.  Returns 0, or 1 and a
 // message in *out.  The bytes stay valid until the next call on the thread.

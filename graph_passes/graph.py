@@ -1332,6 +1332,14 @@ class Graph:
     #: item it holds: ``NpuAmpItemPaintStrings``); None: not available
     base_inputs = None
 
+    #: (issue 17) who built this graph from a serialized one may set this to
+    #: ``fn(attr_name) -> bool | None``: whether a node of that graph carries
+    #: the attr (the grappler bridge does, from the item it holds:
+    #: ``NpuAmpItemHasAttr``); False lets a pass skip reading every node's attr
+    #: map for an attr no pass writes (the precision pass's ``_keep_dtype``,
+    #: which only the user sets); None: not available
+    source_has_attr = None
+
     def base_positions(self):
         """Per node (``nodes`` order) its index in the graph this object was
         built from when no pass created or edited it since, else -1 (an

@@ -168,9 +168,10 @@ def library():
             if hasattr(lib, "NpuAmpItemFingerprint"):  # (issue 17u)
                 lib.NpuAmpItemFingerprint.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
                 lib.NpuAmpItemFingerprint.restype = ctypes.c_int
-            if hasattr(lib, "NpuAmpItemHasOp"):  # (issue 17)
-                lib.NpuAmpItemHasOp.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-                lib.NpuAmpItemHasOp.restype = ctypes.c_int
+            for fn in ("NpuAmpItemHasOp", "NpuAmpItemHasAttr"):  # (issue 17)
+                if hasattr(lib, fn):
+                    getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+                    getattr(lib, fn).restype = ctypes.c_int
             if hasattr(lib, "NpuAmpKernelsForOps"):  # (issue 17; else one TF call per op type)
                 lib.NpuAmpKernelsForOps.argtypes = [ctypes.c_char_p, ctypes.c_size_t,
                                                     ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
@@ -619,7 +620,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                opdef_precheck=lambda p, dev: item_opdef_precheck(live[0], p, dev),
                                digest=digest,
                                base_inputs=lambda *a: item_paint_strings(live[0], *a),
-                               has_op=lambda op: item_has_op(live[0], op))
+                               has_op=lambda op: item_has_op(live[0], op),
+                               has_attr=lambda a: item_has_attr(live[0], a))
         finally:
             live[0] = None
             shapes.expire()
@@ -696,15 +698,26 @@ def item_fingerprint(sink, size: int):
     return ("fp", fp.value, size)
 
 
+def _item_has(fn_name, sink, what: str):
+    fn = getattr(_lib, fn_name, None) if _lib is not None else None
+    if fn is None or sink is None:
+        return None
+    r = fn(sink, what.encode())
+    return None if r < 0 else bool(r)
+
+
 def item_has_op(sink, op: str):
     """Whether the item grappler is optimizing now has a node of op type
     ``op`` (``NpuAmpItemHasOp``): True / False, or None without the library
     function or outside the callback."""
-    fn = getattr(_lib, "NpuAmpItemHasOp", None) if _lib is not None else None
-    if fn is None or sink is None:
-        return None
-    r = fn(sink, op.encode())
-    return None if r < 0 else bool(r)
+    return _item_has("NpuAmpItemHasOp", sink, op)
+
+
+def item_has_attr(sink, name: str):
+    """Whether a node of the item grappler is optimizing now carries the
+    attr ``name`` (``NpuAmpItemHasAttr``): True / False, or None without the
+    library function or outside the callback."""
+    return _item_has("NpuAmpItemHasAttr", sink, name)
 
 
 def _patch_fn():
@@ -810,7 +823,7 @@ def parse_options(config_bytes: bytes):
 
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
            item_id: str = "graph", shapes=None, index=None, patch: bool = False,
-           opdef_precheck="auto", digest=None, base_inputs=None, has_op=None):
+           opdef_precheck="auto", digest=None, base_inputs=None, has_op=None, has_attr=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
@@ -830,7 +843,9 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     ``has_op``: ``has_op(op) -> bool | None``, whether ``graph_bytes``'s
     graph has a node of op type ``op`` (the callback's :func:`item_has_op`),
     asked before the bytes are searched for the plugin's error op; None: the
-    bytes are searched."""
+    bytes are searched.  ``has_attr``: ``has_attr(name) -> bool | None``, the
+    same for node attrs (the callback's :func:`item_has_attr`), handed to the
+    pipeline as ``Graph.source_has_attr``."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -888,7 +903,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         out, report, nodes = pipeline.optimize_serialized(
             graph_bytes if own else gd, options, fetches=fetches, preserve=preserve, devices=devices,
             graph_name=item_id, shapes=shapes, index=index, patch=patch,
-            opdef_precheck=opdef_precheck, base_inputs=base_inputs)
+            opdef_precheck=opdef_precheck, base_inputs=base_inputs, source_has_attr=has_attr)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)

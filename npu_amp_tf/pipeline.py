@@ -110,7 +110,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
                         devices=(), include_functions: bool = True, graph_name: str | None = None,
                         shapes=None, index="auto", patch: bool = False, opdef_precheck="auto",
-                        base_inputs=None):
+                        base_inputs=None, source_has_attr=None):
     """:func:`optimize`, with the rewritten graph as its deterministic
     serialization (what the grappler bridge hands back), written straight
     from the indexed graph (``Graph.serialize``) instead of through a copied
@@ -135,10 +135,13 @@ def optimize_serialized(graph_def, options: Options | None = None, fetches=(), p
     ``base_inputs`` (issue 17): ``Graph.base_inputs`` of the main graph (a
     source of the input's node inputs for the precision pass's painting:
     the bridge's :func:`npu_amp_tf.bridge.item_paint_strings` on the item it
-    was serialized from), or None."""
+    was serialized from), or None.  ``source_has_attr``: ``Graph.source_has_attr``
+    of the main graph (the bridge's :func:`npu_amp_tf.bridge.item_has_attr`
+    on that item), or None."""
     return _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                      shapes, index, serialized="patch" if patch else True,
-                     opdef_precheck=opdef_precheck, base_inputs=base_inputs)
+                     opdef_precheck=opdef_precheck, base_inputs=base_inputs,
+                     source_has_attr=source_has_attr)
 
 
 def _optimize(*args, **kwargs):
@@ -177,7 +180,8 @@ PROMOTE_SURVIVORS = True
 
 
 def _optimize_run(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
-                  shapes, index, serialized, opdef_precheck=None, base_inputs=None):
+                  shapes, index, serialized, opdef_precheck=None, base_inputs=None,
+                  source_has_attr=None):
     options = options if options is not None else Options.from_kwargs()
     data = None
     own = False  # (issue 17r) graph_def is this run's own parse: rewritten in place
@@ -216,6 +220,8 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         graph = Graph(graph_def, index=index, copy=not own)
         if base_inputs is not None:
             graph.base_inputs = base_inputs
+        if source_has_attr is not None:
+            graph.source_has_attr = source_has_attr
         stages["graph"] = cpu() - c0
         if shapes is None:
             from .bridge import graph_shape_source

@@ -146,3 +146,52 @@ def test_the_item_answers_which_op_types_it_holds(monkeypatch):
     _optimize(poisoned, b"has-op-poisoned")
     assert answers[0] == answers[1] and answers[0][bridge.RAISE_OP] is True
     assert bridge.last_reports()[-1]["status"] == "unchanged"
+
+
+def _keep_graph(scoped: bool):
+    import npu_amp_tf
+
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [4, 8], name="x")
+        w = tf1.get_variable("w", [8, 8])
+        if scoped:
+            with npu_amp_tf.keep_dtype_scope():
+                kept = tf.matmul(x, w, name="kept")
+        else:
+            kept = tf.matmul(x, w, name="kept")
+        tf.reduce_mean(tf.matmul(kept, w, name="other"), name="loss")
+    return g.as_graph_def()
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+def test_keep_dtype_marks_are_read_when_the_item_has_them(monkeypatch, scoped):
+    """Inside the callback the precision pass asks the item whether a node
+    carries ``_keep_dtype`` (``Graph.source_has_attr``, ``NpuAmpItemHasAttr``)
+    before reading every paintable node's attr map: a MatMul under
+    ``keep_dtype_scope`` stays FP32 and the other runs FP16; without the mark
+    both run FP16; the outputs equal the reference's (``SOURCE_ATTRS`` off)."""
+    from graph_passes.precision import native
+    from test_speed_paths import optimize_rewritten
+
+    asked = []
+    real = native._attr_absent
+
+    def spy(g, name):
+        fn = getattr(g, "source_has_attr", None)
+        asked.append(None if fn is None else fn(name))
+        return real(g, name)
+
+    monkeypatch.setattr(native, "_attr_absent", spy)
+    bridge.register()
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(native, "SOURCE_ATTRS", on)
+        mg, cfg = plugin_only_grappler(_keep_graph(scoped), fetches=("loss",))
+        outs[on], _ = optimize_rewritten(cfg, mg, b"keep-dtype")
+    assert outs[True] == outs[False]
+    assert asked and asked[0] is scoped  # (the item answers: the mark is there or not)
+    nodes = {n.name: n for n in graph_pb2.GraphDef.FromString(outs[True]).node}
+    assert nodes["other"].attr["T"].type == tf.float16.as_datatype_enum
+    want = tf.float32 if scoped else tf.float16
+    assert nodes["kept"].attr["T"].type == want.as_datatype_enum

@@ -284,6 +284,18 @@ def _plan_flags(plan, node, name, forced):
     return f
 
 
+#: (issue 17) ask ``Graph.source_has_attr`` before reading every paintable
+#: node's attr map for ``_keep_dtype``; False: always read them (the reference)
+SOURCE_ATTRS = True
+
+
+def _attr_absent(g, name) -> bool:
+    """True when ``g``'s source says none of its nodes carries the attr
+    ``name`` (``Graph.source_has_attr``); only for attrs no pass writes."""
+    fn = getattr(g, "source_has_attr", None) if SOURCE_ATTRS else None
+    return fn is not None and fn(name) is False
+
+
 def _i32(values, count):
     """``array('i', values)`` (``count`` ints) through numpy: ``array`` built
     from an iterable converts each item with ``PyArg_Parse`` (~300
@@ -348,6 +360,8 @@ def _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs,
         fix.update(compress(range(n), map(per_node.__contains__, cid)))
     if plan.keep_names or plan.low_names:
         fix.update(compress(range(n), pmask))
+    elif _attr_absent(pp.g, _planner.KEEP_DTYPE_ATTR):
+        pass  # (no node of the input carries it, and no pass writes it)
     else:
         sel = list(compress(range(n), pmask))  # (the attr read of the paintable nodes only)
         fix.update(compress(sel, map(contains, map(_attr, map(nodes.__getitem__, sel)),
