@@ -1298,30 +1298,36 @@ NPU_AMP_EXPORT int NpuAmpItemFingerprint(void* sink, uint64_t* fp) {
   return 0;
 }
 
-// Whether a node of the item grappler is optimizing now has op type `op`: 1
-// yes, 0 no, -1 outside the callback.  (Python asks it for its own error
-// op before the item's 4 MB would be searched for the name.)
-NPU_AMP_EXPORT int NpuAmpItemHasOp(void* sink, const char* op) {
+namespace {
+// Whether a node of the item grappler is optimizing now satisfies `has`
+// (given the node and `what`): 1 yes, 0 no, -1 outside the callback.
+template <typename Has>
+int ItemHasNode(void* sink, const char* what, Has has) {
   auto* s = static_cast<Sink*>(sink);
-  if (s == nullptr || s->item == nullptr || op == nullptr) return -1;
-  const std::string_view want(op);
+  if (s == nullptr || s->item == nullptr || what == nullptr) return -1;
+  const std::string want(what);
   for (const auto& node : s->item->graph.node()) {
-    if (node.op() == want) return 1;
+    if (has(node, want)) return 1;
   }
   return 0;
 }
+}  // namespace
 
-// Whether a node of the item grappler is optimizing now carries the attr
-// `name`: 1 yes, 0 no, -1 outside the callback.  (The precision pass asks it
-// for the user's _keep_dtype marks before reading every node's attr map.)
+// A node of op type `op` in the item (ItemHasNode's answers).  Python asks it
+// for its own error op before the item's 4 MB would be searched for the name.
+NPU_AMP_EXPORT int NpuAmpItemHasOp(void* sink, const char* op) {
+  return ItemHasNode(sink, op, [](const tensorflow::NodeDef& n, const std::string& w) {
+    return n.op() == w;
+  });
+}
+
+// A node carrying the attr `name` in the item (ItemHasNode's answers).  The
+// precision pass asks it for the user's _keep_dtype marks before reading
+// every node's attr map.
 NPU_AMP_EXPORT int NpuAmpItemHasAttr(void* sink, const char* name) {
-  auto* s = static_cast<Sink*>(sink);
-  if (s == nullptr || s->item == nullptr || name == nullptr) return -1;
-  const std::string key(name);
-  for (const auto& node : s->item->graph.node()) {
-    if (node.attr().count(key) != 0) return 1;
-  }
-  return 0;
+  return ItemHasNode(sink, name, [](const tensorflow::NodeDef& n, const std::string& w) {
+    return n.attr().count(w) != 0;
+  });
 }
 
 // AssemblePatch offline, for tests: `graph` a serialized GraphDef; writes the
