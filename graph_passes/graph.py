@@ -87,10 +87,11 @@ def _drop_colocation(node, keep):
 
 
 class _EncodedNames:
-    """``b in names``, for a ``loc:@X`` entry's bytes, over the node names of
-    a dict (str): what ``{name.encode() for name in nodes}`` answers without
-    encoding and hashing every name (9k on a BERT-12 training graph) to
-    check the few colocation entries a graph has."""
+    """``b in names``, for a ``loc:@X`` entry's bytes, over a container of
+    node names (str: the graph's dict, a set): what ``{name.encode() for
+    name in nodes}`` answers without encoding and hashing every name (9k on
+    a BERT-12 training graph) to check the few colocation entries a graph
+    has."""
 
     __slots__ = ("_nodes",)
 
@@ -125,7 +126,7 @@ def drop_dangling_colocation(nodes) -> int:
     rejects a graph that keeps them (a pass removed X, or grappler inlined it
     away).  Returns how many entries were dropped."""
     nodes = list(nodes)
-    names = {n.name.encode() for n in nodes}
+    names = _EncodedNames({n.name for n in nodes})
     dropped = 0
     for n in nodes:
         keep = _colocation_kept(n, names)
