@@ -220,6 +220,9 @@ class Graph:
         #: the same edits in the order they were made (a name again for every
         #: edit; see :meth:`edits_since`)
         self._edit_log: list[str] = []
+        #: the names of the nodes removed through this object's methods, in
+        #: order (see :meth:`removed_since`)
+        self._removed_log: list[str] = []
         self._all_modified = False
         if not adopted:
             self.reindex()
@@ -566,6 +569,7 @@ class Graph:
                 self._consumers[src] = [c for c in lst if c[0] != name]
             marked.add(src)
         del self.nodes[name]
+        self._removed_log.append(name)
         self.created.discard(name)
         self._consumers.pop(name, None)
         ops = self._by_op.get(node.op)
@@ -622,6 +626,7 @@ class Graph:
         by_op = self._by_op
         created = self.created
         forget = self._forget_id
+        self._removed_log.extend(gone)
         for name, node in gone.items():
             del nodes[name]
             created.discard(name)
@@ -663,6 +668,14 @@ class Graph:
         log = self._edit_log
         if self._all_modified:
             return None, len(log)
+        return log[mark:], len(log)
+
+    def removed_since(self, mark: int) -> tuple[list[str], int]:
+        """(names of the nodes removed since ``mark``, in order, the new
+        mark); ``mark`` 0 is this object's creation.  With
+        :meth:`edits_since`, what a caller keeping its own copy of the
+        graph (the gradient-region search's C++ mirror) must update."""
+        log = self._removed_log
         return log[mark:], len(log)
 
     def set_op(self, name: str, op: str):
@@ -1340,6 +1353,13 @@ class Graph:
     #: map for an attr no pass writes (the precision pass's ``_keep_dtype``,
     #: which only the user sets); None: not available
     source_has_attr = None
+
+    #: (issue 17) who built this graph from a serialized GraphDef may set this
+    #: to those bytes (or a callable returning them): the graph as it was
+    #: created, before any edit (:meth:`edits_since` / :meth:`removed_since`
+    #: since 0 give the rest); the gradient-region search builds its C++
+    #: mirror from them instead of serialising every node.  None: not available
+    source_bytes = None
 
     def base_positions(self):
         """Per node (``nodes`` order) its index in the graph this object was

@@ -199,6 +199,10 @@ def library():
                 from graph_passes import graph as _graph
 
                 _graph.native_kahn = kahn_order
+            if hasattr(lib, "NpuAmpGrSearch"):  # (issue 17; else Python grows every region)
+                from graph_passes.fusion import grad_region as _grad_region
+
+                _grad_region.native = GradRegionLib(lib)
             if hasattr(lib, "NpuAmpKernelsForOps"):
                 from graph_passes import registry as _registry
 
@@ -453,6 +457,76 @@ def kahn_order(n, counts, readers, back):
         return None
     del out[k:]
     return out
+
+
+class GradRegionLib:
+    """The gradient-region search's calls into custom_ops/grad_region.cc
+    (``graph_passes.fusion.grad_region.native``, installed by :func:`library`)."""
+
+    _DY_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
+
+    def __init__(self, lib):
+        c_void_p, c_char_p, c_size_t, c_int = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
+        lib.NpuAmpGrMirrorNew.argtypes = []
+        lib.NpuAmpGrMirrorNew.restype = c_void_p
+        lib.NpuAmpGrMirrorFree.argtypes = [c_void_p]
+        lib.NpuAmpGrMirrorFree.restype = None
+        for fn in ("NpuAmpGrMirrorOps", "NpuAmpGrMirrorRemove", "NpuAmpGrMirrorBefore"):
+            getattr(lib, fn).argtypes = [c_void_p, c_char_p, c_size_t]
+            getattr(lib, fn).restype = c_int
+        lib.NpuAmpGrMirrorLoad.argtypes = [c_void_p, c_char_p, c_size_t, c_int]
+        lib.NpuAmpGrMirrorLoad.restype = c_int
+        lib.NpuAmpGrMirrorPositions.argtypes = [c_void_p, c_char_p, c_size_t, c_void_p, ctypes.c_int64, c_int]
+        lib.NpuAmpGrMirrorPositions.restype = c_int
+        lib.NpuAmpGrSearch.argtypes = [c_void_p, c_char_p, c_size_t, self._DY_CALLBACK,
+                                       ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t)]
+        lib.NpuAmpGrSearch.restype = c_int
+        self._lib = lib
+
+    def new(self):
+        return self._lib.NpuAmpGrMirrorNew()
+
+    def free(self, h):
+        self._lib.NpuAmpGrMirrorFree(h)
+
+    def ops(self, h, data: bytes) -> int:
+        return self._lib.NpuAmpGrMirrorOps(h, data, len(data))
+
+    def load(self, h, data: bytes, fresh: bool) -> int:
+        return self._lib.NpuAmpGrMirrorLoad(h, data, len(data), int(fresh))
+
+    def remove(self, h, names: bytes) -> int:
+        return self._lib.NpuAmpGrMirrorRemove(h, names, len(names))
+
+    def before(self, h, names: bytes) -> int:
+        return self._lib.NpuAmpGrMirrorBefore(h, names, len(names))
+
+    def positions(self, h, names, values, reset: bool) -> int:
+        """Positions (floats) of the nodes ``names``; ``reset`` forgets the others'."""
+        try:
+            data = "\x01".join(names).encode("ascii")
+        except UnicodeEncodeError:
+            return 1
+        arr = array.array("d", values)
+        return self._lib.NpuAmpGrMirrorPositions(h, data, len(data), arr.buffer_info()[0] if len(arr) else None,
+                                                 len(arr), int(reset))
+
+    def search(self, h, request: bytes, dy_candidate):
+        """(status, answer text) of one search; ``dy_candidate(ref) -> bool``
+        answers the C++ side's dtype-and-shape question (an exception makes
+        the search give up: status 3, Python searches and raises it)."""
+
+        def answer(p, n):
+            try:
+                return 1 if dy_candidate(ctypes.string_at(p, n).decode("ascii")) else 0
+            except Exception:  # noqa: BLE001 - Python's own search raises it again
+                return -1
+
+        cb = self._DY_CALLBACK(answer)
+        out, size = ctypes.c_void_p(), ctypes.c_size_t()
+        status = self._lib.NpuAmpGrSearch(h, request, len(request), cb, ctypes.byref(out), ctypes.byref(size))
+        text = ctypes.string_at(out, size.value).decode("ascii") if size.value else ""
+        return status, text
 
 
 def kernels_for_ops(op_types):

@@ -222,6 +222,9 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
             graph.base_inputs = base_inputs
         if source_has_attr is not None:
             graph.source_has_attr = source_has_attr
+        # the graph as created (the gradient-region search's C++ mirror): the
+        # bytes it was parsed from, or the caller's GraphDef (Graph copied it)
+        graph.source_bytes = data if data is not None else (None if own else graph_def.SerializeToString)
         stages["graph"] = cpu() - c0
         if shapes is None:
             from .bridge import graph_shape_source

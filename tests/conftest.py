@@ -2,6 +2,10 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# (issue 17) every gradient-region search runs in C++ and in Python, and
+# the two are compared (graph_passes.fusion.grad_region.CHECK_NATIVE); the
+# workers the tests start inherit it
+os.environ.setdefault("NPU_AMP_TF_CHECK_NATIVE_GRAD_REGION", "1")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -48,6 +52,25 @@ def pytest_terminal_summary(terminalreporter):
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     terminalreporter.write_line(f"peak RSS of the test process: {peak:.0f} MiB")
+    import sys
+
+    gr = sys.modules.get("graph_passes.fusion.grad_region")
+    if gr is not None:
+        terminalreporter.write_line(f"gradient-region searches run in C++ and in Python and compared: "
+                                    f"{gr.CHECKED[0]}, differing: {len(gr.CHECKED[1])}")
+        for fwd, a, b in gr.CHECKED[1][:5]:
+            terminalreporter.write_line(f"C++ and Python gradient-region searches differ for {fwd[:3]}...:"
+                                        f"\n  C++:    {a!r}\n  Python: {b!r}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A C++ gradient-region search that differed from Python's fails the
+    run, even where a pass's error handling kept the test from seeing it."""
+    import sys
+
+    gr = sys.modules.get("graph_passes.fusion.grad_region")
+    if gr is not None and gr.CHECKED[1]:
+        session.exitstatus = 1  # (pytest_terminal_summary prints them)
 
 
 def assert_same(a, b, what="the values"):

@@ -319,6 +319,8 @@ def _searches(monkeypatch, gd, stop_at_dy, grow=None, mode="allow_mix_precision_
     from graph_passes.fusion import grad_region as gr
 
     monkeypatch.setattr(gr, "STOP_AT_DY", stop_at_dy)
+    # (the Python search's passes are counted: not the C++ one's, nor compared with it)
+    monkeypatch.setattr(gr, "NATIVE_SEARCH", False)
     calls, tries = [], []
     orig_find, orig_grow = gr.find_grad_region, grow or gr._grow
 
@@ -425,3 +427,149 @@ def test_scope_matches_equal_the_regexes_on_generated_and_real_names(k2):
             assert _scope_groups(fast, name) == want, (name, rx.pattern)
             hits += want is not None
     assert hits > 1000  # (the generated names reach the matching branches)
+
+
+# ------------------------------------------ issue 17: the search in C++
+def _native_lib():
+    from npu_amp_tf import bridge
+
+    bridge.library()
+    from graph_passes.fusion import grad_region as gr
+
+    if gr.native is None:
+        pytest.skip("the library has no C++ gradient-region search")
+    return gr
+
+
+def _rewrite(gd, monkeypatch, native_on, fetches=("loss", "train"), counts=None):
+    import npu_amp_tf
+    from graph_passes.fusion import grad_region as gr
+
+    monkeypatch.setattr(gr, "NATIVE_SEARCH", native_on)
+    monkeypatch.setattr(gr, "CHECK_NATIVE", False)
+    orig = gr._native_growth
+
+    def counted(*a, **kw):
+        try:
+            r = orig(*a, **kw)
+        except GradRegionRefused:
+            counts.append("refused")
+            raise
+        counts.append("grown" if r is not None else "python")
+        return r
+
+    if counts is not None:
+        monkeypatch.setattr(gr, "_native_growth", counted)
+    out, rep = npu_amp_tf.rewrite_graph(gd, fetches=list(fetches), precision_mode="allow_mix_precision_bf16")
+    monkeypatch.undo()
+    return out.SerializeToString(deterministic=True), rep
+
+
+def _keras_tf1_transformer_block(k2):
+    """A Keras 2 transformer block (MultiHeadAttention, LayerNormalization,
+    dropout under the learning phase) trained in a TF1 graph: code this
+    project did not write, with TF1 autodiff names."""
+    def f():
+        inp = k2.Input((6, 16), name="tokens")
+        att = k2.layers.MultiHeadAttention(2, 8, name="mha")(inp, inp)
+        h = k2.layers.LayerNormalization(name="ln1")(inp + k2.layers.Dropout(0.1)(att))
+        ff = k2.layers.Dense(16, name="ff")(k2.layers.Dense(32, activation="gelu", name="ff_in")(h))
+        out = k2.layers.LayerNormalization(name="ln2")(h + ff)
+        model = k2.Model(inp, out)
+        loss = tf.reduce_mean(tf.square(model.output), name="loss")
+        tf1.train.AdamOptimizer(1e-3).minimize(loss, name="train")
+    gd, _ = build(f)
+    return gd
+
+
+def test_native_search_gives_the_python_regions_on_real_training_graphs(monkeypatch, k2):
+    """The C++ search (custom_ops/grad_region.cc) on the BERT-like training
+    graph (LayerNorms, GELU, attention) and on a Keras 2 transformer block in
+    a TF1 graph: every search ran in C++ (none fell back to Python), and
+    the rewritten graphs are byte-identical to the Python search's."""
+    _native_lib()
+    from test_speed_paths import bert_like_training_graph
+
+    for gd in (bert_like_training_graph(layers=2), _keras_tf1_transformer_block(k2)):
+        counts = []
+        fast, rep_fast = _rewrite(gd, monkeypatch, True, counts=counts)
+        ref, rep_ref = _rewrite(gd, monkeypatch, False)
+        assert counts and "python" not in counts, counts
+        assert "grown" in counts, counts
+        assert fast == ref
+        assert rep_fast.decisions == rep_ref.decisions
+
+
+def test_native_and_python_searches_compared_on_direct_calls():
+    """find_grad_region called directly (TF1 and TF2 graphs, regions that
+    grow and refusals): with CHECK_NATIVE on, each search ran in both and
+    they agreed (the conftest sets CHECK_NATIVE for the whole suite)."""
+    gr = _native_lib()
+    if not gr.CHECK_NATIVE:
+        pytest.skip("NPU_AMP_TF_CHECK_NATIVE_GRAD_REGION is off")
+    before, differing = gr.CHECKED[0], len(gr.CHECKED[1])
+    for kw in ({}, {"residual": True}, {"upstream_scale": True}, {"extra_reader": True}):
+        graph, fwd, inputs, h = _tf1_graph(**kw)
+        try:
+            find_grad_region(graph, fwd, ["ln/y"], inputs)
+        except GradRegionRefused:
+            pass
+    assert gr.CHECKED[0] == before + 4
+    assert len(gr.CHECKED[1]) == differing
+
+
+def test_check_mode_sees_a_wrong_native_answer(monkeypatch):
+    """The comparison has teeth: a C++ answer missing the region's last node
+    raises, and is recorded (the suite fails at its end even where a pass's
+    error handling swallowed the exception)."""
+    gr = _native_lib()
+    graph, fwd, inputs, h = _tf1_graph()
+    orig = gr._native_growth
+
+    def wrong(*a, **kw):
+        region, fwd_dep, dy_dep, val_static, why_not, dy = orig(*a, **kw)
+        region = dict.fromkeys(list(region)[:-1])
+        return region, fwd_dep, dy_dep, val_static, why_not, dy
+
+    monkeypatch.setattr(gr, "_native_growth", wrong)
+    monkeypatch.setattr(gr, "CHECK_NATIVE", True)
+    monkeypatch.setattr(gr, "CHECKED", [0, []])
+    with pytest.raises(AssertionError, match="differs from the Python one"):
+        find_grad_region(graph, fwd, ["ln/y"], inputs)
+    assert gr.CHECKED[0] == 1 and len(gr.CHECKED[1]) == 1
+
+
+def test_native_mirror_follows_edits_and_refuses_non_ascii_names(monkeypatch):
+    """The mirror is patched from the graph's edit and removal logs: after
+    the graph's nodes are removed, re-added under the same name and rewired,
+    the next search still equals Python's.  A non-ASCII name makes the
+    mirror refuse (the C++ matchers read ASCII only): Python searches."""
+    gr = _native_lib()
+    monkeypatch.setattr(gr, "CHECK_NATIVE", True)
+    monkeypatch.setattr(gr, "CHECKED", [0, []])
+    graph, fwd, inputs, h = _tf1_graph()
+    r1 = find_grad_region(graph, fwd, ["ln/y"], inputs)
+    assert getattr(graph, gr._MIRROR_ATTR)  # built
+    # re-emit a region node under its name (removed, added again), and rewire a reader
+    name = r1.nodes[-1]
+    node = graph.nodes[name]
+    readers = graph.consumers(name)
+    from tensorflow.core.framework import node_def_pb2
+    copy = node_def_pb2.NodeDef()
+    copy.CopyFrom(node)
+    graph.remove_node(name, force=True)
+    graph.add_node(copy)
+    graph._consumers[name].extend(readers)  # (the readers' index entries, as the fusion commit repairs them)
+    assert not graph.index_problems()
+    r2 = find_grad_region(graph, fwd, ["ln/y"], inputs)
+    assert r2.nodes == r1.nodes and r2.dy == r1.dy
+    assert gr.CHECKED[0] == 2 and not gr.CHECKED[1]
+    # a non-ASCII name: the mirror refuses, Python searches (nothing compared)
+    graph2, fwd2, inputs2, _ = _tf1_graph()
+    graph2.new_node("NoOp", "caf\u00e9")
+    counts = []
+    orig = gr._native_growth
+    monkeypatch.setattr(gr, "_native_growth", lambda *a, **kw: counts.append(orig(*a, **kw)) or counts[-1])
+    r3 = find_grad_region(graph2, fwd2, ["ln/y"], inputs2)
+    assert counts == [None] and getattr(graph2, gr._MIRROR_ATTR) is False
+    assert r3.nodes == r1.nodes

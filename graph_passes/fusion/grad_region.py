@@ -107,6 +107,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 from typing import Callable, Iterable
 
@@ -489,10 +490,8 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     fwd = frozenset(forward)
     outs = [parse_tensor(o)[:2] for o in outputs]
     out_nodes_ports = {(n, p) for n, p in outs}
-    out_refs = {o if ":" in o else o for o in outputs}
     ins = {_canon(i) for i in inputs}
     side = {_canon(o) for o in side_outputs}
-    is_static = _Static(graph)
     fscope = _common_scope(fwd)
     pos = _positions(graph)
     # with a topological order a path only goes to higher positions: searches may
@@ -501,6 +500,42 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     y_shape = shapes.shape(next(iter(outputs)))
     if y_shape is None or (min(y_shape, default=0) < 0 and (dy_shape is not None or not partial_shapes)):
         y_shape = dy_shape
+
+    def dy_candidate(ref) -> bool:
+        """An external tensor that may be the incoming gradient: a float
+        tensor shaped like the output (after_forward is asked after this)."""
+        dt = graph.tensor_dtype(ref)
+        return dt in registry.FLOAT_TYPES and _shape_eq(shapes.shape(ref), y_shape, partial_shapes)
+
+    growth = None
+    if native is not None and NATIVE_SEARCH and ordered:
+        try:
+            growth = _native_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, protected,
+                                    max_nodes, grad_reads_output, dy_candidate)
+        except GradRegionRefused as e:
+            growth = e
+    if growth is None or CHECK_NATIVE:
+        try:
+            reference = _python_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, protected,
+                                       max_nodes, grad_reads_output, dy_candidate, ordered)
+        except GradRegionRefused as e:
+            reference = e
+        if growth is not None:
+            _check_same(growth, reference, fwd)
+        growth = reference
+    if isinstance(growth, GradRegionRefused):
+        raise growth
+    region, fwd_dep, dy_dep, val_static, why_not, dy0 = growth
+    return _finish(graph, fwd, out_nodes_ports, side, pos, ordered, region, fwd_dep, dy_dep, val_static,
+                   why_not, dy0)
+
+
+def _python_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, protected, max_nodes,
+                   grad_reads_output, dy_candidate, ordered):
+    """Passes A and B in Python (the reference of :func:`_native_growth`):
+    (region, fwd_dep, dy_dep, val_static, why_not, dy), or GradRegionRefused."""
+    out_nodes_ports = {(n, p) for n, p in outs}
+    is_static = _Static(graph)
     nodes = graph.nodes
 
     region: dict[str, None] = {}  # insertion-ordered set
@@ -653,9 +688,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                 continue
             k = classify_input(inp)
             if k == "ext":
-                dt = graph.tensor_dtype(inp)
-                if dy[0] is None and new_dy is None and dt in registry.FLOAT_TYPES \
-                        and _shape_eq(shapes.shape(inp), y_shape, partial_shapes) and not after_forward(inp):
+                if dy[0] is None and new_dy is None and dy_candidate(inp) and not after_forward(inp):
                     new_dy = _identity_root(graph, inp)
                     k = "dy"
                 else:
@@ -726,9 +759,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     _grow(graph, seeds, try_add, pos, region, stop=(lambda: dy[0] is not None) if STOP_AT_DY else None)
     found = dy[0]
     if found is None:
-        f, c = next(((f, c) for f in sorted(fwd) for c, _ in graph._consumers.get(f, ()) if c not in fwd), ("?", "?"))
-        raise GradRegionRefused(f"not fused: '{f}' is also read by '{c}', and no incoming gradient (a float "
-                                f"tensor shaped like the output) was found", why_not)
+        raise _no_dy_refusal(graph, fwd, why_not)
     region.clear(); fwd_dep.clear(); dy_dep.clear(); why_not.clear(); val_static.clear()
     dsrc, dport, _ = parse_tensor(found)
     dy_readers = [c for c, _ in graph.consumers(dsrc, port=dport)] + \
@@ -748,6 +779,194 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
     _grow(graph, seeds + dy_readers, try_add, pos, region)
     if dy[0] != found:
         raise GradRegionRefused("not fused: the incoming gradient is not one tensor")
+    return region, fwd_dep, dy_dep, val_static, why_not, dy[0]
+
+
+# ------------------------------------------------------------------ the C++ search
+#: (issue 17) passes A and B in C++ (custom_ops/grad_region.cc): an object
+#: with the library's mirror and search calls (``npu_amp_tf.bridge``
+#: installs it when the library is loaded; graph_passes never imports
+#: npu_amp_tf); None: Python grows every region
+native = None
+#: False: Python grows the regions (the reference; the same regions, dy,
+#: flags and refusal texts)
+NATIVE_SEARCH = True
+#: run both searches and compare them (AssertionError on a difference); the
+#: test suite sets NPU_AMP_TF_CHECK_NATIVE_GRAD_REGION=1
+CHECK_NATIVE = os.environ.get("NPU_AMP_TF_CHECK_NATIVE_GRAD_REGION") == "1"
+#: attribute of a Graph holding its :class:`_Mirror`
+_MIRROR_ATTR = "_grad_region_mirror"
+
+
+def _op_sets() -> bytes:
+    return "\x03".join("\x01".join(sorted(ops)) for ops in (
+        GRAD_OPS, _STATIC_ARITH, _FROM_INPUT_OPS, AGGREGATIONS, SHAPE_OPS, VALUE_STATIC_OPS)).encode()
+
+
+def _lean_nodes(nodes) -> bytes:
+    """A serialized GraphDef of ``nodes`` with only their names, ops and inputs."""
+    from tensorflow.core.framework import graph_pb2
+
+    gd = graph_pb2.GraphDef()
+    for n in nodes:
+        gd.node.add(name=n.name, op=n.op, input=n.input[:])
+    return gd.SerializeToString()
+
+
+class _Mirror:
+    """The C++ copy of a graph's names, ops and inputs (and the search's
+    positions), kept in step through ``Graph.edits_since`` /
+    ``removed_since``: the same bookkeeping ``_positions`` and
+    ``serialize_patch`` rely on (edits go through Graph's methods or
+    ``touch``)."""
+
+    def __init__(self, lib, graph):
+        self.lib = lib
+        self.h = lib.new()
+        self.ok = bool(self.h) and lib.ops(self.h, _op_sets()) == 0
+        self.mark = self.rmark = 0
+        self.cons = graph._consumers  # noqa: SLF001 - replaced by reindex(): build again
+        self.pos = None
+        self.before = None
+        if not self.ok:
+            return
+        src = graph.source_bytes
+        if callable(src):
+            src = src()
+        if src is not None and not graph.duplicates:
+            # the graph as created, then every edit since
+            self.ok = lib.load(self.h, src, True) == 0
+        else:
+            self.ok = lib.load(self.h, _lean_nodes(graph.nodes.values()), True) == 0
+            self.mark = graph.edits_since(0)[1]
+            self.rmark = graph.removed_since(0)[1]
+
+    def __del__(self):
+        if getattr(self, "h", None):
+            self.lib.free(self.h)
+            self.h = None
+
+    def sync(self, graph, pos) -> bool:
+        """Bring the mirror up to ``graph`` and ``pos``; False when it cannot."""
+        lib, h = self.lib, self.h
+        changed, mark = graph.edits_since(self.mark)
+        if changed is None:
+            return False
+        removed, rmark = graph.removed_since(self.rmark)
+        nodes = graph.nodes
+        names = list(dict.fromkeys(changed + removed))
+        live = [n for n in names if n in nodes]
+        gone = [n for n in names if n not in nodes]
+        if live and lib.load(h, _lean_nodes(map(nodes.__getitem__, live)), False) != 0:
+            return False
+        if gone:
+            lib.remove(h, "\x01".join(gone).encode())
+        self.mark, self.rmark = mark, rmark
+        before = getattr(graph, ORIGINAL_NAMES_ATTR, None)
+        if before is not self.before:
+            lib.before(h, "\x01".join(before or ()).encode())
+            self.before = before
+        if pos is not self.pos:
+            keys = list(pos)
+            if lib.positions(h, keys, [pos[k] for k in keys], True) != 0:
+                return False
+            self.pos = pos
+        elif live:
+            nan = float("nan")
+            if lib.positions(h, live, [pos.get(k, nan) for k in live], False) != 0:
+                return False
+        return True
+
+
+def _mirror(graph, pos):
+    """The graph's synced :class:`_Mirror`, or None (then Python searches)."""
+    m = getattr(graph, _MIRROR_ATTR, None)
+    if m is False:
+        return None  # (refused once: names the C++ search does not take)
+    if m is None or m.cons is not graph._consumers or graph.edits_since(0)[0] is None:  # noqa: SLF001
+        if graph.edits_since(0)[0] is None:
+            return None
+        m = _Mirror(native, graph)
+        if not m.ok:
+            setattr(graph, _MIRROR_ATTR, False)
+            return None
+        setattr(graph, _MIRROR_ATTR, m)
+    if not m.sync(graph, pos):
+        setattr(graph, _MIRROR_ATTR, False)
+        return None
+    return m
+
+
+def _native_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, protected, max_nodes,
+                   grad_reads_output, dy_candidate):
+    """:func:`_python_growth` in C++: the same result, or None when the C++
+    search cannot run here (then Python searches)."""
+    m = _mirror(graph, pos)
+    if m is None:
+        return None
+    request = "\x03".join((
+        "\x02".join(fwd),
+        "\x02".join(f"{n}\x01{p}" for n, p in outs),
+        "\x02".join(ins),
+        "\x02".join(side),
+        fscope,
+        "\x02".join(owner_scopes),
+        "\x02".join(protected),
+        str(int(max_nodes)),
+        f"{int(bool(grad_reads_output))}\x02{int(bool(STOP_AT_DY))}",
+    ))
+    try:
+        data = request.encode("ascii")
+    except UnicodeEncodeError:
+        return None
+    status, text = native.search(m.h, data, dy_candidate)
+    if status == 3:
+        return None
+    status_s, refusal, dy, region_s, why_s = text.split("\x03")
+    why_not = dict(w.split("\x01", 1) for w in why_s.split("\x02")) if why_s else {}
+    if status == 1:
+        raise GradRegionRefused(refusal, why_not)
+    if status == 2:
+        raise _no_dy_refusal(graph, fwd, why_not)
+    region, fwd_dep, dy_dep, val_static = {}, {}, {}, {}
+    for item in region_s.split("\x02") if region_s else ():
+        name, flags = item.split("\x01")
+        f = int(flags)
+        region[name] = None
+        fwd_dep[name], dy_dep[name], val_static[name] = bool(f & 1), bool(f & 2), bool(f & 4)
+    return region, fwd_dep, dy_dep, val_static, why_not, dy
+
+
+def _outcome(growth):
+    if isinstance(growth, GradRegionRefused):
+        return ("refused", str(growth), list(growth.why_not.items()))
+    region, fwd_dep, dy_dep, val_static, why_not, dy = growth
+    return ("grown", list(region), [(n, bool(fwd_dep.get(n)), bool(dy_dep.get(n)), bool(val_static.get(n)))
+                                    for n in region], list(why_not.items()), dy)
+
+
+#: (CHECK_NATIVE) [searches compared, the differences found]
+CHECKED = [0, []]
+
+
+def _check_same(native_growth, reference, fwd):
+    a, b = _outcome(native_growth), _outcome(reference)
+    CHECKED[0] += 1
+    if a != b:
+        CHECKED[1].append((sorted(fwd), a, b))
+        raise AssertionError(f"the C++ gradient-region search differs from the Python one for "
+                             f"{sorted(fwd)[:3]}...:\n  C++:    {a!r}\n  Python: {b!r}")
+
+
+def _no_dy_refusal(graph, fwd, why_not):
+    f, c = next(((f, c) for f in sorted(fwd) for c, _ in graph._consumers.get(f, ()) if c not in fwd), ("?", "?"))
+    return GradRegionRefused(f"not fused: '{f}' is also read by '{c}', and no incoming gradient (a float "
+                             f"tensor shaped like the output) was found", why_not)
+
+
+def _finish(graph, fwd, out_nodes_ports, side, pos, ordered, region, fwd_dep, dy_dep, val_static, why_not, dy0):
+    """The checks after the growth (both searches), and the GradRegion."""
+    nodes = graph.nodes
     # ---- every reader of an inner tensor is in F or G
     for f in sorted(fwd):
         for cname, idx in graph._consumers.get(f, ()):
@@ -792,7 +1011,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
             outputs_map.setdefault(ref, []).append((cname, idx))
     if ctrl_in:
         _check_no_cycle(graph, region, ctrl_in, pos if ordered else None)
-    return GradRegion(fwd, order, dy[0], outputs_map, ctrl_in, ctrl_out, fwd_dep, dy_dep, graph)
+    return GradRegion(fwd, order, dy0, outputs_map, ctrl_in, ctrl_out, fwd_dep, dy_dep, graph)
 
 
 def _common_scope(names) -> str:

@@ -1,0 +1,1121 @@
+// The gradient-region search of graph_passes/fusion/grad_region.py in C++
+// (issue 17): find_grad_region's two growth passes (pass A finds the
+// incoming gradient dy, pass B grows the region G), with try_add and its
+// helpers (classify_input, from_inputs, after_forward, the static-value
+// memo, attributed_forward, the autodiff scope matchers).  The Python
+// search is the reference: this file makes the same decisions in the same
+// order (the same heap order on the same positions, the same refusal
+// texts), and Python keeps everything after the growth (the inner tensors'
+// readers, the forward-code check, outputs, control edges, the cycle
+// check).  With NPU_AMP_TF_CHECK_NATIVE_GRAD_REGION=1 every search runs
+// both and compares (the test suite does).
+//
+// No TensorFlow types: the graph comes as a *mirror* of node names, ops and
+// inputs, built once from serialized GraphDef bytes (only fields 1-3 of
+// each NodeDef are read) and then patched with the nodes created, edited or
+// removed since (Graph.edits_since / removed_since); the topological
+// positions come from Python (grad_region._positions).  The one question
+// about values, whether an external tensor has a float dtype and dy's
+// shape, is a callback into Python.  Names must be printable ASCII (else
+// the mirror refuses and Python searches): the Python matchers' \d and
+// isdecimal() then mean [0-9].
+//
+// Calls (ctypes, from npu_amp_tf/bridge.py):
+//   h = NpuAmpGrMirrorNew()
+//   rc = NpuAmpGrMirrorLoad(h, graphdef, len)      upsert every node (0 ok)
+//   rc = NpuAmpGrMirrorRemove(h, names, len)       \x01-separated names
+//   rc = NpuAmpGrMirrorBefore(h, names, len)       attributed_forward's known names
+//   rc = NpuAmpGrMirrorPositions(h, names, len, pos, n, reset)
+//   rc = NpuAmpGrSearch(h, request, len, dy_cb, &out, &out_len)
+//   NpuAmpGrMirrorFree(h)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <queue>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using std::string;
+using std::string_view;
+
+constexpr double kNoPos = std::numeric_limits<double>::quiet_NaN();
+
+// ---------------------------------------------------------------- op sets
+// The op sets (grad_region.GRAD_OPS, _STATIC_ARITH, _FROM_INPUT_OPS,
+// AGGREGATIONS, SHAPE_OPS, VALUE_STATIC_OPS) come from Python
+// (NpuAmpGrMirrorOps): the module's constants stay the one place they live.
+struct OpSets {
+  std::unordered_set<string> grad, static_arith, from_input, aggregation, shape, value_static;
+  bool set = false;
+};
+
+bool IsIdentityLike(string_view op) { return op == "Identity" || op == "Snapshot"; }
+
+bool IsDigit(char c) { return c >= '0' && c <= '9'; }
+
+// ---------------------------------------------------------------- references
+// graph.parse_tensor: "^a" -> (a, -1, ctrl); "a:2" -> (a, 2); else (ref, 0).
+// False when a port does not fit (Python's ints do: the caller refuses).
+bool ParseRef(string_view ref, string_view* name, int64_t* port, bool* ctrl) {
+  if (!ref.empty() && ref[0] == '^') {
+    *name = ref.substr(1);
+    *port = -1;
+    *ctrl = true;
+    return true;
+  }
+  *ctrl = false;
+  const size_t c = ref.rfind(':');
+  if (c != string_view::npos && c + 1 < ref.size()) {
+    string_view p = ref.substr(c + 1);
+    if (std::all_of(p.begin(), p.end(), IsDigit)) {
+      if (p.size() > 15) return false;
+      int64_t v = 0;
+      for (char ch : p) v = v * 10 + (ch - '0');
+      *name = ref.substr(0, c);
+      *port = v;
+      return true;
+    }
+  }
+  *name = ref;
+  *port = 0;
+  return true;
+}
+
+// grad_region._canon
+string Canon(string_view name, int64_t port, bool ctrl) {
+  if (ctrl) return "^" + string(name);
+  if (port == 0) return string(name);
+  return string(name) + ":" + std::to_string(port);
+}
+
+bool Printable(string_view s) {
+  for (unsigned char c : s) {
+    if (c < 0x20 || c > 0x7e) return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------- scope names
+struct Groups {
+  bool ok = false;
+  bool has_prefix = false;  // group(1) is not None
+  string_view prefix;       // group(1): the name up to the scope word ("a/")
+  string_view tail;         // group(2)
+};
+
+// _tf1_tail: gradients(?:_\d+)?/(.+?)_grad(?:/|$) at p
+bool Tf1Tail(string_view name, size_t p, string_view* g) {
+  size_t j = p + 9;
+  if (j < name.size() && name[j] == '_') {
+    size_t k = j + 1;
+    while (k < name.size() && IsDigit(name[k])) ++k;
+    if (k == j + 1) return false;
+    j = k;
+  }
+  if (j >= name.size() || name[j] != '/') return false;
+  const size_t q = j + 1;
+  size_t k = name.find("_grad", q + 1);
+  while (k != string_view::npos) {
+    const size_t e = k + 5;
+    if (e == name.size() || name[e] == '/') {
+      *g = name.substr(q, k - q);
+      return true;
+    }
+    k = name.find("_grad", k + 1);
+  }
+  return false;
+}
+
+// _tf2_tail: gradient_tape/(.+)$ at p
+bool Tf2Tail(string_view name, size_t p, string_view* g) {
+  if (p + 14 >= name.size()) return false;
+  *g = name.substr(p + 14);
+  return true;
+}
+
+// _ScopeMatch.match: the last occurrence of `word` that starts the name or
+// follows a '/' and at which the tail matches
+template <typename Tail>
+Groups ScopeMatch(string_view name, string_view word, Tail tail) {
+  Groups out;
+  size_t end = name.size();
+  while (true) {
+    if (end < word.size()) return out;
+    const size_t p = name.rfind(word, end - word.size());
+    if (p == string_view::npos) return out;
+    if (p == 0 || name[p - 1] == '/') {
+      string_view g;
+      if (tail(name, p, &g)) {
+        out.ok = true;
+        out.has_prefix = p != 0;
+        out.prefix = name.substr(0, p);
+        out.tail = g;
+        return out;
+      }
+    }
+    end = p + word.size() - 1;
+  }
+}
+
+Groups Tf1(string_view name) { return ScopeMatch(name, "gradients", Tf1Tail); }
+Groups Tf2(string_view name) { return ScopeMatch(name, "gradient_tape/", Tf2Tail); }
+
+// is_autodiff_name: (?:^|/)(?:gradients(?:_\d+)?|gradient_tape)/ anywhere
+bool IsAutodiff(string_view name) {
+  for (size_t i = 0; i < name.size(); ++i) {
+    if (i != 0 && name[i - 1] != '/') continue;
+    string_view rest = name.substr(i);
+    if (rest.substr(0, 14) == "gradient_tape/") return true;
+    if (rest.substr(0, 9) == "gradients") {
+      size_t j = 9;
+      if (j < rest.size() && rest[j] == '/') return true;
+      if (j < rest.size() && rest[j] == '_') {
+        size_t k = j + 1;
+        while (k < rest.size() && IsDigit(rest[k])) ++k;
+        if (k > j + 1 && k < rest.size() && rest[k] == '/') return true;
+      }
+    }
+  }
+  return false;
+}
+
+// _GRAPPLER.match
+bool GrapplerMade(string_view name) {
+  for (string_view p : {"ArithmeticOptimizer/", "ConstantFolding/", "DependencyOptimizer/",
+                        "LayoutOptimizer/", "LoopOptimizer/", "Remapper/", "MemoryOptimizer/",
+                        "PinToHostOptimizer/"}) {
+    if (name.substr(0, p.size()) == p) return true;
+  }
+  return false;
+}
+
+bool StartsWith(string_view s, string_view p) { return s.substr(0, p.size()) == p; }
+
+// _under_scope
+bool UnderScope(string_view name, string_view scope) {
+  for (int which = 0; which < 2; ++which) {
+    Groups m = which == 0 ? Tf2(name) : Tf1(name);
+    if (m.ok) {
+      return StartsWith(string(m.prefix) + string(m.tail), scope) || StartsWith(m.tail, scope);
+    }
+  }
+  return true;
+}
+
+// rsplit("/", 1)[0]
+string_view Parent(string_view s) {
+  const size_t k = s.rfind('/');
+  return k == string_view::npos ? s : s.substr(0, k);
+}
+
+// ---------------------------------------------------------------- the mirror
+struct InputRef {
+  int32_t src;  // interned source name (a node, or a dangling name)
+  int64_t port;
+  bool ctrl;
+  string ref;  // as written
+};
+
+struct Node {
+  string op;
+  std::vector<InputRef> inputs;
+  bool alive = false;
+  double pos = kNoPos;
+};
+
+class Mirror {
+ public:
+  int32_t Find(string_view name) const {
+    auto it = ids_.find(string(name));
+    return it == ids_.end() ? -1 : it->second;
+  }
+
+  int32_t Intern(string_view name) {
+    auto it = ids_.find(string(name));
+    if (it != ids_.end()) return it->second;
+    const int32_t id = static_cast<int32_t>(names_.size());
+    names_.emplace_back(name);
+    ids_.emplace(names_.back(), id);
+    nodes_.emplace_back();
+    consumers_.emplace_back();
+    return id;
+  }
+
+  bool Alive(int32_t id) const { return id >= 0 && nodes_[id].alive; }
+  const Node& node(int32_t id) const { return nodes_[id]; }
+  const string& name(int32_t id) const { return names_[id]; }
+  const std::vector<std::pair<int32_t, int32_t>>& consumers(int32_t id) const {
+    return consumers_[id];
+  }
+  double pos(int32_t id) const { return id >= 0 ? nodes_[id].pos : kNoPos; }
+  bool known_before(string_view name) const { return before_.count(string(name)) != 0; }
+  int32_t size() const { return static_cast<int32_t>(names_.size()); }
+
+  OpSets ops;
+
+  void Remove(int32_t id) {
+    Node& n = nodes_[id];
+    if (!n.alive) return;
+    Unlink(id);
+    n.alive = false;
+    n.inputs.clear();
+    n.op.clear();
+  }
+
+  // the node `name` now has `op` and `inputs` (created, or edited in place)
+  bool Upsert(string_view name, string_view op, const std::vector<string_view>& inputs,
+              bool fresh) {
+    if (!Printable(name) || !Printable(op)) return false;
+    const int32_t id = Intern(name);
+    if (nodes_[id].alive) {
+      if (fresh) return false;  // a name twice in the bytes
+      Unlink(id);
+    }
+    std::vector<InputRef> ins;
+    ins.reserve(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      string_view ref = inputs[i], src;
+      int64_t port;
+      bool ctrl;
+      if (!Printable(ref) || !ParseRef(ref, &src, &port, &ctrl)) return false;
+      ins.push_back(InputRef{Intern(src), port, ctrl, string(ref)});
+    }
+    Node& n = nodes_[id];
+    n.op.assign(op);
+    n.inputs = std::move(ins);
+    n.alive = true;
+    for (size_t i = 0; i < n.inputs.size(); ++i) {
+      consumers_[n.inputs[i].src].emplace_back(id, n.inputs[i].ctrl ? -1 : static_cast<int32_t>(i));
+    }
+    return true;
+  }
+
+  void SetBefore(std::unordered_set<string> names) { before_ = std::move(names); }
+  void SetPos(int32_t id, double p) { nodes_[id].pos = p; }
+  void ClearPositions() {
+    for (auto& n : nodes_) n.pos = kNoPos;
+  }
+
+ private:
+  void Unlink(int32_t id) {
+    for (const auto& in : nodes_[id].inputs) {
+      auto& v = consumers_[in.src];
+      v.erase(std::remove_if(v.begin(), v.end(), [id](const auto& c) { return c.first == id; }),
+              v.end());
+    }
+  }
+
+  std::vector<string> names_;
+  std::unordered_map<string, int32_t> ids_;
+  std::vector<Node> nodes_;
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> consumers_;
+  std::unordered_set<string> before_;
+};
+
+// ---------------------------------------------------------------- wire format
+bool Varint(const char*& p, const char* end, uint64_t* v) {
+  uint64_t r = 0;
+  for (int s = 0; s < 64 && p < end; s += 7) {
+    const uint8_t b = static_cast<uint8_t>(*p++);
+    r |= static_cast<uint64_t>(b & 0x7f) << s;
+    if (!(b & 0x80)) {
+      *v = r;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Skip a field of wire type `wt`; false on a malformed or group field.
+bool Skip(const char*& p, const char* end, int wt) {
+  uint64_t v;
+  switch (wt) {
+    case 0:
+      return Varint(p, end, &v);
+    case 1:
+      if (end - p < 8) return false;
+      p += 8;
+      return true;
+    case 2:
+      if (!Varint(p, end, &v) || v > static_cast<uint64_t>(end - p)) return false;
+      p += v;
+      return true;
+    case 5:
+      if (end - p < 4) return false;
+      p += 4;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Every NodeDef of a serialized GraphDef (name, op, inputs) upserted.
+bool LoadGraphDef(Mirror* m, const char* data, size_t len, bool fresh) {
+  const char* p = data;
+  const char* end = data + len;
+  std::vector<string_view> inputs;
+  while (p < end) {
+    uint64_t tag;
+    if (!Varint(p, end, &tag)) return false;
+    const int wt = static_cast<int>(tag & 7);
+    if ((tag >> 3) != 1 || wt != 2) {
+      if (!Skip(p, end, wt)) return false;
+      continue;
+    }
+    uint64_t n;
+    if (!Varint(p, end, &n) || n > static_cast<uint64_t>(end - p)) return false;
+    const char* q = p;
+    const char* qend = p + n;
+    p = qend;
+    string_view name, op;
+    inputs.clear();
+    while (q < qend) {
+      uint64_t t;
+      if (!Varint(q, qend, &t)) return false;
+      const int w = static_cast<int>(t & 7);
+      const uint64_t field = t >> 3;
+      if ((field == 1 || field == 2 || field == 3) && w == 2) {
+        uint64_t k;
+        if (!Varint(q, qend, &k) || k > static_cast<uint64_t>(qend - q)) return false;
+        string_view s(q, k);
+        q += k;
+        if (field == 1) {
+          name = s;
+        } else if (field == 2) {
+          op = s;
+        } else {
+          inputs.push_back(s);
+        }
+      } else if (!Skip(q, qend, w)) {
+        return false;
+      }
+    }
+    if (!m->Upsert(name, op, inputs, fresh)) return false;
+  }
+  return true;
+}
+
+std::vector<string_view> Split(string_view s, char sep) {
+  std::vector<string_view> out;
+  if (s.empty()) return out;
+  size_t at = 0;
+  while (true) {
+    const size_t k = s.find(sep, at);
+    if (k == string_view::npos) {
+      out.push_back(s.substr(at));
+      return out;
+    }
+    out.push_back(s.substr(at, k - at));
+    at = k + 1;
+  }
+}
+
+// ---------------------------------------------------------------- the search
+using DyCallback = int (*)(const char* ref, size_t len);
+
+enum Status { kFound = 0, kRefused = 1, kNoDy = 2, kUnable = 3 };
+
+enum Kind { kG, kF, kIn, kStatic, kDy, kOut, kExt, kCtrlExt };
+
+struct Unable {};  // the callback failed: Python searches
+
+class Search {
+ public:
+  Search(const Mirror& m, DyCallback cb) : m_(m), cb_(cb) {}
+
+  // the request's fields
+  std::vector<string> fwd_sorted;
+  std::vector<char> fwd;          // per id
+  std::vector<char> out_node;     // per id: a node of `outputs`
+  std::vector<std::pair<int32_t, int64_t>> outs;
+  std::unordered_set<string> ins, side;
+  std::vector<char> side_node;    // per id
+  std::vector<char> prot;         // per id
+  string fscope;
+  std::vector<string> owner_scopes;
+  int64_t max_nodes = 4000;
+  bool grad_reads_output = false;
+  bool stop_at_dy = true;
+
+  // the result
+  std::vector<int32_t> region;  // insertion order
+  std::vector<char> in_region, fwd_dep, dy_dep, val_static;
+  std::vector<std::pair<int32_t, string>> why_not;
+  std::vector<char> has_why;
+  string dy;  // canonical ref, or empty
+  bool has_dy = false;
+  string refusal;
+
+  void Size(size_t n) {
+    in_region.assign(n, 0);
+    fwd_dep.assign(n, 0);
+    dy_dep.assign(n, 0);
+    val_static.assign(n, 0);
+    has_why.assign(n, 0);
+    done_.assign(n, 0);
+    static_memo_.assign(n, -1);
+    in_memo_.assign(n, -1);
+    anc_memo_.assign(n, -1);
+    owner_memo_.assign(n, -2);
+    owners_.assign(n, string());
+    fwd.resize(n, 0);
+    out_node.resize(n, 0);
+    side_node.resize(n, 0);
+    prot.resize(n, 0);
+  }
+
+  // pass A, then pass B; kFound / kRefused / kNoDy
+  Status Run() {
+    std::vector<int32_t> seeds;
+    for (size_t id = 0; id < fwd.size(); ++id) {
+      if (!fwd[id]) continue;
+      for (const auto& c : m_.consumers(static_cast<int32_t>(id))) {
+        if (!fwd[c.first]) seeds.push_back(c.first);
+      }
+    }
+    if (!Grow(seeds, stop_at_dy)) return kRefused;
+    if (!has_dy) return kNoDy;
+    const string found = dy;
+    ClearPass();
+    string_view dname;
+    int64_t dport;
+    bool dctrl;
+    ParseRef(found, &dname, &dport, &dctrl);
+    const int32_t dsrc = m_.Find(dname);
+    std::vector<int32_t> readers;
+    if (dsrc >= 0) {
+      for (const auto& c : m_.consumers(dsrc)) {  // graph.consumers(dsrc, port=dport)
+        if (c.second >= 0 && m_.node(c.first).inputs[c.second].port == dport) {
+          readers.push_back(c.first);
+        }
+      }
+      for (const auto& c : m_.consumers(dsrc)) {
+        if (c.second < 0) readers.push_back(c.first);
+      }
+    }
+    // the readers of dy's Identity aliases
+    std::vector<int32_t> stack;
+    for (int32_t c : readers) {
+      if (IsIdentityLike(m_.node(c).op)) stack.push_back(c);
+    }
+    std::unordered_set<int32_t> seen_alias;
+    while (!stack.empty()) {
+      const int32_t a = stack.back();
+      stack.pop_back();
+      if (seen_alias.count(a) || IdentityRoot(m_.name(a)) != found) continue;
+      seen_alias.insert(a);
+      for (const auto& c : m_.consumers(a)) {
+        readers.push_back(c.first);
+        if (c.second >= 0 && IsIdentityLike(m_.node(c.first).op)) stack.push_back(c.first);
+      }
+    }
+    seeds.insert(seeds.end(), readers.begin(), readers.end());
+    if (!Grow(seeds, false)) return kRefused;
+    if (dy != found) {
+      refusal = "not fused: the incoming gradient is not one tensor";
+      why_not.clear();
+      return kRefused;
+    }
+    return kFound;
+  }
+
+ private:
+  void ClearPass() {
+    for (int32_t id : region) {
+      in_region[id] = fwd_dep[id] = dy_dep[id] = val_static[id] = 0;
+    }
+    region.clear();
+    for (const auto& w : why_not) has_why[w.first] = 0;
+    why_not.clear();
+    std::fill(done_.begin(), done_.end(), 0);
+  }
+
+  void WhyNot(int32_t id, string msg) {
+    if (has_why[id]) {
+      for (auto& w : why_not) {
+        if (w.first == id) w.second = std::move(msg);
+      }
+      return;
+    }
+    has_why[id] = 1;
+    why_not.emplace_back(id, std::move(msg));
+  }
+
+  // _grow: a heap on (position, name); false when the region grew too large
+  bool Grow(const std::vector<int32_t>& seeds, bool stop) {
+    using Item = std::pair<double, int32_t>;
+    auto later = [this](const Item& a, const Item& b) {
+      if (a.first != b.first) return a.first > b.first;
+      return m_.name(a.second) > m_.name(b.second);
+    };
+    std::priority_queue<Item, std::vector<Item>, decltype(later)> heap(later);
+    auto key = [this](int32_t id) {
+      const double p = m_.pos(id);
+      return std::isnan(p) ? 0.0 : p;
+    };
+    std::unordered_set<int32_t> uniq(seeds.begin(), seeds.end());
+    for (int32_t s : uniq) heap.emplace(key(s), s);
+    while (!heap.empty()) {
+      const int32_t id = heap.top().second;
+      heap.pop();
+      if (done_[id]) continue;
+      done_[id] = 1;
+      int r = TryAdd(id);
+      if (r < 0) return false;
+      if (r == 1) {
+        if (stop && has_dy) return true;
+        for (const auto& c : m_.consumers(id)) {
+          if (!in_region[c.first] && !done_[c.first]) heap.emplace(key(c.first), c.first);
+        }
+      }
+    }
+    return true;
+  }
+
+  bool InOuts(int32_t id, int64_t port) const {
+    for (const auto& o : outs) {
+      if (o.first == id && o.second == port) return true;
+    }
+    return false;
+  }
+
+  // _identity_root
+  string IdentityRoot(string_view ref0) const {
+    string ref(ref0);
+    for (int i = 0; i < 32; ++i) {
+      string_view name;
+      int64_t port;
+      bool ctrl;
+      if (!ParseRef(ref, &name, &port, &ctrl)) break;
+      const int32_t id = m_.Find(name);
+      if (!m_.Alive(id) || ctrl || port != 0 || !IsIdentityLike(m_.node(id).op)) break;
+      const InputRef* first = nullptr;
+      for (const auto& in : m_.node(id).inputs) {
+        if (in.ref.empty() || in.ref[0] != '^') {
+          first = &in;
+          break;
+        }
+      }
+      if (first == nullptr) break;
+      ref = first->ref;
+    }
+    string_view name;
+    int64_t port;
+    bool ctrl;
+    if (!ParseRef(ref, &name, &port, &ctrl)) return ref;
+    return Canon(name, port, ctrl);
+  }
+
+  // _Static.__call__
+  bool IsStatic(int32_t id, int depth = 0) {
+    if (id < 0) return false;
+    if (static_memo_[id] >= 0) return static_memo_[id] == 1;
+    if (!m_.Alive(id) || depth > 32) return false;
+    const Node& n = m_.node(id);
+    bool res;
+    if (n.op == "Const" || m_.ops.shape.count(n.op)) {
+      res = true;
+    } else if (m_.ops.static_arith.count(n.op)) {
+      bool any = false;
+      res = true;
+      for (const auto& in : n.inputs) {
+        if (in.ctrl) continue;
+        any = true;
+        if (!IsStatic(in.src, depth + 1)) {
+          res = false;
+          break;
+        }
+      }
+      res = res && any;
+    } else {
+      res = false;
+    }
+    static_memo_[id] = res ? 1 : 0;
+    return res;
+  }
+
+  // from_inputs
+  bool FromInputs(int32_t id, int depth = 0) {
+    if (in_memo_[id] >= 0) return in_memo_[id] == 1;
+    bool res = false;
+    if (m_.Alive(id) && m_.ops.from_input.count(m_.node(id).op) && depth < 8 && !fwd[id]) {
+      bool any = false;
+      res = true;
+      for (const auto& in : m_.node(id).inputs) {
+        if (in.ctrl) continue;
+        any = true;
+        if (!(ins.count(Canon(m_.name(in.src), in.port, false)) || IsStatic(in.src) ||
+              FromInputs(in.src, depth + 1))) {
+          res = false;
+          break;
+        }
+      }
+      res = res && any;
+    }
+    in_memo_[id] = res ? 1 : 0;
+    return res;
+  }
+
+  // after_forward (with a topological order; the caller ran only then)
+  bool AfterForward(int32_t start) {
+    if (anc_memo_[start] >= 0) return anc_memo_[start] == 1;
+    auto inner = [this](int32_t id) {
+      return fwd[id] && !out_node[id] && !side_node[id];
+    };
+    bool hit = false;
+    const double limit = m_.pos(start);
+    if (!std::isnan(limit)) {  // (`start in pos`: a removed node's position stays)
+      std::vector<char> seen(fwd.size(), 0);
+      std::vector<int32_t> stack;
+      for (size_t id = 0; id < fwd.size(); ++id) {
+        if (inner(static_cast<int32_t>(id))) {
+          seen[id] = 1;
+          stack.push_back(static_cast<int32_t>(id));
+        }
+      }
+      while (!stack.empty() && !hit) {
+        const int32_t cur = stack.back();
+        stack.pop_back();
+        for (const auto& c : m_.consumers(cur)) {
+          if (c.first == start) {
+            hit = true;
+            break;
+          }
+          if (seen[c.first] || out_node[c.first] || side_node[c.first]) continue;
+          const double p = m_.pos(c.first);
+          if (std::isnan(p) || p >= limit) continue;
+          seen[c.first] = 1;
+          stack.push_back(c.first);
+        }
+      }
+    } else {
+      std::vector<char> seen(fwd.size(), 0);
+      seen[start] = 1;
+      std::vector<int32_t> stack{start};
+      while (!stack.empty() && !hit) {
+        const int32_t cur = stack.back();
+        stack.pop_back();
+        if (!m_.Alive(cur)) continue;
+        for (const auto& in : m_.node(cur).inputs) {
+          if (inner(in.src)) {
+            hit = true;
+            break;
+          }
+          if (seen[in.src] || InOuts(in.src, 0)) continue;
+          seen[in.src] = 1;
+          stack.push_back(in.src);
+        }
+      }
+    }
+    anc_memo_[start] = hit ? 1 : 0;
+    return hit;
+  }
+
+  // attributed_forward (memoised per name: the graph does not change)
+  const string* Owner(int32_t id) {
+    if (owner_memo_[id] == -2) {
+      owner_memo_[id] = Attributed(m_.name(id), &owners_[id]) ? 1 : 0;
+    }
+    return owner_memo_[id] == 1 ? &owners_[id] : nullptr;
+  }
+
+  bool Known(string_view n) const { return m_.Alive(m_.Find(n)) || m_.known_before(n); }
+
+  bool Attributed(string_view name, string* out) const {
+    if (GrapplerMade(name)) return false;
+    Groups m = Tf1(name);
+    if (m.ok) {
+      for (const string& cand : {string(m.prefix) + string(m.tail), string(m.tail)}) {
+        if (Known(cand)) {
+          *out = cand;
+          return true;
+        }
+      }
+      return false;
+    }
+    m = Tf2(name);
+    if (m.ok) {
+      std::vector<string_view> parts = Split(m.tail, '/');
+      for (size_t k = parts.size() - 1; k > 0; --k) {
+        string joined;
+        for (size_t i = 0; i < k; ++i) {
+          if (i) joined.push_back('/');
+          joined.append(parts[i]);
+        }
+        for (const string& cand : {string(m.prefix) + joined, joined}) {
+          if (Known(cand)) {
+            *out = cand;
+            return true;
+          }
+        }
+      }
+    }
+    return false;
+  }
+
+  // _tf2_scope_owner
+  const string* Tf2ScopeOwner(string_view name) const {
+    Groups m = Tf2(name);
+    if (!m.ok) return nullptr;
+    for (const string& rest : {string(m.prefix) + string(m.tail), string(m.tail)}) {
+      string_view scope = rest.find('/') != string::npos ? Parent(rest) : string_view();
+      for (const string& f : fwd_sorted) {
+        if (StartsWith(rest, f + "/") || (!scope.empty() && Parent(f) == scope)) return &f;
+      }
+    }
+    return nullptr;
+  }
+
+  Kind Classify(const InputRef& in, string* canon) {
+    const int32_t n = in.src;
+    if (in_region[n]) return kG;
+    if (InOuts(n, in.port)) return kOut;
+    if (fwd[n]) return kF;
+    *canon = Canon(m_.name(n), in.port, in.ctrl);
+    if (ins.count(*canon) || FromInputs(n)) return kIn;
+    if (has_dy) {
+      auto it = roots_.find(in.ref);
+      if (it == roots_.end()) it = roots_.emplace(in.ref, IdentityRoot(in.ref)).first;
+      if (it->second == dy) return kDy;
+    }
+    if (IsStatic(n)) return kStatic;
+    return kExt;
+  }
+
+  // try_add: 1 joined, 0 not, -1 the region grew beyond max_nodes
+  int TryAdd(int32_t id) {
+    if (in_region[id] || fwd[id]) return 0;
+    if (!m_.Alive(id)) return 0;
+    const Node& node = m_.node(id);
+    const string& name = m_.name(id);
+    const string& op = node.op;
+    if (!m_.ops.grad.count(op)) {
+      WhyNot(id, "op " + op + " is not a gradient op");
+      return 0;
+    }
+    if (prot[id]) {
+      WhyNot(id, "it is fetched or preserved");
+      return 0;
+    }
+    const bool autodiff = IsAutodiff(name);
+    const bool agg = m_.ops.aggregation.count(op) != 0;
+    if (!autodiff && !agg) {
+      WhyNot(id, "its name is not in an autodiff scope (gradients/, gradient_tape/)");
+      return 0;
+    }
+    const string* owner = Owner(id);
+    if (owner != nullptr) {
+      const int32_t oid = m_.Find(*owner);
+      if (oid < 0 || !fwd[oid]) {
+        WhyNot(id, "its name makes it part of the gradient of '" + *owner + "'");
+        return 0;
+      }
+    }
+    const bool outside_scope =
+        owner == nullptr && !fscope.empty() && autodiff && !UnderScope(name, fscope);
+    bool has_owner = owner != nullptr;
+    if (!has_owner) has_owner = Tf2ScopeOwner(name) != nullptr;
+    if (!has_owner && autodiff && !fwd_sorted.empty()) {
+      for (const string& sc : owner_scopes) {
+        if (UnderScope(name, sc)) {
+          has_owner = true;
+          break;
+        }
+      }
+    }
+    struct K {
+      Kind kind;
+      int32_t src;
+    };
+    std::vector<K> kinds;
+    string new_dy;
+    bool has_new_dy = false;
+    bool ctrl_in_region = false;
+    string_view dy_node;
+    int64_t dyp;
+    bool dyc;
+    if (has_dy) ParseRef(dy, &dy_node, &dyp, &dyc);
+    string canon;
+    for (const auto& in : node.inputs) {
+      if (in.ctrl) {
+        if (in_region[in.src]) {
+          ctrl_in_region = true;
+          continue;
+        }
+        if (fwd[in.src] || (has_dy && m_.name(in.src) == dy_node)) continue;
+        if (IsStatic(in.src)) continue;
+        kinds.push_back(K{kCtrlExt, in.src});
+        continue;
+      }
+      Kind k = Classify(in, &canon);
+      if (k == kExt) {
+        if (!has_dy && !has_new_dy) {
+          const int r = cb_(in.ref.data(), in.ref.size());
+          if (r < 0) throw Unable();
+          if (r == 1 && !AfterForward(in.src)) {
+            new_dy = IdentityRoot(in.ref);
+            has_new_dy = true;
+            k = kDy;
+          }
+        }
+        if (k == kExt) {
+          WhyNot(id, "it reads '" + in.ref + "', which is neither the gradient nor the fused region's");
+          return 0;
+        }
+      }
+      if (k == kOut && !grad_reads_output) {
+        WhyNot(id, "it reads the fused op's output '" + in.ref + "'");
+        return 0;
+      }
+      kinds.push_back(K{k, in.src});
+    }
+    bool any_data = false, all_g = true, all_f_static = true, reads_dy = false, has_out = false,
+         has_g = false, has_f = false, g_dy = false;
+    for (const K& k : kinds) {
+      if (k.kind == kCtrlExt) continue;
+      any_data = true;
+      all_g = all_g && k.kind == kG;
+      all_f_static = all_f_static && (k.kind == kF || k.kind == kStatic);
+      reads_dy = reads_dy || k.kind == kDy;
+      has_out = has_out || k.kind == kOut;
+      has_g = has_g || k.kind == kG;
+      has_f = has_f || k.kind == kF;
+    }
+    for (const K& k : kinds) {
+      if (k.kind == kG && dy_dep[k.src]) g_dy = true;
+    }
+    if (outside_scope && !(agg && any_data && all_g) &&
+        !(m_.ops.value_static.count(op) != 0 && any_data && all_f_static) && op != "NoOp" && op != "Const") {
+      WhyNot(id, "its name is outside the fused ops' scope '" + fscope + "'");
+      return 0;
+    }
+    if (!autodiff && any_data && !all_g) {
+      WhyNot(id, "a sum outside an autodiff scope that reads more than the region");
+      return 0;
+    }
+    if (agg && reads_dy) {
+      WhyNot(id, "it sums the incoming gradient with another gradient (a residual path)");
+      return 0;
+    }
+    if (has_out && !(reads_dy || has_new_dy || g_dy)) {
+      WhyNot(id, "it reads the fused op's output but no gradient (a forward reader)");
+      return 0;
+    }
+    if (reads_dy && !grad_reads_output && g_dy) {
+      WhyNot(id, "it combines the incoming gradient with a gradient already derived from it");
+      return 0;
+    }
+    if (node.inputs.empty()) return 0;
+    const bool from_g = ctrl_in_region || has_g;
+    if (!from_g && !has_f && !reads_dy) return 0;
+    const bool via_dy = !from_g && !has_f;
+    if (via_dy && (!has_owner || agg)) {
+      WhyNot(id, "it reads only the incoming gradient and its name ties it to no fused op");
+      return 0;
+    }
+    if (has_new_dy) {
+      dy = new_dy;
+      has_dy = true;
+    }
+    in_region[id] = 1;
+    region.push_back(id);
+    const bool vstatic_op = m_.ops.value_static.count(op) != 0;
+    bool fdep = false, vs = true;
+    for (const K& k : kinds) {
+      if ((k.kind == kF && !vstatic_op) || (k.kind == kG && fwd_dep[k.src])) fdep = true;
+      if (k.kind != kCtrlExt && !(k.kind == kStatic || (k.kind == kG && val_static[k.src]))) {
+        vs = false;
+      }
+    }
+    fwd_dep[id] = fdep;
+    dy_dep[id] = reads_dy || g_dy;
+    val_static[id] = vstatic_op || (m_.ops.static_arith.count(op) && vs);
+    if (static_cast<int64_t>(region.size()) > max_nodes) {
+      refusal = "the gradient region grew beyond " + std::to_string(max_nodes) + " nodes";
+      why_not.clear();
+      return -1;
+    }
+    return 1;
+  }
+
+  const Mirror& m_;
+  DyCallback cb_;
+  std::vector<char> done_;
+  std::vector<signed char> static_memo_, in_memo_, anc_memo_;
+  std::vector<int> owner_memo_;
+  std::vector<string> owners_;
+  std::unordered_map<string, string> roots_;
+};
+
+}  // namespace
+
+#define NPU_AMP_GR_EXPORT extern "C" __attribute__((visibility("default")))
+
+NPU_AMP_GR_EXPORT void* NpuAmpGrMirrorNew() { return new Mirror(); }
+
+NPU_AMP_GR_EXPORT void NpuAmpGrMirrorFree(void* h) { delete static_cast<Mirror*>(h); }
+
+// Upsert every NodeDef of the serialized GraphDef `data` (fresh: a name may
+// not appear twice, nor name a node the mirror has).  0 ok, 1 refused (the
+// mirror is then unusable: drop it).
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoad(void* h, const char* data, size_t len, int fresh) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr || (len && data == nullptr)) return 1;
+  return LoadGraphDef(m, data, len, fresh != 0) ? 0 : 1;
+}
+
+// Remove the nodes named in `names` (\x01-separated).
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorRemove(void* h, const char* names, size_t len) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr) return 1;
+  for (string_view n : Split(string_view(names, len), '\x01')) {
+    const int32_t id = m->Find(n);
+    if (id >= 0) m->Remove(id);
+  }
+  return 0;
+}
+
+// The op sets: sections separated by \x03 (GRAD_OPS, _STATIC_ARITH,
+// _FROM_INPUT_OPS, AGGREGATIONS, SHAPE_OPS, VALUE_STATIC_OPS), names by \x01.
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorOps(void* h, const char* data, size_t len) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr) return 1;
+  std::vector<string_view> sec = Split(string_view(data, len), '\x03');
+  if (sec.size() != 6) return 1;
+  std::unordered_set<string>* sets[] = {&m->ops.grad, &m->ops.static_arith, &m->ops.from_input,
+                                        &m->ops.aggregation, &m->ops.shape, &m->ops.value_static};
+  for (int i = 0; i < 6; ++i) {
+    sets[i]->clear();
+    for (string_view op : Split(sec[i], '\x01')) sets[i]->emplace(op);
+  }
+  m->ops.set = true;
+  return 0;
+}
+
+// attributed_forward's names of the graph when the fusion pass began.
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorBefore(void* h, const char* names, size_t len) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr) return 1;
+  std::unordered_set<string> set;
+  for (string_view n : Split(string_view(names, len), '\x01')) set.emplace(n);
+  m->SetBefore(std::move(set));
+  return 0;
+}
+
+// Positions of the nodes named (\x01-separated; NaN: none); `reset` first
+// forgets every position.
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositions(void* h, const char* names, size_t len,
+                                              const double* pos, int64_t n, int reset) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr) return 1;
+  if (reset) m->ClearPositions();
+  std::vector<string_view> v = Split(string_view(names, len), '\x01');
+  if (static_cast<int64_t>(v.size()) != n) return 1;
+  for (int64_t i = 0; i < n; ++i) m->SetPos(m->Intern(v[i]), pos[i]);
+  return 0;
+}
+
+// One search.  `request`: sections separated by \x03 (fwd names; outputs as
+// name\x01port; inputs (canonical); side outputs (canonical); F's common
+// scope; owner scopes; protected names; max_nodes; flags
+// grad_reads_output,stop_at_dy), items by \x02.  Writes the answer (see
+// grad_region._native_search) to *out; returns its Status.
+NPU_AMP_GR_EXPORT int NpuAmpGrSearch(void* h, const char* request, size_t len, DyCallback cb,
+                                     const char** out, size_t* out_len) {
+  thread_local string buf;
+  auto* m = static_cast<Mirror*>(h);
+  buf.clear();
+  *out = buf.data();
+  *out_len = 0;
+  if (m == nullptr || cb == nullptr || !m->ops.set) return kUnable;
+  std::vector<string_view> sec = Split(string_view(request, len), '\x03');
+  if (sec.size() != 9) return kUnable;
+  Search s(*m, cb);
+  for (string_view f : Split(sec[0], '\x02')) {
+    s.fwd_sorted.emplace_back(f);
+  }
+  std::sort(s.fwd_sorted.begin(), s.fwd_sorted.end());
+  // every name the request gives gets an id (an unknown one: a dead entry)
+  std::vector<std::pair<int32_t, int64_t>> outs;
+  for (string_view o : Split(sec[1], '\x02')) {
+    const size_t k = o.find('\x01');
+    if (k == string_view::npos) return kUnable;
+    int64_t port = 0;
+    for (char c : o.substr(k + 1)) {
+      if (!IsDigit(c)) return kUnable;
+      port = port * 10 + (c - '0');
+    }
+    outs.emplace_back(m->Intern(o.substr(0, k)), port);
+  }
+  std::vector<int32_t> fwd_ids, prot_ids, side_ids;
+  for (const string& f : s.fwd_sorted) fwd_ids.push_back(m->Intern(f));
+  for (string_view i : Split(sec[2], '\x02')) s.ins.emplace(i);
+  for (string_view i : Split(sec[3], '\x02')) {
+    s.side.emplace(i);
+    string_view name;
+    int64_t port;
+    bool ctrl;
+    if (!ParseRef(i, &name, &port, &ctrl)) return kUnable;
+    side_ids.push_back(m->Intern(name));
+  }
+  s.fscope = string(sec[4]);
+  for (string_view o : Split(sec[5], '\x02')) s.owner_scopes.emplace_back(o);
+  for (string_view p : Split(sec[6], '\x02')) {
+    const int32_t id = m->Find(p);
+    if (id >= 0) prot_ids.push_back(id);
+  }
+  s.max_nodes = std::atoll(string(sec[7]).c_str());
+  std::vector<string_view> flags = Split(sec[8], '\x02');
+  if (flags.size() != 2) return kUnable;
+  s.grad_reads_output = flags[0] == "1";
+  s.stop_at_dy = flags[1] == "1";
+  // (ids are final now: size the per-id vectors)
+  const int32_t n = m->size();
+  s.Size(static_cast<size_t>(n));
+  for (int32_t id : fwd_ids) s.fwd[id] = 1;
+  for (int32_t id : prot_ids) s.prot[id] = 1;
+  for (int32_t id : side_ids) s.side_node[id] = 1;
+  for (const auto& o : outs) s.out_node[o.first] = 1;
+  s.outs = std::move(outs);
+  Status st;
+  try {
+    st = s.Run();
+  } catch (const Unable&) {
+    return kUnable;
+  }
+  // status \x03 refusal \x03 dy \x03 region (name\x01flags)\x02... \x03 why_not (name\x01why)\x02...
+  buf.append(std::to_string(static_cast<int>(st)));
+  buf.push_back('\x03');
+  buf.append(s.refusal);
+  buf.push_back('\x03');
+  if (s.has_dy) buf.append(s.dy);
+  buf.push_back('\x03');
+  for (size_t i = 0; i < s.region.size(); ++i) {
+    const int32_t id = s.region[i];
+    if (i) buf.push_back('\x02');
+    buf.append(m->name(id));
+    buf.push_back('\x01');
+    buf.push_back(static_cast<char>('0' + (s.fwd_dep[id] ? 1 : 0) + (s.dy_dep[id] ? 2 : 0) +
+                                    (s.val_static[id] ? 4 : 0)));
+  }
+  buf.push_back('\x03');
+  for (size_t i = 0; i < s.why_not.size(); ++i) {
+    if (i) buf.push_back('\x02');
+    buf.append(m->name(s.why_not[i].first));
+    buf.push_back('\x01');
+    buf.append(s.why_not[i].second);
+  }
+  *out = buf.data();
+  *out_len = buf.size();
+  return st;
+}
