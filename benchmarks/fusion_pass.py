@@ -80,6 +80,7 @@ class Captured:
         gd = graph_pb2.GraphDef()
         gd.ParseFromString(self.data)
         graph = Graph(gd, index=bridge.graph_index(gd, self.data))
+        graph.source_bytes = self.data  # (as the pipeline sets it: the C++ region search's mirror)
         src = bridge.graph_shape_source(gd)
         if src is not None:
             _shapes.attach(graph, src)

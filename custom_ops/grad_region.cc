@@ -24,7 +24,7 @@
 //   h = NpuAmpGrMirrorNew()
 //   rc = NpuAmpGrMirrorLoad(h, graphdef, len)      upsert every node (0 ok)
 //   rc = NpuAmpGrMirrorRemove(h, names, len)       \x01-separated names
-//   rc = NpuAmpGrMirrorBefore(h, names, len)       attributed_forward's known names
+//   rc = NpuAmpGrMirrorBefore(h, names, len, reset)  known names of removed nodes
 //   rc = NpuAmpGrMirrorPositions(h, names, len, pos, n, reset)
 //   rc = NpuAmpGrSearch(h, request, len, dy_cb, &out, &out_len)
 //   NpuAmpGrMirrorFree(h)
@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <queue>
@@ -54,8 +55,10 @@ constexpr double kNoPos = std::numeric_limits<double>::quiet_NaN();
 // The op sets (grad_region.GRAD_OPS, _STATIC_ARITH, _FROM_INPUT_OPS,
 // AGGREGATIONS, SHAPE_OPS, VALUE_STATIC_OPS) come from Python
 // (NpuAmpGrMirrorOps): the module's constants stay the one place they live.
+struct NameHash;
 struct OpSets {
-  std::unordered_set<string> grad, static_arith, from_input, aggregation, shape, value_static;
+  string text;  // (the sets view it)
+  std::unordered_set<string_view> grad, static_arith, from_input, aggregation, shape, value_static;
   bool set = false;
 };
 
@@ -218,16 +221,77 @@ string_view Parent(string_view s) {
   return k == string_view::npos ? s : s.substr(0, k);
 }
 
+std::vector<string_view> Split(string_view s, char sep) {
+  std::vector<string_view> out;
+  if (s.empty()) return out;
+  size_t at = 0;
+  while (true) {
+    const size_t k = s.find(sep, at);
+    if (k == string_view::npos) {
+      out.push_back(s.substr(at));
+      return out;
+    }
+    out.push_back(s.substr(at, k - at));
+    at = k + 1;
+  }
+}
+
 // ---------------------------------------------------------------- the mirror
+// A string hash 8 bytes at a time (names share long scope prefixes: the
+// whole name counts); std::hash reads them byte by byte.
+struct NameHash {
+  size_t operator()(string_view s) const {
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ s.size();
+    size_t i = 0;
+    for (; i + 8 <= s.size(); i += 8) {
+      uint64_t w;
+      std::memcpy(&w, s.data() + i, 8);
+      h = (h ^ w) * 0xff51afd7ed558ccdull;
+      h ^= h >> 32;
+    }
+    uint64_t w = 0;
+    std::memcpy(&w, s.data() + i, s.size() - i);
+    h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
+    return static_cast<size_t>(h ^ (h >> 29));
+  }
+};
+
 struct InputRef {
   int32_t src;  // interned source name (a node, or a dangling name)
   int64_t port;
   bool ctrl;
-  string ref;  // as written
+  string_view ref;  // as written (in the mirror's arena)
+};
+
+// Per-id values valid for one generation: Begin() forgets them all in O(1)
+// (a search touches a few hundred of the graph's ids).
+template <typename T>
+struct Stamped {
+  std::vector<uint32_t> stamp;
+  std::vector<T> val;
+  uint32_t cur = 0;
+  T def{};
+  void Begin(size_t n, T d) {
+    if (stamp.size() < n) {
+      stamp.resize(n, 0);
+      val.resize(n);
+    }
+    def = d;
+    if (++cur == 0) {
+      std::fill(stamp.begin(), stamp.end(), 0);
+      cur = 1;
+    }
+  }
+  T get(int32_t i) const { return stamp[i] == cur ? val[i] : def; }
+  T operator[](int32_t i) const { return get(i); }
+  void set(int32_t i, T v) {
+    stamp[i] = cur;
+    val[i] = v;
+  }
 };
 
 struct Node {
-  string op;
+  string_view op;  // (in the mirror's buffers)
   std::vector<InputRef> inputs;
   bool alive = false;
   double pos = kNoPos;
@@ -236,16 +300,22 @@ struct Node {
 class Mirror {
  public:
   int32_t Find(string_view name) const {
-    auto it = ids_.find(string(name));
+    auto it = ids_.find(name);
     return it == ids_.end() ? -1 : it->second;
   }
 
-  int32_t Intern(string_view name) {
-    auto it = ids_.find(string(name));
+  // `stable`: `name` views the mirror's own buffers (else a new name is copied)
+  int32_t Intern(string_view name, bool stable = false) {
+    auto it = ids_.find(name);
     if (it != ids_.end()) return it->second;
+    if (!Printable(name)) return -1;
     const int32_t id = static_cast<int32_t>(names_.size());
-    names_.emplace_back(name);
-    ids_.emplace(names_.back(), id);
+    if (!stable) {
+      buffers_.emplace_back(name);
+      name = buffers_.back();
+    }
+    names_.push_back(name);
+    ids_.emplace(name, id);
     nodes_.emplace_back();
     consumers_.emplace_back();
     return id;
@@ -253,12 +323,12 @@ class Mirror {
 
   bool Alive(int32_t id) const { return id >= 0 && nodes_[id].alive; }
   const Node& node(int32_t id) const { return nodes_[id]; }
-  const string& name(int32_t id) const { return names_[id]; }
+  string_view name(int32_t id) const { return names_[id]; }
   const std::vector<std::pair<int32_t, int32_t>>& consumers(int32_t id) const {
     return consumers_[id];
   }
   double pos(int32_t id) const { return id >= 0 ? nodes_[id].pos : kNoPos; }
-  bool known_before(string_view name) const { return before_.count(string(name)) != 0; }
+  bool known_before(string_view name) const { return before_.count(name) != 0; }
   int32_t size() const { return static_cast<int32_t>(names_.size()); }
 
   OpSets ops;
@@ -269,14 +339,22 @@ class Mirror {
     Unlink(id);
     n.alive = false;
     n.inputs.clear();
-    n.op.clear();
+    n.op = string_view();
   }
 
-  // the node `name` now has `op` and `inputs` (created, or edited in place)
+  // A buffer the mirror keeps (the loaded bytes: names, ops and inputs view it).
+  string_view Keep(const char* data, size_t len) {
+    buffers_.emplace_back(data, len);
+    return buffers_.back();
+  }
+
+  // the node `name` now has `op` and `inputs` (created, or edited in place);
+  // every view is into a buffer of Keep()
   bool Upsert(string_view name, string_view op, const std::vector<string_view>& inputs,
               bool fresh) {
-    if (!Printable(name) || !Printable(op)) return false;
-    const int32_t id = Intern(name);
+    if (!Printable(op)) return false;
+    const int32_t id = Intern(name, /*stable=*/true);
+    if (id < 0) return false;
     if (nodes_[id].alive) {
       if (fresh) return false;  // a name twice in the bytes
       Unlink(id);
@@ -287,11 +365,14 @@ class Mirror {
       string_view ref = inputs[i], src;
       int64_t port;
       bool ctrl;
-      if (!Printable(ref) || !ParseRef(ref, &src, &port, &ctrl)) return false;
-      ins.push_back(InputRef{Intern(src), port, ctrl, string(ref)});
+      // (a ref is printable when its name is: '^', ':' and digits are; Intern checks a new name)
+      if (!ParseRef(ref, &src, &port, &ctrl)) return false;
+      const int32_t sid = Intern(src, /*stable=*/true);
+      if (sid < 0) return false;
+      ins.push_back(InputRef{sid, port, ctrl, ref});
     }
     Node& n = nodes_[id];
-    n.op.assign(op);
+    n.op = op;
     n.inputs = std::move(ins);
     n.alive = true;
     for (size_t i = 0; i < n.inputs.size(); ++i) {
@@ -300,7 +381,20 @@ class Mirror {
     return true;
   }
 
-  void SetBefore(std::unordered_set<string> names) { before_ = std::move(names); }
+  void Reserve(size_t n) {
+    ids_.reserve(n);
+    names_.reserve(n);
+    nodes_.reserve(n);
+    consumers_.reserve(n);
+  }
+
+  // attributed_forward's known names besides the live nodes': those of the
+  // graph when the fusion pass began that are gone since (`reset`: only these)
+  void AddBefore(string_view names, bool reset) {
+    if (reset) before_.clear();
+    if (names.empty()) return;
+    for (string_view n : Split(Keep(names.data(), names.size()), '\x01')) before_.insert(n);
+  }
   void SetPos(int32_t id, double p) { nodes_[id].pos = p; }
   void ClearPositions() {
     for (auto& n : nodes_) n.pos = kNoPos;
@@ -315,11 +409,19 @@ class Mirror {
     }
   }
 
-  std::vector<string> names_;
-  std::unordered_map<string, int32_t> ids_;
+  std::deque<string> buffers_;  // (a deque: every view stays valid)
+  std::vector<string_view> names_;
+  std::unordered_map<string_view, int32_t, NameHash> ids_;
   std::vector<Node> nodes_;
   std::vector<std::vector<std::pair<int32_t, int32_t>>> consumers_;
-  std::unordered_set<string> before_;
+  std::unordered_set<string_view, NameHash> before_;
+
+ public:
+  // the searches' per-id scratch (Search)
+  Stamped<char> in_region, fwd_dep, dy_dep, val_static, has_why, done, fwd, out_node, side_node, prot,
+      seen;
+  Stamped<signed char> static_memo, in_memo, anc_memo, owner_memo;
+  std::vector<string> owners;
 };
 
 // ---------------------------------------------------------------- wire format
@@ -360,7 +462,9 @@ bool Skip(const char*& p, const char* end, int wt) {
 }
 
 // Every NodeDef of a serialized GraphDef (name, op, inputs) upserted.
-bool LoadGraphDef(Mirror* m, const char* data, size_t len, bool fresh) {
+bool LoadGraphDef(Mirror* m, const char* bytes, size_t len, bool fresh) {
+  const string_view kept = m->Keep(bytes, len);
+  const char* data = kept.data();
   const char* p = data;
   const char* end = data + len;
   std::vector<string_view> inputs;
@@ -405,20 +509,6 @@ bool LoadGraphDef(Mirror* m, const char* data, size_t len, bool fresh) {
   return true;
 }
 
-std::vector<string_view> Split(string_view s, char sep) {
-  std::vector<string_view> out;
-  if (s.empty()) return out;
-  size_t at = 0;
-  while (true) {
-    const size_t k = s.find(sep, at);
-    if (k == string_view::npos) {
-      out.push_back(s.substr(at));
-      return out;
-    }
-    out.push_back(s.substr(at, k - at));
-    at = k + 1;
-  }
-}
 
 // ---------------------------------------------------------------- the search
 using DyCallback = int (*)(const char* ref, size_t len);
@@ -430,17 +520,39 @@ enum Kind { kG, kF, kIn, kStatic, kDy, kOut, kExt, kCtrlExt };
 struct Unable {};  // the callback failed: Python searches
 
 class Search {
+  Mirror& m_;
+  DyCallback cb_;
+
  public:
-  Search(const Mirror& m, DyCallback cb) : m_(m), cb_(cb) {}
+  // (the per-id state lives in the mirror's stamped scratch: nothing O(graph) per search)
+  Search(Mirror& m, DyCallback cb)
+      : m_(m),
+        cb_(cb),
+        fwd(m.fwd),
+        out_node(m.out_node),
+        side_node(m.side_node),
+        prot(m.prot),
+        in_region(m.in_region),
+        fwd_dep(m.fwd_dep),
+        dy_dep(m.dy_dep),
+        val_static(m.val_static),
+        has_why(m.has_why),
+        done_(m.done),
+        static_memo_(m.static_memo),
+        in_memo_(m.in_memo),
+        anc_memo_(m.anc_memo),
+        owner_memo_(m.owner_memo),
+        owners_(m.owners) {}
 
   // the request's fields
   std::vector<string> fwd_sorted;
-  std::vector<char> fwd;          // per id
-  std::vector<char> out_node;     // per id: a node of `outputs`
+  std::vector<int32_t> fwd_ids;
+  Stamped<char>& fwd;        // per id
+  Stamped<char>& out_node;   // per id: a node of `outputs`
   std::vector<std::pair<int32_t, int64_t>> outs;
   std::unordered_set<string> ins, side;
-  std::vector<char> side_node;    // per id
-  std::vector<char> prot;         // per id
+  Stamped<char>& side_node;  // per id
+  Stamped<char>& prot;       // per id
   string fscope;
   std::vector<string> owner_scopes;
   int64_t max_nodes = 4000;
@@ -449,38 +561,38 @@ class Search {
 
   // the result
   std::vector<int32_t> region;  // insertion order
-  std::vector<char> in_region, fwd_dep, dy_dep, val_static;
+  Stamped<char>& in_region;
+  Stamped<char>& fwd_dep;
+  Stamped<char>& dy_dep;
+  Stamped<char>& val_static;
   std::vector<std::pair<int32_t, string>> why_not;
-  std::vector<char> has_why;
+  Stamped<char>& has_why;
   string dy;  // canonical ref, or empty
   bool has_dy = false;
   string refusal;
 
-  void Size(size_t n) {
-    in_region.assign(n, 0);
-    fwd_dep.assign(n, 0);
-    dy_dep.assign(n, 0);
-    val_static.assign(n, 0);
-    has_why.assign(n, 0);
-    done_.assign(n, 0);
-    static_memo_.assign(n, -1);
-    in_memo_.assign(n, -1);
-    anc_memo_.assign(n, -1);
-    owner_memo_.assign(n, -2);
-    owners_.assign(n, string());
-    fwd.resize(n, 0);
-    out_node.resize(n, 0);
-    side_node.resize(n, 0);
-    prot.resize(n, 0);
+  // a new search over the mirror's n ids: every per-id value forgotten
+  void Begin(size_t n) {
+    n_ = n;
+    for (Stamped<char>* a : std::initializer_list<Stamped<char>*>{&fwd, &out_node, &side_node, &prot, &in_region, &fwd_dep, &dy_dep,
+                             &val_static, &has_why, &done_}) {
+      a->Begin(n, 0);
+    }
+    static_memo_.Begin(n, -1);
+    in_memo_.Begin(n, -1);
+    anc_memo_.Begin(n, -1);
+    owner_memo_.Begin(n, -2);
+    if (owners_.size() < n) owners_.resize(n);
   }
 
   // pass A, then pass B; kFound / kRefused / kNoDy
   Status Run() {
     std::vector<int32_t> seeds;
-    for (size_t id = 0; id < fwd.size(); ++id) {
-      if (!fwd[id]) continue;
-      for (const auto& c : m_.consumers(static_cast<int32_t>(id))) {
-        if (!fwd[c.first]) seeds.push_back(c.first);
+    std::sort(fwd_ids.begin(), fwd_ids.end());
+    fwd_ids.erase(std::unique(fwd_ids.begin(), fwd_ids.end()), fwd_ids.end());
+    for (int32_t id : fwd_ids) {
+      for (const auto& c : m_.consumers(id)) {
+        if (!fwd.get(c.first)) seeds.push_back(c.first);
       }
     }
     if (!Grow(seeds, stop_at_dy)) return kRefused;
@@ -531,23 +643,21 @@ class Search {
 
  private:
   void ClearPass() {
-    for (int32_t id : region) {
-      in_region[id] = fwd_dep[id] = dy_dep[id] = val_static[id] = 0;
+    for (Stamped<char>* a : std::initializer_list<Stamped<char>*>{&in_region, &fwd_dep, &dy_dep, &val_static, &has_why, &done_}) {
+      a->Begin(n_, 0);
     }
     region.clear();
-    for (const auto& w : why_not) has_why[w.first] = 0;
     why_not.clear();
-    std::fill(done_.begin(), done_.end(), 0);
   }
 
   void WhyNot(int32_t id, string msg) {
-    if (has_why[id]) {
+    if (has_why.get(id)) {
       for (auto& w : why_not) {
         if (w.first == id) w.second = std::move(msg);
       }
       return;
     }
-    has_why[id] = 1;
+    has_why.set(id, 1);
     why_not.emplace_back(id, std::move(msg));
   }
 
@@ -568,14 +678,14 @@ class Search {
     while (!heap.empty()) {
       const int32_t id = heap.top().second;
       heap.pop();
-      if (done_[id]) continue;
-      done_[id] = 1;
+      if (done_.get(id)) continue;
+      done_.set(id, 1);
       int r = TryAdd(id);
       if (r < 0) return false;
       if (r == 1) {
         if (stop && has_dy) return true;
         for (const auto& c : m_.consumers(id)) {
-          if (!in_region[c.first] && !done_[c.first]) heap.emplace(key(c.first), c.first);
+          if (!in_region.get(c.first) && !done_.get(c.first)) heap.emplace(key(c.first), c.first);
         }
       }
     }
@@ -619,7 +729,8 @@ class Search {
   // _Static.__call__
   bool IsStatic(int32_t id, int depth = 0) {
     if (id < 0) return false;
-    if (static_memo_[id] >= 0) return static_memo_[id] == 1;
+    const signed char memo = static_memo_.get(id);
+    if (memo >= 0) return memo == 1;
     if (!m_.Alive(id) || depth > 32) return false;
     const Node& n = m_.node(id);
     bool res;
@@ -640,15 +751,16 @@ class Search {
     } else {
       res = false;
     }
-    static_memo_[id] = res ? 1 : 0;
+    static_memo_.set(id, res ? 1 : 0);
     return res;
   }
 
   // from_inputs
   bool FromInputs(int32_t id, int depth = 0) {
-    if (in_memo_[id] >= 0) return in_memo_[id] == 1;
+    const signed char memo = in_memo_.get(id);
+    if (memo >= 0) return memo == 1;
     bool res = false;
-    if (m_.Alive(id) && m_.ops.from_input.count(m_.node(id).op) && depth < 8 && !fwd[id]) {
+    if (m_.Alive(id) && m_.ops.from_input.count(m_.node(id).op) && depth < 8 && !fwd.get(id)) {
       bool any = false;
       res = true;
       for (const auto& in : m_.node(id).inputs) {
@@ -662,25 +774,27 @@ class Search {
       }
       res = res && any;
     }
-    in_memo_[id] = res ? 1 : 0;
+    in_memo_.set(id, res ? 1 : 0);
     return res;
   }
 
   // after_forward (with a topological order; the caller ran only then)
   bool AfterForward(int32_t start) {
-    if (anc_memo_[start] >= 0) return anc_memo_[start] == 1;
+    const signed char memo = anc_memo_.get(start);
+    if (memo >= 0) return memo == 1;
     auto inner = [this](int32_t id) {
-      return fwd[id] && !out_node[id] && !side_node[id];
+      return fwd.get(id) && !out_node.get(id) && !side_node.get(id);
     };
     bool hit = false;
     const double limit = m_.pos(start);
+    Stamped<char>& seen = m_.seen;
+    seen.Begin(n_, 0);
+    std::vector<int32_t> stack;
     if (!std::isnan(limit)) {  // (`start in pos`: a removed node's position stays)
-      std::vector<char> seen(fwd.size(), 0);
-      std::vector<int32_t> stack;
-      for (size_t id = 0; id < fwd.size(); ++id) {
-        if (inner(static_cast<int32_t>(id))) {
-          seen[id] = 1;
-          stack.push_back(static_cast<int32_t>(id));
+      for (int32_t id : fwd_ids) {
+        if (inner(id)) {
+          seen.set(id, 1);
+          stack.push_back(id);
         }
       }
       while (!stack.empty() && !hit) {
@@ -691,17 +805,16 @@ class Search {
             hit = true;
             break;
           }
-          if (seen[c.first] || out_node[c.first] || side_node[c.first]) continue;
+          if (seen.get(c.first) || out_node.get(c.first) || side_node.get(c.first)) continue;
           const double p = m_.pos(c.first);
           if (std::isnan(p) || p >= limit) continue;
-          seen[c.first] = 1;
+          seen.set(c.first, 1);
           stack.push_back(c.first);
         }
       }
     } else {
-      std::vector<char> seen(fwd.size(), 0);
-      seen[start] = 1;
-      std::vector<int32_t> stack{start};
+      seen.set(start, 1);
+      stack.push_back(start);
       while (!stack.empty() && !hit) {
         const int32_t cur = stack.back();
         stack.pop_back();
@@ -711,20 +824,20 @@ class Search {
             hit = true;
             break;
           }
-          if (seen[in.src] || InOuts(in.src, 0)) continue;
-          seen[in.src] = 1;
+          if (seen.get(in.src) || InOuts(in.src, 0)) continue;
+          seen.set(in.src, 1);
           stack.push_back(in.src);
         }
       }
     }
-    anc_memo_[start] = hit ? 1 : 0;
+    anc_memo_.set(start, hit ? 1 : 0);
     return hit;
   }
 
   // attributed_forward (memoised per name: the graph does not change)
   const string* Owner(int32_t id) {
     if (owner_memo_[id] == -2) {
-      owner_memo_[id] = Attributed(m_.name(id), &owners_[id]) ? 1 : 0;
+      owner_memo_.set(id, Attributed(m_.name(id), &owners_[id]) ? 1 : 0);
     }
     return owner_memo_[id] == 1 ? &owners_[id] : nullptr;
   }
@@ -784,8 +897,9 @@ class Search {
     *canon = Canon(m_.name(n), in.port, in.ctrl);
     if (ins.count(*canon) || FromInputs(n)) return kIn;
     if (has_dy) {
-      auto it = roots_.find(in.ref);
-      if (it == roots_.end()) it = roots_.emplace(in.ref, IdentityRoot(in.ref)).first;
+      const string ref(in.ref);
+      auto it = roots_.find(ref);
+      if (it == roots_.end()) it = roots_.emplace(ref, IdentityRoot(in.ref)).first;
       if (it->second == dy) return kDy;
     }
     if (IsStatic(n)) return kStatic;
@@ -797,10 +911,10 @@ class Search {
     if (in_region[id] || fwd[id]) return 0;
     if (!m_.Alive(id)) return 0;
     const Node& node = m_.node(id);
-    const string& name = m_.name(id);
-    const string& op = node.op;
+    const string_view name = m_.name(id);
+    const string_view op = node.op;
     if (!m_.ops.grad.count(op)) {
-      WhyNot(id, "op " + op + " is not a gradient op");
+      WhyNot(id, "op " + string(op) + " is not a gradient op");
       return 0;
     }
     if (prot[id]) {
@@ -869,12 +983,12 @@ class Search {
           }
         }
         if (k == kExt) {
-          WhyNot(id, "it reads '" + in.ref + "', which is neither the gradient nor the fused region's");
+          WhyNot(id, "it reads '" + string(in.ref) + "', which is neither the gradient nor the fused region's");
           return 0;
         }
       }
       if (k == kOut && !grad_reads_output) {
-        WhyNot(id, "it reads the fused op's output '" + in.ref + "'");
+        WhyNot(id, "it reads the fused op's output '" + string(in.ref) + "'");
         return 0;
       }
       kinds.push_back(K{k, in.src});
@@ -927,7 +1041,7 @@ class Search {
       dy = new_dy;
       has_dy = true;
     }
-    in_region[id] = 1;
+    in_region.set(id, 1);
     region.push_back(id);
     const bool vstatic_op = m_.ops.value_static.count(op) != 0;
     bool fdep = false, vs = true;
@@ -937,9 +1051,9 @@ class Search {
         vs = false;
       }
     }
-    fwd_dep[id] = fdep;
-    dy_dep[id] = reads_dy || g_dy;
-    val_static[id] = vstatic_op || (m_.ops.static_arith.count(op) && vs);
+    fwd_dep.set(id, fdep);
+    dy_dep.set(id, reads_dy || g_dy);
+    val_static.set(id, vstatic_op || (m_.ops.static_arith.count(op) && vs));
     if (static_cast<int64_t>(region.size()) > max_nodes) {
       refusal = "the gradient region grew beyond " + std::to_string(max_nodes) + " nodes";
       why_not.clear();
@@ -948,12 +1062,13 @@ class Search {
     return 1;
   }
 
-  const Mirror& m_;
-  DyCallback cb_;
-  std::vector<char> done_;
-  std::vector<signed char> static_memo_, in_memo_, anc_memo_;
-  std::vector<int> owner_memo_;
-  std::vector<string> owners_;
+  size_t n_ = 0;
+  Stamped<char>& done_;
+  Stamped<signed char>& static_memo_;
+  Stamped<signed char>& in_memo_;
+  Stamped<signed char>& anc_memo_;
+  Stamped<signed char>& owner_memo_;
+  std::vector<string>& owners_;
   std::unordered_map<string, string> roots_;
 };
 
@@ -971,6 +1086,7 @@ NPU_AMP_GR_EXPORT void NpuAmpGrMirrorFree(void* h) { delete static_cast<Mirror*>
 NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoad(void* h, const char* data, size_t len, int fresh) {
   auto* m = static_cast<Mirror*>(h);
   if (m == nullptr || (len && data == nullptr)) return 1;
+  if (fresh) m->Reserve(m->size() + len / 128);  // (a NodeDef of a training graph: ~160 bytes)
   return LoadGraphDef(m, data, len, fresh != 0) ? 0 : 1;
 }
 
@@ -992,8 +1108,10 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorOps(void* h, const char* data, size_t len) {
   if (m == nullptr) return 1;
   std::vector<string_view> sec = Split(string_view(data, len), '\x03');
   if (sec.size() != 6) return 1;
-  std::unordered_set<string>* sets[] = {&m->ops.grad, &m->ops.static_arith, &m->ops.from_input,
-                                        &m->ops.aggregation, &m->ops.shape, &m->ops.value_static};
+  m->ops.text.assign(data, len);
+  sec = Split(m->ops.text, '\x03');
+  std::unordered_set<string_view>* sets[] = {&m->ops.grad, &m->ops.static_arith, &m->ops.from_input,
+                                             &m->ops.aggregation, &m->ops.shape, &m->ops.value_static};
   for (int i = 0; i < 6; ++i) {
     sets[i]->clear();
     for (string_view op : Split(sec[i], '\x01')) sets[i]->emplace(op);
@@ -1002,13 +1120,13 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorOps(void* h, const char* data, size_t len) {
   return 0;
 }
 
-// attributed_forward's names of the graph when the fusion pass began.
-NPU_AMP_GR_EXPORT int NpuAmpGrMirrorBefore(void* h, const char* names, size_t len) {
+// attributed_forward's known names that no live node has: the names of the
+// graph when the fusion pass began that are gone since (\x01-separated;
+// `reset`: forget those given before).
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorBefore(void* h, const char* names, size_t len, int reset) {
   auto* m = static_cast<Mirror*>(h);
   if (m == nullptr) return 1;
-  std::unordered_set<string> set;
-  for (string_view n : Split(string_view(names, len), '\x01')) set.emplace(n);
-  m->SetBefore(std::move(set));
+  m->AddBefore(string_view(names, len), reset != 0);
   return 0;
 }
 
@@ -1021,7 +1139,11 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositions(void* h, const char* names, size_t
   if (reset) m->ClearPositions();
   std::vector<string_view> v = Split(string_view(names, len), '\x01');
   if (static_cast<int64_t>(v.size()) != n) return 1;
-  for (int64_t i = 0; i < n; ++i) m->SetPos(m->Intern(v[i]), pos[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t id = m->Intern(v[i]);
+    if (id < 0) return 1;
+    m->SetPos(id, pos[i]);
+  }
   return 0;
 }
 
@@ -1055,10 +1177,15 @@ NPU_AMP_GR_EXPORT int NpuAmpGrSearch(void* h, const char* request, size_t len, D
       if (!IsDigit(c)) return kUnable;
       port = port * 10 + (c - '0');
     }
-    outs.emplace_back(m->Intern(o.substr(0, k)), port);
+    const int32_t id = m->Intern(o.substr(0, k));
+    if (id < 0) return kUnable;
+    outs.emplace_back(id, port);
   }
   std::vector<int32_t> fwd_ids, prot_ids, side_ids;
-  for (const string& f : s.fwd_sorted) fwd_ids.push_back(m->Intern(f));
+  for (const string& f : s.fwd_sorted) {
+    fwd_ids.push_back(m->Intern(f));
+    if (fwd_ids.back() < 0) return kUnable;
+  }
   for (string_view i : Split(sec[2], '\x02')) s.ins.emplace(i);
   for (string_view i : Split(sec[3], '\x02')) {
     s.side.emplace(i);
@@ -1067,6 +1194,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrSearch(void* h, const char* request, size_t len, D
     bool ctrl;
     if (!ParseRef(i, &name, &port, &ctrl)) return kUnable;
     side_ids.push_back(m->Intern(name));
+    if (side_ids.back() < 0) return kUnable;
   }
   s.fscope = string(sec[4]);
   for (string_view o : Split(sec[5], '\x02')) s.owner_scopes.emplace_back(o);
@@ -1081,11 +1209,12 @@ NPU_AMP_GR_EXPORT int NpuAmpGrSearch(void* h, const char* request, size_t len, D
   s.stop_at_dy = flags[1] == "1";
   // (ids are final now: size the per-id vectors)
   const int32_t n = m->size();
-  s.Size(static_cast<size_t>(n));
-  for (int32_t id : fwd_ids) s.fwd[id] = 1;
-  for (int32_t id : prot_ids) s.prot[id] = 1;
-  for (int32_t id : side_ids) s.side_node[id] = 1;
-  for (const auto& o : outs) s.out_node[o.first] = 1;
+  s.Begin(static_cast<size_t>(n));
+  for (int32_t id : fwd_ids) s.fwd.set(id, 1);
+  for (int32_t id : prot_ids) s.prot.set(id, 1);
+  for (int32_t id : side_ids) s.side_node.set(id, 1);
+  for (const auto& o : outs) s.out_node.set(o.first, 1);
+  s.fwd_ids = std::move(fwd_ids);
   s.outs = std::move(outs);
   Status st;
   try {

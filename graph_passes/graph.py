@@ -670,6 +670,13 @@ class Graph:
             return None, len(log)
         return log[mark:], len(log)
 
+    def edit_marks(self) -> tuple[int, int] | None:
+        """The current marks of :meth:`edits_since` and :meth:`removed_since`
+        (nothing copied), or None after :meth:`touch_all`."""
+        if self._all_modified:
+            return None
+        return len(self._edit_log), len(self._removed_log)
+
     def removed_since(self, mark: int) -> tuple[list[str], int]:
         """(names of the nodes removed since ``mark``, in order, the new
         mark); ``mark`` 0 is this object's creation.  With

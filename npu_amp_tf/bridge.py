@@ -471,9 +471,11 @@ class GradRegionLib:
         lib.NpuAmpGrMirrorNew.restype = c_void_p
         lib.NpuAmpGrMirrorFree.argtypes = [c_void_p]
         lib.NpuAmpGrMirrorFree.restype = None
-        for fn in ("NpuAmpGrMirrorOps", "NpuAmpGrMirrorRemove", "NpuAmpGrMirrorBefore"):
+        for fn in ("NpuAmpGrMirrorOps", "NpuAmpGrMirrorRemove"):
             getattr(lib, fn).argtypes = [c_void_p, c_char_p, c_size_t]
             getattr(lib, fn).restype = c_int
+        lib.NpuAmpGrMirrorBefore.argtypes = [c_void_p, c_char_p, c_size_t, c_int]
+        lib.NpuAmpGrMirrorBefore.restype = c_int
         lib.NpuAmpGrMirrorLoad.argtypes = [c_void_p, c_char_p, c_size_t, c_int]
         lib.NpuAmpGrMirrorLoad.restype = c_int
         lib.NpuAmpGrMirrorPositions.argtypes = [c_void_p, c_char_p, c_size_t, c_void_p, ctypes.c_int64, c_int]
@@ -498,8 +500,8 @@ class GradRegionLib:
     def remove(self, h, names: bytes) -> int:
         return self._lib.NpuAmpGrMirrorRemove(h, names, len(names))
 
-    def before(self, h, names: bytes) -> int:
-        return self._lib.NpuAmpGrMirrorBefore(h, names, len(names))
+    def before(self, h, names: bytes, reset: bool) -> int:
+        return self._lib.NpuAmpGrMirrorBefore(h, names, len(names), int(reset))
 
     def positions(self, h, names, values, reset: bool) -> int:
         """Positions (floats) of the nodes ``names``; ``reset`` forgets the others'."""

@@ -838,8 +838,7 @@ class _Mirror:
             self.ok = lib.load(self.h, src, True) == 0
         else:
             self.ok = lib.load(self.h, _lean_nodes(graph.nodes.values()), True) == 0
-            self.mark = graph.edits_since(0)[1]
-            self.rmark = graph.removed_since(0)[1]
+            self.mark, self.rmark = graph.edit_marks()
 
     def __del__(self):
         if getattr(self, "h", None):
@@ -862,13 +861,18 @@ class _Mirror:
         if gone:
             lib.remove(h, "\x01".join(gone).encode())
         self.mark, self.rmark = mark, rmark
+        # attributed_forward's known names: the live nodes', and those of the
+        # names the graph had when the fusion pass began that are gone since
         before = getattr(graph, ORIGINAL_NAMES_ATTR, None)
         if before is not self.before:
-            lib.before(h, "\x01".join(before or ()).encode())
+            lib.before(h, "\x01".join([n for n in before or () if n not in nodes]).encode(), True)
             self.before = before
+        elif before and removed:
+            gone_before = [n for n in removed if n in before]
+            if gone_before:
+                lib.before(h, "\x01".join(gone_before).encode(), False)
         if pos is not self.pos:
-            keys = list(pos)
-            if lib.positions(h, keys, [pos[k] for k in keys], True) != 0:
+            if lib.positions(h, list(pos), list(pos.values()), True) != 0:
                 return False
             self.pos = pos
         elif live:
@@ -883,9 +887,9 @@ def _mirror(graph, pos):
     m = getattr(graph, _MIRROR_ATTR, None)
     if m is False:
         return None  # (refused once: names the C++ search does not take)
-    if m is None or m.cons is not graph._consumers or graph.edits_since(0)[0] is None:  # noqa: SLF001
-        if graph.edits_since(0)[0] is None:
-            return None
+    if graph.edit_marks() is None:
+        return None  # (touch_all: the edits are not known)
+    if m is None or m.cons is not graph._consumers:  # noqa: SLF001 - reindex() made a new index
         m = _Mirror(native, graph)
         if not m.ok:
             setattr(graph, _MIRROR_ATTR, False)
@@ -929,8 +933,14 @@ def _native_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, prote
     if status == 2:
         raise _no_dy_refusal(graph, fwd, why_not)
     region, fwd_dep, dy_dep, val_static = {}, {}, {}, {}
+    # (the graph's own name objects: the later lookups of these names in the
+    # graph's dicts then stop at the identity check)
+    seq, id_name = graph._seq, graph._id_name  # noqa: SLF001
     for item in region_s.split("\x02") if region_s else ():
         name, flags = item.split("\x01")
+        k = seq.get(name)
+        if k is not None and k < len(id_name) and id_name[k] == name:
+            name = id_name[k]
         f = int(flags)
         region[name] = None
         fwd_dep[name], dy_dep[name], val_static[name] = bool(f & 1), bool(f & 2), bool(f & 4)
