@@ -44,6 +44,8 @@
 #include <utility>
 #include <vector>
 
+#include "opdef_precheck.h"  // npu_amp_tf::NameTable
+
 namespace {
 
 using std::string;
@@ -55,7 +57,6 @@ constexpr double kNoPos = std::numeric_limits<double>::quiet_NaN();
 // The op sets (grad_region.GRAD_OPS, _STATIC_ARITH, _FROM_INPUT_OPS,
 // AGGREGATIONS, SHAPE_OPS, VALUE_STATIC_OPS) come from Python
 // (NpuAmpGrMirrorOps): the module's constants stay the one place they live.
-struct NameHash;
 struct OpSets {
   string text;  // (the sets view it)
   std::unordered_set<string_view> grad, static_arith, from_input, aggregation, shape, value_static;
@@ -237,24 +238,6 @@ std::vector<string_view> Split(string_view s, char sep) {
 }
 
 // ---------------------------------------------------------------- the mirror
-// A string hash 8 bytes at a time (names share long scope prefixes: the
-// whole name counts); std::hash reads them byte by byte.
-struct NameHash {
-  size_t operator()(string_view s) const {
-    uint64_t h = 0x9e3779b97f4a7c15ull ^ s.size();
-    size_t i = 0;
-    for (; i + 8 <= s.size(); i += 8) {
-      uint64_t w;
-      std::memcpy(&w, s.data() + i, 8);
-      h = (h ^ w) * 0xff51afd7ed558ccdull;
-      h ^= h >> 32;
-    }
-    uint64_t w = 0;
-    std::memcpy(&w, s.data() + i, s.size() - i);
-    h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
-    return static_cast<size_t>(h ^ (h >> 29));
-  }
-};
 
 struct InputRef {
   int32_t src;  // interned source name (a node, or a dangling name)
@@ -299,15 +282,12 @@ struct Node {
 
 class Mirror {
  public:
-  int32_t Find(string_view name) const {
-    auto it = ids_.find(name);
-    return it == ids_.end() ? -1 : it->second;
-  }
+  int32_t Find(string_view name) const { return ids_.Find(name); }
 
   // `stable`: `name` views the mirror's own buffers (else a new name is copied)
   int32_t Intern(string_view name, bool stable = false) {
-    auto it = ids_.find(name);
-    if (it != ids_.end()) return it->second;
+    const int32_t found = ids_.Find(name);
+    if (found >= 0) return found;
     if (!Printable(name)) return -1;
     const int32_t id = static_cast<int32_t>(names_.size());
     if (!stable) {
@@ -315,7 +295,7 @@ class Mirror {
       name = buffers_.back();
     }
     names_.push_back(name);
-    ids_.emplace(name, id);
+    ids_.Insert(name);  // (the table's ids are its insertion order: id)
     nodes_.emplace_back();
     consumers_.emplace_back();
     return id;
@@ -382,7 +362,7 @@ class Mirror {
   }
 
   void Reserve(size_t n) {
-    ids_.reserve(n);
+    if (names_.empty()) ids_.Reserve(n);  // (NameTable::Reserve empties the table)
     names_.reserve(n);
     nodes_.reserve(n);
     consumers_.reserve(n);
@@ -411,10 +391,13 @@ class Mirror {
 
   std::deque<string> buffers_;  // (a deque: every view stays valid)
   std::vector<string_view> names_;
-  std::unordered_map<string_view, int32_t, NameHash> ids_;
+  npu_amp_tf::NameTable ids_;
   std::vector<Node> nodes_;
   std::vector<std::vector<std::pair<int32_t, int32_t>>> consumers_;
-  std::unordered_set<string_view, NameHash> before_;
+  struct ViewHash {
+    size_t operator()(string_view s) const { return npu_amp_tf::NameTable::Hash(s); }
+  };
+  std::unordered_set<string_view, ViewHash> before_;
 
  public:
   // the searches' per-id scratch (Search)
