@@ -44,6 +44,7 @@
 #include <utility>
 #include <vector>
 
+#include "graph_views.h"     // npu_amp_tf::ViewsOfBytes
 #include "opdef_precheck.h"  // npu_amp_tf::NameTable
 
 namespace {
@@ -330,7 +331,7 @@ class Mirror {
 
   // the node `name` now has `op` and `inputs` (created, or edited in place);
   // every view is into a buffer of Keep()
-  bool Upsert(string_view name, string_view op, const std::vector<string_view>& inputs,
+  bool Upsert(string_view name, string_view op, const string_view* inputs, size_t n_inputs,
               bool fresh) {
     if (!Printable(op)) return false;
     const int32_t id = Intern(name, /*stable=*/true);
@@ -340,8 +341,8 @@ class Mirror {
       Unlink(id);
     }
     std::vector<InputRef> ins;
-    ins.reserve(inputs.size());
-    for (size_t i = 0; i < inputs.size(); ++i) {
+    ins.reserve(n_inputs);
+    for (size_t i = 0; i < n_inputs; ++i) {
       string_view ref = inputs[i], src;
       int64_t port;
       bool ctrl;
@@ -407,91 +408,19 @@ class Mirror {
   std::vector<string> owners;
 };
 
-// ---------------------------------------------------------------- wire format
-bool Varint(const char*& p, const char* end, uint64_t* v) {
-  uint64_t r = 0;
-  for (int s = 0; s < 64 && p < end; s += 7) {
-    const uint8_t b = static_cast<uint8_t>(*p++);
-    r |= static_cast<uint64_t>(b & 0x7f) << s;
-    if (!(b & 0x80)) {
-      *v = r;
-      return true;
-    }
-  }
-  return false;
-}
-
-// Skip a field of wire type `wt`; false on a malformed or group field.
-bool Skip(const char*& p, const char* end, int wt) {
-  uint64_t v;
-  switch (wt) {
-    case 0:
-      return Varint(p, end, &v);
-    case 1:
-      if (end - p < 8) return false;
-      p += 8;
-      return true;
-    case 2:
-      if (!Varint(p, end, &v) || v > static_cast<uint64_t>(end - p)) return false;
-      p += v;
-      return true;
-    case 5:
-      if (end - p < 4) return false;
-      p += 4;
-      return true;
-    default:
-      return false;
-  }
-}
-
-// Every NodeDef of a serialized GraphDef (name, op, inputs) upserted.
+// ---------------------------------------------------------------- loading
+// Every NodeDef of a serialized GraphDef (name, op, inputs: ViewsOfBytes,
+// the bridge's reader) upserted; the mirror keeps a copy the views point into.
 bool LoadGraphDef(Mirror* m, const char* bytes, size_t len, bool fresh) {
-  const string_view kept = m->Keep(bytes, len);
-  const char* data = kept.data();
-  const char* p = data;
-  const char* end = data + len;
-  std::vector<string_view> inputs;
-  while (p < end) {
-    uint64_t tag;
-    if (!Varint(p, end, &tag)) return false;
-    const int wt = static_cast<int>(tag & 7);
-    if ((tag >> 3) != 1 || wt != 2) {
-      if (!Skip(p, end, wt)) return false;
-      continue;
-    }
-    uint64_t n;
-    if (!Varint(p, end, &n) || n > static_cast<uint64_t>(end - p)) return false;
-    const char* q = p;
-    const char* qend = p + n;
-    p = qend;
-    string_view name, op;
-    inputs.clear();
-    while (q < qend) {
-      uint64_t t;
-      if (!Varint(q, qend, &t)) return false;
-      const int w = static_cast<int>(t & 7);
-      const uint64_t field = t >> 3;
-      if ((field == 1 || field == 2 || field == 3) && w == 2) {
-        uint64_t k;
-        if (!Varint(q, qend, &k) || k > static_cast<uint64_t>(qend - q)) return false;
-        string_view s(q, k);
-        q += k;
-        if (field == 1) {
-          name = s;
-        } else if (field == 2) {
-          op = s;
-        } else {
-          inputs.push_back(s);
-        }
-      } else if (!Skip(q, qend, w)) {
-        return false;
-      }
-    }
-    if (!m->Upsert(name, op, inputs, fresh)) return false;
+  npu_amp_tf::GraphViews v;
+  if (!npu_amp_tf::ViewsOfBytes(m->Keep(bytes, len), &v)) return false;
+  for (size_t i = 0; i < v.name.size(); ++i) {
+    const string_view* ins = v.input.data() + v.in_start[i];
+    const size_t n_ins = static_cast<size_t>(v.in_start[i + 1] - v.in_start[i]);
+    if (!m->Upsert(v.name[i], v.op[i], ins, n_ins, fresh)) return false;
   }
   return true;
 }
-
 
 // ---------------------------------------------------------------- the search
 using DyCallback = int (*)(const char* ref, size_t len);

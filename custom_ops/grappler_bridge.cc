@@ -101,6 +101,7 @@
 #include "tensorflow/core/lib/strings/proto_serialization.h"
 #include "tensorflow/core/platform/errors.h"
 #include "tensorflow/core/protobuf/rewriter_config.pb.h"
+#include "graph_views.h"
 #include "opdef_precheck.h"
 
 // farmhash, as TensorFlow builds and exports it (util::Fingerprint64, what
@@ -156,7 +157,8 @@ int64_t ThreadCpuNs() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
-struct GraphViews;
+using npu_amp_tf::GraphViews;
+using npu_amp_tf::ViewsOfBytes;
 
 struct Sink {
   std::string result;
@@ -430,17 +432,12 @@ std::vector<int32_t> SignatureClasses(const tensorflow::GraphDef& graph,
 }
 
 // The node names, op types and inputs GraphIndexText reads (issue 17r), as
-// views: of the parsed GraphDef's strings (ViewsOfGraph, the reference), or
-// of its serialized bytes (ViewsOfBytes): the same strings, read in one
-// sequential pass over the bytes instead of chasing every NodeDef's and
-// input's heap string (on the Keras ResNet-50 training graph, 6.2k nodes and
-// 63k inputs in 4.3 MB, the memory latency of that chase was ~10 of the
-// index's ~14 ms).
-struct GraphViews {
-  std::vector<std::string_view> name, op, input;
-  std::vector<int64_t> in_start{0};  // node i's inputs: input[in_start[i] .. in_start[i+1])
-};
-
+// views (GraphViews, graph_views.h): of the parsed GraphDef's strings
+// (ViewsOfGraph, the reference), or of its serialized bytes (ViewsOfBytes):
+// the same strings, read in one sequential pass over the bytes instead of
+// chasing every NodeDef's and input's heap string (on the Keras ResNet-50
+// training graph, 6.2k nodes and 63k inputs in 4.3 MB, the memory latency of
+// that chase was ~10 of the index's ~14 ms).
 void ViewsOfGraph(const tensorflow::GraphDef& graph, GraphViews* v) {
   const int n = graph.node_size();
   v->name.reserve(n);
@@ -454,83 +451,6 @@ void ViewsOfGraph(const tensorflow::GraphDef& graph, GraphViews* v) {
   }
 }
 
-// Protobuf wire format: a varint at *p (< end); false on a bad one.
-bool ReadVarint(const char*& p, const char* end, uint64_t* out) {
-  uint64_t x = 0;
-  for (int shift = 0; shift < 64 && p < end; shift += 7) {
-    const uint8_t b = static_cast<uint8_t>(*p++);
-    x |= static_cast<uint64_t>(b & 0x7f) << shift;
-    if (!(b & 0x80)) {
-      *out = x;
-      return true;
-    }
-  }
-  return false;
-}
-
-// Skips a field of wire type `wt` at p; false on a bad or group field.
-bool SkipField(const char*& p, const char* end, uint64_t wt) {
-  uint64_t len;
-  switch (wt) {
-    case 0: return ReadVarint(p, end, &len);
-    case 1: if (end - p < 8) return false; p += 8; return true;
-    case 5: if (end - p < 4) return false; p += 4; return true;
-    case 2:
-      if (!ReadVarint(p, end, &len) || len > static_cast<uint64_t>(end - p)) return false;
-      p += len;
-      return true;
-    default: return false;
-  }
-}
-
-// The views of the GraphDef serialized in `bytes` (GraphDef.node = 1;
-// NodeDef.name = 1, op = 2, input = 3; every other field skipped), with the
-// parser's rules: a singular field given twice keeps the last, repeated
-// inputs append.  False when the bytes are not a plain wire-format GraphDef
-// (the caller then reads the parsed graph).
-bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
-  const char* p = bytes.data();
-  const char* end = p + bytes.size();
-  while (p < end) {
-    uint64_t tag, len;
-    if (!ReadVarint(p, end, &tag)) return false;
-    if (tag != ((1 << 3) | 2)) {
-      if ((tag >> 3) == 1 || !SkipField(p, end, tag & 7)) return false;
-      continue;
-    }
-    if (!ReadVarint(p, end, &len) || len > static_cast<uint64_t>(end - p)) return false;
-    const char* q = p;
-    const char* node_end = p + len;
-    p = node_end;
-    std::string_view name, op;
-    while (q < node_end) {
-      uint64_t ntag, slen;
-      if (!ReadVarint(q, node_end, &ntag)) return false;
-      const uint64_t field = ntag >> 3;
-      if (field >= 1 && field <= 3) {
-        if ((ntag & 7) != 2) return false;
-        if (!ReadVarint(q, node_end, &slen) || slen > static_cast<uint64_t>(node_end - q)) {
-          return false;
-        }
-        const std::string_view str(q, slen);
-        q += slen;
-        if (field == 1) {
-          name = str;
-        } else if (field == 2) {
-          op = str;
-        } else {
-          v->input.push_back(str);
-        }
-      } else if (!SkipField(q, node_end, ntag & 7)) {
-        return false;
-      }
-    }
-    v->name.push_back(name);
-    v->op.push_back(op);
-    v->in_start.push_back(static_cast<int64_t>(v->input.size()));
-  }
-  return true;
-}
 
 // (issue 17u) `fast`: names looked up in a NameTable (opdef_precheck.h)
 // instead of a std::unordered_map, names and inputs checked 8 bytes at a time
