@@ -841,9 +841,12 @@ class _Mirror:
             self.mark, self.rmark = graph.edit_marks()
 
     def __del__(self):
-        if getattr(self, "h", None):
-            self.lib.free(self.h)
-            self.h = None
+        h, self.h = getattr(self, "h", None), None
+        if h:
+            try:
+                self.lib.free(h)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone
+                pass
 
     def sync(self, graph, pos) -> bool:
         """Bring the mirror up to ``graph`` and ``pos``; False when it cannot."""
