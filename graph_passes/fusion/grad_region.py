@@ -89,6 +89,13 @@ Then: every reader (data or control) of an F inner tensor must be in F or G
 (else GradRegionRefused "'m' is also read by 'n'"); a control input of G from a
 node that depends on G refuses (moving it would make a cycle).
 
+Where it runs (issue 17, stop 44): the two growth passes (``try_add`` and its
+helpers) run in C++ (``custom_ops/grad_region.cc``, :data:`NATIVE_SEARCH`)
+over a mirror of the graph kept in step with its edit and removal logs; the
+Python passes (``_python_growth``) are the reference, and with
+:data:`CHECK_NATIVE` (the test suite) every search runs both and compares
+them.  The checks after the growth (``_finish``) are shared.
+
 Residual assumption: a gradient op of the op *upstream* of x that keeps x's
 shape, depends only on the complete dx and constants, is in an autodiff scope
 but whose name attributes to no forward node (the forward node renamed by
@@ -929,7 +936,7 @@ def _native_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, prote
     status, text = native.search(m.h, data, dy_candidate)
     if status == 3:
         return None
-    status_s, refusal, dy, region_s, why_s = text.split("\x03")
+    _, refusal, dy, region_s, why_s = text.split("\x03")
     why_not = dict(w.split("\x01", 1) for w in why_s.split("\x02")) if why_s else {}
     if status == 1:
         raise GradRegionRefused(refusal, why_not)
