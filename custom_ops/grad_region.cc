@@ -402,7 +402,7 @@ class Mirror {
 
  public:
   // the searches' per-id scratch (Search)
-  Stamped<char> in_region, fwd_dep, dy_dep, val_static, has_why, done, fwd, out_node, side_node, prot,
+  Stamped<char> in_region, fwd_dep, dy_dep, val_static, done, fwd, out_node, side_node, prot,
       seen;
   Stamped<signed char> static_memo, in_memo, anc_memo, owner_memo;
   std::vector<string> owners;
@@ -448,7 +448,6 @@ class Search {
         fwd_dep(m.fwd_dep),
         dy_dep(m.dy_dep),
         val_static(m.val_static),
-        has_why(m.has_why),
         done_(m.done),
         static_memo_(m.static_memo),
         in_memo_(m.in_memo),
@@ -478,7 +477,6 @@ class Search {
   Stamped<char>& dy_dep;
   Stamped<char>& val_static;
   std::vector<std::pair<int32_t, string>> why_not;
-  Stamped<char>& has_why;
   string dy;  // canonical ref, or empty
   bool has_dy = false;
   string refusal;
@@ -487,7 +485,7 @@ class Search {
   void Begin(size_t n) {
     n_ = n;
     for (Stamped<char>* a : std::initializer_list<Stamped<char>*>{&fwd, &out_node, &side_node, &prot, &in_region, &fwd_dep, &dy_dep,
-                             &val_static, &has_why, &done_}) {
+                             &val_static, &done_}) {
       a->Begin(n, 0);
     }
     static_memo_.Begin(n, -1);
@@ -555,23 +553,15 @@ class Search {
 
  private:
   void ClearPass() {
-    for (Stamped<char>* a : std::initializer_list<Stamped<char>*>{&in_region, &fwd_dep, &dy_dep, &val_static, &has_why, &done_}) {
+    for (Stamped<char>* a : std::initializer_list<Stamped<char>*>{&in_region, &fwd_dep, &dy_dep, &val_static, &done_}) {
       a->Begin(n_, 0);
     }
     region.clear();
     why_not.clear();
   }
 
-  void WhyNot(int32_t id, string msg) {
-    if (has_why.get(id)) {
-      for (auto& w : why_not) {
-        if (w.first == id) w.second = std::move(msg);
-      }
-      return;
-    }
-    has_why.set(id, 1);
-    why_not.emplace_back(id, std::move(msg));
-  }
+  // (a node is tried once per pass, Grow's `done`: once in why_not)
+  void WhyNot(int32_t id, string msg) { why_not.emplace_back(id, std::move(msg)); }
 
   // _grow: a heap on (position, name); false when the region grew too large
   bool Grow(const std::vector<int32_t>& seeds, bool stop) {

@@ -55,7 +55,7 @@ def pytest_terminal_summary(terminalreporter):
     import sys
 
     gr = sys.modules.get("graph_passes.fusion.grad_region")
-    if gr is not None:
+    if gr is not None and gr.CHECKED[0]:
         terminalreporter.write_line(f"gradient-region searches run in C++ and in Python and compared: "
                                     f"{gr.CHECKED[0]}, differing: {len(gr.CHECKED[1])}")
         for fwd, a, b in gr.CHECKED[1][:5]:

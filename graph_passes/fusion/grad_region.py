@@ -943,14 +943,8 @@ def _native_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, prote
     if status == 2:
         raise _no_dy_refusal(graph, fwd, why_not)
     region, fwd_dep, dy_dep, val_static = {}, {}, {}, {}
-    # (the graph's own name objects: the later lookups of these names in the
-    # graph's dicts then stop at the identity check)
-    seq, id_name = graph._seq, graph._id_name  # noqa: SLF001
     for item in region_s.split("\x02") if region_s else ():
         name, flags = item.split("\x01")
-        k = seq.get(name)
-        if k is not None and k < len(id_name) and id_name[k] == name:
-            name = id_name[k]
         f = int(flags)
         region[name] = None
         fwd_dep[name], dy_dep[name], val_static[name] = bool(f & 1), bool(f & 2), bool(f & 4)
