@@ -76,7 +76,7 @@ from tensorflow.core.framework.node_def_pb2 import NodeDef as _NodeDef
 
 from .. import registry
 from ..errors import GraphError, OptionError
-from ..graph import parse_tensor, tensor_name
+from ..graph import LOOP_BACK_OPS, parse_tensor, tensor_name
 from ..manager import Pass, register_pass
 from ..report import Report
 from . import lists as _lists
@@ -205,6 +205,14 @@ class PrecisionPass(Pass):
     #: in the order of the reference; False: ``cast_to`` per edge (the
     #: reference; the same graph and report, tests/test_precision_bulk.py)
     bulk_casts = True
+    #: (issue 17) ``_delay_widening_casts`` first tries to prove, without a
+    #: topological sort of the whole graph, that no new FP32 copy waits for
+    #: anything (:meth:`_none_can_wait`: Kahn's FIFO order ranks nodes by
+    #: their longest path from a source, so a producer of smaller depth than
+    #: the copy's source comes before it); then the pass ends without the
+    #: sort.  False: always sort (the reference; the same graph and report,
+    #: tests/test_precision_delay.py)
+    delay_depth_proof = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -265,6 +273,9 @@ class PrecisionPass(Pass):
         # the shape-based figures are deferred (computed when the report is
         # read): keep the graph as it is now for their "before" half
         order = self.g.topo_order()
+        #: the graph had no cycle outside loops when the pass began (its
+        #: edits, casts on existing edges, cannot close one)
+        self._acyclic_at_start = not (self.g._topo_cache and self.g._topo_cache[1])
         self._before = before = _Snapshot(graph, list(order), copy_on_write=self.fast_paths)
         shapes.freeze_source(before.graph_def)
         self.new_casts = []
@@ -1320,6 +1331,8 @@ class PrecisionPass(Pass):
         g = self.g
         if not self.new_casts or g.nodes_of_type(("Enter", "RefEnter")):
             return
+        if self.fast_paths and self.delay_depth_proof and self._none_can_wait():
+            return
         # A Cast that nothing waits on depends only on its source and feeds only its readers, so
         # placing it just before its first reader keeps a topological order valid; a producer placed
         # before that point cannot depend on the Cast (no cycle), and one placed after the source is
@@ -1380,6 +1393,92 @@ class PrecisionPass(Pass):
             g.reindex()
             self.casts_delayed = 0
             self.ctx.report.warn("delayed casts undone: they closed a cycle", pass_name="precision")
+
+    #: the most nodes :meth:`_none_can_wait` visits for one producer's depth
+    DEPTH_PROOF_BUDGET = 64
+
+    def _none_can_wait(self):
+        """True when no Cast of :meth:`_delay_widening_casts` can wait for a
+        producer, proved without sorting the graph; False when that is not
+        proved (the caller sorts and decides).
+
+        A copy of ``src`` waits only for a producer ``other`` (an input of
+        one of its readers, not a Const) later than ``src`` in the Kahn
+        order.  In an acyclic graph, Kahn's FIFO order pops nodes by
+        non-decreasing depth (the longest path from a node without inputs,
+        over data and control edges): the nodes without inputs are queued
+        first, and a node is queued when the last of its producers is
+        popped, the deepest one by induction.  So ``depth(other) <
+        depth(src)`` puts ``other`` first, and that holds when ``src`` has
+        a chain of more than ``depth(other)`` producers above it.  The
+        depth of ``other`` is computed exactly over at most
+        :data:`DEPTH_PROOF_BUDGET` of its ancestors (variable handles and
+        their reads: depth 0 and 1); the chain above ``src`` is walked
+        through first inputs for just that many steps."""
+        g = self.g
+        if not getattr(self, "_acyclic_at_start", False) or g.nodes_of_type(LOOP_BACK_OPS):
+            return False
+        nodes = g.nodes
+        depth = {}
+        budget = self.DEPTH_PROOF_BUDGET
+
+        def parents(name):
+            return [p for p in map(_src_name, nodes[name].input) if p in nodes]
+
+        def depth_of(name):
+            """Exact depth of ``name`` (None: more than ``budget`` ancestors
+            not known yet); an iterative post-order over its ancestors."""
+            stack, expanded = [(name, False)], 0
+            while stack:
+                x, done = stack.pop()
+                if x in depth:
+                    continue
+                if done:  # (its producers were popped, and their depths known, before it)
+                    depth[x] = max((depth[p] + 1 for p in parents(x)), default=0)
+                    continue
+                expanded += 1
+                if expanded > budget:
+                    return None
+                stack.append((x, True))
+                stack.extend((p, False) for p in parents(x) if p not in depth)
+            return depth[name]
+
+        chain = {}  # name -> the longest chain of producers above it found so far
+
+        def chain_longer(name, steps):
+            """True when ``name`` has a chain of more than ``steps`` producers above it."""
+            if chain.get(name, -1) > steps:
+                return True
+            x = name
+            for _ in range(steps + 1):
+                x = next((p for p in map(_src_name, nodes[x].input) if p in nodes), None)
+                if x is None:
+                    return False
+            chain[name] = steps + 1
+            return True
+
+        for cname in self.new_casts:
+            cast = nodes.get(cname)
+            if (cast is None or cast.attr["DstT"].type != FP32
+                    or cast.attr["SrcT"].type not in registry.LOW_TYPES):
+                continue
+            src = parse_tensor(cast.input[0])[0]
+            if src not in nodes or nodes[src].op == "Const":
+                continue
+            for reader, idx in g.consumers(cname, control=False):
+                for k, inp in enumerate(nodes[reader].input):
+                    if k == idx or inp.startswith("^"):
+                        continue
+                    other = parse_tensor(inp)[0]
+                    on = nodes.get(other)
+                    if on is None or on.op == "Const" or other == src:
+                        continue
+                    d = depth.get(other)
+                    if d is None:
+                        d = depth_of(other) if on.input else 0  # (a variable handle: depth 0)
+                    if d is None or not chain_longer(src, d):
+                        return False
+        return True
 
     def _small_copies(self, cnames, shapes):
         """{cast: FP32 bytes} for the smallest of ``cnames`` whose copies
@@ -1534,6 +1633,11 @@ def _write_entries(entries, extra, decisions):
     for n, fields in extra.items():
         if n not in seen:
             get(n, {}).update(fields)
+
+
+def _src_name(ref: str) -> str:
+    """The node a tensor or control reference names."""
+    return parse_tensor(ref)[0]
 
 
 class _Snapshot:
