@@ -54,3 +54,67 @@ def test_retype_sets_a_present_and_an_absent_attr():
     n.attr["T"].type = registry.DT_FLOAT
     registry.retype(n, ("T", "U"), registry.DT_HALF)
     assert n.attr["T"].type == registry.DT_HALF and n.attr["U"].type == registry.DT_HALF
+
+
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])
+@pytest.mark.parametrize("mode", ["allow_mix_precision", "allow_mix_precision_bf16"])
+def test_unedited_nodes_come_from_the_source_bytes(k2, monkeypatch, name, mode):
+    """As in the pipeline: the graph built from bytes (``source_bytes``), the
+    fusion pass first (it edits and creates nodes), then the precision pass.
+    The snapshot keeps only indexes for the nodes the fusion pass left alone,
+    and is still exactly the graph the precision pass received."""
+    from graph_passes.fusion.fusion_pass import FusionPass
+    from tensorflow.core.framework import graph_pb2
+
+    gd, fetches = _graph(name, k2)
+    data = gd.SerializeToString()
+    parsed = graph_pb2.GraphDef()
+    parsed.ParseFromString(data)
+    graph = Graph(parsed, index=bridge.graph_index(parsed, data), copy=False)
+    graph.source_bytes = data
+    ctx = PassContext(Options.from_kwargs(precision_mode=mode), fetches, ())
+    ctx.native_paint = pipeline.native_paint_entry()
+    FusionPass().run(graph, ctx)
+    if name == "bert_like":  # (its layer norms are fused: a mixed snapshot)
+        assert graph.created and graph.modified, "the fusion pass changed nothing"
+    want = _nodes_bytes(graph.nodes.values())  # what the precision pass receives
+    order = list(graph.nodes)
+    pp = amp.PrecisionPass()
+    pp.run(graph, ctx)
+    saved = pp._before._saved
+    lazy = [n for n, v in saved.items() if type(v) is int]
+    copied = [n for n, v in saved.items() if type(v) is not int]
+    assert len(lazy) > 100, "few nodes were left as indexes into the source"
+    assert all(n not in graph.created for n in lazy)
+    before = pp._before.graph_def()
+    assert [n.name for n in before.node] == order
+    assert _nodes_bytes(before.node) == want
+    # nodes the fusion pass edited or made are copies
+    assert all(n in graph.created or n in graph.modified for n in copied)
+    if name == "bert_like":
+        assert copied
+
+
+def test_a_node_edited_by_hand_without_touch_would_show(monkeypatch):
+    """Planted: a node edited in place without ``touch`` (a pass breaking
+    the rule ``serialize_patch`` relies on too) makes the snapshot differ
+    from the graph the pass received; the check above sees such a fault."""
+    from tensorflow.core.framework import graph_pb2
+
+    from test_precision_native import unsafe_constants_graph
+
+    gd, fetches = unsafe_constants_graph()
+    data = gd.SerializeToString()
+    parsed = graph_pb2.GraphDef()
+    parsed.ParseFromString(data)
+    graph = Graph(parsed, index=bridge.graph_index(parsed, data), copy=False)
+    graph.source_bytes = data
+    victim = next(n for n in graph.nodes.values() if n.op == "MatMul")
+    victim.attr["_planted"].b = True  # (no touch: the graph does not know)
+    want = _nodes_bytes(graph.nodes.values())
+    ctx = PassContext(Options.from_kwargs(precision_mode="allow_mix_precision"), fetches, ())
+    ctx.native_paint = pipeline.native_paint_entry()
+    pp = amp.PrecisionPass()
+    pp.run(graph, ctx)
+    assert type(pp._before._saved.get(victim.name)) is int
+    assert _nodes_bytes(pp._before.graph_def().node) != want

@@ -1649,14 +1649,31 @@ class _Snapshot:
     through ``_retype`` / ``_set_type`` / the const conversion / the edge
     fix), and :meth:`graph_def` assembles the saved copies and the untouched
     nodes (later passes that edit nodes have the deferred figures computed
-    first: ``Pass.keeps_deferred``).  Without it every node is copied now."""
+    first: ``Pass.keeps_deferred``).  Without it every node is copied now.
+
+    (issue 17, :attr:`from_source`) A node no pass created or edited since
+    the graph was built (not in ``created`` / ``modified``: what
+    ``Graph.serialize_patch`` takes from the input too) is not copied: its
+    index in the bytes the graph was built from (``Graph.source_bytes``) is
+    kept, and :meth:`graph_def` parses those bytes once, when the figures
+    are first read."""
+
+    #: False: copy every saved node (the reference; the same snapshot,
+    #: tests/test_precision_snapshot.py)
+    from_source = True
 
     def __init__(self, graph, order, copy_on_write=False):
         from tensorflow.core.framework import graph_pb2
 
         self._gd = graph_pb2.GraphDef()
+        self._source = None
         if copy_on_write:
             self._graph, self._names, self._saved = graph, list(graph.nodes), {}
+            src = graph.source_bytes
+            base = graph._base_names
+            if (self.from_source and isinstance(src, (bytes, bytearray)) and base is not None
+                    and graph._seq_is_base and not graph.duplicates and not graph._all_modified):
+                self._source = (src, len(base))
         else:
             self._graph = self._names = self._saved = None
             self._gd.node.extend(graph.nodes.values())
@@ -1668,10 +1685,18 @@ class _Snapshot:
 
     def save(self, name):
         """Copy node ``name`` as it is now, unless it was saved before (call
-        this before editing a node in place)."""
+        this before editing a node in place); a node as the source has it:
+        its index there."""
         saved = self._saved
         if saved is not None and name not in saved:
-            node = self._graph.nodes.get(name)
+            g = self._graph
+            if (self._source is not None and name not in g.modified and name not in g.created
+                    and g._seq_is_base and not g._all_modified):
+                k = g._seq.get(name)
+                if k is not None and k < self._source[1]:
+                    saved[name] = k
+                    return
+            node = g.nodes.get(name)
             if node is not None:
                 copy = saved[name] = _NodeDef()
                 copy.CopyFrom(node)
@@ -1681,8 +1706,20 @@ class _Snapshot:
             self._full = True
             if self._names is not None:
                 nodes, saved = self._graph.nodes, self._saved
+                if self._source is not None and any(type(v) is int for v in saved.values()):
+                    from tensorflow.core.framework import graph_pb2
+
+                    src = graph_pb2.GraphDef()
+                    src.ParseFromString(bytes(self._source[0]))
+                    snodes = src.node
+                    for n, v in saved.items():
+                        if type(v) is int:
+                            if v >= len(snodes) or snodes[v].name != n:
+                                raise GraphError(f"the precision pass's snapshot: node '{n}' is not "
+                                                 f"at index {v} of the graph's source bytes")
+                            saved[n] = snodes[v]
                 self._gd.node.extend([saved[n] if n in saved else nodes[n] for n in self._names])
-                self._graph = self._names = self._saved = None
+                self._graph = self._names = self._saved = self._source = None
             self._gd.library.CopyFrom(self._library)
             self._gd.versions.CopyFrom(self._versions)
         return self._gd
