@@ -45,7 +45,7 @@
 #include <vector>
 
 #include "graph_views.h"     // npu_amp_tf::ViewsOfBytes
-#include "opdef_precheck.h"  // npu_amp_tf::NameTable
+#include "name_table.h"      // npu_amp_tf::NameTable
 
 namespace {
 

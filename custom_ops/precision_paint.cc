@@ -26,8 +26,9 @@
 #include <cstring>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
+
+#include "name_table.h"  // npu_amp_tf::NameTable (no TensorFlow types)
 
 namespace {
 
@@ -80,6 +81,17 @@ struct Csr {
   const int32_t* At(int32_t i) const { return vals.data() + start[i]; }
 };
 
+// one node's inputs: a view of Painter::in_refs
+struct RefSpan {
+  const Ref* b;
+  const Ref* e;
+  const Ref* begin() const { return b; }
+  const Ref* end() const { return e; }
+  bool empty() const { return b == e; }
+  size_t size() const { return static_cast<size_t>(e - b); }
+  const Ref& operator[](size_t i) const { return b[i]; }
+};
+
 struct Reader {
   int32_t node;
   int32_t idx;
@@ -92,8 +104,12 @@ struct Painter {
   std::vector<int32_t> has_attrs, fixed, cur0, lst, kind;
   Csr fidx;
   Csr dts[3][2];  // [variant: original, FP32, low][0 inputs, 1 outputs]
-  // per node
-  std::vector<std::vector<Ref>> inputs;
+  // per node: its inputs, in_refs[in_start[i] .. in_start[i + 1])
+  std::vector<Ref> in_refs;
+  std::vector<int32_t> in_start;
+  RefSpan In(int32_t i) const {
+    return RefSpan{in_refs.data() + in_start[i], in_refs.data() + in_start[i + 1]};
+  }
   std::vector<int32_t> cons_start, cons_node, cons_idx, cons_port;  // data readers per source
   std::vector<char> unsafe, unsafe_known;
   mutable std::vector<char> asked_seen;  // per run: the unanswered constants asked about
@@ -114,9 +130,9 @@ struct Painter {
   Ref Root(Ref r) const {
     for (int s = 0; s < 64; ++s) {
       if (r.src < 0) return r;
-      if (kind[cls[r.src]] != kKindCast || inputs[r.src].empty()) return r;
+      if (kind[cls[r.src]] != kKindCast || In(r.src).empty()) return r;
       if (!FloatCast(r.src)) return r;
-      r = inputs[r.src][0];
+      r = In(r.src)[0];
     }
     return r;
   }
@@ -140,8 +156,8 @@ struct Painter {
       if (r.src < 0) return -1;
       const int32_t kd = kind[cls[r.src]];
       if (kd == kKindConst) return r.src;
-      if (kd == kKindThrough && !inputs[r.src].empty()) {
-        r = inputs[r.src][0];
+      if (kd == kKindThrough && !In(r.src).empty()) {
+        r = In(r.src)[0];
         continue;
       }
       return -1;
@@ -164,7 +180,7 @@ struct Painter {
     const int32_t len = fidx.Len(c);
     if (len <= 0) return;
     const int32_t* p = fidx.At(c);
-    const auto& ins = inputs[i];
+    const RefSpan ins = In(i);
     for (int32_t j = 0; j < len; ++j) {
       const int32_t kk = p[j];
       if (kk >= static_cast<int32_t>(ins.size()) || ins[kk].ctrl) continue;
@@ -319,9 +335,9 @@ struct Painter {
           Ref r = in;
           for (int s = 0; s < 64; ++s) {
             if (r.src < 0) return true;
-            if (kind[cls[r.src]] != kKindCast || inputs[r.src].empty()) break;
+            if (kind[cls[r.src]] != kKindCast || In(r.src).empty()) break;
             if (!FloatCast(r.src)) break;
-            r = inputs[r.src][0];
+            r = In(r.src)[0];
           }
           if (r.src < 0) return true;
           const int32_t kd = kind[cls[r.src]];
@@ -486,7 +502,7 @@ struct Painter {
       const int32_t len = in.Len(cls[i]);
       if (len <= 0) continue;
       const int32_t* want = in.At(cls[i]);
-      const auto& ins = inputs[i];
+      const RefSpan ins = In(i);
       const int32_t m = std::min<int32_t>(len, static_cast<int32_t>(ins.size()));
       for (int32_t k = 0; k < m; ++k) {
         const Ref& r = ins[k];
@@ -636,21 +652,26 @@ Painter* Open(const char* strings, size_t len, const int32_t* ints, int64_t n_in
     return nullptr;
   }
   std::string_view names = all.substr(0, sep), ins = all.substr(sep + 1);
-  std::unordered_map<std::string_view, int32_t> index;
-  index.reserve(static_cast<size_t>(n) * 2);
+  npu_amp_tf::NameTable index;
+  index.Reserve(static_cast<size_t>(n));
   {
     size_t pos = 0;
     for (int32_t i = 0; i < n; ++i) {
       size_t end = names.find('\x01', pos);
       if (end == std::string_view::npos) end = names.size();
-      index.emplace(names.substr(pos, end - pos), i);
+      if (!index.Insert(names.substr(pos, end - pos))) {  // (names are unique in the Python graph)
+        delete pt;
+        return nullptr;
+      }
       pos = end + 1;
     }
   }
-  pt->inputs.assign(n, {});
+  pt->in_start.assign(static_cast<size_t>(n) + 1, 0);
+  pt->in_refs.reserve(static_cast<size_t>(n) * 3);
   {
     size_t pos = 0;
     for (int32_t i = 0; i < n; ++i) {
+      pt->in_start[i] = static_cast<int32_t>(pt->in_refs.size());
       size_t end = ins.find('\x02', pos);
       if (end == std::string_view::npos) end = ins.size();
       std::string_view node_ins = ins.substr(pos, end - pos);
@@ -685,16 +706,16 @@ Painter* Open(const char* strings, size_t len, const int32_t* ints, int64_t n_in
             }
           }
         }
-        auto it = index.find(name);
-        rf.src = it == index.end() ? -1 : it->second;
-        pt->inputs[i].push_back(rf);
+        rf.src = index.Find(name);
+        pt->in_refs.push_back(rf);
       }
     }
+    pt->in_start[n] = static_cast<int32_t>(pt->in_refs.size());
   }
   // data readers per source node (graph order, then input order)
   std::vector<int32_t> count(n + 1, 0);
   for (int32_t i = 0; i < n; ++i) {
-    for (const Ref& rf : pt->inputs[i]) {
+    for (const Ref& rf : pt->In(i)) {
       if (!rf.ctrl && rf.src >= 0) ++count[rf.src];
     }
   }
@@ -706,7 +727,7 @@ Painter* Open(const char* strings, size_t len, const int32_t* ints, int64_t n_in
   pt->cons_port.resize(m);
   std::vector<int32_t> fill(pt->cons_start.begin(), pt->cons_start.end() - 1);
   for (int32_t i = 0; i < n; ++i) {
-    const auto& v = pt->inputs[i];
+    const RefSpan v = pt->In(i);
     for (size_t j = 0; j < v.size(); ++j) {
       if (v[j].ctrl || v[j].src < 0) continue;
       const int32_t e = fill[v[j].src]++;
