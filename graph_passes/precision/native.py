@@ -138,8 +138,11 @@ def paint(pp, order, fn):
                 keys[i] = ("cond", k0, pp.in_loop_plumbing(node))
             else:
                 keys[i] = ("sig", k0)
-    ids = {}
-    cid = _i32([ids.setdefault(k, len(ids)) for k in keys], n)
+    # classes numbered 0.. in order of first appearance (C-level: the keys
+    # in that order from dict.fromkeys, then a lookup per node)
+    first_seen = dict.fromkeys(keys)
+    ids = dict(zip(first_seen, range(len(first_seen))))
+    cid = _i32(map(ids.__getitem__, keys), n)
     kcount = len(ids)
     # class -> its first node (classes are numbered 0.. in order of first appearance)
     first = np.unique(np.frombuffer(cid, np.int32), return_index=True)[1].tolist()
