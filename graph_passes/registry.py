@@ -535,6 +535,23 @@ def retype(node, attrs, dt: int):
                     types[i] = dt
 
 
+def retype_all(nodes, op: str, attrs, dt: int):
+    """:func:`retype` of every node of ``nodes``, all of op type ``op``: the
+    attr writes in one loop (an op without tied list attrs: the usual case)."""
+    if op in LIST_ATTRS_FOLLOW:
+        for node in nodes:
+            retype(node, attrs, dt)
+        return
+    for node in nodes:
+        amap = node.attr
+        for a in attrs:
+            av = amap.get(a)
+            if av is None:
+                amap[a].type = dt
+            else:
+                av.type = dt
+
+
 def kernel_devices(op_type: str) -> set[str]:
     return {dev for dev, _, _ in _kernels(op_type)}
 

@@ -317,6 +317,9 @@ def test_stale_memo_is_caught(monkeypatch):
     memo entry is found (by the graph comparison or the memo check)."""
     monkeypatch.setattr(amp.PrecisionPass, "_retype",
                         lambda self, node, attrs, dt: registry.retype(node, attrs, dt))
+    monkeypatch.setattr(amp.PrecisionPass, "_retype_all",  # (the per-class batch of _retype)
+                        lambda self, nodes, names, op, attrs, path:
+                        [registry.retype_all(nodes, op, attrs, dt) for dt in path])
     gd = bert_like_training_graph()
     runs = []
     fast_gd, fast_rep = _rewrite(monkeypatch, gd, ["loss", "train"], True, MODES["fp16"], runs)

@@ -118,3 +118,23 @@ def test_a_node_edited_by_hand_without_touch_would_show(monkeypatch):
     pp.run(graph, ctx)
     assert type(pp._before._saved.get(victim.name)) is int
     assert _nodes_bytes(pp._before.graph_def().node) != want
+
+
+@pytest.mark.parametrize("op", ["Mul", "_FusedConv2D"])
+def test_retype_all_equals_retype_per_node(op):
+    """The per-class batch sets what ``retype`` sets node by node, tied
+    list attrs (``_FusedConv2D``'s TArgs) included."""
+    def make(k):
+        n = node_def_pb2.NodeDef(name=f"n{k}", op=op)
+        n.attr["T"].type = registry.DT_FLOAT
+        if op == "_FusedConv2D":
+            n.attr["TArgs"].list.type.extend([registry.DT_FLOAT, registry.DT_INT32])
+        return n
+
+    one, many = [make(k) for k in range(3)], [make(k) for k in range(3)]
+    for dt in (registry.DT_HALF, registry.DT_FLOAT):
+        for n in one:
+            registry.retype(n, ("T", "U"), dt)
+        registry.retype_all(many, op, ("T", "U"), dt)
+        assert [n.SerializeToString(deterministic=True) for n in one] == \
+            [n.SerializeToString(deterministic=True) for n in many]

@@ -406,6 +406,18 @@ class PrecisionPass(Pass):
         self._edited(node.name)
         registry.retype(node, attrs, dt)  # fused args (TArgs) follow
 
+    def _retype_all(self, nodes, names, op, attrs, path):
+        """:meth:`_retype` of each node of ``nodes`` (named ``names``, all of
+        op type ``op``) by each dtype of ``path`` in turn: the same saves,
+        dropped memos and attrs (``registry.retype_all``), without the calls
+        per node."""
+        save, edited = self._before.save, self._edited
+        for name in names:
+            save(name)
+            edited(name)
+        for dt in path:
+            registry.retype_all(nodes, op, attrs, dt)
+
     def _set_type(self, node, attr, dt):
         self._before.save(node.name)
         self._edited(node.name)

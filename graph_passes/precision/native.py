@@ -225,7 +225,7 @@ def paint(pp, order, fn):
     if out is None:
         return None
     if batched and pp.bulk_apply:
-        return _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec)
+        return _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops)
     return _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec)
 
 
@@ -554,7 +554,7 @@ def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
     return changed
 
 
-def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec):
+def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops=None):
     """:func:`_apply` from the result's columns (issue 17t): the decided,
     re-typed, demoted and followed nodes selected with numpy, a Python
     statement only per re-typed node and per warning; the report's entries
@@ -611,7 +611,6 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec):
     fol = pnt[a[pnt, O_FOLLOWED] != 0][::-1]
     changed = int(moved.sum()) - int((cur[a[pnt, O_DEMOTED] != 0] == registry.DT_FLOAT).sum()) + len(fol)
     paths = {}
-    retype = pp._retype  # (saves the node for the "before" snapshot, drops its memos)
     f32, low = registry.DT_FLOAT, pp.low
     for i, dt in zip(first.tolist(), target[moved].tolist()):
         paths[i] = (dt,)
@@ -619,11 +618,22 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec):
         paths[i] = paths.get(i, ()) + (f32,)
     for i in fol.tolist():
         paths[i] = paths.get(i, ()) + (low,)
-    for i, path in paths.items():  # (each node's re-typings in order)
-        node = nodes[i]
-        attrs = infos[cid[i]].attrs
-        for dt in path:
-            retype(node, attrs, dt)
+    # each node's re-typings in order, by (class, re-typings): the nodes of a
+    # class share their op and type attrs (``PrecisionPass._retype_all``)
+    groups = {}
+    for i, path in paths.items():
+        groups.setdefault((cid[i], path), []).append(i)
+    retype, retype_all = pp._retype, pp._retype_all
+    for (c, path), members in groups.items():
+        attrs = infos[c].attrs
+        if ops is not None and len(set(map(ops.__getitem__, members))) == 1:
+            retype_all(list(map(nodes.__getitem__, members)), list(map(names.__getitem__, members)),
+                       ops[members[0]], attrs, path)
+            continue
+        for i in members:
+            node = nodes[i]
+            for dt in path:
+                retype(node, attrs, dt)
     pp.touched.update(map(nget, paths))
     _refill_memos(pp, paths, names, nodes, cid, infos)
     final = target.copy()
