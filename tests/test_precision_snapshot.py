@@ -128,7 +128,7 @@ def test_retype_all_equals_retype_per_node(op):
         n = node_def_pb2.NodeDef(name=f"n{k}", op=op)
         n.attr["T"].type = registry.DT_FLOAT
         if op == "_FusedConv2D":
-            n.attr["TArgs"].list.type.extend([registry.DT_FLOAT, registry.DT_INT32])
+            n.attr["TArgs"].list.type.extend([registry.DT_FLOAT, 3])  # (3: DT_INT32)
         return n
 
     one, many = [make(k) for k in range(3)], [make(k) for k in range(3)]
