@@ -592,11 +592,14 @@ class Graph:
         ``version`` (one bump per node removed).  Without ``force`` (or with
         :data:`batch_remove` False) it is that loop; with it, each input's
         consumer list is filtered once for the whole batch instead of once per
-        removed reader (a fused LayerNorm removes ~80 nodes)."""
+        removed reader (a fused LayerNorm removes ~80 nodes).
+
+        Returns the names the removed nodes read (data and control inputs,
+        each once), or None on the node-by-node path."""
         if not force or not self.batch_remove:
             for name in names:
                 self.remove_node(name, force=force)
-            return
+            return None
         nodes = self.nodes
         gone = {}
         for name in names:
@@ -604,7 +607,7 @@ class Graph:
             if node is not None and name not in gone:
                 gone[name] = node
         if not gone:
-            return
+            return []
         cons = self._consumers
         # remove_node(x) rewrites, per input source of x, the source's list
         # when it is non-empty, and pops x's own list: the end state is every
@@ -638,6 +641,7 @@ class Graph:
         self._dirty = True
         self._topo_cache = None
         self.version += len(gone)
+        return list(srcs)
 
     def touch(self, *names: str):
         """Declare nodes edited in place (attrs) outside this object's methods."""
