@@ -132,11 +132,17 @@ def test_through_grappler(k2, monkeypatch, name):
     """Inside grappler (the item's index, fusion first): the same output and
     report with the switches on and off."""
 
+    assert_grappler_on_equals_off(k2, name, lambda on: _set(monkeypatch, on))
+
+
+def assert_grappler_on_equals_off(k2, name, set_on):
+    """Through grappler, with a switch on then off (``set_on(bool)``): the
+    same output graph and report (times aside), with casts inserted."""
     gd, fetches = _graph(name, k2)
     mg, cfg = plugin_only_grappler(gd, fetches)
     outs, reps = [], []
     for on in (True, False):
-        _set(monkeypatch, on)
+        set_on(on)
         out, rep = optimize_rewritten(cfg, mg, name.encode())
         outs.append(out)
         reps.append(_strip_times(rep))

@@ -20,11 +20,10 @@ import npu_amp_tf
 from graph_passes.graph import Graph, parse_tensor
 from graph_passes.precision import amp
 from npu_amp_tf import bridge
-from test_precision_bulk import MODES, _first_difference
+from test_precision_bulk import MODES, _first_difference, assert_grappler_on_equals_off
 from test_precision_fast import _strip_times
 from test_precision_liveness import BF16_SUM_BLACK, FETCHES, attention_step
 from test_precision_native import _graph
-from test_speed_paths import optimize_rewritten, plugin_only_grappler
 
 from conftest import assert_same
 
@@ -158,14 +157,5 @@ def test_budget_exhausted_sorts_instead(k2, monkeypatch):
 
 @pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])
 def test_through_grappler(k2, monkeypatch, name):
-    gd, fetches = _graph(name, k2)
-    mg, cfg = plugin_only_grappler(gd, fetches)
-    outs, reps = [], []
-    for on in (True, False):
-        monkeypatch.setattr(amp.PrecisionPass, "delay_depth_proof", on)
-        out, rep = optimize_rewritten(cfg, mg, name.encode())
-        outs.append(out)
-        reps.append(_strip_times(rep))
-    assert reps[0]["summary"]["casts_inserted"] > 0
-    assert outs[0] == outs[1]
-    assert json.dumps(reps[0], default=str) == json.dumps(reps[1], default=str)
+    assert_grappler_on_equals_off(
+        k2, name, lambda on: monkeypatch.setattr(amp.PrecisionPass, "delay_depth_proof", on))
