@@ -1435,7 +1435,7 @@ class PrecisionPass(Pass):
         budget = self.DEPTH_PROOF_BUDGET
 
         def parents(name):
-            return [p for p in map(_src_name, nodes[name].input) if p in nodes]
+            return [p for p in map(_src_name, nodes[name].input[:]) if p in nodes]
 
         def depth_of(name):
             """Exact depth of ``name`` (None: more than ``budget`` ancestors
@@ -1463,7 +1463,7 @@ class PrecisionPass(Pass):
                 return True
             x = name
             for _ in range(steps + 1):
-                x = next((p for p in map(_src_name, nodes[x].input) if p in nodes), None)
+                x = next((p for p in map(_src_name, nodes[x].input[:]) if p in nodes), None)
                 if x is None:
                     return False
             chain[name] = steps + 1
@@ -1478,7 +1478,7 @@ class PrecisionPass(Pass):
             if src not in nodes or nodes[src].op == "Const":
                 continue
             for reader, idx in g.consumers(cname, control=False):
-                for k, inp in enumerate(nodes[reader].input):
+                for k, inp in enumerate(nodes[reader].input[:]):
                     if k == idx or inp.startswith("^"):
                         continue
                     other = parse_tensor(inp)[0]
