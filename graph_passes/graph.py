@@ -595,11 +595,15 @@ class Graph:
         removed reader (a fused LayerNorm removes ~80 nodes).
 
         Returns the names the removed nodes read (data and control inputs,
-        each once), or None on the node-by-node path."""
+        each once)."""
         if not force or not self.batch_remove:
+            read = {}
             for name in names:
+                node = self.nodes.get(name)
+                if node is not None:
+                    read.update(dict.fromkeys(parse_tensor(i)[0] for i in node.input[:]))
                 self.remove_node(name, force=force)
-            return None
+            return list(read)
         nodes = self.nodes
         gone = {}
         for name in names:

@@ -854,14 +854,10 @@ def _commit(graph: Graph, m: Match, plan, ctx, trail: Trail | None) -> Outcome:
                 ctrl_moves.append((cname, name))
             else:
                 rewires.append((cname, idx, b.rewired[_canon_ref(graph.nodes[cname].input[idx])]))
-    gone_names = (*b.region_nodes, *m.matched, *b.replaced)
-    if trail is not None and not graph.batch_remove:
-        for name in gone_names:
-            trail.note_removal(graph, name)
     # one batch (Graph.remove_nodes: as remove_node per name, in this order);
     # it returns what the removed nodes read (the trail's removed inputs)
-    read = graph.remove_nodes(gone_names, force=True)
-    if trail is not None and read is not None:
+    read = graph.remove_nodes((*b.region_nodes, *m.matched, *b.replaced), force=True)
+    if trail is not None:
         trail.removed_inputs.extend(read)
     for n in b.emitted:
         graph.add_node(n)

@@ -554,7 +554,7 @@ def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
     return changed
 
 
-def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops=None):
+def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops):
     """:func:`_apply` from the result's columns (issue 17t): the decided,
     re-typed, demoted and followed nodes selected with numpy, a Python
     statement only per re-typed node and per warning; the report's entries
@@ -618,22 +618,14 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops=None
         paths[i] = paths.get(i, ()) + (f32,)
     for i in fol.tolist():
         paths[i] = paths.get(i, ()) + (low,)
-    # each node's re-typings in order, by (class, re-typings): the nodes of a
-    # class share their op and type attrs (``PrecisionPass._retype_all``)
+    # each node's re-typings in order, batched by (class, re-typings, op): the
+    # nodes of a batch share their type attrs and op (``PrecisionPass._retype_all``)
     groups = {}
     for i, path in paths.items():
-        groups.setdefault((cid[i], path), []).append(i)
-    retype, retype_all = pp._retype, pp._retype_all
-    for (c, path), members in groups.items():
-        attrs = infos[c].attrs
-        if ops is not None and len(set(map(ops.__getitem__, members))) == 1:
-            retype_all(list(map(nodes.__getitem__, members)), list(map(names.__getitem__, members)),
-                       ops[members[0]], attrs, path)
-            continue
-        for i in members:
-            node = nodes[i]
-            for dt in path:
-                retype(node, attrs, dt)
+        groups.setdefault((cid[i], path, ops[i]), []).append(i)
+    for (c, path, op), members in groups.items():
+        pp._retype_all(list(map(nodes.__getitem__, members)), list(map(names.__getitem__, members)),
+                       op, infos[c].attrs, path)
     pp.touched.update(map(nget, paths))
     _refill_memos(pp, paths, names, nodes, cid, infos)
     final = target.copy()
