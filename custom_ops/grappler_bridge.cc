@@ -1250,6 +1250,15 @@ NPU_AMP_EXPORT int NpuAmpItemHasAttr(void* sink, const char* name) {
   });
 }
 
+// A node with a device string in the item (ItemHasNode's answers).  The
+// precision pass asks it before reading every node's device: in a graph
+// grappler optimizes before placement, usually none has one.
+NPU_AMP_EXPORT int NpuAmpItemHasDevice(void* sink) {
+  return ItemHasNode(sink, "", [](const tensorflow::NodeDef& n, const std::string&) {
+    return !n.device().empty();
+  });
+}
+
 // AssemblePatch offline, for tests: `graph` a serialized GraphDef; writes the
 // assembled graph's deterministic serialization.  Returns 0, or 1 and a
 // message in *out.  The bytes stay valid until the next call on the thread.

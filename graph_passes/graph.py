@@ -1369,6 +1369,13 @@ class Graph:
     #: which only the user sets); None: not available
     source_has_attr = None
 
+    #: (issue 17) ``source_has_device() -> bool | None``: whether a node of the
+    #: graph this object was built from has a device string (the grappler
+    #: bridge's ``NpuAmpItemHasDevice``); False lets a pass take "" for every
+    #: node no pass created or edited (:meth:`base_positions`) instead of
+    #: reading each one's; None: not available
+    source_has_device = None
+
     #: (issue 17) who built this graph from a serialized GraphDef may set this
     #: to those bytes (or a callable returning them): the graph as it was
     #: created, before any edit (:meth:`edits_since` / :meth:`removed_since`

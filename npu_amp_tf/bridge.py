@@ -172,6 +172,9 @@ def library():
                 if hasattr(lib, fn):
                     getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_char_p]
                     getattr(lib, fn).restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpItemHasDevice"):  # (issue 17)
+                lib.NpuAmpItemHasDevice.argtypes = [ctypes.c_void_p]
+                lib.NpuAmpItemHasDevice.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpKernelsForOps"):  # (issue 17; else one TF call per op type)
                 lib.NpuAmpKernelsForOps.argtypes = [ctypes.c_char_p, ctypes.c_size_t,
                                                     ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
@@ -697,7 +700,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                digest=digest,
                                base_inputs=lambda *a: item_paint_strings(live[0], *a),
                                has_op=lambda op: item_has_op(live[0], op),
-                               has_attr=lambda a: item_has_attr(live[0], a))
+                               has_attr=lambda a: item_has_attr(live[0], a),
+                               has_device=lambda: item_has_device(live[0]))
         finally:
             live[0] = None
             shapes.expire()
@@ -794,6 +798,17 @@ def item_has_attr(sink, name: str):
     attr ``name`` (``NpuAmpItemHasAttr``): True / False, or None without the
     library function or outside the callback."""
     return _item_has("NpuAmpItemHasAttr", sink, name)
+
+
+def item_has_device(sink):
+    """Whether a node of the item grappler is optimizing now has a device
+    string (``NpuAmpItemHasDevice``): True / False, or None without the
+    library function or outside the callback."""
+    fn = getattr(_lib, "NpuAmpItemHasDevice", None) if _lib is not None else None
+    if fn is None or sink is None:
+        return None
+    r = fn(sink)
+    return None if r < 0 else bool(r)
 
 
 def _patch_fn():
@@ -899,7 +914,8 @@ def parse_options(config_bytes: bytes):
 
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
            item_id: str = "graph", shapes=None, index=None, patch: bool = False,
-           opdef_precheck="auto", digest=None, base_inputs=None, has_op=None, has_attr=None):
+           opdef_precheck="auto", digest=None, base_inputs=None, has_op=None, has_attr=None,
+           has_device=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
@@ -921,7 +937,9 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     asked before the bytes are searched for the plugin's error op; None: the
     bytes are searched.  ``has_attr``: ``has_attr(name) -> bool | None``, the
     same for node attrs (the callback's :func:`item_has_attr`), handed to the
-    pipeline as ``Graph.source_has_attr``."""
+    pipeline as ``Graph.source_has_attr``; ``has_device``: ``has_device() ->
+    bool | None``, whether a node of it has a device string (the callback's
+    :func:`item_has_device`), handed on as ``Graph.source_has_device``."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -979,7 +997,8 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         out, report, nodes = pipeline.optimize_serialized(
             graph_bytes if own else gd, options, fetches=fetches, preserve=preserve, devices=devices,
             graph_name=item_id, shapes=shapes, index=index, patch=patch,
-            opdef_precheck=opdef_precheck, base_inputs=base_inputs, source_has_attr=has_attr)
+            opdef_precheck=opdef_precheck, base_inputs=base_inputs, source_has_attr=has_attr,
+            source_has_device=has_device)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)

@@ -110,7 +110,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
                         devices=(), include_functions: bool = True, graph_name: str | None = None,
                         shapes=None, index="auto", patch: bool = False, opdef_precheck="auto",
-                        base_inputs=None, source_has_attr=None):
+                        base_inputs=None, source_has_attr=None, source_has_device=None):
     """:func:`optimize`, with the rewritten graph as its deterministic
     serialization (what the grappler bridge hands back), written straight
     from the indexed graph (``Graph.serialize``) instead of through a copied
@@ -137,11 +137,12 @@ def optimize_serialized(graph_def, options: Options | None = None, fetches=(), p
     the bridge's :func:`npu_amp_tf.bridge.item_paint_strings` on the item it
     was serialized from), or None.  ``source_has_attr``: ``Graph.source_has_attr``
     of the main graph (the bridge's :func:`npu_amp_tf.bridge.item_has_attr`
-    on that item), or None."""
+    on that item), or None; ``source_has_device`` likewise
+    ``Graph.source_has_device`` (:func:`npu_amp_tf.bridge.item_has_device`)."""
     return _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                      shapes, index, serialized="patch" if patch else True,
                      opdef_precheck=opdef_precheck, base_inputs=base_inputs,
-                     source_has_attr=source_has_attr)
+                     source_has_attr=source_has_attr, source_has_device=source_has_device)
 
 
 def _optimize(*args, **kwargs):
@@ -181,7 +182,7 @@ PROMOTE_SURVIVORS = True
 
 def _optimize_run(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                   shapes, index, serialized, opdef_precheck=None, base_inputs=None,
-                  source_has_attr=None):
+                  source_has_attr=None, source_has_device=None):
     options = options if options is not None else Options.from_kwargs()
     data = None
     own = False  # (issue 17r) graph_def is this run's own parse: rewritten in place
@@ -222,6 +223,8 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
             graph.base_inputs = base_inputs
         if source_has_attr is not None:
             graph.source_has_attr = source_has_attr
+        if source_has_device is not None:
+            graph.source_has_device = source_has_device
         # the graph as created (the gradient-region search's C++ mirror): the
         # bytes it was parsed from, or the caller's GraphDef (Graph copied it)
         graph.source_bytes = data if data is not None else (None if own else graph_def.SerializeToString)

@@ -71,8 +71,8 @@ def spy(monkeypatch):
     seen = []
     real = native._strings
 
-    def wrapped(g, names, nodes, cid, cut, ins_dts):
-        got = real(g, names, nodes, cid, cut, ins_dts)
+    def wrapped(g, names, nodes, cid, cut, ins_dts, base_at):
+        got = real(g, names, nodes, cid, cut, ins_dts, base_at)
         base = g.base_positions()
         if got is not None:
             assert got == _reference(names, nodes, cid, cut)
@@ -153,7 +153,7 @@ def test_arguments_that_do_not_describe_the_item_are_refused(k2, case, monkeypat
     answers = []
     real = native._strings
 
-    def corrupt(g, names, nodes, cid, cut, ins_dts):
+    def corrupt(g, names, nodes, cid, cut, ins_dts, base_at):
         fn = g.base_inputs
 
         def bad(n, base, counts, extra):
@@ -162,7 +162,7 @@ def test_arguments_that_do_not_describe_the_item_are_refused(k2, case, monkeypat
             return None  # the reference join then
         g.base_inputs = bad
         try:
-            return real(g, names, nodes, cid, cut, ins_dts)
+            return real(g, names, nodes, cid, cut, ins_dts, base_at)
         finally:
             g.base_inputs = fn
 

@@ -118,23 +118,32 @@ def paint(pp, order, fn):
     if n == 0 or len(order) != n:
         return None
     idx = dict(zip(names, range(n)))
-    ops = list(map(_op, nodes))
+    # (CLASS_OPS: no per-node op list; a class has one op, read from its first node)
+    ops = None if CLASS_OPS and batched else list(map(_op, nodes))
     cls = pp._cls
     keys = list(map(cls.get, names)) if cls else [None] * n
     cond = amp.COND_OPS
-    if batched:  # (17n: a Python statement only per node without a class or of a cond op)
+    if batched and ops is None:
+        # the nodes without a C++ class, and those of a class of a cond op
+        # (the op of the class's first node: C-level, the first index of
+        # each key from a dict filled backwards)
+        first_of = dict(zip(reversed(keys), range(n - 1, -1, -1)))
+        odd = {k for k, i in first_of.items() if k is None or nodes[i].op in cond}
+        special = list(compress(range(n), map(odd.__contains__, keys)))
+    elif batched:  # (17n: a Python statement only per node without a class or of a cond op)
         special = sorted(set(compress(range(n), map(is_, keys, repeat(None))))
                          | set(compress(range(n), map(cond.__contains__, ops))))
     else:
         special = range(n)
     for i in special:  # (a Python statement per node; the rest is C-level)
         k = keys[i]
-        if k is None or ops[i] in cond:
+        op = nodes[i].op if ops is None else ops[i]
+        if k is None or op in cond:
             node = nodes[i]
             k0 = k if k is not None else pp._key(node)
             if k0 is None:
                 keys[i] = ("node", names[i])
-            elif ops[i] in cond:
+            elif op in cond:
                 keys[i] = ("cond", k0, pp.in_loop_plumbing(node))
             else:
                 keys[i] = ("sig", k0)
@@ -146,6 +155,7 @@ def paint(pp, order, fn):
     kcount = len(ids)
     # class -> its first node (classes are numbered 0.. in order of first appearance)
     first = np.unique(np.frombuffer(cid, np.int32), return_index=True)[1].tolist()
+    cop = [nodes[i].op for i in first]  # class -> its op (equal keys: one op)
     low = pp.low
     rec = array("i", bytes(4 * 5 * kcount))
     fidx, dts = [None] * kcount, [[None] * kcount for _ in range(6)]
@@ -163,7 +173,7 @@ def paint(pp, order, fn):
         _, ins, outs = pp._memo_dts(node)
         has = bool(info.attrs)
         cur = pp.current(node, info) if has else 0
-        kind = _kind(ops[i], amp)
+        kind = _kind(cop[c], amp)
         lst = 0
         if has and not info.fixed and kind != 1:
             paintable[c] = 1
@@ -186,16 +196,24 @@ def paint(pp, order, fn):
     # per node flags: kernels (per class and device string, or per node for
     # fused ops and ops whose kernel check reads attrs outside the class),
     # keep_dtype, low_precision_nodes, fetched/preserved
-    devs = list(map(_device, nodes))
+    base = []  # (Graph.base_positions, computed once when first asked)
+
+    def base_at():
+        if not base:
+            base.append(g.base_positions())
+        return base[0]
+
+    devs, one_dev = _devices(g, nodes, n, base_at)
     if batched:
-        flags = _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs, low)
+        flags = _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs, low, one_dev)
     else:
         flags = _flags_per_node(pp, n, nodes, names, cid, paintable, infos, rec, devs, low)
     stateful = _lists.STATEFUL_PAINTABLE
     for name in pp.protected:
         i = idx.get(name)
         if i is not None:
-            flags[i] |= F_PROT | (0 if ops[i] in stateful else F_PROT_PAINT)
+            op = cop[cid[i]] if ops is None else ops[i]
+            flags[i] |= F_PROT | (0 if op in stateful else F_PROT_PAINT)
     ints = array("i", (VERSION, n, kcount, low))
     ints.append(n)
     oid = _i32(map(idx.__getitem__, order), len(order))
@@ -213,7 +231,7 @@ def paint(pp, order, fn):
     # the control inputs after them, most of a Keras training graph's edges,
     # are never read, nor turned into Python strings)
     cut = [slice(None) if ins is None else slice(0, len(ins)) for ins in dts[0]]
-    strings = _strings(g, names, nodes, cid, cut, dts[0]) if pp.base_strings else None
+    strings = _strings(g, names, nodes, cid, cut, dts[0], base_at) if pp.base_strings else None
     if strings is None:
         data_ins = map(getitem, map(_input, nodes), map(cut.__getitem__, cid))
         strings = ("\x01".join(names) + "\x03" + "\x02".join(map("\x01".join, data_ins))).encode()
@@ -225,11 +243,27 @@ def paint(pp, order, fn):
     if out is None:
         return None
     if batched and pp.bulk_apply:
-        return _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops)
+        return _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops, cop)
     return _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec)
 
 
-def _strings(g, names, nodes, cid, cut, ins_dts):
+def _devices(g, nodes, n, base_at):
+    """(every node's device string, True when all are ""): "" for the nodes
+    no pass created or edited when the graph's source has none
+    (``Graph.source_has_device``, :data:`SOURCE_DEVICES`), the node's own
+    for the others.  ``base_at()``: ``g.base_positions()``."""
+    fn = g.source_has_device if SOURCE_DEVICES else None
+    if fn is not None and fn() is False:
+        base = base_at()
+        if base is not None and len(base) == n:
+            devs = [""] * n
+            for i in np.flatnonzero(base < 0).tolist():
+                devs[i] = nodes[i].device
+            return devs, not any(devs)
+    return list(map(_device, nodes)), False
+
+
+def _strings(g, names, nodes, cid, cut, ins_dts, base_at):
     """The ``strings`` argument from ``g.base_inputs`` (issue 17: the graph's
     builder reads the inputs of the nodes no pass created or edited from the
     graph it was built from, ``Graph.base_positions``; only the other nodes'
@@ -237,7 +271,7 @@ def _strings(g, names, nodes, cid, cut, ins_dts):
     fn = g.base_inputs
     if fn is None:
         return None
-    base = g.base_positions()
+    base = base_at()
     if base is None or len(base) != len(names):
         return None
     counts = np.array([-1 if ins is None else len(ins) for ins in ins_dts], np.int32)
@@ -299,6 +333,21 @@ def _attr_absent(g, name) -> bool:
     return fn is not None and fn(name) is False
 
 
+#: (issue 17) ``Graph.source_has_device`` before reading every node's device
+#: string; False: always read them (the reference)
+SOURCE_DEVICES = True
+
+#: (issue 17) with every device string "" (``_devices``), the kernel flags
+#: per class through numpy instead of per (class, device) pair through
+#: Python maps; False: the pairs (the reference)
+ONE_DEVICE = True
+
+#: (issue 17) the painting takes a node's op from its class (equal keys, one
+#: op: the C++ signature class or ``registry.signature_key``), read once per
+#: class, instead of reading every node's; False: every node's (the reference)
+CLASS_OPS = True
+
+
 def _i32(values, count):
     """``array('i', values)`` (``count`` ints) through numpy: ``array`` built
     from an iterable converts each item with ``PyArg_Parse`` (~300
@@ -336,37 +385,54 @@ def _kernel_bits(pp, node, info, low, cur):
     return bits
 
 
-def _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs, low):
+def _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs, low, one_dev=False):
     """The flags of :func:`_flags_per_node` (issue 17n) with a Python
     statement per paintable class, per distinct (class, device string) and
     per node that needs one (fused ops, a ``_keep_dtype`` attr, name
     overrides); the per-node work is C-level maps."""
     plan = pp.plan
-    pmask = list(map(paintable.__getitem__, cid))
-    pairs = list(zip(cid, devs))
     per_node = set()
-    bits_of = {}
     for c in compress(range(len(paintable)), paintable):
         if _per_node_kernel(pp, nodes[first[c]], infos[c], low):
             per_node.add(c)
     # one node per distinct (class, device string): every node of a class
     # that is not per_node gets the same answers (the class fixes the
-    # attrs the check reads, and the device type follows the string)
-    reps = dict(zip(compress(pairs, pmask), compress(range(n), pmask)))
-    for pair, i in reps.items():
-        c = pair[0]
-        if c not in per_node:
-            bits_of[pair] = _kernel_bits(pp, nodes[i], infos[c], low, rec[5 * c + 2])
-    flags = _i32(map(bits_of.get, pairs, repeat(0)), n)
+    # attrs the check reads, and the device type follows the string); the
+    # last such node, in order of the pairs' first appearance
+    if one_dev and ONE_DEVICE:
+        # (every device string ""; a pair is its class, numbered in order of
+        # first appearance: numpy per node, a Python statement per class)
+        cls_arr = np.frombuffer(cid, np.int32)
+        paint_idx = np.flatnonzero(np.frombuffer(paintable, np.uint8)[cls_arr])
+        rev = paint_idx[::-1]
+        classes, at = np.unique(cls_arr[rev], return_index=True)
+        bits = np.zeros(len(paintable), np.int32)
+        for c, i in zip(classes.tolist(), rev[at].tolist()):
+            if c not in per_node:
+                bits[c] = _kernel_bits(pp, nodes[i], infos[c], low, rec[5 * c + 2])
+        flags = array("i")
+        flags.frombytes(bits[cls_arr].tobytes())
+        psel = paint_idx.tolist()
+    else:
+        pmask = list(map(paintable.__getitem__, cid))
+        pairs = list(zip(cid, devs))
+        bits_of = {}
+        reps = dict(zip(compress(pairs, pmask), compress(range(n), pmask)))
+        for pair, i in reps.items():
+            c = pair[0]
+            if c not in per_node:
+                bits_of[pair] = _kernel_bits(pp, nodes[i], infos[c], low, rec[5 * c + 2])
+        flags = _i32(map(bits_of.get, pairs, repeat(0)), n)
+        psel = list(compress(range(n), pmask))
     fix = set()
     if per_node:
         fix.update(compress(range(n), map(per_node.__contains__, cid)))
     if plan.keep_names or plan.low_names:
-        fix.update(compress(range(n), pmask))
+        fix.update(psel)
     elif _attr_absent(pp.g, _planner.KEEP_DTYPE_ATTR):
         pass  # (no node of the input carries it, and no pass writes it)
     else:
-        sel = list(compress(range(n), pmask))  # (the attr read of the paintable nodes only)
+        sel = psel  # (the attr read of the paintable nodes only)
         fix.update(compress(sel, map(contains, map(_attr, map(nodes.__getitem__, sel)),
                                      repeat(_planner.KEEP_DTYPE_ATTR))))
     forced = bool(plan.low_names)
@@ -554,7 +620,7 @@ def _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec):
     return changed
 
 
-def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops):
+def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops, cop):
     """:func:`_apply` from the result's columns (issue 17t): the decided,
     re-typed, demoted and followed nodes selected with numpy, a Python
     statement only per re-typed node and per warning; the report's entries
@@ -622,7 +688,8 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops):
     # nodes of a batch share their type attrs and op (``PrecisionPass._retype_all``)
     groups = {}
     for i, path in paths.items():
-        groups.setdefault((cid[i], path, ops[i]), []).append(i)
+        c = cid[i]
+        groups.setdefault((c, path, cop[c] if ops is None else ops[i]), []).append(i)
     for (c, path, op), members in groups.items():
         pp._retype_all(list(map(nodes.__getitem__, members)), list(map(names.__getitem__, members)),
                        op, infos[c].attrs, path)
