@@ -144,3 +144,30 @@ def test_an_edited_node_keeps_its_device():
 
 def test_item_has_device_outside_the_callback():
     assert bridge.item_has_device(None) is None
+
+
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])
+@pytest.mark.parametrize("mode", ["allow_mix_precision", "allow_mix_precision_bf16"])
+def test_memos_refilled_per_batch(k2, monkeypatch, name, mode):
+    """``native.GROUP_MEMOS`` on and off: the same memo entries after the
+    painting (dtypes and facts per node) and the same graph."""
+    from graph_passes.manager import PassContext
+    from graph_passes.precision import amp
+    from npu_amp_tf.options import Options
+
+    gd, fetches = _graph(name, k2)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(native_mod, "GROUP_MEMOS", on)
+        graph = Graph(gd)
+        ctx = PassContext(Options.from_kwargs(precision_mode=mode), fetches, ())
+        ctx.native_paint = pipeline.native_paint_entry()
+        pp = amp.PrecisionPass()
+        pp.run(graph, ctx)
+        dts = {k: (v[0].name, v[1], v[2]) for k, v in pp._dts.items()}
+        info = {k: (v[0], v[1].attrs, list(v[1].in_attr), v[1].fixed, v[1].fidx) for k, v in pp._info.items()}
+        runs.append((dts, info, [n.SerializeToString(deterministic=True) for n in graph.nodes.values()]))
+    assert len(runs[0][0]) > 100 and len(runs[0][1]) > 100
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] == runs[1][1]
+    assert runs[0][2] == runs[1][2]

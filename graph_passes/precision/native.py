@@ -342,6 +342,12 @@ SOURCE_DEVICES = True
 #: Python maps; False: the pairs (the reference)
 ONE_DEVICE = True
 
+#: (issue 17) :func:`_apply_bulk` fills the memos ``_retype`` dropped per
+#: re-typing batch (one registry question, C-level dict updates) right after
+#: the batch, not per node after every batch (:func:`_refill_memos`); False:
+#: per node (the reference; the same memo entries)
+GROUP_MEMOS = True
+
 #: (issue 17) the painting takes a node's op from its class (equal keys, one
 #: op: the C++ signature class or ``registry.signature_key``), read once per
 #: class, instead of reading every node's; False: every node's (the reference)
@@ -690,11 +696,20 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops, cop
     for i, path in paths.items():
         c = cid[i]
         groups.setdefault((c, path, cop[c] if ops is None else ops[i]), []).append(i)
+    g = pp.g
+    dts, info_memo = pp._dts, pp._info
     for (c, path, op), members in groups.items():
-        pp._retype_all(list(map(nodes.__getitem__, members)), list(map(names.__getitem__, members)),
-                       op, infos[c].attrs, path)
+        gnodes, gnames = list(map(nodes.__getitem__, members)), list(map(names.__getitem__, members))
+        pp._retype_all(gnodes, gnames, op, infos[c].attrs, path)
+        if GROUP_MEMOS:
+            # (_refill_memos per batch: its nodes end with equal signatures)
+            ins, outs = g.input_dtypes(gnodes[0]), g.output_dtypes(gnodes[0])
+            f = (None if ins is None else tuple(ins), None if outs is None else tuple(outs))
+            dts.update(zip(gnames, zip(gnodes, repeat(f[0]), repeat(f[1]))))
+            info_memo.update(zip(gnames, repeat((op, infos[c]))))
     pp.touched.update(map(nget, paths))
-    _refill_memos(pp, paths, names, nodes, cid, infos)
+    if not GROUP_MEMOS:
+        _refill_memos(pp, paths, names, nodes, cid, infos)
     final = target.copy()
     final[a[pnt, O_DEMOTED] != 0] = f32
     final[a[pnt, O_FOLLOWED] != 0] = low
