@@ -77,7 +77,7 @@ import tensorflow as tf
 from tensorflow.core.framework.node_def_pb2 import NodeDef as _NodeDef
 
 from .. import registry
-from ..errors import GraphError, OptionError
+from ..errors import GraphError
 from ..graph import LOOP_BACK_OPS, parse_tensor, tensor_name
 from ..manager import Pass, register_pass
 from ..report import Report
