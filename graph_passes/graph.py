@@ -1403,6 +1403,11 @@ class Graph:
         return self.nodes[name]
 
     # ------------------------------------------------ bulk edits (issue 17t)
+    #: (issue 17) :meth:`add_and_rewire` does ``add_node`` / ``set_input``'s
+    #: bookkeeping in its own loop; False: calls them per step (the
+    #: reference; the same graph, indexes, logs and version)
+    inline_rewire = True
+
     def add_and_rewire(self, steps):
         """Apply ``steps`` in order, each ``(node, consumer, index, ref)``:
         ``add_node(node)`` when ``node`` is not None, then
@@ -1411,7 +1416,79 @@ class Graph:
         so the graph's bookkeeping stays this class's).  The precision pass
         inserts its casts through it in one batch (``PrecisionPass.bulk_casts``)."""
         add, rewire = self.add_node, self.set_input
-        for node, consumer, index, ref in steps:
-            if node is not None:
-                add(node)
-            rewire(consumer, index, ref)
+        if not self.inline_rewire:
+            for node, consumer, index, ref in steps:
+                if node is not None:
+                    add(node)
+                rewire(consumer, index, ref)
+            return
+        # (issue 17) add_node's and set_input's bookkeeping inline, the
+        # indexes read once; a step set_input would repair (an index out of
+        # sync) or a name taken goes through the methods themselves
+        nodes, elog, created, modified = self.nodes, self._edit_log, self.created, self.modified
+        state = None
+        bumps = 0  # (version bumps not written yet: written once, at the end or before a method runs)
+        k = self._next_seq
+        try:
+            for node, consumer, index, ref in steps:
+                if state is None:  # (again after a repair: reindex() makes new indexes)
+                    state = (self._consumers, self._kdnames, self._by_op, self._seq, self._kdirty,
+                             self._id_name, self._id_dead)
+                    cons, marked, by_op, seq, kdirty, id_name, id_dead = state
+                if node is not None:
+                    name = node.name
+                    if name in nodes:
+                        add(node)  # (raises)
+                    nodes[name] = node
+                    created.add(name)
+                    elog.append(name)
+                    for i, inp in enumerate(node.input[:]):
+                        src, _, ctrl = parse_tensor(inp)
+                        cons[src].append((name, -1 if ctrl else i))
+                        marked.add(src)
+                    ops = by_op.get(node.op)
+                    if ops is None:
+                        ops = by_op[node.op] = {}
+                    ops[name] = None
+                    seq[name] = k
+                    kdirty.add(k)
+                    id_name.append(name)
+                    id_dead.append(0)
+                    k += 1
+                    bumps += 1
+                cnode = nodes[consumer]
+                old = cnode.input[index]
+                if old == ref:
+                    continue
+                osrc, _, octrl = parse_tensor(old)
+                lst = cons.get(osrc)
+                if lst is not None:
+                    try:
+                        lst.remove((consumer, -1 if octrl else index))
+                    except ValueError:
+                        lst = None
+                if lst is None:  # set_input's repair paths, with the state written first
+                    self._next_seq = k
+                    self._flush_bumps(bumps)
+                    bumps = 0
+                    rewire(consumer, index, ref)
+                    k = self._next_seq
+                    state = None
+                    continue
+                modified.add(consumer)
+                elog.append(consumer)
+                marked.add(osrc)
+                cnode.input[index] = ref
+                nsrc, _, nctrl = parse_tensor(ref)
+                cons[nsrc].append((consumer, -1 if nctrl else index))
+                marked.add(nsrc)
+                bumps += 1
+        finally:
+            self._next_seq = k
+            self._flush_bumps(bumps)
+
+    def _flush_bumps(self, bumps):
+        if bumps:
+            self._dirty = True
+            self._topo_cache = None
+            self.version += bumps
