@@ -88,6 +88,10 @@ def registered_kernels(op_type: str):
     return require_attr(mod, "get_registered_kernels_for_op", "kernels")(op_type)
 
 
+#: the probe's module, imported once (the fusion rules ask per match)
+_PORT = []
+
+
 def onednn_enabled() -> bool:
     """Whether TF's oneDNN (MKL) graph rewrite is on in this process.
 
@@ -97,8 +101,9 @@ def onednn_enabled() -> bool:
     drops the probe, the documented rule above (the environment variable on
     x86-64 Linux) answers instead of an error."""
     try:
-        mod = importlib.import_module("tensorflow.python.util._pywrap_util_port")
-        return bool(mod.IsMklEnabled())
+        if not _PORT:
+            _PORT.append(importlib.import_module("tensorflow.python.util._pywrap_util_port"))
+        return bool(_PORT[0].IsMklEnabled())
     except (ImportError, AttributeError):
         env = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower()
         return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")

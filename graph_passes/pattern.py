@@ -24,6 +24,7 @@ or carry control consumers; and it never returns overlapping matches.
 from __future__ import annotations
 
 import dataclasses
+from itertools import repeat
 from typing import Callable
 
 from .graph import Graph, parse_tensor
@@ -235,7 +236,8 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
         # index by the anchor's op type first: most rules find no anchor at all,
         # and then no topological order is needed; narrowed by a rarer inner
         # position where the pattern has one (only anchors match_at refuses go)
-        narrowed = _candidates(graph, pat, _inner_filter(graph, pat, protected, escapes_ok))
+        narrowed = _candidates(graph, pat, _inner_filter(graph, pat, protected, escapes_ok),
+                               {} if RAREST_MEMO else None)
         if narrowed is None:
             anchors = graph.nodes_of_type(first_ops)
         else:
@@ -288,14 +290,14 @@ def _count(graph: Graph, ops) -> int:
     by_op = getattr(graph, "_by_op", None)
     if by_op is None:
         return len(graph.nodes_of_type(ops))
-    return sum(len(by_op.get(op, ())) for op in ops)
+    return sum(map(len, map(by_op.get, ops, repeat(()))))
 
 
-def _sum_alternatives(graph: Graph, pat: Pat, count):
+def _sum_alternatives(graph: Graph, pat: Pat, count, *memo):
     """``count`` summed over a ``one_of``'s alternatives (None if one is None)."""
     total = 0
     for alt in pat.alternatives:
-        n = count(graph, alt)
+        n = count(graph, alt, *memo)
         if n is None:
             return None
         total += n
@@ -310,21 +312,35 @@ def _bound(graph: Graph, pat: Pat):
     return None if ops is None else _count(graph, ops)
 
 
-def _rarest(graph: Graph, pat: Pat):
+def _rarest(graph: Graph, pat: Pat, memo=None):
     """The fewest nodes any position in ``pat``'s subtree accepts (a sum over
-    ``one_of`` alternatives; None: no bound)."""
+    ``one_of`` alternatives; None: no bound).  ``memo``: a dict kept while
+    the graph is not edited (:func:`_candidates` asks again for the subtrees
+    of every position it visits): id(position) -> (position, answer)."""
     if pat.leaf:
         return None
+    if memo is not None:
+        hit = memo.get(id(pat))
+        if hit is not None:
+            return hit[1]
     if pat.alternatives:
-        return _sum_alternatives(graph, pat, _rarest)
-    ops = pat._opset()
-    best = None if ops is None else _count(graph, ops)
-    for child in pat.inputs or ():
-        r = _rarest(graph, child)
-        if r is not None and (best is None or r < best):
-            best = r
+        best = _sum_alternatives(graph, pat, _rarest, memo)
+    else:
+        ops = pat._opset()
+        best = None if ops is None else _count(graph, ops)
+        for child in pat.inputs or ():
+            r = _rarest(graph, child, memo)
+            if r is not None and (best is None or r < best):
+                best = r
+    if memo is not None:
+        memo[id(pat)] = (pat, best)  # (the position kept alive: its id is not reused)
     return best
 
+
+#: (issue 17) :func:`_candidates` keeps :func:`_rarest`'s answers for the
+#: subtrees it visits (one find_matches call: no edit in between); False:
+#: each asked again (the reference; the same candidates)
+RAREST_MEMO = True
 
 #: INNER_FILTER: candidates of inner positions leave out the nodes match_at
 #: refuses as inner nodes whatever the match (fetched or preserved ones, and,
@@ -385,7 +401,7 @@ def _inner_filter(graph: Graph, pat: Pat, protected, escapes_ok: bool):
     return inner_ok
 
 
-def _candidates(graph: Graph, pat: Pat, inner_ok=None):
+def _candidates(graph: Graph, pat: Pat, inner_ok=None, memo=None):
     """A set of nodes holding every node a match can put at position ``pat``
     (inner or root; a superset: each is a reader, with an op the position
     accepts, of a candidate of its rarest inner input position, and within
@@ -400,7 +416,7 @@ def _candidates(graph: Graph, pat: Pat, inner_ok=None):
     if pat.alternatives:
         out = set()
         for alt in pat.alternatives:
-            sub = _candidates(graph, alt, inner_ok)
+            sub = _candidates(graph, alt, inner_ok, memo)
             if sub is None:
                 ops = _anchor_ops(alt)
                 if ops is None:
@@ -417,10 +433,10 @@ def _candidates(graph: Graph, pat: Pat, inner_ok=None):
     for child in pat.inputs:
         if child.leaf:
             continue
-        rare = _rarest(graph, child)
+        rare = _rarest(graph, child, memo)
         if rare is None or rare > n0 or (best is not None and rare >= len(best)):
             continue  # nothing below is rarer than this position: no narrowing to expect
-        sub = _candidates(graph, child, inner_ok)  # (narrowed by a rarer position below it)
+        sub = _candidates(graph, child, inner_ok, memo)  # (narrowed by a rarer position below it)
         if sub is None:
             bound = _bound(graph, child)
             if bound is None or bound > n0 or (best is not None and bound >= len(best)):

@@ -242,3 +242,27 @@ def test_a_norm_memo_blind_to_edits_is_caught(monkeypatch):
     truth = builtin.analyze_norm(g, g.nodes[anchor])
     monkeypatch.setattr(builtin, "NORM_MEMO", True)
     assert builtin.analyze_norm(g, g.nodes[anchor]) != truth
+
+
+# ------------------------------------------------------------ rarest memo
+def test_rarest_memo_gives_the_same_candidates(k2):
+    """``pattern.RAREST_MEMO``: for every rule, on the raw and the rewritten
+    real graphs, the candidates with the memo equal those asked without it;
+    the memo answers the same as ``_rarest`` for every subtree it kept."""
+    import npu_amp_tf
+
+    kept = 0
+    for name, gd in _real_graphs(k2):
+        out, _ = npu_amp_tf.rewrite_graph(gd, fetches=["loss", "train"],
+                                          precision_mode="allow_mix_precision_bf16")
+        for g in (Graph(gd), Graph(out)):
+            for rule in RULES.values():
+                pat = rule.pattern
+                flt = pattern._inner_filter(g, pat, frozenset(), rule.escapes)
+                memo = {}
+                assert pattern._candidates(g, pat, flt, memo) == pattern._candidates(g, pat, flt), \
+                    (name, rule.name)
+                for pos, answer in memo.values():
+                    assert answer == pattern._rarest(g, pos), (name, rule.name)
+                kept += len(memo)
+    assert kept > 50, kept

@@ -35,7 +35,8 @@ MODES = {
 #: the fusion pass's shortcuts (issue 17e, 17g): True each in the optimized
 #: path, False in the reference (and ``pattern.PREDICATE_CANDIDATES``,
 #: ``grad_region.STOP_AT_DY``, ``pattern.INNER_FILTER``,
-#: ``shapes.FAST_TENSOR_DECODE``, ``builtin.NORM_MEMO`` (17i))
+#: ``shapes.FAST_TENSOR_DECODE``, ``builtin.NORM_MEMO`` (17i),
+#: ``pattern.RAREST_MEMO``)
 SHORTCUTS = ("skip_untouched", "share_shapes")
 
 
@@ -49,6 +50,7 @@ def _rewrite(monkeypatch, gd, fetches, skip, kw):
     monkeypatch.setattr(pattern, "INNER_FILTER", skip)
     monkeypatch.setattr(shapes, "FAST_TENSOR_DECODE", skip)
     monkeypatch.setattr(builtin, "NORM_MEMO", skip)
+    monkeypatch.setattr(pattern, "RAREST_MEMO", skip)
     passes = []
     orig = fusion_pass.FusionPass.run
 

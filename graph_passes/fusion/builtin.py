@@ -371,16 +371,11 @@ def bf16_matrix_policy(anchor_op: str, what: str):
     dtype), one already in bfloat16 always.  So with no BF16 plan and no
     bfloat16 ``anchor_op`` in the graph no match can fuse: the reason, else None."""
     def policy(ctx, graph):
-        from ..pattern import _of_type
-
         plan = _precision_plan(ctx)
         if plan is not None and plan.low == registry.DT_BFLOAT16:
             return None
-        nodes = graph.nodes
-        for name in _of_type(graph, (anchor_op,)):
-            a = nodes[name].attr
-            if "T" in a and a["T"].type == registry.DT_BFLOAT16:
-                return None
+        if _has_bf16(graph, anchor_op):
+            return None
         if plan is None or plan.mode in _FP32_MATRIX_MODES:
             runs = "float32"
         else:
@@ -390,6 +385,27 @@ def bf16_matrix_policy(anchor_op: str, what: str):
                 f"the MatMul form is measured faster in BF16 only")
     policy.__qualname__ = f"bf16_matrix_policy({anchor_op!r})"
     return policy
+
+
+def _has_bf16(graph, op):
+    """Whether a node of type ``op`` in ``graph`` has ``T`` = bfloat16;
+    remembered on the graph while its version does not change (the rules
+    sharing an anchor op ask in turn)."""
+    from ..pattern import _of_type
+
+    memo = graph.__dict__.setdefault("_bf16_anchor_memo", {})
+    hit = memo.get(op)
+    if hit is not None and hit[0] == graph.version:
+        return hit[1]
+    nodes, bf16 = graph.nodes, registry.DT_BFLOAT16
+    found = False
+    for name in _of_type(graph, (op,)):
+        t = nodes[name].attr.get("T")
+        if t is not None and t.type == bf16:
+            found = True
+            break
+    memo[op] = (graph.version, found)
+    return found
 
 
 def _precision_plan(ctx):
@@ -702,7 +718,7 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
                                                           dx2 ┼ AddN       dgamma, dbeta   ├ AddN
                                             d_residual ───────┘           d_residual ─────┘
     """
-    from .grad_region import GradRegionRefused, assign_outputs, attributed_forward, find_grad_region
+    from .grad_region import GradRegionRefused, assign_outputs, find_grad_region
 
     if not b.escaping_readers():
         return
