@@ -14,7 +14,6 @@ the comparison catches.
   not change.
 """
 import numpy as np
-import pytest
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
