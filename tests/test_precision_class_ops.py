@@ -22,7 +22,7 @@ import pytest
 from graph_passes.graph import Graph
 from graph_passes.precision import native as native_mod
 from npu_amp_tf import bridge, pipeline
-from test_precision_bulk import MODES, _rewrite, assert_grappler_on_equals_off
+from test_precision_bulk import MODES, _library, _rewrite, assert_grappler_on_equals_off  # noqa: F401  (_library: an autouse fixture)
 from test_precision_fast import _strip_times
 from test_precision_native import _graph
 from test_speed_paths import optimize_rewritten, plugin_only_grappler
@@ -31,12 +31,6 @@ from conftest import assert_same
 
 SWITCHES = ("CLASS_OPS", "SOURCE_DEVICES", "ONE_DEVICE")
 REAL = ["keras_resnet50_training", "keras_transformer_training", "slim_resnet_v1_50", "bert_like"]
-
-
-@pytest.fixture(autouse=True)
-def _library():
-    bridge.register()
-    assert pipeline.native_paint_entry() is not None, "the library has no native painting"
 
 
 def _set(monkeypatch, on):
