@@ -85,6 +85,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -193,6 +194,16 @@ struct Sink {
   // through (of graph_bytes, or of the item's GraphDef), for
   // NpuAmpItemPaintStrings; null until then
   std::shared_ptr<GraphViews> views;
+  // (issue 17) the index built on a helper thread (NpuAmpItemIndexStart)
+  // while Python parses the bytes: index, kept, views and index_rc are its
+  // until JoinIndex; every reader of them joins first, and the callback's
+  // caller joins as soon as the callback returns
+  std::thread index_thread;
+  int index_rc = -1;  // the index built: 0, or 1 (refused); -1 not built
+  void JoinIndex() {
+    if (index_thread.joinable()) index_thread.join();
+  }
+  ~Sink() { JoinIndex(); }
 };
 
 // Sink flags (issue 17r), set by Python (bridge.MOVE_ITEM_NODES,
@@ -1348,25 +1359,56 @@ NPU_AMP_EXPORT int NpuAmpGraphShapes(const char* graph, size_t graph_len, const 
 // inside the callback).  Returns 0 and the index in *data/*len, or 1 (nothing
 // written): Python then builds the index itself.  The bytes stay valid until
 // the callback returns.
+// Builds the item's index into s->index (and s->kept, s->views): 0, or 1.
+static int BuildItemIndex(Sink* s, int flags) {
+  const int64_t t0 = ThreadCpuNs();
+  auto held = std::make_shared<GraphViews>();
+  GraphViews& views = *held;
+  if (!(flags & kFlagIndexFromBytes) || !ViewsOfBytes(s->graph_bytes, &views)) {
+    views = GraphViews();
+    ViewsOfGraph(s->item->graph, &views);
+  }
+  const bool ok = GraphIndexText(s->item->graph, views, &s->index, (flags & kFlagFastIndex) != 0,
+                                 (flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr);
+  if (static_cast<int64_t>(views.name.size()) == s->item->graph.node_size()) s->views = std::move(held);
+  g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
+  return ok ? 0 : 1;
+}
+
 NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
   auto* s = static_cast<Sink*>(sink);
   *data = nullptr;
   *len = 0;
   if (s == nullptr || s->item == nullptr) return 1;
-  const int64_t t0 = ThreadCpuNs();
-  auto held = std::make_shared<GraphViews>();
-  GraphViews& views = *held;
-  if (!(s->flags & kFlagIndexFromBytes) || !ViewsOfBytes(s->graph_bytes, &views)) {
-    views = GraphViews();
-    ViewsOfGraph(s->item->graph, &views);
-  }
-  const bool ok = GraphIndexText(s->item->graph, views, &s->index, (s->flags & kFlagFastIndex) != 0,
-                                 (s->flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr);
-  if (static_cast<int64_t>(views.name.size()) == s->item->graph.node_size()) s->views = std::move(held);
-  g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
-  if (!ok) return 1;
+  s->JoinIndex();
+  if (s->index_rc < 0) s->index_rc = BuildItemIndex(s, s->flags);
+  if (s->index_rc != 0) return 1;
   *data = s->index.data();
   *len = s->index.size();
+  return 0;
+}
+
+// (issue 17) Starts building the item's index (NpuAmpItemIndex's) on a helper
+// thread, with the flags set now, so that it overlaps Python's parse of the
+// bytes; NpuAmpItemIndex then waits for it.  0 started, 1 not (no item, built
+// or started already, or no thread to be had: NpuAmpItemIndex builds it).
+NPU_AMP_EXPORT int NpuAmpItemIndexStart(void* sink) {
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || s->item == nullptr || s->index_rc >= 0 || s->index_thread.joinable()) return 1;
+  const int flags = s->flags;
+  try {
+    s->index_thread = std::thread([s, flags] {
+      int rc = 1;
+      try {
+        rc = BuildItemIndex(s, flags);
+      } catch (...) {  // (bad_alloc: NpuAmpItemIndex answers 1, Python indexes)
+        rc = 1;
+      }
+      s->index_rc = rc;  // (read after the join)
+    });
+  } catch (...) {  // std::system_error: no thread; built when asked
+    return 1;
+  }
   return 0;
 }
 
@@ -1436,6 +1478,7 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
                                            size_t broken_len, const char* device) {
   auto* s = static_cast<Sink*>(sink);
   if (s == nullptr || s->item == nullptr) return npu_amp_tf::kPrecheckUnable;
+  s->JoinIndex();
   struct Timer {
     int64_t t0 = ThreadCpuNs();
     ~Timer() { g_step_ns[kStepPrecheck].fetch_add(ThreadCpuNs() - t0); }
@@ -1597,6 +1640,7 @@ NPU_AMP_EXPORT int NpuAmpItemPaintStrings(void* sink, const char* names, size_t 
   if (s == nullptr || s->item == nullptr || n < 0 || (n > 0 && (base == nullptr || counts == nullptr))) {
     return 1;
   }
+  s->JoinIndex();
   if (s->views == nullptr) {  // (no index built this call: views of the parsed graph)
     auto held = std::make_shared<GraphViews>();
     ViewsOfGraph(s->item->graph, held.get());
@@ -1765,6 +1809,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
                       config_bytes_.size(), fetch.c_str(), preserve.c_str(), devices.c_str(),
                       item.id.c_str());
     g_in_flight.fetch_sub(1);
+    sink.JoinIndex();  // (a helper thread reads the item and graph_bytes)
     sink.item = nullptr;
     sink.graph_bytes = std::string_view();
     sink.kept = npu_amp_tf::BaseIndex();  // (its views are of graph_bytes)
