@@ -789,11 +789,11 @@ def item_fingerprint(sink, size: int):
     return ("fp", fp.value, size)
 
 
-def _item_has(fn_name, sink, what: str):
+def _item_has(fn_name, sink, *what: str):
     fn = getattr(_lib, fn_name, None) if _lib is not None else None
     if fn is None or sink is None:
         return None
-    r = fn(sink, what.encode())
+    r = fn(sink, *(w.encode() for w in what))
     return None if r < 0 else bool(r)
 
 
@@ -815,11 +815,7 @@ def item_has_device(sink):
     """Whether a node of the item grappler is optimizing now has a device
     string (``NpuAmpItemHasDevice``): True / False, or None without the
     library function or outside the callback."""
-    fn = getattr(_lib, "NpuAmpItemHasDevice", None) if _lib is not None else None
-    if fn is None or sink is None:
-        return None
-    r = fn(sink)
-    return None if r < 0 else bool(r)
+    return _item_has("NpuAmpItemHasDevice", sink)
 
 
 def _patch_fn():

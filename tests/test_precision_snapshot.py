@@ -139,35 +139,3 @@ def test_retype_all_equals_retype_per_node(op):
         assert [n.SerializeToString(deterministic=True) for n in one] == \
             [n.SerializeToString(deterministic=True) for n in many]
 
-
-@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])
-def test_batched_saves_equal_saves_per_node(k2, monkeypatch, name):
-    """``PrecisionPass.batch_saves`` (``_Snapshot.save_all``, ``_edited_all``)
-    on and off, after the fusion pass edited and made nodes: the same saved
-    entries in the same order (an index or an equal copy), the same memos
-    left and the same graph."""
-    from graph_passes.fusion.fusion_pass import FusionPass
-    from tensorflow.core.framework import graph_pb2
-
-    gd, fetches = _graph(name, k2)
-    data = gd.SerializeToString()
-    runs = []
-    for on in (True, False):
-        monkeypatch.setattr(amp.PrecisionPass, "batch_saves", on)
-        parsed = graph_pb2.GraphDef()
-        parsed.ParseFromString(data)
-        graph = Graph(parsed, index=bridge.graph_index(parsed, data), copy=False)
-        graph.source_bytes = data
-        ctx = PassContext(Options.from_kwargs(precision_mode="allow_mix_precision"), fetches, ())
-        ctx.native_paint = pipeline.native_paint_entry()
-        FusionPass().run(graph, ctx)
-        pp = amp.PrecisionPass()
-        pp.run(graph, ctx)
-        saved = [(k, v if type(v) is int else v.SerializeToString(deterministic=True))
-                 for k, v in pp._before._saved.items()]
-        memos = (sorted(pp._dts), sorted(pp._keys), None if pp._cls is None else sorted(pp._cls.items()))
-        runs.append((saved, memos, _nodes_bytes(graph.nodes.values()), list(graph.nodes)))
-    assert len(runs[0][0]) > 100
-    assert runs[0][0] == runs[1][0]
-    assert runs[0][1] == runs[1][1]
-    assert runs[0][2] == runs[1][2] and runs[0][3] == runs[1][3]

@@ -69,8 +69,6 @@ Before / after (MLP training step)::
 from __future__ import annotations
 
 import functools
-from collections import deque
-from itertools import repeat
 
 import numpy as np
 import tensorflow as tf
@@ -215,11 +213,6 @@ class PrecisionPass(Pass):
     #: sort.  False: always sort (the reference; the same graph and report,
     #: tests/test_precision_delay.py)
     delay_depth_proof = True
-    #: (issue 17) :meth:`_retype_all` saves the nodes and drops their memos in
-    #: one call each (``_Snapshot.save_all``, :meth:`_edited_all`), not two
-    #: calls per node; False: per node (the reference; the same snapshot,
-    #: memos and graph, tests/test_precision_snapshot.py)
-    batch_saves = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -378,11 +371,6 @@ class PrecisionPass(Pass):
         if self._cls is not None:
             self._cls.pop(name, None)
 
-    def _edited_all(self, names):
-        """:meth:`_edited` of each of ``names`` (C-level pops)."""
-        for memo in (self._dts, self._keys) if self._cls is None else (self._dts, self._keys, self._cls):
-            deque(map(memo.pop, names, repeat(None)), 0)
-
     def _fill_dts(self, node, key):
         facts = self._sig_dts.get(key) if key is not None else None
         if facts is None:
@@ -423,14 +411,10 @@ class PrecisionPass(Pass):
         op type ``op``) by each dtype of ``path`` in turn: the same saves,
         dropped memos and attrs (``registry.retype_all``), without the calls
         per node."""
-        if self.batch_saves:
-            self._before.save_all(names)
-            self._edited_all(names)
-        else:
-            save, edited = self._before.save, self._edited
-            for name in names:
-                save(name)
-                edited(name)
+        save, edited = self._before.save, self._edited
+        for name in names:
+            save(name)
+            edited(name)
         for dt in path:
             registry.retype_all(nodes, op, attrs, dt)
 
@@ -1725,30 +1709,6 @@ class _Snapshot:
                     saved[name] = k
                     return
             node = g.nodes.get(name)
-            if node is not None:
-                copy = saved[name] = _NodeDef()
-                copy.CopyFrom(node)
-
-    def save_all(self, names):
-        """:meth:`save` of each of ``names`` in turn (the same saved entries,
-        in the same order), the graph's state read once."""
-        saved = self._saved
-        if saved is None:
-            return
-        g = self._graph
-        src = self._source
-        fast = src is not None and g._seq_is_base and not g._all_modified
-        mod, made, seq, nodes = g.modified, g.created, g._seq, g.nodes
-        limit = src[1] if src is not None else 0
-        for name in names:
-            if name in saved:
-                continue
-            if fast and name not in mod and name not in made:
-                k = seq.get(name)
-                if k is not None and k < limit:
-                    saved[name] = k
-                    continue
-            node = nodes.get(name)
             if node is not None:
                 copy = saved[name] = _NodeDef()
                 copy.CopyFrom(node)
