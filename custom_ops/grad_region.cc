@@ -39,6 +39,7 @@
 #include <queue>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -377,6 +378,15 @@ class Mirror {
     for (string_view n : Split(Keep(names.data(), names.size()), '\x01')) before_.insert(n);
   }
   void SetPos(int32_t id, double p) { nodes_[id].pos = p; }
+
+  // (issue 17) the first load on a helper thread (NpuAmpGrMirrorLoadAsync):
+  // the mirror is its until Join(); every entry but New joins first
+  std::thread loader;
+  int load_rc = 0;  // the helper's LoadGraphDef: 0 ok, 1 refused (read after the join)
+  void Join() {
+    if (loader.joinable()) loader.join();
+  }
+  ~Mirror() { Join(); }
   void ClearPositions() {
     for (auto& n : nodes_) n.pos = kNoPos;
   }
@@ -988,14 +998,52 @@ NPU_AMP_GR_EXPORT void NpuAmpGrMirrorFree(void* h) { delete static_cast<Mirror*>
 NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoad(void* h, const char* data, size_t len, int fresh) {
   auto* m = static_cast<Mirror*>(h);
   if (m == nullptr || (len && data == nullptr)) return 1;
+  m->Join();
   if (fresh) m->Reserve(m->size() + len / 128);  // (a NodeDef of a training graph: ~160 bytes)
   return LoadGraphDef(m, data, len, fresh != 0) ? 0 : 1;
+}
+
+// (issue 17) NpuAmpGrMirrorLoad(h, data, len, fresh=1) on a helper thread, so
+// that it overlaps the Python work before the first search; `data` must stay
+// valid until NpuAmpGrMirrorWait (or Free) returns.  0 started, 1 not (no
+// thread to be had: the caller loads with NpuAmpGrMirrorLoad).
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoadAsync(void* h, const char* data, size_t len) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr || (len && data == nullptr)) return 1;
+  m->Join();
+  try {
+    m->loader = std::thread([m, data, len] {
+      int rc = 1;
+      try {
+        m->Reserve(m->size() + len / 128);
+        rc = LoadGraphDef(m, data, len, true) ? 0 : 1;
+      } catch (...) {  // (bad_alloc: the mirror is refused, Python searches)
+        rc = 1;
+      }
+      m->load_rc = rc;  // (read after the join)
+    });
+  } catch (...) {  // (std::system_error: no thread)
+    return 1;
+  }
+  return 0;
+}
+
+// Waits for NpuAmpGrMirrorLoadAsync's load: its result (0 ok, 1 refused: the
+// mirror is then unusable), or 0 when none was started.
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorWait(void* h) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr) return 1;
+  m->Join();
+  const int rc = m->load_rc;
+  m->load_rc = 0;
+  return rc;
 }
 
 // Remove the nodes named in `names` (\x01-separated).
 NPU_AMP_GR_EXPORT int NpuAmpGrMirrorRemove(void* h, const char* names, size_t len) {
   auto* m = static_cast<Mirror*>(h);
   if (m == nullptr) return 1;
+  m->Join();
   for (string_view n : Split(string_view(names, len), '\x01')) {
     const int32_t id = m->Find(n);
     if (id >= 0) m->Remove(id);
@@ -1008,6 +1056,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorRemove(void* h, const char* names, size_t le
 NPU_AMP_GR_EXPORT int NpuAmpGrMirrorOps(void* h, const char* data, size_t len) {
   auto* m = static_cast<Mirror*>(h);
   if (m == nullptr) return 1;
+  m->Join();
   std::vector<string_view> sec = Split(string_view(data, len), '\x03');
   if (sec.size() != 6) return 1;
   m->ops.text.assign(data, len);
@@ -1028,6 +1077,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorOps(void* h, const char* data, size_t len) {
 NPU_AMP_GR_EXPORT int NpuAmpGrMirrorBefore(void* h, const char* names, size_t len, int reset) {
   auto* m = static_cast<Mirror*>(h);
   if (m == nullptr) return 1;
+  m->Join();
   m->AddBefore(string_view(names, len), reset != 0);
   return 0;
 }
@@ -1038,6 +1088,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositions(void* h, const char* names, size_t
                                               const double* pos, int64_t n, int reset) {
   auto* m = static_cast<Mirror*>(h);
   if (m == nullptr) return 1;
+  m->Join();
   if (reset) m->ClearPositions();
   std::vector<string_view> v = Split(string_view(names, len), '\x01');
   if (static_cast<int64_t>(v.size()) != n) return 1;
@@ -1061,7 +1112,9 @@ NPU_AMP_GR_EXPORT int NpuAmpGrSearch(void* h, const char* request, size_t len, D
   buf.clear();
   *out = buf.data();
   *out_len = 0;
-  if (m == nullptr || cb == nullptr || !m->ops.set) return kUnable;
+  if (m == nullptr || cb == nullptr) return kUnable;
+  m->Join();
+  if (!m->ops.set) return kUnable;
   std::vector<string_view> sec = Split(string_view(request, len), '\x03');
   if (sec.size() != 9) return kUnable;
   Search s(*m, cb);

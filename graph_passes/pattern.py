@@ -233,15 +233,7 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
     out = []
     first_ops = _anchor_ops(pat)
     if order is None and first_ops is not None:
-        # index by the anchor's op type first: most rules find no anchor at all,
-        # and then no topological order is needed; narrowed by a rarer inner
-        # position where the pattern has one (only anchors match_at refuses go)
-        narrowed = _candidates(graph, pat, _inner_filter(graph, pat, protected, escapes_ok),
-                               {} if RAREST_MEMO else None)
-        if narrowed is None:
-            anchors = graph.nodes_of_type(first_ops)
-        else:
-            anchors = list(narrowed)
+        anchors = anchor_candidates(graph, pat, protected, escapes_ok)
         if not anchors:
             return out
         if len(anchors) > 1:
@@ -272,6 +264,17 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
 
 
 # ------------------------------------------------------------ anchor candidates
+def anchor_candidates(graph: Graph, pat: Pat, protected=frozenset(), escapes_ok: bool = False) -> list:
+    """The nodes :func:`find_matches` tries as anchors of ``pat`` (a pattern
+    whose root has op types), unordered: indexed by the anchor's op type (most
+    rules find no anchor at all, and then no topological order is needed),
+    narrowed by a rarer inner position where the pattern has one (only anchors
+    ``match_at`` refuses go)."""
+    narrowed = _candidates(graph, pat, _inner_filter(graph, pat, protected, escapes_ok),
+                           {} if RAREST_MEMO else None)
+    return graph.nodes_of_type(_anchor_ops(pat)) if narrowed is None else list(narrowed)
+
+
 def _of_type(graph: Graph, ops) -> set:
     """Names of the nodes whose op is in ``ops``, unordered.  (From the op
     index; ``Graph`` has no unordered accessor: ``nodes_of_type`` sorts.)"""

@@ -486,6 +486,13 @@ class GradRegionLib:
         lib.NpuAmpGrMirrorLoad.restype = c_int
         lib.NpuAmpGrMirrorPositions.argtypes = [c_void_p, c_char_p, c_size_t, c_void_p, ctypes.c_int64, c_int]
         lib.NpuAmpGrMirrorPositions.restype = c_int
+        #: (issue 17) the first load on a C++ helper thread (a library built before it: None)
+        self.can_load_async = hasattr(lib, "NpuAmpGrMirrorLoadAsync") and hasattr(lib, "NpuAmpGrMirrorWait")
+        if self.can_load_async:
+            lib.NpuAmpGrMirrorLoadAsync.argtypes = [c_void_p, c_char_p, c_size_t]
+            lib.NpuAmpGrMirrorLoadAsync.restype = c_int
+            lib.NpuAmpGrMirrorWait.argtypes = [c_void_p]
+            lib.NpuAmpGrMirrorWait.restype = c_int
         lib.NpuAmpGrSearch.argtypes = [c_void_p, c_char_p, c_size_t, self._DY_CALLBACK,
                                        ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t)]
         lib.NpuAmpGrSearch.restype = c_int
@@ -502,6 +509,17 @@ class GradRegionLib:
 
     def load(self, h, data: bytes, fresh: bool) -> int:
         return self._lib.NpuAmpGrMirrorLoad(h, data, len(data), int(fresh))
+
+    def load_async(self, h, data: bytes) -> int:
+        """:meth:`load` (fresh) on a C++ helper thread: 0 started (``data``
+        must stay alive until :meth:`wait` or :meth:`free` returns), 1 not."""
+        if not self.can_load_async:
+            return 1
+        return self._lib.NpuAmpGrMirrorLoadAsync(h, data, len(data))
+
+    def wait(self, h) -> int:
+        """The result of :meth:`load_async`'s load (0 ok), once it is done."""
+        return self._lib.NpuAmpGrMirrorWait(h) if self.can_load_async else 0
 
     def remove(self, h, names: bytes) -> int:
         return self._lib.NpuAmpGrMirrorRemove(h, names, len(names))

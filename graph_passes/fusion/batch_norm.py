@@ -568,7 +568,7 @@ def _kept_nodes(g, region, refs, inner):
 def register(reg):
     """Called from ``builtin.register`` with its registering function."""
     reg("batch_norm_moments", Pat(_ADDS + ("Mul",), predicate=_predicate), _build, follows_precision=True,
-        escapes=True,
+        escapes=True, searches_gradient=True,
         reason="training batch norm written as moments + arithmetic (Keras 3, tf.nn.moments) becomes "
                "FusedBatchNormV3 / FusedBatchNormGradV3, one BF16 oneDNN pass each instead of ~10 "
                "Eigen elementwise kernels measured slower in BF16 than in FP32")

@@ -188,11 +188,12 @@ def register(reg):
     from .bf16_elementwise import bf16_policy
     from .builtin import _softmax_grad_signature
 
-    reg("bf16_gelu", _pattern(), _build_gelu, follows_precision=True, escapes=True, policy=bf16_policy("GeluErf"),
+    reg("bf16_gelu", _pattern(), _build_gelu, follows_precision=True, escapes=True, searches_gradient=True,
+        policy=bf16_policy("GeluErf"),
         reason="BF16 exact GELU and its gradient as one vectorised pass each (TF: 5 forward and ~12 "
                "backward BF16/FP32 ops with casts); FP32 arithmetic, one rounding")
     reg("bf16_attention_train", Pat("Softmax", predicate=_softmax_grad_signature), _build_attention_train_bf16,
-        follows_precision=True, escapes=True, policy=bf16_policy("ScaleMaskSoftmax"),
+        follows_precision=True, escapes=True, searches_gradient=True, policy=bf16_policy("ScaleMaskSoftmax"),
         reason="BF16 training graph: scale + mask + softmax and their backward region (an FP32 island with "
                "casts on TF 2.15) become ScaleMaskSoftmax / ScaleMaskSoftmaxGrad in BF16 I/O, FP32 inside")
 

@@ -1607,20 +1607,20 @@ def register():
     __import__(__package__ + ".bf16_elementwise", fromlist=["register"]).register(reg)  # its own file (18f)
     __import__(__package__ + ".bf16_transformer", fromlist=["register"]).register(reg)  # its own file (18g)
     __import__(__package__ + ".bf16_apply", fromlist=["register"]).register(reg)  # its own file (18j)
-    reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments, escapes=True,
+    reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments, escapes=True, searches_gradient=True,
         reason="10 elementwise/reduction ops become one fp32-accumulating kernel")
-    reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments, escapes=True,
+    reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments, escapes=True, searches_gradient=True,
         reason="Keras 3 LayerNormalization becomes one kernel")
-    reg("layer_norm_keras2", _ln_keras2_pat(), _build_ln_keras2, escapes=True,
+    reg("layer_norm_keras2", _ln_keras2_pat(), _build_ln_keras2, escapes=True, searches_gradient=True,
         reason="Keras 2 LayerNormalization (reshape + FusedBatchNormV3) becomes one kernel")
-    reg("layer_norm", Pat(_ADDS + ("Mul", "RealDiv"), predicate=_norm_predicate), _build_norm,
+    reg("layer_norm", Pat(_ADDS + ("Mul", "RealDiv"), predicate=_norm_predicate), _build_norm, searches_gradient=True,
         reason="LayerNorm/RMSNorm written as plain ops (raw, reduce_mean, moments, sqrt/div, "
                "reduce_variance) becomes one fp32-accumulating kernel")
     from .batch_norm import register as register_batch_norm  # its own file; imports this one
 
     register_batch_norm(reg)
     reg("attention_train", Pat("Softmax", predicate=_softmax_grad_signature), _build_attention_train,
-        graph_level=3, escapes=True,
+        graph_level=3, escapes=True, searches_gradient=True,
         reason="training graph: scale + mask + softmax and their backward region become "
                "ScaleMaskSoftmax / ScaleMaskSoftmaxGrad (rounding changes)")
     reg("attention", Pat(_ATT_OPS, predicate=_att_predicate), _build_attention_any, graph_level=3,

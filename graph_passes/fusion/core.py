@@ -84,6 +84,11 @@ class FusionRule:
     #: only when the build would skip every match (the graph is the same
     #: either way); it may be asked again each sweep.
     policy: Callable | None = None
+    #: the build searches a gradient region (``grad_region.find_grad_region``):
+    #: when such a rule has anchor candidates, the fusion pass starts loading
+    #: the search's C++ mirror of the graph as it begins (``grad_region.preload``;
+    #: a rule that searches without saying so gets the mirror at its first search)
+    searches_gradient: bool = False
 
 
 #: (issue 17p) :attr:`FusionRule.policy`: a rule that cannot apply in this
@@ -100,12 +105,14 @@ RULES: dict[str, FusionRule] = {}
 def register_fusion_rule(name: str, pattern: Pat, build: Callable, graph_level: int = 2,
                          follows_precision: bool = False, reason: str = "",
                          replace: bool = False, _builtin: bool = False, escapes: bool = False,
-                         reads: int | None = None, policy: Callable | None = None) -> FusionRule:
+                         reads: int | None = None, policy: Callable | None = None,
+                         searches_gradient: bool = False) -> FusionRule:
     """Register a fusion rule (see the module docstring).  ``graph_level`` is the
     lowest level (1..3) at which it runs.  Re-registering a name raises unless
     ``replace=True``.  ``reads``: see :attr:`FusionRule.reads` (leave it None
     unless sure: a wrong declaration makes the pass miss a fusion).  ``policy``:
-    see :attr:`FusionRule.policy` (same caution)."""
+    see :attr:`FusionRule.policy` (same caution).  ``searches_gradient``: see
+    :attr:`FusionRule.searches_gradient`."""
     if not isinstance(name, str) or not name:
         raise FusionRuleError(f"fusion rule name must be a non-empty string, got {name!r}")
     if not isinstance(pattern, Pat):
@@ -123,11 +130,14 @@ def register_fusion_rule(name: str, pattern: Pat, build: Callable, graph_level: 
     if policy is not None and not callable(policy):
         raise FusionRuleError(f"fusion rule '{name}': policy must be callable (ctx, graph) -> str | None, "
                               f"got {policy!r}")
+    if not isinstance(searches_gradient, bool):
+        raise FusionRuleError(f"fusion rule '{name}': searches_gradient={searches_gradient!r}; "
+                              f"accepted: True or False")
     if name in RULES and not replace:
         raise FusionRuleError(f"a fusion rule named '{name}' is already registered; "
                               f"pass replace=True to override it")
     rule = FusionRule(name, pattern, build, graph_level, follows_precision, reason, _builtin, escapes,
-                      reads, policy)
+                      reads, policy, searches_gradient)
     RULES[name] = rule
     return rule
 

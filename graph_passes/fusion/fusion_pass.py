@@ -37,11 +37,12 @@ import sys
 
 from ..graph import parse_tensor
 from ..manager import Pass, register_pass
-from ..pattern import Changes, affected_anchors
+from ..pattern import Changes, affected_anchors, anchor_candidates
+from . import core
 from .cleanups import merge_duplicate_casts
 from .core import CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, quiet_at, rule_off
 from .builtin import NORM_MEMO_ATTR
-from .grad_region import ORIGINAL_NAMES_ATTR
+from .grad_region import ORIGINAL_NAMES_ATTR, preload
 
 #: safety bound on sweeps: this many per node of the input graph (a fix-point is
 #: normally reached in 2-3 sweeps; each sweep that changes anything shrinks the graph)
@@ -100,6 +101,7 @@ class FusionPass(Pass):
         # the gradient-region search names autodiff's ops after forward nodes,
         # some of which earlier fusions remove (grad_region.attributed_forward)
         setattr(graph, ORIGINAL_NAMES_ATTR, frozenset(graph.nodes))
+        _preload_mirror(graph, rules, ctx)
         bound = max(MIN_SWEEP_BOUND, MAX_SWEEPS_PER_NODE * len(graph.nodes))
         # rule -> (graph.version, edit mark, removal mark, no overlap dropped)
         # after a run of it that changed nothing: while no other rule changes
@@ -171,6 +173,22 @@ class FusionPass(Pass):
         if not anchors:
             return True
         return quiet_at(graph, rule, ctx, self._shapes(graph), stats, sorted(anchors), trail)
+
+
+def _preload_mirror(graph, rules, ctx) -> bool:
+    """Start loading the gradient-region search's C++ mirror of the graph
+    (``grad_region.preload``) when a rule that searches gradient regions
+    (:attr:`core.FusionRule.searches_gradient`), not turned off by its policy,
+    has anchor candidates: the load then overlaps the rules before it."""
+    protected = ctx.protected if ctx is not None else frozenset()
+    for rule in rules:
+        if not rule.searches_gradient:
+            continue
+        if core.RULE_POLICY and rule.policy is not None and ctx is not None and rule.policy(ctx, graph):
+            continue
+        if anchor_candidates(graph, rule.pattern, protected, rule.escapes):
+            return preload(graph)
+    return False
 
 
 def _edit_mark(graph) -> int:
