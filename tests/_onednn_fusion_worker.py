@@ -212,8 +212,11 @@ def offline():
         gd, rep = npu_amp_tf.rewrite_graph(g.as_graph_def(), fetches=[loss.op.name, train.name],
                                            precision_mode="allow_mix_precision_bf16", graph_level=2)
         st = rep.pass_stats("fusion")
+        rules = ("bias_add_act", "bn_act")
+        # (per anchor, or once for a rule off in this run: fusion stats' rules_off)
         reasons = sorted({d.get("fusion_reason", "") for d in rep.decisions.values()
-                          if d.get("fusion_skipped") in ("bias_add_act", "bn_act")})
+                          if d.get("fusion_skipped") in rules}
+                         | {v["reason"] for k, v in st.get("rules_off", {}).items() if k in rules})
         _emit(kind=kind, config="offline", onednn=onednn_enabled(), fused=st.get("fused", {}),
               skipped=st.get("skipped", {}), reasons=reasons,
               ops=dict(Counter(n.op for n in gd.node if "Fused" in n.op)))

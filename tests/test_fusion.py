@@ -159,16 +159,29 @@ def test_training_graph_one_step_matches():
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
-def test_precision_mode_fp16_skips_fused_matrix_ops():
+def test_precision_mode_fp16_skips_fused_matrix_ops(monkeypatch):
     import graph_passes.precision  # noqa: F401  (the precision pass will run after fusion)
+    from graph_passes.fusion import builtin
+
     gd = _dense_graph(tf.nn.relu)
     new, rep = rewrite(gd, ["out"], precision="allow_mix_precision")
     if FP16_FUSED_MATMUL:
         assert op_counts(new)["_FusedMatMul"] == 1
-    else:  # TF 2.15: no FP16 CPU kernel -> skipped, with the reason in the report
+    else:  # no usable FP16 CPU kernel -> the bias family is off for the run, said once
         assert op_counts(new)["_FusedMatMul"] == 0
+        off = rep.pass_stats("fusion")["rules_off"]
+        assert {"bias", "bias_act"} <= set(off), off
+        reason = off["bias_act"]["reason"]
+        assert "float16" in reason and "_FusedMatMul" in reason and off["bias_act"]["anchors"] == 1
+        assert "fusion_skipped" not in rep.decisions.get("Relu", {})
+        # the reference (builtin.FUSED_KERNEL_POLICY off): the same graph, the reason per node
+        monkeypatch.setattr(builtin, "FUSED_KERNEL_POLICY", False)
+        ref, rep = rewrite(gd, ["out"], precision="allow_mix_precision")
+        assert ref.SerializeToString(deterministic=True) == new.SerializeToString(deterministic=True)
         reason = rep.decisions["Relu"]["fusion_reason"]
         assert "float16" in reason and "_FusedMatMul" in reason
+        assert "bias_act" not in rep.pass_stats("fusion").get("rules_off", {})
+        monkeypatch.setattr(builtin, "FUSED_KERNEL_POLICY", True)
     new, rep = rewrite(gd, ["out"], precision="allow_mix_precision_bf16")
     assert op_counts(new)["_FusedMatMul"] == 1  # a bf16 CPU kernel exists
     new, rep = rewrite(gd, ["out"], precision="must_keep_origin_dtype")

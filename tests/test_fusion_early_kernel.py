@@ -34,6 +34,10 @@ def _rewrite(monkeypatch, gd, fetches, early, kw):
     # (17p's builtin.KERNEL_FIRST moves the stop before the shape checks, a report change of its
     # own: tests/test_fusion_kernel_first.py; here the stop right before the emission, 17o's)
     monkeypatch.setattr(builtin, "KERNEL_FIRST", False)
+    # (builtin.FUSED_KERNEL_POLICY takes the bias family off for the whole run when no matrix op can
+    # have its fused kernel, as in FP16 here: tests/test_fusion_fused_kernel_policy.py; here the
+    # per-anchor builds it spares, which still run wherever one matrix op could fuse)
+    monkeypatch.setattr(builtin, "FUSED_KERNEL_POLICY", False)
     stops = []
     orig = core.KernelMissing.__init__
 

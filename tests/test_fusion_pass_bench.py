@@ -62,15 +62,16 @@ def test_ab_of_a_reference_switch_reports_identity(captured, capsys):
 
 
 def test_ab_of_two_switches_names_what_differs(captured, capsys):
-    """``A+B`` flips both switches together; RULE_POLICY changes the report (the BF16-only rules
-    are listed once in the fusion stats, not per anchor) but not the graph, and the line says so."""
+    """``A+B`` flips both switches together; RULE_POLICY changes the report (the BF16-only rules,
+    and under this FP16 plan the bias family with its per-anchor kernel warnings, are listed once
+    in the fusion stats, not per anchor) but not the graph, and the line says so."""
     fpb, cap = captured
     from graph_passes.fusion import builtin, core
 
     res = fpb.ab(cap, "graph_passes.fusion.core.RULE_POLICY+graph_passes.fusion.builtin.KERNEL_FIRST", 1)
-    assert not res["identical"] and res["differ"] == " (stats, decisions)", res
+    assert not res["identical"] and res["differ"] == " (stats, decisions, warnings)", res
     assert core.RULE_POLICY is True and builtin.KERNEL_FIRST is True  # both restored
-    assert "DIFFER (stats, decisions)" in capsys.readouterr().out
+    assert "DIFFER (stats, decisions, warnings)" in capsys.readouterr().out
 
 
 def test_breakdown_names_the_rule_that_fused(captured, capsys):

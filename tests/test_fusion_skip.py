@@ -51,6 +51,9 @@ def _rewrite(monkeypatch, gd, fetches, skip, kw):
     monkeypatch.setattr(shapes, "FAST_TENSOR_DECODE", skip)
     monkeypatch.setattr(builtin, "NORM_MEMO", skip)
     monkeypatch.setattr(pattern, "RAREST_MEMO", skip)
+    # (both arms: the bias family matched per anchor in FP16 too, so that its FP16 skips exercise
+    # skip_untouched; builtin.FUSED_KERNEL_POLICY, which takes it off there, has its own test)
+    monkeypatch.setattr(builtin, "FUSED_KERNEL_POLICY", False)
     passes = []
     orig = fusion_pass.FusionPass.run
 

@@ -154,13 +154,19 @@ def _require_onednn_cpu(b, what: str):
     """The oneDNN-only CPU fusions (``bias_add``, ``bias_add_act``, ``bn_act``):
     they exist only as oneDNN CPU kernels, and GE's 5HD layout emulation
     (``format_mode='NC1HWC0'``) works on the plain GE op set, which they are not."""
-    dev = b.device_type()
-    b.require(dev == "CPU" and onednn_enabled(),
-              f"{what} runs only as a oneDNN CPU kernel "
-              f"(device {dev}, oneDNN {'on' if onednn_enabled() else 'off'})")
-    fmt = b.ctx.option("format_mode", "origin") if b.ctx is not None else "origin"
-    b.require(str(fmt).upper() != "NC1HWC0",
-              f"{what}: a oneDNN-only CPU fusion, not done with format_mode=NC1HWC0 (GE's op set)")
+    problem = _onednn_cpu_problem(b.device_type(), b.ctx, what)
+    b.require(problem is None, problem)
+
+
+def _onednn_cpu_problem(dev: str, ctx, what: str):
+    """Why :func:`_require_onednn_cpu` refuses ``what`` on device type ``dev``, or None."""
+    if not (dev == "CPU" and onednn_enabled()):
+        return (f"{what} runs only as a oneDNN CPU kernel "
+                f"(device {dev}, oneDNN {'on' if onednn_enabled() else 'off'})")
+    fmt = ctx.option("format_mode", "origin") if ctx is not None else "origin"
+    if str(fmt).upper() == "NC1HWC0":
+        return f"{what}: a oneDNN-only CPU fusion, not done with format_mode=NC1HWC0 (GE's op set)"
+    return None
 
 
 #: (issue 17p) the bias family asks for the fused op's kernel in the planned
@@ -385,6 +391,103 @@ def bf16_matrix_policy(anchor_op: str, what: str):
                 f"the MatMul form is measured faster in BF16 only")
     policy.__qualname__ = f"bf16_matrix_policy({anchor_op!r})"
     return policy
+
+
+#: (issue 17) :func:`fused_kernel_policy` for the bias family (``bias``,
+#: ``bias_act``, ``bias_add``, ``bias_add_act``): when no matrix op of the graph
+#: can get a fused kernel in the dtype it will run in, the rules are off for the
+#: run (listed once in ``rules_off``) instead of matched and skipped per anchor,
+#: each skip with the same warning (BERT-12 under FP16 on CPU: 98, no float16
+#: ``_FusedMatMul``).  The graph is the same; False: the reference, per anchor
+FUSED_KERNEL_POLICY = True
+#: attribute of a Graph holding the policies' answers during a fusion pass run: {"ctx", "key":
+#: (version, edit mark), "answers": {(ops, side): reason or None}, "on": the (ops, side) answered
+#: None once in the run (such a rule stays on)}
+_FUSED_KERNEL_MEMO_ATTR = "_fusion_fused_kernel_memo"
+#: the anchor op types of the bias family (whose device the builds ask for a kernel on)
+_BIAS_FAMILY_ANCHORS = ("BiasAdd", "Add", "AddV2", "Relu", "Relu6", "Elu", "LeakyRelu")
+
+
+def fused_kernel_policy(ops, side: bool = False):
+    """:attr:`~.core.FusionRule.policy` of a bias-family rule whose matrix
+    position takes ``ops``: its build skips a match whose matrix op ``mm`` has
+    no kernel for ``FUSED_OP[mm.op]`` in the dtype the precision plan will run
+    ``mm`` in (``planned_dtype``), on the anchor's device (the kernel check of
+    :func:`_fused_checks`, or of the emitted node when the dtype stays).  So
+    when that holds for every node of ``ops`` in the graph and the anchors'
+    op types all sit on one device type, no match can fuse: the reason, else
+    None (see :data:`FUSED_KERNEL_POLICY`).  ``side``: the residual forms,
+    whose builds first require oneDNN on a CPU (:func:`_require_onednn_cpu`):
+    when that fails for every op type, its reason."""
+    ops = tuple(ops)
+    mkey = (ops, side)
+
+    def policy(ctx, graph):
+        if not FUSED_KERNEL_POLICY or ctx is None:
+            return None
+        key = (graph.version, graph.edits_since(sys.maxsize)[1])
+        memo = getattr(graph, _FUSED_KERNEL_MEMO_ATTR, None)
+        if memo is None or memo["ctx"] is not ctx:
+            memo = {"ctx": ctx, "key": None, "answers": {}, "on": set()}
+            setattr(graph, _FUSED_KERNEL_MEMO_ATTR, memo)
+        if memo["key"] != key:
+            memo["key"], memo["answers"] = key, {}
+        if mkey in memo["on"]:
+            return None  # (it ran per anchor in this run: it stays on, its skips already reported)
+        if mkey not in memo["answers"]:
+            memo["answers"][mkey] = _fused_kernel_problem(ctx, graph, ops, side)
+        if memo["answers"][mkey] is None:
+            memo["on"].add(mkey)
+        return memo["answers"][mkey]
+    policy.__qualname__ = f"fused_kernel_policy({ops!r}, side={side})"
+    return policy
+
+
+def _fused_kernel_problem(ctx, graph, ops, side=False):
+    """See :func:`fused_kernel_policy`."""
+    from ..pattern import _of_type
+    from .core import _requirement_problem
+
+    nodes = graph.nodes
+    mms = _of_type(graph, ops)
+    if not mms:
+        return None  # (nothing to match: the rule finds that out at once)
+    default = ctx.default_device_type()
+    devices = {nodes[n].device for n in _of_type(graph, _BIAS_FAMILY_ANCHORS)}
+    kinds = {registry.device_type_of(_DeviceOnly(d), default) for d in devices} or {default}
+    if len(kinds) != 1:
+        return None
+    dev = kinds.pop()
+    if side:
+        present = sorted({nodes[n].op for n in mms})
+        found = [_onednn_cpu_problem(dev, ctx, f"{FUSED_OP[op]}[BiasAdd,Add]") for op in present]
+        if all(found):
+            return "; ".join(found)
+    problems = {}
+    for name in mms:
+        node = nodes[name]
+        t = node.attr.get("T")
+        if t is None:
+            return None
+        key = (node.op, planned_dtype(ctx, node.op, name, t.type))
+        if key not in problems:
+            op, run = FUSED_OP[key[0]], key[1]
+            form = registry.fused_form(op, dev, run)
+            problems[key] = _requirement_problem(
+                form[0] if form is not None else op, {"T": run},
+                f"every {key[0]} runs in {registry.dtype_name(run)}", dev)
+            if problems[key] is None:
+                return None
+    return "; ".join(problems[k] for k in sorted(problems))
+
+
+class _DeviceOnly:
+    """A stand-in node for ``registry.device_type_of``: just a device string."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device):
+        self.device = device
 
 
 def _has_bf16(graph, op):
@@ -1582,15 +1685,17 @@ def register():
     reg("bias_gelu_tanh", _gelu_tanh_pat(), _build_gelu_tanh, follows_precision=True,
         reason="MatMul+BiasAdd+GELU(tanh) is one oneDNN kernel", reads=0)
     reg("bias_add_act", Pat(("Relu", "Relu6", "Elu", "LeakyRelu"), inputs=[_side_add_pat("Conv2D")]),
-        _build_bias_add_act, follows_precision=True,
+        _build_bias_add_act, follows_precision=True, policy=fused_kernel_policy(("Conv2D",), side=True),
         reason="residual unit: conv, bias, the shortcut add and the activation in one oneDNN kernel", reads=0)
     reg("bias_add", _side_add_pat(("Conv2D", "MatMul")), _build_bias_add, follows_precision=True,
+        policy=fused_kernel_policy(("Conv2D", "MatMul"), side=True),
         reason="conv/matmul, bias and a same-shape add (residual) in one oneDNN kernel", reads=0)
     reg("bn_act", Pat(tuple(_ONEDNN_BN_ACTIVATIONS), predicate=_bn_act_predicate), _build_bn_act,
         reason="batch norm and its Relu in one oneDNN kernel pass (training or inference)", reads=1)
     reg("bias_act", Pat(("Relu", "Relu6", "Elu", "LeakyRelu"), inputs=[_bias_pat()]), _build_bias_act,
-        follows_precision=True, reason="matrix op, bias and activation in one kernel pass", reads=0)
-    reg("bias", _bias_pat(), _build_bias, follows_precision=True,
+        follows_precision=True, policy=fused_kernel_policy(MATRIX_OPS),
+        reason="matrix op, bias and activation in one kernel pass", reads=0)
+    reg("bias", _bias_pat(), _build_bias, follows_precision=True, policy=fused_kernel_policy(MATRIX_OPS),
         reason="matrix op and bias in one kernel pass", reads=0)
     reg("filter_grad_1x1", Pat("Conv2DBackpropFilter", predicate=_filter_grad_predicate),
         _build_filter_grad_1x1, follows_precision=True,

@@ -41,7 +41,7 @@ from ..pattern import Changes, affected_anchors, anchor_candidates
 from . import core
 from .cleanups import merge_duplicate_casts
 from .core import CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, quiet_at, rule_off
-from .builtin import NORM_MEMO_ATTR
+from .builtin import _FUSED_KERNEL_MEMO_ATTR, NORM_MEMO_ATTR
 from .grad_region import ORIGINAL_NAMES_ATTR, preload
 
 #: safety bound on sweeps: this many per node of the input graph (a fix-point is
@@ -70,8 +70,9 @@ class FusionPass(Pass):
             return self._run(graph, ctx)
         finally:
             delattr(graph, CONST_MEMO_ATTR)
-            if hasattr(graph, NORM_MEMO_ATTR):  # (builtin.analyze_norm's answers)
-                delattr(graph, NORM_MEMO_ATTR)
+            for attr in (NORM_MEMO_ATTR, _FUSED_KERNEL_MEMO_ATTR):  # (builtin's memos: analyze_norm, policies)
+                if hasattr(graph, attr):
+                    delattr(graph, attr)
             self._oracle = None
 
     def _shapes(self, graph) -> ShapeOracle:

@@ -1,0 +1,138 @@
+"""Issue 17: ``builtin.FUSED_KERNEL_POLICY`` (``builtin.fused_kernel_policy``), the
+bias family's run-wide policy.
+
+The bias-family builds (``bias``, ``bias_act``, ``bias_add``, ``bias_add_act``) skip a match
+whose matrix op has no fused kernel in the dtype the precision plan will run it in.  Under FP16
+on a CPU there is none (TF 2.15.1 registers no float16 ``_FusedMatMul``; ``_FusedConv2D``
+float16 is known-broken or absent), so every match is skipped, each with the same warning.
+The policy says so once (the fusion stats' ``rules_off``) when it holds for every matrix op of
+the graph.  Checked on real graphs, each rewritten with the policy and with the reference
+(``FUSED_KERNEL_POLICY = False``): the GraphDefs byte-identical; in FP16 the family off with
+the kernel reason, where the reference fused none of it and skipped every match with that
+reason and warning; in FP32 and BF16 (fused kernels exist) nothing off and the reports
+identical.  Where one matrix op stays FP32 (``keep_dtype_nodes``) the rules run per anchor and
+fuse it, as the reference does; anchors on two device types keep the per-anchor path."""
+import pytest
+import tensorflow as tf
+
+import npu_amp_tf
+from graph_passes.fusion import builtin, core
+from test_precision_fast import _strip_times, slim_resnet_graph
+from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph
+
+FAMILY = ("bias", "bias_act", "bias_add", "bias_add_act")
+MODES = {
+    "fp16": dict(precision_mode="allow_mix_precision"),
+    "bf16": dict(precision_mode="allow_mix_precision_bf16"),
+    "fp32": dict(precision_mode="must_keep_origin_dtype"),
+}
+
+
+def _rewrite(monkeypatch, gd, fetches, on, kw):
+    monkeypatch.setattr(builtin, "FUSED_KERNEL_POLICY", on)
+    out, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, **kw)
+    return out.SerializeToString(deterministic=True), _strip_times(rep.to_json())
+
+
+def _stats(rep):
+    (st,) = [p["stats"] for p in rep["passes"] if p["name"] == "fusion"]
+    return st
+
+
+def _check(monkeypatch, gd, fetches, modes=tuple(MODES), **extra):
+    """Per mode: (the policy run's rules_off of the family, the reference's report)."""
+    out = {}
+    for mode in modes:
+        kw = dict(MODES[mode], **extra)
+        pol_gd, pol = _rewrite(monkeypatch, gd, fetches, True, kw)
+        ref_gd, ref = _rewrite(monkeypatch, gd, fetches, False, kw)
+        assert pol["summary"].get("failed_pass") is None, pol["warnings"][:3]
+        assert pol_gd == ref_gd, f"{mode}: the policy rewrote the graph differently"
+        off = {k: v for k, v in _stats(pol).get("rules_off", {}).items() if k in FAMILY}
+        assert not {k for k in _stats(ref).get("rules_off", {}) if k in FAMILY}
+        if not off:
+            assert pol == ref, f"{mode}: no rule off, yet the report differs"
+        for rule, entry in off.items():
+            # the reference fused none of it, and every match it found was skipped for a kernel
+            assert _stats(ref).get("fused", {}).get(rule, 0) == 0, (mode, rule)
+            reasons = {d["fusion_reason"] for d in ref["decisions"].values() if d.get("fusion_skipped") == rule}
+            assert all("_Fused" in r for r in reasons), (rule, reasons)
+            assert entry["mode"] == kw["precision_mode"] and "_Fused" in entry["reason"], entry
+            assert not any(d.get("fusion_skipped") == rule for d in pol["decisions"].values())
+            assert not any(str(w["message"]).startswith(f"fusion rule '{rule}' skipped")
+                           for w in pol["warnings"])
+        out[mode] = (off, ref)
+    assert not out.get("fp32", ({},))[0] and not out.get("bf16", ({},))[0], out
+    return out
+
+
+def test_bert_like_training_graph(monkeypatch):
+    gd = bert_like_training_graph()
+    res = _check(monkeypatch, gd, ["loss", "train"])
+    off, ref = res["fp16"]
+    assert {"bias", "bias_add"} <= set(off), off
+    assert "every MatMul runs in float16" in off["bias"]["reason"]
+    # the reference's one warning per skipped match, all gone with the policy
+    n_warn = sum(1 for w in ref["warnings"] if str(w["message"]).startswith("fusion rule 'bias"))
+    n_matmul_bias = sum(1 for n in gd.node if n.op == "BiasAdd")
+    assert n_warn >= n_matmul_bias > 0
+
+
+def test_keras_resnet50_training_graph(k2, monkeypatch):
+    gd = _keras_resnet_training_graph(k2)
+    res = _check(monkeypatch, gd, ["loss", "train"])
+    off, _ = res["fp16"]
+    assert {"bias", "bias_act", "bias_add_act"} <= set(off), off
+    assert "every Conv2D runs in float16" in off["bias"]["reason"]
+    assert "every MatMul runs in float16" in off["bias"]["reason"]
+
+
+def test_slim_resnet_v1_50(monkeypatch):
+    pytest.importorskip("tf_slim", reason="tf_slim is not installed in this environment")
+    gd, fetches = slim_resnet_graph()
+    res = _check(monkeypatch, gd, fetches, ("fp16", "bf16"))
+    assert "bias_act" in res["fp16"][0] or "bias" in res["fp16"][0], res["fp16"][0]
+
+
+def test_one_matrix_op_kept_in_fp32_keeps_the_rules_on(monkeypatch):
+    """``keep_dtype_nodes`` keeps one dense MatMul of BERT in FP32, where ``_FusedMatMul`` has a
+    kernel: the policy answers None, the rules run per anchor and fuse that MatMul with its bias,
+    the others are skipped per anchor: the same graph and report as the reference."""
+    gd = bert_like_training_graph()
+    readers = {}
+    for n in gd.node:
+        for i in n.input:
+            readers.setdefault(i.split(":")[0].lstrip("^"), []).append(n)
+    keep = next(n.name for n in gd.node if n.op == "MatMul" and not n.name.startswith("gradients")
+                and any(r.op == "BiasAdd" for r in readers.get(n.name, ())))
+    res = _check(monkeypatch, gd, ["loss", "train"], ("fp16",), keep_dtype_nodes=[keep])
+    off, ref = res["fp16"]
+    assert off == {}
+    fused = _stats(ref).get("fused", {})
+    assert fused.get("bias", 0) + fused.get("bias_add", 0) >= 1, fused
+
+
+def test_anchors_on_two_device_types_keep_the_per_anchor_path():
+    from graph_passes.graph import Graph
+    from graph_passes.manager import PassContext
+    from npu_amp_tf.options import Options
+
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8], name="x")
+        w = tf.constant(1.0, shape=[8, 8])
+        a = tf.nn.bias_add(tf.matmul(x, w, name="mm_a"), tf.zeros([8]), name="bias_a")
+        b = tf.nn.bias_add(tf.matmul(a, w, name="mm_b"), tf.zeros([8]), name="bias_b")
+        tf.identity(b, name="out")
+    gd = g.as_graph_def()
+    ctx = PassContext(Options.from_kwargs(precision_mode="allow_mix_precision"), ["out"])
+    policy = core.RULES["bias"].policy
+    graph = Graph(gd)
+    assert "no CPU kernel for _FusedMatMul" in policy(ctx, graph)
+    for n in gd.node:
+        if n.name == "bias_b":
+            n.device = "/device:GPU:0"
+    assert policy(ctx, Graph(gd)) is None
+    # FP32 and BF16 plans: the kernels exist
+    for mode in ("must_keep_origin_dtype", "allow_mix_precision_bf16"):
+        assert policy(PassContext(Options.from_kwargs(precision_mode=mode), ["out"]), Graph(g.as_graph_def())) is None
