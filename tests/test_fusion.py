@@ -89,7 +89,6 @@ def test_gelu(approximate):
     gd = _dense_graph(lambda h: tf.nn.gelu(h, approximate=approximate))
     new, rep = rewrite(gd, ["out"])
     rule = "bias_gelu_tanh" if approximate else "bias_gelu_exact"
-    act = "GeluApproximate" if approximate else "GeluExact"
     stats = rep.pass_stats("fusion")
     if ONEDNN:
         assert stats["fused"] == {rule: 1}
@@ -440,7 +439,6 @@ def test_gelu_both_ways_after_3d_dense(how, approximate):
     gd, (inp,), out = freeze(lambda x: act(d(x)), ([2, 3, 8], tf.float32, "x"))
     new, rep = rewrite(gd, [out])
     rule = "bias_gelu_tanh" if approximate else "bias_gelu_exact"
-    name = "GeluApproximate" if approximate else "GeluExact"
     stats = rep.pass_stats("fusion")
     if ONEDNN:
         assert stats["fused"] == {rule: 1}, stats

@@ -12,7 +12,6 @@ fired (the comparison is not vacuous); in BF16 and FP32, where the kernels exist
 fires.  Graphs: the BERT-like builder (tests/real_models.py), a Keras ResNet50 training graph,
 a Keras 2 transformer block (two LayerNormalization, MultiHeadAttention) and, where Keras 3
 is installed (TF 2.21), a Keras 3 transformer layer-norm training step."""
-import pytest
 import tensorflow as tf
 
 import npu_amp_tf

@@ -17,7 +17,6 @@ a Keras 2 transformer block and, where Keras 3 is installed (TF 2.21), a Keras 3
 layer-norm training step."""
 import copy
 
-import pytest
 import tensorflow as tf
 
 import npu_amp_tf
