@@ -20,6 +20,11 @@ editing) only at the anchors such a change reaches: when none of them would
 fuse or report anything new, the rule is not run (``skip_untouched``; False
 runs every rule again, the reference).
 
+When a rule that searches gradient regions (:attr:`FusionRule.searches_gradient`)
+has anchor candidates, the pass starts loading the search's C++ mirror of the
+graph on a helper thread as it begins (``grad_region.preload``), so that the
+load overlaps the rules before the first search.
+
 Every fusion removes at least one node or merges two Casts, so the sweeps
 terminate; the safety bound (``MAX_SWEEPS_PER_NODE`` sweeps per node of the
 input graph, at least 8) only guards against a user rule that rewrites a
