@@ -1,7 +1,8 @@
 """Issue 17: ``builtin.FUSED_KERNEL_POLICY`` (``builtin.fused_kernel_policy``), the
 bias family's run-wide policy.
 
-The bias-family builds (``bias``, ``bias_act``, ``bias_add``, ``bias_add_act``) skip a match
+The bias-family builds (``bias``, ``bias_act``, ``bias_add``, ``bias_add_act``, and the GELU
+forms ``bias_gelu_exact`` / ``bias_gelu_tanh``) skip a match
 whose matrix op has no fused kernel in the dtype the precision plan will run it in.  Under FP16
 on a CPU there is none (TF 2.15.1 registers no float16 ``_FusedMatMul``; ``_FusedConv2D``
 float16 is known-broken or absent), so every match is skipped, each with the same warning.
@@ -20,7 +21,7 @@ from graph_passes.fusion import builtin, core
 from test_precision_fast import _strip_times, slim_resnet_graph
 from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph
 
-FAMILY = ("bias", "bias_act", "bias_add", "bias_add_act")
+FAMILY = ("bias", "bias_act", "bias_add", "bias_add_act", "bias_gelu_exact", "bias_gelu_tanh")
 MODES = {
     "fp16": dict(precision_mode="allow_mix_precision"),
     "bf16": dict(precision_mode="allow_mix_precision_bf16"),
@@ -136,3 +137,51 @@ def test_anchors_on_two_device_types_keep_the_per_anchor_path():
     # FP32 and BF16 plans: the kernels exist
     for mode in ("must_keep_origin_dtype", "allow_mix_precision_bf16"):
         assert policy(PassContext(Options.from_kwargs(precision_mode=mode), ["out"]), Graph(g.as_graph_def())) is None
+
+
+def test_through_grappler_the_same_bytes(k2, monkeypatch):
+    """Inside grappler (the bridge tells the pass that no node of the item has a device string:
+    only the nodes a pass created or edited are read): the same output bytes with the policy as
+    without, and the family off in FP16."""
+    from test_precision_native import _graph
+    from test_speed_paths import optimize_rewritten, plugin_only_grappler
+
+    from graph_passes.fusion import fusion_pass
+
+    gd, fetches = _graph("bert_like", k2)
+    mg, cfg = plugin_only_grappler(gd, fetches)
+    stats = []
+    real = fusion_pass.FusionPass.run
+
+    def run(self, graph, ctx):
+        out = real(self, graph, ctx)
+        stats.append((graph.source_has_device() if graph.source_has_device else None, out))
+        return out
+
+    monkeypatch.setattr(fusion_pass.FusionPass, "run", run)
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(builtin, "FUSED_KERNEL_POLICY", on)
+        outs.append(optimize_rewritten(cfg, mg, b"policy")[0])
+    assert outs[0] == outs[1]
+    (has_dev, st_on), (_, st_off) = stats[0], stats[-1]
+    assert has_dev is False
+    assert {"bias", "bias_add"} <= set(st_on.get("rules_off", {})), st_on.get("rules_off")
+    assert not {"bias", "bias_add"} & set(st_off.get("rules_off", {}))
+
+
+def test_anchor_devices_reads_the_edited_nodes():
+    from graph_passes.graph import Graph
+
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8], name="x")
+        tf.nn.bias_add(tf.matmul(x, tf.ones([8, 8]), name="mm"), tf.zeros([8]), name="b")
+    graph = Graph(g.as_graph_def())
+    graph.source_has_device = lambda: False
+    assert builtin._anchor_devices(graph) == {""}
+    graph.nodes["b"].device = "/device:GPU:0"
+    graph.touch("b")
+    assert builtin._anchor_devices(graph) == {"", "/device:GPU:0"}
+    graph.source_has_device = None  # (offline: every anchor-type node is read)
+    assert builtin._anchor_devices(graph) == {"/device:GPU:0"}

@@ -5,7 +5,7 @@ matched anchor.
 
 The BF16-only rules (``bf16_*``: measured to pay in BF16 only) and the rules that rewrite a
 BF16 gradient into a MatMul (``bias_grad_*``, ``filter_grad_*``) cannot fuse anything under an
-FP16 or FP32 plan, nor the bias family (``bias``, ``bias_act``, ``bias_add``, ``bias_add_act``)
+FP16 or FP32 plan, nor the bias family (``bias``, ``bias_act``, ``bias_add``, ``bias_add_act``, ``bias_gelu_*``)
 where every matrix op runs in FP16 on a CPU (no fused kernel there, ``builtin.fused_kernel_policy``);
 the policy says so once per run (the reference: a skip and a warning per anchor).  Each real graph is rewritten with the
 policy and with the reference (``RULE_POLICY = False``): the GraphDefs must be byte-identical,
@@ -34,8 +34,8 @@ MODES = {
 POLICY_RULES = {"bf16_add_relu", "bf16_join_grad_sum", "bf16_addn_relu_grad", "bf16_relu_bn_grad",
                 "bf16_bn_grad", "bf16_gelu", "bf16_attention_train", "bf16_apply_momentum",
                 "bias_grad_bn_zero", "bias_grad_matmul", "filter_grad_1x1", "filter_grad_im2col",
-                "bias", "bias_act", "bias_add", "bias_add_act"}
-BIAS_FAMILY = {"bias", "bias_act", "bias_add", "bias_add_act"}
+                "bias", "bias_act", "bias_add", "bias_add_act", "bias_gelu_exact", "bias_gelu_tanh"}
+BIAS_FAMILY = {"bias", "bias_act", "bias_add", "bias_add_act", "bias_gelu_exact", "bias_gelu_tanh"}
 
 
 def _rewrite(monkeypatch, gd, fetches, on, kw):

@@ -394,7 +394,7 @@ def bf16_matrix_policy(anchor_op: str, what: str):
 
 
 #: (issue 17) :func:`fused_kernel_policy` for the bias family (``bias``,
-#: ``bias_act``, ``bias_add``, ``bias_add_act``): when no matrix op of the graph
+#: ``bias_act``, ``bias_add``, ``bias_add_act``, ``bias_gelu_exact``, ``bias_gelu_tanh``): when no matrix op of the graph
 #: can get a fused kernel in the dtype it will run in, the rules are off for the
 #: run (listed once in ``rules_off``) instead of matched and skipped per anchor,
 #: each skip with the same warning (BERT-12 under FP16 on CPU: 98, no float16
@@ -404,8 +404,9 @@ FUSED_KERNEL_POLICY = True
 #: (version, edit mark), "answers": {(ops, side): reason or None}, "on": the (ops, side) answered
 #: None once in the run (such a rule stays on)}
 _FUSED_KERNEL_MEMO_ATTR = "_fusion_fused_kernel_memo"
-#: the anchor op types of the bias family (whose device the builds ask for a kernel on)
-_BIAS_FAMILY_ANCHORS = ("BiasAdd", "Add", "AddV2", "Relu", "Relu6", "Elu", "LeakyRelu")
+#: the anchor op types of the bias family and the GELU forms (whose device the builds ask for a
+#: kernel on)
+_BIAS_FAMILY_ANCHORS = ("BiasAdd", "Add", "AddV2", "Relu", "Relu6", "Elu", "LeakyRelu", "Mul")
 
 
 def fused_kernel_policy(ops, side: bool = False):
@@ -453,8 +454,7 @@ def _fused_kernel_problem(ctx, graph, ops, side=False):
     if not mms:
         return None  # (nothing to match: the rule finds that out at once)
     default = ctx.default_device_type()
-    devices = {nodes[n].device for n in _of_type(graph, _BIAS_FAMILY_ANCHORS)}
-    kinds = {registry.device_type_of(_DeviceOnly(d), default) for d in devices} or {default}
+    kinds = {registry.device_type_of(_DeviceOnly(d), default) for d in _anchor_devices(graph)} or {default}
     if len(kinds) != 1:
         return None
     dev = kinds.pop()
@@ -479,6 +479,21 @@ def _fused_kernel_problem(ctx, graph, ops, side=False):
             if problems[key] is None:
                 return None
     return "; ".join(problems[k] for k in sorted(problems))
+
+
+def _anchor_devices(graph) -> set:
+    """The device strings of the nodes of :data:`_BIAS_FAMILY_ANCHORS` (a
+    superset): when no node of the graph's source had one
+    (``Graph.source_has_device``, the grappler bridge), "" and those of the
+    nodes a pass created or edited; else every such node's."""
+    from ..pattern import _of_type
+
+    nodes = graph.nodes
+    fn = graph.source_has_device
+    changed = graph.changed_nodes() if fn is not None and fn() is False else None
+    if changed is not None:
+        return {""} | {nodes[n].device for n in changed}
+    return {nodes[n].device for n in _of_type(graph, _BIAS_FAMILY_ANCHORS)}
 
 
 class _DeviceOnly:
@@ -1681,8 +1696,10 @@ def register():
     reg("bn_fold", _bn_fold_pat(), _build_bn_fold, graph_level=3,
         reason="inference batch norm folds into the conv weights and bias (rounding changes)", reads=0)
     reg("bias_gelu_exact", _gelu_exact_pat(), _build_gelu_exact, follows_precision=True,
+        policy=fused_kernel_policy(MATRIX_OPS),
         reason="MatMul+BiasAdd+GELU(erf) is one oneDNN kernel", reads=0)
     reg("bias_gelu_tanh", _gelu_tanh_pat(), _build_gelu_tanh, follows_precision=True,
+        policy=fused_kernel_policy(MATRIX_OPS),
         reason="MatMul+BiasAdd+GELU(tanh) is one oneDNN kernel", reads=0)
     reg("bias_add_act", Pat(("Relu", "Relu6", "Elu", "LeakyRelu"), inputs=[_side_add_pat("Conv2D")]),
         _build_bias_add_act, follows_precision=True, policy=fused_kernel_policy(("Conv2D",), side=True),
