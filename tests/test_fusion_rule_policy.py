@@ -34,8 +34,8 @@ MODES = {
 POLICY_RULES = {"bf16_add_relu", "bf16_join_grad_sum", "bf16_addn_relu_grad", "bf16_relu_bn_grad",
                 "bf16_bn_grad", "bf16_gelu", "bf16_attention_train", "bf16_apply_momentum",
                 "bias_grad_bn_zero", "bias_grad_matmul", "filter_grad_1x1", "filter_grad_im2col",
-                "bias", "bias_act", "bias_add", "bias_add_act", "bias_gelu_exact", "bias_gelu_tanh"}
-BIAS_FAMILY = {"bias", "bias_act", "bias_add", "bias_add_act", "bias_gelu_exact", "bias_gelu_tanh"}
+                "bias", "bias_act", "bias_add", "bias_add_act", "bias_gelu_exact", "bias_gelu_tanh", "bn_act"}
+BIAS_FAMILY = {"bias", "bias_act", "bias_add", "bias_add_act", "bias_gelu_exact", "bias_gelu_tanh", "bn_act"}
 
 
 def _rewrite(monkeypatch, gd, fetches, on, kw):

@@ -326,6 +326,23 @@ def _bn_act_predicate(node, graph):
     return bn is not None and not ctrl and port == 0 and bn.op in _BN_OPS
 
 
+def _bn_act_plan_problem(ctx):
+    """Why no batch norm + activation fuses under this run's precision plan, or None."""
+    plan = _precision_plan(ctx)
+    if plan is None or not plan.lowers_matrix_ops or plan.low != registry.DT_HALF:
+        return None
+    return (f"in {plan.mode} the batch norm follows its FP16 producers, "
+            "and oneDNN's fused batch norm takes float or bfloat16 only")
+
+
+def _bn_act_policy(ctx, graph):
+    """:attr:`~.core.FusionRule.policy` of ``bn_act``: its build refuses every
+    match under an FP16 plan (:func:`_bn_act_plan_problem`, after the oneDNN
+    check, which refuses too): that reason, once per run (with
+    :data:`FUSED_KERNEL_POLICY`, the bias family's switch)."""
+    return _bn_act_plan_problem(ctx) if FUSED_KERNEL_POLICY else None
+
+
 def _build_bn_act(m, b):
     """FusedBatchNorm(V2/V3) -> Relu  =>  _FusedBatchNormEx(activation_mode=Relu)
     under the batch norm's name (its statistics and reserve spaces keep their
@@ -334,10 +351,8 @@ def _build_bn_act(m, b):
     relu = b.anchor
     bn = b.graph.nodes[parse_tensor(relu.input[0])[0]]
     _require_onednn_cpu(b, "_FusedBatchNormEx with an activation")
-    plan = _precision_plan(b.ctx)
-    b.require(plan is None or not plan.lowers_matrix_ops or plan.low != registry.DT_HALF,
-              f"not fused: in {plan.mode if plan else ''} the batch norm follows its FP16 producers, "
-              "and oneDNN's fused batch norm takes float or bfloat16 only")
+    problem = _bn_act_plan_problem(b.ctx)
+    b.require(problem is None, f"not fused: {problem}")
     b.require(b.device == bn.device, "the Relu and the batch norm are placed on different devices")
     readers = [(c, i) for c, i in b.graph.consumers(bn.name)
                if i >= 0 and parse_tensor(b.graph.nodes[c].input[i])[1] == 0]
@@ -394,7 +409,8 @@ def bf16_matrix_policy(anchor_op: str, what: str):
 
 
 #: (issue 17) :func:`fused_kernel_policy` for the bias family (``bias``,
-#: ``bias_act``, ``bias_add``, ``bias_add_act``, ``bias_gelu_exact``, ``bias_gelu_tanh``): when no matrix op of the graph
+#: ``bias_act``, ``bias_add``, ``bias_add_act``, ``bias_gelu_exact``, ``bias_gelu_tanh``; and
+#: ``bn_act``'s own plan-wide refusal, :func:`_bn_act_policy`): when no matrix op of the graph
 #: can get a fused kernel in the dtype it will run in, the rules are off for the
 #: run (listed once in ``rules_off``) instead of matched and skipped per anchor,
 #: each skip with the same warning (BERT-12 under FP16 on CPU: 98, no float16
@@ -1708,6 +1724,7 @@ def register():
         policy=fused_kernel_policy(("Conv2D", "MatMul"), side=True),
         reason="conv/matmul, bias and a same-shape add (residual) in one oneDNN kernel", reads=0)
     reg("bn_act", Pat(tuple(_ONEDNN_BN_ACTIVATIONS), predicate=_bn_act_predicate), _build_bn_act,
+        policy=_bn_act_policy,
         reason="batch norm and its Relu in one oneDNN kernel pass (training or inference)", reads=1)
     reg("bias_act", Pat(("Relu", "Relu6", "Elu", "LeakyRelu"), inputs=[_bias_pat()]), _build_bias_act,
         follows_precision=True, policy=fused_kernel_policy(MATRIX_OPS),
