@@ -561,7 +561,11 @@ _DEVICE_RE = re.compile(r"(?:/device:|/)(?P<type>[A-Za-z_]+):\d+\s*$")
 
 def device_type_of(node, default: str = "CPU") -> str:
     """Device type from a node's device string (``/job:x/device:GPU:0`` -> ``GPU``)."""
-    dev = node.device
+    return device_type_named(node.device, default)
+
+
+def device_type_named(dev: str, default: str = "CPU") -> str:
+    """Device type from a device string (:func:`device_type_of`)."""
     if not dev:
         return default
     m = _DEVICE_RE.search(dev)

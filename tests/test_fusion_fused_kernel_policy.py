@@ -17,28 +17,15 @@ fuse it, as the reference does; anchors on two device types keep the per-anchor 
 import pytest
 import tensorflow as tf
 
-import npu_amp_tf
 from graph_passes.fusion import builtin, core
-from test_precision_fast import _strip_times, slim_resnet_graph
+from test_fusion_rule_policy import BIAS_FAMILY as FAMILY, MODES
+from test_fusion_rule_policy import _fusion_stats as _stats, _rewrite as _rewrite_with
+from test_precision_fast import slim_resnet_graph
 from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph
-
-FAMILY = ("bias", "bias_act", "bias_add", "bias_add_act", "bias_gelu_exact", "bias_gelu_tanh", "bn_act")
-MODES = {
-    "fp16": dict(precision_mode="allow_mix_precision"),
-    "bf16": dict(precision_mode="allow_mix_precision_bf16"),
-    "fp32": dict(precision_mode="must_keep_origin_dtype"),
-}
 
 
 def _rewrite(monkeypatch, gd, fetches, on, kw):
-    monkeypatch.setattr(builtin, "FUSED_KERNEL_POLICY", on)
-    out, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, **kw)
-    return out.SerializeToString(deterministic=True), _strip_times(rep.to_json())
-
-
-def _stats(rep):
-    (st,) = [p["stats"] for p in rep["passes"] if p["name"] == "fusion"]
-    return st
+    return _rewrite_with(monkeypatch, gd, fetches, on, kw, switch=(builtin, "FUSED_KERNEL_POLICY"))
 
 
 def _check(monkeypatch, gd, fetches, modes=tuple(MODES), **extra):

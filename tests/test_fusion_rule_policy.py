@@ -38,8 +38,9 @@ POLICY_RULES = {"bf16_add_relu", "bf16_join_grad_sum", "bf16_addn_relu_grad", "b
 BIAS_FAMILY = {"bias", "bias_act", "bias_add", "bias_add_act", "bias_gelu_exact", "bias_gelu_tanh", "bn_act"}
 
 
-def _rewrite(monkeypatch, gd, fetches, on, kw):
-    monkeypatch.setattr(core, "RULE_POLICY", on)
+def _rewrite(monkeypatch, gd, fetches, on, kw, switch=(core, "RULE_POLICY")):
+    """(GraphDef bytes, report without timings) with ``switch`` (module, name) set to ``on``."""
+    monkeypatch.setattr(*switch, on)
     out, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, **kw)
     return out.SerializeToString(deterministic=True), _strip_times(rep.to_json())
 

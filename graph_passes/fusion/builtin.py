@@ -470,7 +470,7 @@ def _fused_kernel_problem(ctx, graph, ops, side=False):
     if not mms:
         return None  # (nothing to match: the rule finds that out at once)
     default = ctx.default_device_type()
-    kinds = {registry.device_type_of(_DeviceOnly(d), default) for d in _anchor_devices(graph)} or {default}
+    kinds = {registry.device_type_named(d, default) for d in _anchor_devices(graph)} or {default}
     if len(kinds) != 1:
         return None
     dev = kinds.pop()
@@ -510,15 +510,6 @@ def _anchor_devices(graph) -> set:
     if changed is not None:
         return {""} | {nodes[n].device for n in changed}
     return {nodes[n].device for n in _of_type(graph, _BIAS_FAMILY_ANCHORS)}
-
-
-class _DeviceOnly:
-    """A stand-in node for ``registry.device_type_of``: just a device string."""
-
-    __slots__ = ("device",)
-
-    def __init__(self, device):
-        self.device = device
 
 
 def _has_bf16(graph, op):
