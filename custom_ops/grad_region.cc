@@ -432,6 +432,12 @@ bool LoadGraphDef(Mirror* m, const char* bytes, size_t len, bool fresh) {
   return true;
 }
 
+// LoadGraphDef, the mirror's tables reserved first for a fresh load.
+bool LoadBytes(Mirror* m, const char* bytes, size_t len, bool fresh) {
+  if (fresh) m->Reserve(m->size() + len / 128);  // (a NodeDef of a training graph: ~160 bytes)
+  return LoadGraphDef(m, bytes, len, fresh);
+}
+
 // ---------------------------------------------------------------- the search
 using DyCallback = int (*)(const char* ref, size_t len);
 
@@ -999,8 +1005,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoad(void* h, const char* data, size_t len, 
   auto* m = static_cast<Mirror*>(h);
   if (m == nullptr || (len && data == nullptr)) return 1;
   m->Join();
-  if (fresh) m->Reserve(m->size() + len / 128);  // (a NodeDef of a training graph: ~160 bytes)
-  return LoadGraphDef(m, data, len, fresh != 0) ? 0 : 1;
+  return LoadBytes(m, data, len, fresh != 0) ? 0 : 1;
 }
 
 // (issue 17) NpuAmpGrMirrorLoad(h, data, len, fresh=1) on a helper thread, so
@@ -1015,8 +1020,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoadAsync(void* h, const char* data, size_t 
     m->loader = std::thread([m, data, len] {
       int rc = 1;
       try {
-        m->Reserve(m->size() + len / 128);
-        rc = LoadGraphDef(m, data, len, true) ? 0 : 1;
+        rc = LoadBytes(m, data, len, true) ? 0 : 1;
       } catch (...) {  // (bad_alloc: the mirror is refused, Python searches)
         rc = 1;
       }

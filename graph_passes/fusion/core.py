@@ -633,15 +633,22 @@ def apply_rule(graph: Graph, rule: FusionRule, ctx, shapes: ShapeOracle, stats: 
     return done
 
 
+def policy_reason(graph: Graph, rule: FusionRule, ctx) -> str | None:
+    """The reason ``rule`` is off for this run by its :attr:`FusionRule.policy`
+    (:data:`RULE_POLICY`), or None (no policy, no context, or it may fuse);
+    nothing recorded (see :func:`rule_off`)."""
+    if not RULE_POLICY or rule.policy is None or ctx is None:
+        return None
+    return rule.policy(ctx, graph) or None
+
+
 def rule_off(graph: Graph, rule: FusionRule, ctx, stats: dict) -> bool:
     """Whether ``rule`` is off for this run by its :attr:`FusionRule.policy`
     (:data:`RULE_POLICY`): then the first time, ``stats["rules_off"][name]``
     gets ``{"mode", "reason", "anchors"}`` (the precision mode, the policy's
     reason, the number of nodes of the rule's anchor op types, None when any
     op may anchor it).  False (the rule runs) without a policy or a context."""
-    if not RULE_POLICY or rule.policy is None or ctx is None:
-        return False
-    why = rule.policy(ctx, graph)
+    why = policy_reason(graph, rule, ctx)
     if not why:
         return False
     off = stats.setdefault("rules_off", {})

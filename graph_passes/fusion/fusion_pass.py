@@ -43,9 +43,9 @@ import sys
 from ..graph import parse_tensor
 from ..manager import Pass, register_pass
 from ..pattern import Changes, affected_anchors, anchor_candidates
-from . import core
 from .cleanups import merge_duplicate_casts
-from .core import CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, quiet_at, rule_off
+from .core import (CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, policy_reason, quiet_at,
+                   rule_off)
 from .builtin import _FUSED_KERNEL_MEMO_ATTR, NORM_MEMO_ATTR
 from .grad_region import ORIGINAL_NAMES_ATTR, preload
 
@@ -184,13 +184,13 @@ class FusionPass(Pass):
 def _preload_mirror(graph, rules, ctx) -> bool:
     """Start loading the gradient-region search's C++ mirror of the graph
     (``grad_region.preload``) when a rule that searches gradient regions
-    (:attr:`core.FusionRule.searches_gradient`), not turned off by its policy,
+    (:attr:`FusionRule.searches_gradient`), not turned off by its policy,
     has anchor candidates: the load then overlaps the rules before it."""
     protected = ctx.protected if ctx is not None else frozenset()
     for rule in rules:
         if not rule.searches_gradient:
             continue
-        if core.RULE_POLICY and rule.policy is not None and ctx is not None and rule.policy(ctx, graph):
+        if policy_reason(graph, rule, ctx):
             continue
         if anchor_candidates(graph, rule.pattern, protected, rule.escapes):
             return preload(graph)
