@@ -146,6 +146,16 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+@functools.lru_cache(maxsize=4096)
+def _node_field_header(k: int) -> bytes:
+    """A GraphDef ``node`` entry's tag and length (field 1, length-delimited)."""
+    return b"\x0a" + _varint(k)
+
+
+#: a NodeDef's deterministic bytes
+_serialize_det = methodcaller("SerializeToString", deterministic=True)
+
+
 def tensor_name(node: str, port: int = 0) -> str:
     """Canonical reference: ``node`` for port 0, ``node:k`` otherwise, ``^node`` for -1."""
     if port < 0:
@@ -1325,11 +1335,32 @@ class Graph:
         names = _EncodedNames(nodes)
         entry = self._node_bytes
         kget = keys.__getitem__
-        parts = [entry(nodes[kget(k)], names) for k in np.flatnonzero(order < 0).tolist()]
+        changed = [nodes[kget(k)] for k in np.flatnonzero(order < 0).tolist()]
+        parts = self._joined_entries(changed) if self.joined_patch else None
+        if parts is None:
+            parts = [entry(n, names) for n in changed]
         parts.append(self._tail())
         out = array("i")
         out.frombytes(order.tobytes())
         return GraphPatch(out, b"".join(parts), n)
+
+    #: (issue 17) :meth:`_fast_patch` writes the changed nodes' entries as
+    #: one join of their bytes and headers, and looks for colocation entries
+    #: once in the whole payload; False: one :meth:`_node_bytes` per node (the
+    #: reference; the same bytes)
+    joined_patch = True
+
+    @staticmethod
+    def _joined_entries(changed):
+        """[the GraphDef ``node`` entries of ``changed``, joined]: what
+        :meth:`_node_bytes` gives per node, when no entry's bytes hold
+        "_class" (no colocation entry to check); else None."""
+        bodies = list(map(_serialize_det, changed))
+        parts = [None] * (2 * len(bodies))
+        parts[0::2] = map(_node_field_header, map(len, bodies))
+        parts[1::2] = bodies
+        joined = b"".join(parts)
+        return None if joined.find(b"_class") >= 0 else [joined]
 
     def _base_ranks(self, keys, nb):
         """Per name of ``keys`` (every node, in ``nodes`` order) its index in

@@ -52,7 +52,7 @@ pytestmark = pytest.mark.skipif(
     not hasattr(bridge.library(), "NpuAmpGraphOpdefPrecheckFlags"), reason="library without issue 17u's paths")
 
 SWITCHES = ((bridge, "FAST_INDEX"), (bridge, "PRECHECK_FROM_INDEX"), (bridge, "SHARED_FINGERPRINT"),
-            (Graph, "numpy_adopt"), (Graph, "fast_patch"))
+            (Graph, "numpy_adopt"), (Graph, "fast_patch"), (Graph, "joined_patch"))
 
 
 @pytest.fixture
@@ -253,7 +253,8 @@ def test_fast_patch_equals_the_reference_after_the_pipeline(k2, name, monkeypatc
     assert fast.order == ref.order and fast.payload == ref.payload and fast.nodes == ref.nodes
 
 
-@pytest.mark.parametrize("case", ["removed_and_added_again", "reindexed", "put_in_by_hand", "colocation"])
+@pytest.mark.parametrize("case", ["removed_and_added_again", "reindexed", "put_in_by_hand", "colocation",
+                                  "colocation_on_a_changed_node"])
 def test_fast_patch_equals_the_reference_on_edits(case, monkeypatch):
     before = _gd(_ph("x", F32), _ph("y", F32), _node("AddV2", "add", ["x", "y"], T=("type", F32)),
                  _node("Identity", "i", ["add"], T=("type", F32)))
@@ -273,6 +274,11 @@ def test_fast_patch_equals_the_reference_on_edits(case, monkeypatch):
         elif case == "put_in_by_hand":
             g.new_node("NoOp", "pad")
             g.nodes["by_hand"] = _node("NoOp", "by_hand")
+        elif case == "colocation_on_a_changed_node":  # 'i' edited: its entry written here
+            g.set_input("i", 0, "x")
+            g.remove_node("add", force=True)
+            g.new_node("NoOp", "pad")
+            g.new_node("NoOp", "pad2")
         else:
             g.remove_node("y", force=True)
             g.new_node("Const", "y2", attrs={"dtype": F32})
@@ -282,6 +288,11 @@ def test_fast_patch_equals_the_reference_on_edits(case, monkeypatch):
     ref, fast = _patches(build, monkeypatch)
     assert ref is not None
     assert fast.order == ref.order and fast.payload == ref.payload and fast.nodes == ref.nodes
+    if case == "colocation_on_a_changed_node":
+        # the joined entries hold "_class": written node by node, 'add' (gone) dropped
+        assert Graph._joined_entries([build().nodes["i"]]) is None
+        patched = graph_pb2.GraphDef.FromString(fast.payload)
+        assert list(next(n for n in patched.node if n.name == "i").attr["_class"].list.s) == [b"loc:@y"]
     if case == "colocation":  # 'i' is unchanged: its entry is dropped by the assembly, not here
         out = graph_pb2.GraphDef.FromString(bridge.assemble_patch(before.SerializeToString(), fast))
         assert list(next(n for n in out.node if n.name == "i").attr["_class"].list.s) == [b"loc:@add"]

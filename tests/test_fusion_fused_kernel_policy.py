@@ -178,3 +178,48 @@ def test_anchor_devices_reads_the_edited_nodes():
     assert builtin._anchor_devices(graph) == {"", "/device:GPU:0"}
     graph.source_has_device = None  # (offline: every anchor-type node is read)
     assert builtin._anchor_devices(graph) == {"/device:GPU:0"}
+
+
+@pytest.mark.parametrize("graph_name", ["bert_like", "keras_resnet50"])
+def test_planned_dtype_by_type_gives_the_per_node_answers(graph_name, k2, monkeypatch):
+    """``builtin.PLANNED_BY_TYPE``: the policies ask the precision plan once per (op type,
+    dtype) of the matrix ops when no plan rule reads node names, else per node.  Every
+    family policy answers as with the reference (per node) under plans with and without
+    name rules (one matrix op kept FP32 by name, one forced low by name, a name scope), and
+    with name rules the plan is asked per node."""
+    from graph_passes.graph import Graph
+    from graph_passes.manager import PassContext
+    from npu_amp_tf.options import Options
+
+    if graph_name == "bert_like":
+        gd, op = bert_like_training_graph(), "MatMul"
+    else:
+        gd, op = _keras_resnet_training_graph(k2), "Conv2D"
+    mm = [n.name for n in gd.node if n.op == op]
+    plans = [dict(precision_mode="allow_mix_precision"),
+             dict(precision_mode="allow_mix_precision", keep_dtype_nodes=[mm[0]]),
+             dict(precision_mode="allow_mix_precision", keep_dtype_nodes=[mm[1].rsplit("/", 1)[0] + "/"]),
+             dict(precision_mode="must_keep_origin_dtype", low_precision_nodes=[mm[-1]]),
+             dict(precision_mode="allow_mix_precision_bf16")]
+    calls = []
+    real = builtin.planned_dtype
+    monkeypatch.setattr(builtin, "planned_dtype", lambda *a: calls.append(a[2]) or real(*a))
+    for kw in plans:
+        answers = {}
+        for on in (False, True):
+            monkeypatch.setattr(builtin, "PLANNED_BY_TYPE", on)
+            ctx = PassContext(Options.from_kwargs(**kw), ["loss", "train"])
+            del calls[:]
+            answers[on] = {name: core.RULES[name].policy(ctx, Graph(gd)) for name in sorted(FAMILY)
+                           if core.RULES[name].policy is not None}
+            asked = len(calls)
+            names_matter = "keep_dtype_nodes" in kw or "low_precision_nodes" in kw
+            if on and not names_matter:
+                assert asked <= 2 * len(answers[on]), (kw, asked)  # (≤ one per op type and dtype)
+            elif kw["precision_mode"] == "allow_mix_precision":
+                assert asked >= len(mm) or any(a is None for a in answers[on].values()), (kw, asked)
+        assert answers[True] == answers[False], kw
+        if kw == plans[0]:
+            assert any(answers[True].values()), "FP16: the family is off"
+        if kw == plans[1]:
+            assert not any(answers[True].get(r) for r in ("bias", "bias_add")), answers[True]

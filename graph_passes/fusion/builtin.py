@@ -416,6 +416,10 @@ def bf16_matrix_policy(anchor_op: str, what: str):
 #: each skip with the same warning (BERT-12 under FP16 on CPU: 98, no float16
 #: ``_FusedMatMul``).  The graph is the same; False: the reference, per anchor
 FUSED_KERNEL_POLICY = True
+#: (issue 17) :func:`_fused_kernel_problem` asks the precision plan once per
+#: (op type, dtype) of the matrix ops when no plan rule reads node names
+#: (``Plan.names_matter``); False: once per node (the reference, the same answers)
+PLANNED_BY_TYPE = True
 #: attribute of a Graph holding the policies' answers during a fusion pass run: {"ctx", "key":
 #: (version, edit mark), "answers": {(ops, side): reason or None}, "on": the (ops, side) answered
 #: None once in the run (such a rule stays on)}
@@ -480,12 +484,21 @@ def _fused_kernel_problem(ctx, graph, ops, side=False):
         if all(found):
             return "; ".join(found)
     problems = {}
+    # (issue 17) the planned dtype once per (op type, dtype) when the plan
+    # has no rule by node name (``Plan.names_matter``); False: per node
+    plan = _precision_plan(ctx) if PLANNED_BY_TYPE else None
+    by_type = {} if plan is not None and not plan.names_matter else None
     for name in mms:
         node = nodes[name]
         t = node.attr.get("T")
         if t is None:
             return None
-        key = (node.op, planned_dtype(ctx, node.op, name, t.type))
+        if by_type is None:
+            key = (node.op, planned_dtype(ctx, node.op, name, t.type))
+        else:
+            key = by_type.get((node.op, t.type))
+            if key is None:
+                key = by_type[(node.op, t.type)] = (node.op, planned_dtype(ctx, node.op, name, t.type))
         if key not in problems:
             op, run = FUSED_OP[key[0]], key[1]
             form = registry.fused_form(op, dev, run)

@@ -126,6 +126,13 @@ class Plan:
             return True
         return bool(self.keep_names) and _name_match(node.name, self.keep_names)
 
+    @property
+    def names_matter(self) -> bool:
+        """Whether :meth:`matrix_dtype` can answer two nodes of one op type
+        and dtype differently by their names (``keep_dtype_nodes``,
+        ``low_precision_nodes``); else its answer is one per (op type, dtype)."""
+        return bool(self.keep_names or self.low_names)
+
     def is_keep_name(self, name) -> bool:
         return _name_match(name, self.keep_names)
 
