@@ -364,3 +364,20 @@ def test_a_planted_fault_is_caught(monkeypatch, fault):
     gd = bert_like_training_graph()
     with pytest.raises(AssertionError):
         assert_native_equals_python(monkeypatch, gd, ["loss", "train"], MODES["fp16"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_indices_equal_numpy_unique(seed):
+    """``native.first_indices``: the first node of every class, as ``np.unique``'s
+    ``return_index`` gives it, for class ids numbered in order of first appearance (how
+    ``paint`` numbers them: ``dict.fromkeys`` of the per-node keys)."""
+    from array import array
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 5000)) if seed else 1
+    keys = rng.integers(0, max(1, n // int(rng.integers(1, 50))), n).tolist()
+    ids = dict(zip(dict.fromkeys(keys), range(n)))
+    cid = array("i", [ids[k] for k in keys])
+    want = np.unique(np.frombuffer(cid, np.int32), return_index=True)[1].tolist()
+    assert native_mod.first_indices(cid) == want
+    assert native_mod.first_indices(array("i")) == []

@@ -153,8 +153,8 @@ def paint(pp, order, fn):
     ids = dict(zip(first_seen, range(len(first_seen))))
     cid = _i32(map(ids.__getitem__, keys), n)
     kcount = len(ids)
-    # class -> its first node (classes are numbered 0.. in order of first appearance)
-    first = np.unique(np.frombuffer(cid, np.int32), return_index=True)[1].tolist()
+    # class -> its first node
+    first = first_indices(cid)
     cop = [nodes[i].op for i in first]  # class -> its op (equal keys: one op)
     low = pp.low
     rec = array("i", bytes(4 * 5 * kcount))
@@ -352,6 +352,17 @@ GROUP_MEMOS = True
 #: op: the C++ signature class or ``registry.signature_key``), read once per
 #: class, instead of reading every node's; False: every node's (the reference)
 CLASS_OPS = True
+
+
+def first_indices(cid) -> list:
+    """Per class, the index of its first node, for ``cid`` (int32 items)
+    numbering classes 0.. in order of first appearance: class ``c`` first
+    appears where the running maximum of the ids steps up to ``c`` (one
+    linear scan; ``np.unique(..., return_index=True)`` sorts the ids)."""
+    ids = np.frombuffer(cid, np.int32)
+    if not len(ids):
+        return []
+    return np.flatnonzero(np.diff(np.maximum.accumulate(ids), prepend=-1)).tolist()
 
 
 def _i32(values, count):
