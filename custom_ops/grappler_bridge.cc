@@ -200,6 +200,10 @@ struct Sink {
   // caller joins as soon as the callback returns
   std::thread index_thread;
   int index_rc = -1;  // the index built: 0, or 1 (refused); -1 not built
+  // (issue 17, kFlagEarlyIndex) the index was started by Optimize before the
+  // callback, with the flags Python set on the previous call (index_flags)
+  bool early_index = false;
+  int index_flags = 0;
   void JoinIndex() {
     if (index_thread.joinable()) index_thread.join();
   }
@@ -213,6 +217,18 @@ constexpr int kFlagIndexFromBytes = 2;  // GraphIndexText reads ViewsOfBytes
 // (issue 17u) set by Python (bridge.FAST_INDEX, bridge.PRECHECK_FROM_INDEX)
 constexpr int kFlagFastIndex = 4;          // GraphIndexText: NameTable, IsAsciiWords, binary keys
 constexpr int kFlagPrecheckFromIndex = 8;  // the pre-check reads the item index (Sink::kept)
+// (issue 17) set by Python (bridge.EARLY_INDEX with bridge.INDEX_IN_BACKGROUND):
+// the next items' index may start on its helper thread as soon as their
+// bytes are written, before the callback, with these flags
+constexpr int kFlagEarlyIndex = 16;
+// the flags the index's bytes and kept arrays are built with
+constexpr int kIndexFlags = kFlagIndexFromBytes | kFlagFastIndex | kFlagPrecheckFromIndex;
+// the flags of the last NpuAmpSinkFlags call (-1: none yet), and how many
+// early indexes were started and how many discarded (the callback's flags
+// differed, or no longer allowed it): NpuAmpEarlyIndexCounts
+std::atomic<int> g_early_flags{-1};
+std::atomic<uint64_t> g_early_started{0};
+std::atomic<uint64_t> g_early_discarded{0};
 
 // ---- shapes -----------------------------------------------------------------
 // Runs grappler's static shape inference on `item` and writes the line format
@@ -1257,7 +1273,28 @@ NPU_AMP_EXPORT void NpuAmpWritePatch(void* sink, const int32_t* order, size_t n,
 // instead of copying them (see Optimize); kFlagIndexFromBytes builds
 // NpuAmpItemIndex from the item's serialized bytes (ViewsOfBytes).
 NPU_AMP_EXPORT void NpuAmpSinkFlags(void* sink, int flags) {
-  static_cast<Sink*>(sink)->flags = flags;
+  auto* s = static_cast<Sink*>(sink);
+  s->flags = flags;
+  g_early_flags.store(flags);
+  if (s->early_index &&
+      (!(flags & kFlagEarlyIndex) || (s->index_flags & kIndexFlags) != (flags & kIndexFlags))) {
+    // started before the callback with the previous call's flags, not these:
+    // dropped, and built again as these flags say (the same bytes either way)
+    s->JoinIndex();
+    s->index_rc = -1;
+    s->index.clear();
+    s->kept = npu_amp_tf::BaseIndex();
+    s->views.reset();
+    s->early_index = false;
+    g_early_discarded.fetch_add(1);
+  }
+}
+
+// (issue 17) How many item indexes Optimize started before the callback, and
+// how many of them the callback's flags discarded (for tests).
+NPU_AMP_EXPORT void NpuAmpEarlyIndexCounts(uint64_t* started, uint64_t* discarded) {
+  *started = g_early_started.load();
+  *discarded = g_early_discarded.load();
 }
 
 // (issue 17u) The fingerprint Optimize() computed of the item's bytes and its
@@ -1435,10 +1472,9 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
 // thread, with the flags set now, so that it overlaps Python's parse of the
 // bytes; NpuAmpItemIndex then waits for it.  0 started, 1 not (no item, built
 // or started already, or no thread to be had: NpuAmpItemIndex builds it).
-NPU_AMP_EXPORT int NpuAmpItemIndexStart(void* sink) {
-  auto* s = static_cast<Sink*>(sink);
+static int StartIndexThread(Sink* s, int flags) {
   if (s == nullptr || s->item == nullptr || s->index_rc >= 0 || s->index_thread.joinable()) return 1;
-  const int flags = s->flags;
+  s->index_flags = flags;
   try {
     s->index_thread = std::thread([s, flags] {
       int rc = 1;
@@ -1453,6 +1489,11 @@ NPU_AMP_EXPORT int NpuAmpItemIndexStart(void* sink) {
     return 1;
   }
   return 0;
+}
+
+NPU_AMP_EXPORT int NpuAmpItemIndexStart(void* sink) {
+  auto* s = static_cast<Sink*>(sink);
+  return StartIndexThread(s, s == nullptr ? 0 : s->flags);
 }
 
 // The same for a serialized GraphDef (offline use).  The bytes stay valid
@@ -1801,12 +1842,9 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       return errors::Aborted("NpuAmpOptimizer: graph '", item.id, "' has no float tensors");
     }
     const int64_t t_nofloat = ThreadCpuNs();
-    ItemBytes graph_bytes;
-    if (!SerializeGraph(item.graph, &graph_bytes, g_serialize_fast)) {
-      return errors::Internal("NpuAmpOptimizer: cannot serialize the GraphDef of item '",
-                              item.id, "'");
-    }
-    const int64_t t_serialize = ThreadCpuNs();
+    // (issue 17) the context and the mark first: a graph this optimizer
+    // already rewrote (grappler's second iteration) is recognised without
+    // writing its bytes
     std::vector<std::string> preserve_list;
     for (const auto& n : item.NodesToPreserve()) preserve_list.push_back(n);
     std::sort(preserve_list.begin(), preserve_list.end());
@@ -1831,22 +1869,40 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       return errors::Aborted("NpuAmpOptimizer: graph '", item.id,
                              "' was already rewritten by it; left unchanged");
     }
+    const int64_t t_marked = ThreadCpuNs();
+    ItemBytes graph_bytes;
+    if (!SerializeGraph(item.graph, &graph_bytes, g_serialize_fast)) {
+      return errors::Internal("NpuAmpOptimizer: cannot serialize the GraphDef of item '",
+                              item.id, "'");
+    }
+    const int64_t t_serialize = ThreadCpuNs();
+    for (auto& t : g_step_ns) t.store(0);  // (before the index's thread adds to its step)
+    Sink sink;  // (after graph_bytes: destroyed, and its thread joined, first)
+    sink.item = &item;
+    sink.graph_bytes = graph_bytes.view();
+    // (issue 17, kFlagEarlyIndex) the index starts now, with the flags of the
+    // previous callback, so that it overlaps the fingerprint below and the
+    // callback's entry; the callback's own flags keep or drop it
+    // (NpuAmpSinkFlags)
+    const int early = g_early_flags.load();
+    if (early >= 0 && (early & kFlagEarlyIndex)) {
+      sink.flags = early;
+      if (StartIndexThread(&sink, early) == 0) {
+        sink.early_index = true;
+        g_early_started.fetch_add(1);
+      }
+    }
     const uint64_t fp_in = Fingerprint(graph_bytes.view(), context);
     if (Seen(fp_in)) {
       g_skip_seen.fetch_add(1);
       return errors::Aborted("NpuAmpOptimizer: graph '", item.id,
                              "' is one it already optimized; left unchanged");
     }
-
-    Sink sink;
-    sink.item = &item;
-    sink.graph_bytes = graph_bytes.view();
     sink.fingerprint = fp_in;
-    for (auto& t : g_step_ns) t.store(0);
     g_step_ns[kStepNoFloat].store(t_nofloat - t_start);
-    g_step_ns[kStepSerialize].store(t_serialize - t_nofloat);
+    g_step_ns[kStepSerialize].store(t_serialize - t_marked);
     const int64_t t_context = ThreadCpuNs();
-    g_step_ns[kStepContext].store(t_context - t_serialize);
+    g_step_ns[kStepContext].store((t_marked - t_nofloat) + (t_context - t_serialize));
     g_in_flight.fetch_add(1);
     const int rc = cb(&sink, graph_bytes.data(), graph_bytes.size(), config_bytes_.data(),
                       config_bytes_.size(), fetch.c_str(), preserve.c_str(), devices.c_str(),
