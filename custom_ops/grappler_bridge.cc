@@ -204,6 +204,7 @@ struct Sink {
   // callback, with the flags Python set on the previous call (index_flags)
   bool early_index = false;
   int index_flags = 0;
+  bool flags_set = false;  // NpuAmpSinkFlags called in this callback
   void JoinIndex() {
     if (index_thread.joinable()) index_thread.join();
   }
@@ -1275,6 +1276,9 @@ NPU_AMP_EXPORT void NpuAmpWritePatch(void* sink, const int32_t* order, size_t n,
 NPU_AMP_EXPORT void NpuAmpSinkFlags(void* sink, int flags) {
   auto* s = static_cast<Sink*>(sink);
   s->flags = flags;
+  const bool first = !s->flags_set;
+  s->flags_set = true;
+  if (!first) return;  // (a later call, e.g. a test's: the index may be in use)
   g_early_flags.store(flags);
   if (s->early_index &&
       (!(flags & kFlagEarlyIndex) || (s->index_flags & kIndexFlags) != (flags & kIndexFlags))) {

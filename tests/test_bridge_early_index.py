@@ -82,3 +82,23 @@ def test_a_rewritten_graph_is_recognised_before_its_bytes_are_written(k2, monkey
     # one early index, for the first iteration's item; none for the marked one
     assert (after[0] - before[0], after[1] - before[1]) == (1, 0)
     assert bridge.stats().get("skipped_seen", 0) == seen + 1  # the marked graph, in C++
+
+
+def test_only_the_callbacks_first_flags_keep_or_drop_the_early_index(k2, monkeypatch):
+    """A later ``NpuAmpSinkFlags`` in the same callback (the pipeline's own call comes first; a
+    test may set others once the index is in use) changes the flags but drops nothing."""
+    bridge.register()
+    gd, fetches = _build("bert_like", k2)
+    mg, cfg = plugin_only_grappler(gd, fetches)
+    _run(cfg, mg, monkeypatch, EARLY_INDEX=True, INDEX_IN_BACKGROUND=True)
+    ref, ref_rep, _ = _run(cfg, mg, monkeypatch)
+    real = bridge.item_opdef_precheck
+
+    def flip_then_check(sink, patch, device="CPU"):
+        bridge._lib.NpuAmpSinkFlags(sink, bridge._sink_flags() & ~(4 | 16))  # noqa: SLF001
+        bridge._lib.NpuAmpSinkFlags(sink, bridge._sink_flags())  # noqa: SLF001
+        return real(sink, patch, device)
+    monkeypatch.setattr(bridge, "item_opdef_precheck", flip_then_check)
+    out, rep, (started, dropped) = _run(cfg, mg, monkeypatch)
+    assert (started, dropped) == (1, 0)
+    assert out == ref and rep == ref_rep
