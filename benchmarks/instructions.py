@@ -135,6 +135,11 @@ def read_dumps(out_dir: str) -> dict:
     return counts
 
 
+#: environment switches of debugging cross-checks, never on in production
+#: (see graph_passes.fusion.grad_region.CHECK_NATIVE)
+_CHECK_ENV = ("NPU_AMP_TF_CHECK_NATIVE_GRAD_REGION",)
+
+
 def run_child(argv, tmp, lib, toggles=(), native=None) -> tuple[dict, list]:
     """This script under callgrind with ``argv``: ({tag: instructions}, [result dicts]).
 
@@ -155,6 +160,11 @@ def run_child(argv, tmp, lib, toggles=(), native=None) -> tuple[dict, list]:
                f"--callgrind-out-file={out_dir}/cg.%p", *(f"--toggle-collect={t}" for t in toggles), *cmd]
     env = dict(os.environ, PYTHONHASHSEED="0", TF_CPP_MIN_LOG_LEVEL="2")
     env[_CHILD_ENV] = lib
+    # the production work only: the test suite's cross-check of every C++
+    # gradient-region search against the Python one (tests/conftest.py) would
+    # be counted too, and its Python search's work varies from run to run
+    for var in _CHECK_ENV:
+        env.pop(var, None)
     if native:
         state = "1" if native[0]["onednn"] else "0"
         env.update({"TF_ENABLE_ONEDNN_OPTS": state, _ONEDNN_ENV: state})
