@@ -1237,9 +1237,7 @@ class Graph:
                 c.CopyFrom(n)
                 _drop_colocation(c, keep)
                 b = c.SerializeToString(deterministic=True)
-        k = len(b)
-        return (b"\x0a" + (bytes((k,)) if k < 0x80 else bytes((k & 0x7F | 0x80, k >> 7)) if k < 0x4000
-                           else _varint(k)) + b)
+        return _node_field_header(len(b)) + b
 
     def _node_entry(self, n, names, add):
         """Append ``n``'s bytes as a GraphDef ``node`` entry (field 1), with

@@ -27,7 +27,7 @@ import instructions  # noqa: E402  (sets no environment at import)
 
 
 def _dump(path, tag, total):
-    head = f"# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\npid: 1\ncmd: python\npart: 1\n\n"
+    head = "# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\npid: 1\ncmd: python\npart: 1\n\n"
     desc = f"desc: Trigger: Client Request: {tag}\n" if tag else "desc: Trigger: Program termination\n"
     with open(path, "w") as f:
         f.write(head + "desc: I1 cache: \n" + desc + "\npositions: line\nevents: Ir\nsummary: "
