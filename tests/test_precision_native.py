@@ -381,3 +381,113 @@ def test_first_indices_equal_numpy_unique(seed):
     want = np.unique(np.frombuffer(cid, np.int32), return_index=True)[1].tolist()
     assert native_mod.first_indices(cid) == want
     assert native_mod.first_indices(array("i")) == []
+
+
+# ------------------------------------------------- issue 17: positions, class numbering
+def _built_positions(g):
+    names = list(g.nodes)
+    return dict(zip(names, range(len(names))))
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_positions_equal_the_built_map_through_edits(k2, indexed):
+    """``Graph.positions`` is ``name -> index in list(nodes)`` in every state:
+    fresh (C++ index adopted or not), after nodes are added one by one and in
+    a batch, after a removal (ranks no longer dense: built), after a reindex
+    (dense again); a fresh dict each time (the caller may edit it)."""
+    from tensorflow.core.framework import node_def_pb2
+
+    from graph_passes.graph import Graph
+
+    gd, _ = _graph("keras_transformer_training", k2)
+    g = Graph(gd, index=bridge.graph_index(gd) if indexed else None)
+    assert g.prebuilt_index == indexed
+
+    def check(dense):
+        assert g._dense_ranks() is dense
+        got = g.positions()
+        assert got == _built_positions(g) and list(got) == list(g.nodes)
+        got["\x00mine"] = -1  # the caller's own
+        assert "\x00mine" not in g.positions() and "\x00mine" not in g._seq
+
+    check(True)
+    src = next(n for n in g.nodes if g.nodes[n].op == "MatMul")
+    g.add_node(node_def_pb2.NodeDef(name="extra_a", op="Identity", input=[src]))
+    check(True)
+    reader, k = next((c, i) for c, i in g.consumers(src) if i >= 0)
+    g.add_and_rewire([(node_def_pb2.NodeDef(name="extra_cast", op="Cast", input=[src]), reader, k, "extra_cast")])
+    assert g.nodes[reader].input[k] == "extra_cast"
+    check(True)
+    g.remove_node("extra_a")
+    check(False)
+    g.reindex()
+    check(True)
+
+
+def test_positions_reference_switch(monkeypatch, k2):
+    from graph_passes.graph import Graph
+
+    gd, _ = _graph("keras_transformer_training", k2)
+    g = Graph(gd)
+    calls = []
+    monkeypatch.setattr(Graph, "_dense_ranks", lambda self: calls.append(1) or True)
+    monkeypatch.setattr(Graph, "dense_positions", False)
+    assert g.positions() == _built_positions(g) and not calls  # (the reference asks nothing)
+
+
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like", "learning_phase_conds"])
+def test_first_by_class_and_dense_positions_equal_the_reference(k2, monkeypatch, name):
+    """``native.FIRST_BY_CLASS`` (classes numbered before the odd ones are
+    looked for; renumbered only when some are odd) and ``Graph.positions``
+    from the graph's ranks give the graph and report of the reference
+    (every key's first node from a dict, positions built name by name),
+    offline and through grappler.  The fast paths ran: the ranks were dense
+    when the painting asked, and the keys were numbered once where no class
+    is odd (Keras ResNet50: every node has its C++ class and no cond op) and
+    twice where some are (the learning-phase conds).  (On
+    BERT-like the fusions remove nodes before the painting, and so do some
+    passes before the conds graph's: the ranks have gaps and the positions
+    are built; the same answer.)"""
+    from graph_passes.graph import Graph
+
+    gd, fetches = _graph(name, k2)
+    numbers, dense = [], []
+    orig_number, orig_dense = native_mod._number, Graph._dense_ranks
+
+    def number(keys, n):
+        numbers[-1] += 1
+        return orig_number(keys, n)
+
+    def dense_ranks(self):
+        dense.append(orig_dense(self))
+        return dense[-1]
+
+    monkeypatch.setattr(native_mod, "_number", number)
+    monkeypatch.setattr(Graph, "_dense_ranks", dense_ranks)
+    res = {}
+    for on in (True, False):
+        monkeypatch.setattr(native_mod, "FIRST_BY_CLASS", on)
+        monkeypatch.setattr(Graph, "dense_positions", on)
+        numbers.append(0)
+        offline = _rewrite(monkeypatch, gd, fetches, MODES["fp16"], True, [])
+        if name == "learning_phase_conds":
+            res[on] = (offline[0], _strip_times(offline[1]))
+            continue
+        mg, cfg = plugin_only_grappler(gd, fetches)
+        out, rep = optimize_rewritten(cfg, mg, name.encode())
+        assert rep["summary"]["precision_paint"] == "native"
+        res[on] = (offline[0], _strip_times(offline[1]), out, _strip(_strip_times(rep)))
+    assert res[True][0] == res[False][0], "the painting rewrote the graph differently"
+    assert json.dumps(res[True][1], default=str) == json.dumps(res[False][1], default=str)
+    if len(res[True]) > 2:
+        assert res[True][2] == res[False][2] and res[True][3] == res[False][3]
+    assert dense, "the painting did not ask Graph.positions"
+    if name == "keras_resnet50_training":  # (BERT-like's fusions remove nodes: ranks with gaps)
+        assert all(dense), dense
+    # (the reference numbers once per painting; FIRST_BY_CLASS once more per
+    # painting with odd classes)
+    on_calls, paintings = numbers
+    if name == "keras_resnet50_training":
+        assert on_calls == paintings == 2, numbers  # offline and through grappler: no renumbering
+    if name == "learning_phase_conds":
+        assert on_calls > paintings, numbers  # cond classes are odd: numbered, then renumbered

@@ -117,13 +117,25 @@ def paint(pp, order, fn):
     n = len(names)
     if n == 0 or len(order) != n:
         return None
-    idx = dict(zip(names, range(n)))
+    idx = g.positions() if hasattr(g, "positions") else dict(zip(names, range(n)))
     # (CLASS_OPS: no per-node op list; a class has one op, read from its first node)
     ops = None if CLASS_OPS and batched else list(map(_op, nodes))
     cls = pp._cls
     keys = list(map(cls.get, names)) if cls else [None] * n
     cond = amp.COND_OPS
-    if batched and ops is None:
+    numbered = None  # (first_seen, ids, cid) of `keys` when they need no rewrite
+    if batched and ops is None and FIRST_BY_CLASS:
+        # the classes numbered first (below); a class is odd when it has no
+        # C++ class or is of a cond op (its first node's op); with none odd
+        # (the usual case) that numbering is the final one
+        numbered = _number(keys, n)
+        first_seen, _, cid0 = numbered
+        first0 = first_indices(cid0)
+        odd = [c for c, (k, i) in enumerate(zip(first_seen, first0)) if k is None or nodes[i].op in cond]
+        special = np.flatnonzero(np.isin(np.frombuffer(cid0, np.int32), odd)).tolist() if odd else ()
+        if odd:
+            numbered = None
+    elif batched and ops is None:
         # the nodes without a C++ class, and those of a class of a cond op
         # (the op of the class's first node: C-level, the first index of
         # each key from a dict filled backwards)
@@ -147,14 +159,11 @@ def paint(pp, order, fn):
                 keys[i] = ("cond", k0, pp.in_loop_plumbing(node))
             else:
                 keys[i] = ("sig", k0)
-    # classes numbered 0.. in order of first appearance (C-level: the keys
-    # in that order from dict.fromkeys, then a lookup per node)
-    first_seen = dict.fromkeys(keys)
-    ids = dict(zip(first_seen, range(len(first_seen))))
-    cid = _i32(map(ids.__getitem__, keys), n)
+    # classes numbered 0.. in order of first appearance
+    first_seen, ids, cid = numbered if numbered is not None else _number(keys, n)
     kcount = len(ids)
     # class -> its first node
-    first = first_indices(cid)
+    first = first0 if numbered is not None else first_indices(cid)
     cop = [nodes[i].op for i in first]  # class -> its op (equal keys: one op)
     low = pp.low
     rec = array("i", bytes(4 * 5 * kcount))
@@ -245,6 +254,15 @@ def paint(pp, order, fn):
     if batched and pp.bulk_apply:
         return _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops, cop)
     return _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec)
+
+
+def _number(keys, n):
+    """(first_seen, ids, cid): the distinct ``keys`` in order of first
+    appearance (a dict), key -> its number, and each key's number (int32
+    array; C-level: dict.fromkeys, then a lookup per key)."""
+    first_seen = dict.fromkeys(keys)
+    ids = dict(zip(first_seen, range(len(first_seen))))
+    return first_seen, ids, _i32(map(ids.__getitem__, keys), n)
 
 
 def _devices(g, nodes, n, base_at):
@@ -347,6 +365,12 @@ ONE_DEVICE = True
 #: the batch, not per node after every batch (:func:`_refill_memos`); False:
 #: per node (the reference; the same memo entries)
 GROUP_MEMOS = True
+
+#: (issue 17) the painting numbers the classes first and finds the odd ones
+#: (no C++ class, or a cond op) from each class's first node, renumbering only
+#: when there are some; False: the odd keys from a dict of every key's first
+#: node, then the numbering (the reference; the same classes and numbers)
+FIRST_BY_CLASS = True
 
 #: (issue 17) the painting takes a node's op from its class (equal keys, one
 #: op: the C++ signature class or ``registry.signature_key``), read once per
