@@ -139,3 +139,44 @@ def test_retype_all_equals_retype_per_node(op):
         assert [n.SerializeToString(deterministic=True) for n in one] == \
             [n.SerializeToString(deterministic=True) for n in many]
 
+
+
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])
+def test_batched_saves_equal_the_per_node_ones(k2, monkeypatch, name):
+    """``PrecisionPass.batch_saves`` (issue 17: a re-typing batch's snapshot
+    saves and memo drops for the whole batch) leaves what the per-node calls
+    leave: the same snapshot entries in the same order (source indexes, or
+    copies with the same bytes), the same memos, the same graph; as in the
+    pipeline (bytes, the C++ index, the fusion pass first)."""
+    from graph_passes.fusion.fusion_pass import FusionPass
+    from tensorflow.core.framework import graph_pb2
+
+    gd, fetches = _graph(name, k2)
+    data = gd.SerializeToString()
+    seen = []
+    orig = amp._Snapshot.save_all
+
+    def save_all(self, names):
+        seen.append(len(names))
+        return orig(self, names)
+
+    monkeypatch.setattr(amp._Snapshot, "save_all", save_all)
+    res = {}
+    for batch in (True, False):
+        monkeypatch.setattr(amp.PrecisionPass, "batch_saves", batch)
+        parsed = graph_pb2.GraphDef.FromString(data)
+        graph = Graph(parsed, index=bridge.graph_index(parsed, data), copy=False)
+        graph.source_bytes = data
+        ctx = PassContext(Options.from_kwargs(precision_mode="allow_mix_precision"), fetches, ())
+        ctx.native_paint = pipeline.native_paint_entry()
+        FusionPass().run(graph, ctx)
+        pp = amp.PrecisionPass()
+        pp.run(graph, ctx)
+        saved = [(n, v if type(v) is int else v.SerializeToString(deterministic=True))
+                 for n, v in pp._before._saved.items()]
+        memos = (list(pp._dts), list(pp._keys), None if pp._cls is None else sorted(pp._cls.items()))
+        res[batch] = (saved, memos, graph.to_graph_def().SerializeToString(deterministic=True))
+    assert sum(seen) > 100, seen  # the batched path ran, over the re-typed nodes
+    assert res[True][0] == res[False][0]
+    assert res[True][1] == res[False][1]
+    assert res[True][2] == res[False][2]

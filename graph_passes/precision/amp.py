@@ -69,6 +69,8 @@ Before / after (MLP training step)::
 from __future__ import annotations
 
 import functools
+from collections import deque
+from itertools import repeat
 
 import numpy as np
 import tensorflow as tf
@@ -213,6 +215,11 @@ class PrecisionPass(Pass):
     #: sort.  False: always sort (the reference; the same graph and report,
     #: tests/test_precision_delay.py)
     delay_depth_proof = True
+    #: (issue 17) :meth:`_retype_all` saves its nodes' snapshots and drops
+    #: their memos for the whole batch (``_Snapshot.save_all``, C-level pops)
+    #: instead of two method calls per node; False: per node (the reference;
+    #: the same snapshot and memos)
+    batch_saves = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -411,10 +418,16 @@ class PrecisionPass(Pass):
         op type ``op``) by each dtype of ``path`` in turn: the same saves,
         dropped memos and attrs (``registry.retype_all``), without the calls
         per node."""
-        save, edited = self._before.save, self._edited
-        for name in names:
-            save(name)
-            edited(name)
+        if self.batch_saves:
+            self._before.save_all(names)
+            drop = repeat(None)
+            for memo in (self._dts, self._keys) if self._cls is None else (self._dts, self._keys, self._cls):
+                deque(map(memo.pop, names, drop), maxlen=0)  # (C-level: _edited per name)
+        else:
+            save, edited = self._before.save, self._edited
+            for name in names:
+                save(name)
+                edited(name)
         for dt in path:
             registry.retype_all(nodes, op, attrs, dt)
 
@@ -1709,6 +1722,31 @@ class _Snapshot:
                     saved[name] = k
                     return
             node = g.nodes.get(name)
+            if node is not None:
+                copy = saved[name] = _NodeDef()
+                copy.CopyFrom(node)
+
+    def save_all(self, names):
+        """:meth:`save` of each of ``names`` in turn (the same entries), the
+        node's source index found inline when the snapshot reads its source."""
+        saved = self._saved
+        if saved is None:
+            return
+        g = self._graph
+        if self._source is None or not g._seq_is_base or g._all_modified:
+            for name in names:
+                self.save(name)
+            return
+        limit, seq, modified, created, nodes = self._source[1], g._seq, g.modified, g.created, g.nodes
+        for name in names:
+            if name in saved:
+                continue
+            if name not in modified and name not in created:
+                k = seq.get(name)
+                if k is not None and k < limit:
+                    saved[name] = k
+                    continue
+            node = nodes.get(name)
             if node is not None:
                 copy = saved[name] = _NodeDef()
                 copy.CopyFrom(node)
