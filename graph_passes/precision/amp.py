@@ -1875,6 +1875,15 @@ def _type_attr(dt):
     return attr_value_pb2.AttrValue(type=dt)
 
 
+#: (issue 17) a one-value Const (a scalar, or shape [1], [1, 1]...) is
+#: re-typed as a splat one is, its value written in the field
+#: ``tf.make_tensor_proto`` writes it in (``float_val``, or ``half_val`` with
+#: the FP16/BF16 bits); False: through ``tf.make_ndarray`` and
+#: ``tf.make_tensor_proto`` (the reference, ~80 us a constant; the same
+#: bytes: tests/test_precision_consts.py)
+SCALAR_CONSTS = True
+
+
 def _convert_const(node, dt):
     """Re-type a float Const in place (splat constants stay splat)."""
     from tensorflow.core.framework import tensor_pb2
@@ -1891,7 +1900,7 @@ def _convert_const(node, dt):
         n = 1
         for d in t.tensor_shape.dim[:]:
             n *= max(d.size, 0)
-    if vals is not None and n != 1:
+    if vals is not None and (n != 1 or SCALAR_CONSTS):
         new = tensor_pb2.TensorProto(dtype=dt)
         new.tensor_shape.CopyFrom(t.tensor_shape)
         v = vals.astype(np_dt)
