@@ -30,7 +30,7 @@ from test_speed_paths import optimize_rewritten, plugin_only_grappler
 
 from conftest import assert_same
 
-SWITCHES = ("bulk_apply", "bulk_casts")
+SWITCHES = ("bulk_apply", "bulk_casts", "batch_saves", "copy_probe")
 
 MODES = {
     "fp16": dict(precision_mode="allow_mix_precision"),
@@ -281,3 +281,27 @@ def test_fp16_copy_reads_between_casts(monkeypatch):
                                        ["loss", train, "init_global", "init_local"], MODES["fp16"])
     assert rep["summary"]["fp16_copy_reads"] == 3
     assert len(calls) >= 2, calls  # (a batch was flushed before a copy read)
+
+
+def test_copy_probe_asks_about_copies_only_when_there_are_some(k2, monkeypatch):
+    """``PrecisionPass.copy_probe``: without FP16 working copies in the graph
+    (Keras ResNet50, no keep_fp16_copies) no new cast asks
+    ``_fp16_copy_read``, and the graph is the one asking gives; with copies
+    (test_fp16_copy_reads_between_casts) the reads are still made."""
+    gd, fetches = _graph("keras_resnet50_training", k2)
+    asked = []
+    orig = amp.PrecisionPass._fp16_copy_read
+
+    def copy_read(self, src, port, dt):
+        asked.append(src)
+        return orig(self, src, port, dt)
+
+    monkeypatch.setattr(amp.PrecisionPass, "_fp16_copy_read", copy_read)
+    outs = {}
+    for probe in (True, False):
+        monkeypatch.setattr(amp.PrecisionPass, "copy_probe", probe)
+        asked.clear()
+        out, rep = npu_amp_tf.rewrite_graph(gd, fetches=[f.split(":")[0] for f in fetches], **MODES["fp16"])
+        outs[probe] = (out.SerializeToString(deterministic=True), len(asked), rep.summary["casts_inserted"])
+    assert outs[True][1] == 0 and outs[False][1] >= outs[False][2] > 100, outs
+    assert outs[True][0] == outs[False][0]

@@ -220,6 +220,11 @@ class PrecisionPass(Pass):
     #: instead of two method calls per node; False: per node (the reference;
     #: the same snapshot and memos)
     batch_saves = True
+    #: (issue 17) ``_fix_edges_bulk`` looks for ``keep_fp16_copies``' FP16
+    #: working copies once per run, and asks ``_fp16_copy_read`` about each
+    #: new cast only when there are some; False: asks every time (the
+    #: reference; the same graph)
+    copy_probe = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -1182,6 +1187,12 @@ class PrecisionPass(Pass):
         cache = self._cast_cache
         base_dtype = registry.base_dtype
         in_dtypes, tensor_dtype, root_of = self.in_dtypes, self.tensor_dtype, self.root
+        # (keep_fp16_copies) a read can only become a copy's read when some
+        # FP16 working copy (a VarHandleOp ``<v>/Fp16Copy``) exists: looked for
+        # once here, not per new cast (with none, _fp16_copy_read answers None
+        # and _copy_read_possible's early flush only splits the batch)
+        copies = not self.copy_probe or any(
+            n.endswith("/Fp16Copy") for n in g.nodes_of_type("VarHandleOp"))
         save = self._before.save
         steps = []
         taken = set()  # names given to casts not added yet
@@ -1226,10 +1237,10 @@ class PrecisionPass(Pass):
                     ref = cache.get(key)
                     if ref is None:
                         src, port, _ = parse_tensor(root)
-                        if steps and self._copy_read_possible(src, port, w):
+                        if copies and steps and self._copy_read_possible(src, port, w):
                             g.add_and_rewire(steps)  # (it adds a node now: keep the order)
                             steps = []
-                        copy_read = self._fp16_copy_read(src, port, w)
+                        copy_read = self._fp16_copy_read(src, port, w) if copies else None
                         if copy_read is not None:
                             ref = cache[key] = copy_read
                             if shapes is not None:
