@@ -491,3 +491,36 @@ def test_first_by_class_and_dense_positions_equal_the_reference(k2, monkeypatch,
         assert on_calls == paintings == 2, numbers  # offline and through grappler: no renumbering
     if name == "learning_phase_conds":
         assert on_calls > paintings, numbers  # cond classes are odd: numbered, then renumbered
+
+
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like", "slim_resnet_v1_50",
+                                  "learning_phase_conds"])
+def test_the_paintings_input_is_the_same_with_the_set_up_switches(k2, monkeypatch, name):
+    """Issue 17: the painting's set-up switches (``native.FIRST_BY_CLASS``,
+    ``native.SCRATCH_ATTRS_ONLY``: a class's re-typed dtypes from a scratch
+    NodeDef of its op and attrs; ``Graph.dense_positions``) hand the C++
+    painting the very same input (its strings and ints) as the references,
+    painting after painting; a set-up that read a wrong dtype, class or
+    position would change those ints."""
+    from graph_passes.graph import Graph
+
+    gd, fetches = _graph(name, k2)
+    real = pipeline.native_paint_entry()
+    seen = []
+
+    def entry(strings, ints, n_out, check):
+        seen[-1].append((bytes(strings), ints.tobytes()))
+        return real(strings, ints, n_out, check)
+
+    monkeypatch.setattr(pipeline, "native_paint_entry", lambda: entry)
+    for on in (True, False):
+        for owner, attr in ((native_mod, "FIRST_BY_CLASS"), (native_mod, "SCRATCH_ATTRS_ONLY"),
+                            (Graph, "dense_positions")):
+            monkeypatch.setattr(owner, attr, on)
+        seen.append([])
+        _rewrite(monkeypatch, gd, fetches, MODES["fp16"], True, [])
+        _rewrite(monkeypatch, gd, fetches, MODES["bf16"], True, [])
+    assert seen[0] and len(seen[0]) == len(seen[1])
+    for k, (a, b) in enumerate(zip(seen[0], seen[1])):
+        assert a[0] == b[0], f"painting {k}: strings differ"
+        assert a[1] == b[1], f"painting {k}: ints differ"

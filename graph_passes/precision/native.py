@@ -194,8 +194,15 @@ def paint(pp, order, fn):
         dts[0][c], dts[1][c] = ins, outs
         for v, dt in ((1, registry.DT_FLOAT), (2, low)):
             if paintable[c] and cur != dt:
-                copy = node_def_pb2.NodeDef()
-                copy.CopyFrom(node)
+                # (the dtypes follow from the op and attrs alone, see
+                # registry._flat_dtypes: the name, inputs and device stay behind
+                # with SCRATCH_ATTRS_ONLY; a Keras ShapeN has 108 inputs)
+                if SCRATCH_ATTRS_ONLY:
+                    copy = node_def_pb2.NodeDef(op=node.op)
+                    copy.attr.MergeFrom(node.attr)
+                else:
+                    copy = node_def_pb2.NodeDef()
+                    copy.CopyFrom(node)
                 registry.retype(copy, info.attrs, dt)
                 ci, co = g.input_dtypes(copy), g.output_dtypes(copy)
                 dts[2 * v][c] = None if ci is None else tuple(ci)
@@ -371,6 +378,12 @@ GROUP_MEMOS = True
 #: when there are some; False: the odd keys from a dict of every key's first
 #: node, then the numbering (the reference; the same classes and numbers)
 FIRST_BY_CLASS = True
+
+#: (issue 17) a class's dtypes re-typed to FP32 / the low dtype are read
+#: from a scratch NodeDef holding only the class's op and attrs (what
+#: ``registry.retype`` and the dtype questions read); False: a copy of the
+#: whole first node (the reference; the same dtypes)
+SCRATCH_ATTRS_ONLY = True
 
 #: (issue 17) the painting takes a node's op from its class (equal keys, one
 #: op: the C++ signature class or ``registry.signature_key``), read once per
