@@ -337,6 +337,11 @@ def _flags_per_node(pp, n, nodes, names, cid, paintable, infos, rec, devs, low):
     return flags
 
 
+def _as_list(idx):
+    """``idx`` (a list, or a numpy array of node indices) as a list."""
+    return idx.tolist() if isinstance(idx, np.ndarray) else idx
+
+
 def _plan_flags(plan, node, name, forced):
     """F_KEEP / F_FORCED of one paintable node from the plan (``forced``:
     the plan names nodes to force low)."""
@@ -466,7 +471,7 @@ def _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs,
                 bits[c] = _kernel_bits(pp, nodes[i], infos[c], low, rec[5 * c + 2])
         flags = array("i")
         flags.frombytes(bits[cls_arr].tobytes())
-        psel = paint_idx.tolist()
+        psel = paint_idx  # (a list only when read below)
     else:
         pmask = list(map(paintable.__getitem__, cid))
         pairs = list(zip(cid, devs))
@@ -482,11 +487,11 @@ def _flags_batched(pp, n, nodes, names, cid, first, paintable, infos, rec, devs,
     if per_node:
         fix.update(compress(range(n), map(per_node.__contains__, cid)))
     if plan.keep_names or plan.low_names:
-        fix.update(psel)
+        fix.update(_as_list(psel))
     elif _attr_absent(pp.g, _planner.KEEP_DTYPE_ATTR):
         pass  # (no node of the input carries it, and no pass writes it)
     else:
-        sel = psel  # (the attr read of the paintable nodes only)
+        sel = _as_list(psel)  # (the attr read of the paintable nodes only)
         fix.update(compress(sel, map(contains, map(_attr, map(nodes.__getitem__, sel)),
                                      repeat(_planner.KEEP_DTYPE_ATTR))))
     forced = bool(plan.low_names)
