@@ -157,7 +157,8 @@ def test_batched_saves_equal_the_per_node_ones(k2, monkeypatch, name):
     orig = amp._Snapshot.save_all
 
     def save_all(self, names):
-        seen.append(len(names))
+        if amp.PrecisionPass.batch_saves:  # (Snapshot.save, the per-node path, calls it too)
+            seen.append(len(names))
         return orig(self, names)
 
     monkeypatch.setattr(amp._Snapshot, "save_all", save_all)

@@ -378,10 +378,13 @@ class PrecisionPass(Pass):
 
     def _edited(self, name):
         """Drop ``name``'s per-node memos before its attrs change."""
-        self._dts.pop(name, None)
-        self._keys.pop(name, None)
-        if self._cls is not None:
-            self._cls.pop(name, None)
+        self._edited_all((name,))
+
+    def _edited_all(self, names):
+        """:meth:`_edited` of each of ``names`` (C-level pops)."""
+        drop = repeat(None)
+        for memo in (self._dts, self._keys) if self._cls is None else (self._dts, self._keys, self._cls):
+            deque(map(memo.pop, names, drop), maxlen=0)
 
     def _fill_dts(self, node, key):
         facts = self._sig_dts.get(key) if key is not None else None
@@ -425,9 +428,7 @@ class PrecisionPass(Pass):
         per node."""
         if self.batch_saves:
             self._before.save_all(names)
-            drop = repeat(None)
-            for memo in (self._dts, self._keys) if self._cls is None else (self._dts, self._keys, self._cls):
-                deque(map(memo.pop, names, drop), maxlen=0)  # (C-level: _edited per name)
+            self._edited_all(names)
         else:
             save, edited = self._before.save, self._edited
             for name in names:
@@ -1723,36 +1724,22 @@ class _Snapshot:
         """Copy node ``name`` as it is now, unless it was saved before (call
         this before editing a node in place); a node as the source has it:
         its index there."""
-        saved = self._saved
-        if saved is not None and name not in saved:
-            g = self._graph
-            if (self._source is not None and name not in g.modified and name not in g.created
-                    and g._seq_is_base and not g._all_modified):
-                k = g._seq.get(name)
-                if k is not None and k < self._source[1]:
-                    saved[name] = k
-                    return
-            node = g.nodes.get(name)
-            if node is not None:
-                copy = saved[name] = _NodeDef()
-                copy.CopyFrom(node)
+        self.save_all((name,))
 
     def save_all(self, names):
-        """:meth:`save` of each of ``names`` in turn (the same entries), the
-        node's source index found inline when the snapshot reads its source."""
+        """:meth:`save` of each of ``names`` in turn."""
         saved = self._saved
         if saved is None:
             return
         g = self._graph
-        if self._source is None or not g._seq_is_base or g._all_modified:
-            for name in names:
-                self.save(name)
-            return
-        limit, seq, modified, created, nodes = self._source[1], g._seq, g.modified, g.created, g.nodes
+        # (the source's node count while it can answer for unedited nodes, else -1)
+        limit = (self._source[1] if self._source is not None and g._seq_is_base and not g._all_modified
+                 else -1)
+        seq, modified, created, nodes = g._seq, g.modified, g.created, g.nodes
         for name in names:
             if name in saved:
                 continue
-            if name not in modified and name not in created:
+            if limit >= 0 and name not in modified and name not in created:
                 k = seq.get(name)
                 if k is not None and k < limit:
                     saved[name] = k

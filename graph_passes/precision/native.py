@@ -117,7 +117,7 @@ def paint(pp, order, fn):
     n = len(names)
     if n == 0 or len(order) != n:
         return None
-    idx = g.positions() if hasattr(g, "positions") else dict(zip(names, range(n)))
+    idx = g.positions()
     # (CLASS_OPS: no per-node op list; a class has one op, read from its first node)
     ops = None if CLASS_OPS and batched else list(map(_op, nodes))
     cls = pp._cls
@@ -160,7 +160,7 @@ def paint(pp, order, fn):
             else:
                 keys[i] = ("sig", k0)
     # classes numbered 0.. in order of first appearance
-    first_seen, ids, cid = numbered if numbered is not None else _number(keys, n)
+    _, ids, cid = numbered if numbered is not None else _number(keys, n)
     kcount = len(ids)
     # class -> its first node
     first = first0 if numbered is not None else first_indices(cid)
