@@ -404,11 +404,14 @@ def local_shape(graph, ref, memo=None):
     that yields the tensors it needs, one at a time, in the order it needs
     them), so a chain of any length (the gradient of a deep network's first
     layer sits behind every later layer's backward) is walked once, with no
-    limit from Python's recursion."""
+    limit from Python's recursion.  (:data:`FAST_WALK`: a tensor whose shape
+    needs no input's, or is its input 0's, takes no generator.)"""
     if memo is None:
         memo = {}
     if ref in memo:
         return memo[ref]
+    if FAST_WALK:
+        return _walk_fast(graph, ref, memo)
     memo[ref] = None  # (a tensor in progress: a cycle through it answers None)
     stack = [(ref, _compute(graph, ref))]
     value = None
@@ -439,6 +442,79 @@ def local_shape(graph, ref, memo=None):
         raise
 
 
+#: (issue 17) :func:`local_shape` without a generator for the tensors whose
+#: shape :func:`_head` gives (constants, variables, placeholders, recorded
+#: shapes, no input) or that have their input 0's (``_SAME_SHAPE``): about
+#: half of a BERT training graph's walk; False: the reference, a generator
+#: per tensor (the same shapes and the same memo)
+FAST_WALK = True
+
+
+def _walk_fast(graph, ref, memo):
+    """:func:`local_shape`'s walk for a ``ref`` not in ``memo``.  The stack
+    holds (tensor, generator), or (tensor, None) for a tensor whose shape is
+    that of the tensor above it (its input 0)."""
+    stack = []
+    cur = ref  # a tensor to start (memo: None, in progress), or None
+    value = None
+    memo[ref] = None
+    try:
+        while True:
+            if cur is not None:
+                kind, val = _head(graph, cur)
+                if kind is _SAME:
+                    stack.append((cur, None))
+                    if val in memo:
+                        value = memo[val]
+                        cur = None
+                    else:
+                        memo[val] = None
+                        cur = val
+                    continue
+                if kind is _DONE:
+                    if val and min(val) < 0:
+                        val = None
+                    memo[cur] = val
+                    if not stack:
+                        return val
+                    value = val
+                    cur = None
+                    continue
+                stack.append((cur, _op_shape(graph, *val)))
+                cur = None
+                value = None
+            r, gen = stack[-1]
+            if gen is None:
+                sh = value  # (its input 0's shape)
+                if sh and min(sh) < 0:
+                    sh = None
+            else:
+                try:
+                    need = gen.send(value)
+                except StopIteration as done:
+                    sh = done.value
+                    if sh and min(sh) < 0:
+                        sh = None
+                else:
+                    if need in memo:
+                        value = memo[need]
+                    else:
+                        memo[need] = None
+                        cur = need
+                    continue
+            memo[r] = sh
+            stack.pop()
+            if not stack:
+                return sh
+            value = sh
+    except BaseException:
+        if cur is not None:
+            del memo[cur]
+        for r, _ in stack:  # nothing in progress stays memoised
+            del memo[r]
+        raise
+
+
 def _const_ints(graph, ref):
     """The int values of a constant operand (a Const behind Identities)."""
     v = const_value(graph, ref)
@@ -457,34 +533,63 @@ def _const_ints_walk(graph, ref):
     return _const_ints(graph, ref)
 
 
-def _compute(graph, ref):
-    """The shape of ``ref`` from its producer's op: a generator that yields
-    each input tensor whose shape it needs and receives that shape (or None)."""
+#: :func:`_head`'s kinds: the shape is known / is input 0's / needs :func:`_op_shape`
+_DONE, _SAME, _OP = object(), object(), object()
+
+
+def _head(graph, ref):
+    """What :func:`_compute` does first: (_DONE, shape or None) when no
+    input's shape is needed, (_SAME, input 0) for an op whose output has its
+    input 0's shape, else (_OP, the arguments of :func:`_op_shape`)."""
     src, port, ctrl = parse_tensor(ref)
     node = graph.nodes.get(src)
     if node is None or ctrl:
-        return None
+        return _DONE, None
     recorded = static_shapes(node)
     if recorded is not None and port < len(recorded) and recorded[port] is not None:
-        return list(recorded[port])
+        return _DONE, list(recorded[port])
     op = node.op
     if port != 0:
-        return None
-    attr = node.attr
+        return _DONE, None
     if op == "Const":
-        return [d.size for d in attr["value"].tensor.tensor_shape.dim[:]]
+        return _DONE, [d.size for d in node.attr["value"].tensor.tensor_shape.dim[:]]
     if op in ("Placeholder", "VariableV2"):
-        return _shape_attr(node)
+        return _DONE, _shape_attr(node)
     if op == "VarHandleOp":
-        return []  # a resource handle is a scalar
-    data = [i for i in node.input[:] if not i.startswith("^")]
-    if not data:
-        return None
+        return _DONE, []  # a resource handle is a scalar
+    inputs = node.input
+    first = inputs[0] if inputs else "^"
+    if first.startswith("^"):  # (control inputs come last: then no data input, in a valid graph)
+        data = [i for i in inputs[:] if not i.startswith("^")]
+        if not data:
+            return _DONE, None
+        first = data[0]
+    else:
+        data = None  # (built below only for the ops that read past input 0)
     if op == "ReadVariableOp":
-        handle = graph.nodes.get(parse_tensor(data[0])[0])
-        return _shape_attr(handle) if handle is not None and handle.op == "VarHandleOp" else None
+        handle = graph.nodes.get(parse_tensor(first)[0])
+        return _DONE, (_shape_attr(handle) if handle is not None and handle.op == "VarHandleOp" else None)
     if op in _SAME_SHAPE:
-        return (yield data[0])
+        return _SAME, first
+    if data is None:
+        data = [i for i in inputs[:] if not i.startswith("^")]
+    return _OP, (node, op, data)
+
+
+def _compute(graph, ref):
+    """The shape of ``ref`` from its producer's op: a generator that yields
+    each input tensor whose shape it needs and receives that shape (or None)."""
+    kind, val = _head(graph, ref)
+    if kind is _DONE:
+        return val
+    if kind is _SAME:
+        return (yield val)
+    return (yield from _op_shape(graph, *val))
+
+
+def _op_shape(graph, node, op, data):
+    """:func:`_compute` past :func:`_head`: a generator, as that one."""
+    attr = node.attr
     if op in _BROADCAST and len(data) == 2:
         a = (yield data[0])
         b = (yield data[1]) if a is not None else None

@@ -47,7 +47,7 @@ from .cleanups import merge_duplicate_casts
 from .core import (CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, policy_reason, quiet_at,
                    rule_off)
 from .builtin import _FUSED_KERNEL_MEMO_ATTR, NORM_MEMO_ATTR
-from .grad_region import ORIGINAL_NAMES_ATTR, preload
+from .grad_region import mark_original_names, preload
 
 #: safety bound on sweeps: this many per node of the input graph (a fix-point is
 #: normally reached in 2-3 sweeps; each sweep that changes anything shrinks the graph)
@@ -106,7 +106,7 @@ class FusionPass(Pass):
         rules = [r for r in RULES.values() if r.graph_level <= level]
         # the gradient-region search names autodiff's ops after forward nodes,
         # some of which earlier fusions remove (grad_region.attributed_forward)
-        setattr(graph, ORIGINAL_NAMES_ATTR, frozenset(graph.nodes))
+        mark_original_names(graph)
         _preload_mirror(graph, rules, ctx)
         bound = max(MIN_SWEEP_BOUND, MAX_SWEEPS_PER_NODE * len(graph.nodes))
         # rule -> (graph.version, edit mark, removal mark, no overlap dropped)
