@@ -1104,6 +1104,121 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositions(void* h, const char* names, size_t
   return 0;
 }
 
+// (issue 17) What grad_region._finish needs of a found region, computed
+// here so that Python walks only the nodes on G's boundary
+// (grad_region.NATIVE_FINISH): `ok1` no reader of an F node outside F and G
+// that _finish's first check refuses; `ok2` no forward-only tensor of G read
+// outside it (its second check); `cycle` 0 no control input from outside F
+// and G, 1 there are some and _check_no_cycle finds nothing (no target in the
+// closure it walks, which is at most its step bound), 2 Python must check;
+// then G's indexes sorted by position (stable, no position as 0: Python's
+// sorted(region, key=pos.get(n, 0))) and the places in that order of the
+// nodes with a control input from outside F and G or a reader outside G.
+// Each is a fact about sets (no consumer order): Python redoes a failed
+// check itself, for its message.
+void FinishHints(const Search& s, const Mirror& m, string* out) {
+  bool ok1 = true, ok2 = true;
+  for (int32_t f : s.fwd_ids) {
+    if (!ok1) break;
+    for (const auto& c : m.consumers(f)) {
+      if (s.fwd.get(c.first) || s.in_region.get(c.first)) continue;
+      const int64_t port = c.second >= 0 ? m.node(c.first).inputs[c.second].port : -1;
+      bool out_port = false, anchor_port = false;
+      for (const auto& o : s.outs) {
+        if (o.first != f) continue;
+        if (o.second == port) out_port = true;
+        if (o.second == 0) anchor_port = true;
+      }
+      if (out_port || (c.second < 0 && anchor_port)) continue;
+      if (c.second >= 0 && s.side.count(Canon(m.name(f), port, false))) continue;
+      ok1 = false;
+      break;
+    }
+  }
+  const size_t n = s.region.size();
+  std::vector<char> needs(n, 0);
+  std::vector<int32_t> targets;
+  std::unordered_set<int32_t> target_set;
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t id = s.region[i];
+    const Node& node = m.node(id);
+    for (const auto& in : node.inputs) {
+      if (in.ctrl && !s.in_region.get(in.src) && !s.fwd.get(in.src)) {
+        needs[i] = 1;
+        if (target_set.insert(in.src).second) targets.push_back(in.src);
+      }
+    }
+    bool read_outside = false;
+    for (const auto& c : m.consumers(id)) {
+      if (s.in_region.get(c.first)) continue;
+      needs[i] = 1;
+      if (c.second >= 0) read_outside = true;
+    }
+    if (ok2 && read_outside && node.op != "NoOp" && !s.dy_dep.get(id) && !s.val_static.get(id) &&
+        s.fwd_dep.get(id)) {
+      ok2 = false;
+    }
+  }
+  int cycle = 0;
+  if (!targets.empty()) {
+    // _check_no_cycle's walk: region, then readers placed at or before the
+    // last target (a reader with no position counts as placed there)
+    double last = -std::numeric_limits<double>::infinity();
+    for (int32_t t : targets) {
+      const double p = m.pos(t);
+      last = std::max(last, std::isnan(p) ? std::numeric_limits<double>::infinity() : p);
+    }
+    std::unordered_set<int32_t> seen(s.region.begin(), s.region.end());
+    std::vector<int32_t> stack(s.region.begin(), s.region.end());
+    int64_t steps = 0;
+    cycle = 1;
+    while (!stack.empty() && cycle == 1) {
+      const int32_t id = stack.back();
+      stack.pop_back();
+      for (const auto& c : m.consumers(id)) {
+        if (seen.count(c.first)) continue;
+        if (target_set.count(c.first)) {
+          cycle = 2;
+          break;
+        }
+        seen.insert(c.first);
+        const double p = m.pos(c.first);
+        if (!std::isnan(p) && p > last) continue;
+        stack.push_back(c.first);
+        if (++steps > 200000) {
+          cycle = 2;
+          break;
+        }
+      }
+    }
+  }
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  auto key = [&](size_t i) {
+    const double p = m.pos(s.region[i]);
+    return std::isnan(p) ? 0.0 : p;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
+  out->append(ok1 ? "1" : "0");
+  out->push_back('\x02');
+  out->append(ok2 ? "1" : "0");
+  out->push_back('\x02');
+  out->append(std::to_string(cycle));
+  out->push_back('\x02');
+  for (size_t k = 0; k < n; ++k) {
+    if (k) out->push_back(',');
+    out->append(std::to_string(order[k]));
+  }
+  out->push_back('\x02');
+  bool first = true;
+  for (size_t k = 0; k < n; ++k) {
+    if (!needs[order[k]]) continue;
+    if (!first) out->push_back(',');
+    first = false;
+    out->append(std::to_string(k));
+  }
+}
+
 // One search.  `request`: sections separated by \x03 (fwd names; outputs as
 // name\x01port; inputs (canonical); side outputs (canonical); F's common
 // scope; owner scopes; protected names; max_nodes; flags
@@ -1182,6 +1297,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrSearch(void* h, const char* request, size_t len, D
     return kUnable;
   }
   // status \x03 refusal \x03 dy \x03 region (name\x01flags)\x02... \x03 why_not (name\x01why)\x02...
+  // (found: \x03 FinishHints)
   buf.append(std::to_string(static_cast<int>(st)));
   buf.push_back('\x03');
   buf.append(s.refusal);
@@ -1202,6 +1318,10 @@ NPU_AMP_GR_EXPORT int NpuAmpGrSearch(void* h, const char* request, size_t len, D
     buf.append(m->name(s.why_not[i].first));
     buf.push_back('\x01');
     buf.append(s.why_not[i].second);
+  }
+  if (st == kFound) {
+    buf.push_back('\x03');
+    FinishHints(s, *m, &buf);
   }
   *out = buf.data();
   *out_len = buf.size();

@@ -57,10 +57,11 @@ def pytest_terminal_summary(terminalreporter):
     gr = sys.modules.get("graph_passes.fusion.grad_region")
     if gr is not None and gr.CHECKED[0]:
         terminalreporter.write_line(f"gradient-region searches run in C++ and in Python and compared: "
-                                    f"{gr.CHECKED[0]}, differing: {len(gr.CHECKED[1])}")
+                                    f"{gr.CHECKED[0]}, and their finishes with the C++ hints and "
+                                    f"without: {gr.CHECKED_FINISH[0]}; differing: {len(gr.CHECKED[1])}")
         for fwd, a, b in gr.CHECKED[1][:5]:
-            terminalreporter.write_line(f"C++ and Python gradient-region searches differ for {fwd[:3]}...:"
-                                        f"\n  C++:    {a!r}\n  Python: {b!r}")
+            terminalreporter.write_line(f"C++ and Python gradient-region searches (or finishes) differ for "
+                                        f"{fwd[:3]}...:\n  C++:    {a!r}\n  Python: {b!r}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -527,9 +527,9 @@ def test_check_mode_sees_a_wrong_native_answer(monkeypatch):
     orig = gr._native_growth
 
     def wrong(*a, **kw):
-        region, fwd_dep, dy_dep, val_static, why_not, dy = orig(*a, **kw)
+        region, fwd_dep, dy_dep, val_static, why_not, dy, *hints = orig(*a, **kw)
         region = dict.fromkeys(list(region)[:-1])
-        return region, fwd_dep, dy_dep, val_static, why_not, dy
+        return (region, fwd_dep, dy_dep, val_static, why_not, dy, *hints)
 
     monkeypatch.setattr(gr, "_native_growth", wrong)
     monkeypatch.setattr(gr, "CHECK_NATIVE", True)

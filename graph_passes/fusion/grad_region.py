@@ -533,6 +533,7 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
                                     max_nodes, grad_reads_output, dy_candidate)
         except GradRegionRefused as e:
             growth = e
+    hints = growth[6] if isinstance(growth, tuple) and len(growth) > 6 and NATIVE_FINISH else None
     if growth is None or CHECK_NATIVE:
         try:
             reference = _python_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, protected,
@@ -544,9 +545,13 @@ def find_grad_region(graph: Graph, forward: Iterable[str], outputs: Iterable[str
         growth = reference
     if isinstance(growth, GradRegionRefused):
         raise growth
-    region, fwd_dep, dy_dep, val_static, why_not, dy0 = growth
-    return _finish(graph, fwd, out_nodes_ports, side, pos, ordered, region, fwd_dep, dy_dep, val_static,
-                   why_not, dy0)
+    region, fwd_dep, dy_dep, val_static, why_not, dy0 = growth[:6]
+    args = (graph, fwd, out_nodes_ports, side, pos, ordered, region, fwd_dep, dy_dep, val_static, why_not, dy0)
+    if hints is None:
+        return _finish(*args)
+    if not CHECK_NATIVE:
+        return _finish(*args, hints=hints)
+    return _check_same_finish(args, hints)
 
 
 def _python_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, protected, max_nodes,
@@ -1005,7 +1010,7 @@ def _native_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, prote
     status, text = native.search(m.h, data, dy_candidate)
     if status == 3:
         return None
-    _, refusal, dy, region_s, why_s = text.split("\x03")
+    _, refusal, dy, region_s, why_s, *hints_s = text.split("\x03")
     why_not = dict(w.split("\x01", 1) for w in why_s.split("\x02")) if why_s else {}
     if status == 1:
         raise GradRegionRefused(refusal, why_not)
@@ -1017,19 +1022,33 @@ def _native_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, prote
         f = int(flags)
         region[name] = None
         fwd_dep[name], dy_dep[name], val_static[name] = bool(f & 1), bool(f & 2), bool(f & 4)
-    return region, fwd_dep, dy_dep, val_static, why_not, dy
+    return region, fwd_dep, dy_dep, val_static, why_not, dy, _hints(hints_s, len(region))
+
+
+def _hints(parts, n):
+    """The C++ search's hints for :func:`_finish` (``FinishHints`` in
+    custom_ops/grad_region.cc): (ok1, ok2, cycle, order, boundary), or None."""
+    if len(parts) != 1:
+        return None
+    ok1, ok2, cycle, order, boundary = parts[0].split("\x02")
+    order = [int(i) for i in order.split(",")] if order else []
+    if len(order) != n:
+        return None
+    return ok1 == "1", ok2 == "1", int(cycle), order, [int(i) for i in boundary.split(",")] if boundary else []
 
 
 def _outcome(growth):
     if isinstance(growth, GradRegionRefused):
         return ("refused", str(growth), list(growth.why_not.items()))
-    region, fwd_dep, dy_dep, val_static, why_not, dy = growth
+    region, fwd_dep, dy_dep, val_static, why_not, dy = growth[:6]
     return ("grown", list(region), [(n, bool(fwd_dep.get(n)), bool(dy_dep.get(n)), bool(val_static.get(n)))
                                     for n in region], list(why_not.items()), dy)
 
 
-#: (CHECK_NATIVE) [searches compared, the differences found]
+#: (CHECK_NATIVE) [searches compared, the differences found (searches' and
+#: finishes')]; [finishes compared, with and without the hints]
 CHECKED = [0, []]
+CHECKED_FINISH = [0]
 
 
 def _check_same(native_growth, reference, fwd):
@@ -1047,10 +1066,42 @@ def _no_dy_refusal(graph, fwd, why_not):
                              f"tensor shaped like the output) was found", why_not)
 
 
-def _finish(graph, fwd, out_nodes_ports, side, pos, ordered, region, fwd_dep, dy_dep, val_static, why_not, dy0):
-    """The checks after the growth (both searches), and the GradRegion."""
+#: (issue 17) :func:`_finish` takes the C++ search's hints (``FinishHints``:
+#: its two checks' verdicts, the region's order, the nodes on its boundary,
+#: the control-cycle check) and walks only the boundary's nodes; a check the
+#: hints fail (or a cycle they cannot exclude) is run in Python for its
+#: message.  False: the reference, every node walked in Python.  CHECK_NATIVE
+#: runs both and compares them
+NATIVE_FINISH = True
+
+
+def _finish(graph, fwd, out_nodes_ports, side, pos, ordered, region, fwd_dep, dy_dep, val_static, why_not, dy0,
+            hints=None):
+    """The checks after the growth (both searches), and the GradRegion.
+    ``hints``: the C++ search's (:data:`NATIVE_FINISH`), or None."""
+    if hints is None:
+        _check_readers(graph, fwd, out_nodes_ports, side, region, why_not)
+        _check_forward_leaks(graph, region, fwd_dep, dy_dep, val_static, why_not)
+        order = sorted(region, key=lambda n: pos.get(n, 0))
+        boundary, cycle = order, None
+    else:
+        ok1, ok2, cycle, order_idx, boundary_idx = hints
+        if not ok1:
+            _check_readers(graph, fwd, out_nodes_ports, side, region, why_not)
+        if not ok2:
+            _check_forward_leaks(graph, region, fwd_dep, dy_dep, val_static, why_not)
+        names = list(region)
+        order = [names[i] for i in order_idx]
+        boundary = [order[k] for k in boundary_idx]
+    outputs_map, ctrl_in, ctrl_out = _boundary(graph, boundary, region, fwd)
+    if ctrl_in and cycle != 1:
+        _check_no_cycle(graph, region, ctrl_in, pos if ordered else None)
+    return GradRegion(fwd, order, dy0, outputs_map, ctrl_in, ctrl_out, fwd_dep, dy_dep, graph)
+
+
+def _check_readers(graph, fwd, out_nodes_ports, side, region, why_not):
+    """Every reader of an inner tensor is in F or G."""
     nodes = graph.nodes
-    # ---- every reader of an inner tensor is in F or G
     for f in sorted(fwd):
         for cname, idx in graph._consumers.get(f, ()):
             if cname in fwd or cname in region:
@@ -1064,9 +1115,12 @@ def _finish(graph, fwd, out_nodes_ports, side, pos, ordered, region, fwd_dep, dy
             extra = f" ({why_not[cname]})" if cname in why_not else ""
             raise GradRegionRefused(f"not fused: '{f}' is also read by '{cname}'{extra}", why_not)
 
-    # a gradient is linear in dy: a tensor leaving G that is computed from F's values
-    # without dy is forward code (the gradient's own forward-only helpers, such as
-    # Square's 2*x, stay inside G)
+
+def _check_forward_leaks(graph, region, fwd_dep, dy_dep, val_static, why_not):
+    """A gradient is linear in dy: a tensor leaving G that is computed from
+    F's values without dy is forward code (the gradient's own forward-only
+    helpers, such as Square's 2*x, stay inside G)."""
+    nodes = graph.nodes
     for name in region:
         if nodes[name].op == "NoOp" or dy_dep.get(name) or val_static.get(name) or not fwd_dep.get(name):
             continue
@@ -1074,10 +1128,15 @@ def _finish(graph, fwd, out_nodes_ports, side, pos, ordered, region, fwd_dep, dy
             raise GradRegionRefused(f"not fused: '{name}' reads the fused region's inner tensors and does not "
                                     f"depend on the incoming gradient (it is not part of the gradient)", why_not)
 
-    order = sorted(region, key=lambda n: pos.get(n, 0))
+
+def _boundary(graph, names, region, fwd):
+    """(outputs map, control inputs, control consumers) of G from its nodes
+    ``names`` (in G's order; a node with no input from outside F and G and no
+    reader outside G adds nothing)."""
+    nodes = graph.nodes
     outputs_map: dict[str, list] = {}
     ctrl_in, ctrl_out = [], []
-    for name in order:
+    for name in names:
         node = nodes[name]
         for inp in node.input[:]:
             src, _, ctrl = parse_tensor(inp)
@@ -1092,9 +1151,30 @@ def _finish(graph, fwd, out_nodes_ports, side, pos, ordered, region, fwd_dep, dy
                 continue
             ref = _canon(nodes[cname].input[idx])
             outputs_map.setdefault(ref, []).append((cname, idx))
-    if ctrl_in:
-        _check_no_cycle(graph, region, ctrl_in, pos if ordered else None)
-    return GradRegion(fwd, order, dy0, outputs_map, ctrl_in, ctrl_out, fwd_dep, dy_dep, graph)
+    return outputs_map, ctrl_in, ctrl_out
+
+
+def _finish_outcome(args, hints):
+    try:
+        r = _finish(*args, hints=hints)
+    except GradRegionRefused as e:
+        return ("refused", str(e), list(e.why_not.items())), e
+    return ("found", r.nodes, r.dy, list(r.outputs.items()), r.ctrl_inputs, r.ctrl_consumers), r
+
+
+def _check_same_finish(args, hints):
+    """(CHECK_NATIVE) :func:`_finish` with the hints and without: the same
+    GradRegion, or the same refusal; returns (or raises) it."""
+    a, got = _finish_outcome(args, hints)
+    b, _ = _finish_outcome(args, None)
+    CHECKED_FINISH[0] += 1
+    if a != b:  # (with the searches' differences: the test session fails on any)
+        CHECKED[1].append((sorted(args[1]), a, b))
+        raise AssertionError(f"_finish with the C++ search's hints differs from the reference for "
+                             f"{sorted(args[1])[:3]}...:\n  hinted:    {a!r}\n  reference: {b!r}")
+    if isinstance(got, GradRegionRefused):
+        raise got
+    return got
 
 
 def _common_scope(names) -> str:
