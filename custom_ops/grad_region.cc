@@ -23,6 +23,7 @@
 // Calls (ctypes, from npu_amp_tf/bridge.py):
 //   h = NpuAmpGrMirrorNew()
 //   rc = NpuAmpGrMirrorLoad(h, graphdef, len)      upsert every node (0 ok)
+//   rc = NpuAmpGrMirrorUpsertText(h, text, len)   the same, nodes as text
 //   rc = NpuAmpGrMirrorRemove(h, names, len)       \x01-separated names
 //   rc = NpuAmpGrMirrorBefore(h, names, len, reset)  known names of removed nodes
 //   rc = NpuAmpGrMirrorPositions(h, names, len, pos, n, reset)
@@ -1006,6 +1007,23 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoad(void* h, const char* data, size_t len, 
   if (m == nullptr || (len && data == nullptr)) return 1;
   m->Join();
   return LoadBytes(m, data, len, fresh != 0) ? 0 : 1;
+}
+
+// (issue 17) NpuAmpGrMirrorLoad(h, data, len, fresh=0) of the nodes in
+// `data` as text: records separated by \x02, each name \x01 op \x01 input
+// \x01 input... (grad_region._lean_text: no GraphDef built, serialized and
+// parsed for the few nodes a sync sends).  0 ok, 1 refused (drop the mirror).
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorUpsertText(void* h, const char* data, size_t len) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr || (len && data == nullptr)) return 1;
+  m->Join();
+  if (len == 0) return 0;
+  for (string_view rec : Split(m->Keep(data, len), '\x02')) {
+    const std::vector<string_view> f = Split(rec, '\x01');
+    if (f.size() < 2 || f[0].empty()) return 1;
+    if (!m->Upsert(f[0], f[1], f.data() + 2, f.size() - 2, /*fresh=*/false)) return 1;
+  }
+  return 0;
 }
 
 // (issue 17) NpuAmpGrMirrorLoad(h, data, len, fresh=1) on a helper thread, so

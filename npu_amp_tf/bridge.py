@@ -493,6 +493,11 @@ class GradRegionLib:
             lib.NpuAmpGrMirrorLoadAsync.restype = c_int
             lib.NpuAmpGrMirrorWait.argtypes = [c_void_p]
             lib.NpuAmpGrMirrorWait.restype = c_int
+        #: (issue 17) nodes upserted from text (a library built before it: None)
+        self.can_upsert_text = hasattr(lib, "NpuAmpGrMirrorUpsertText")
+        if self.can_upsert_text:
+            lib.NpuAmpGrMirrorUpsertText.argtypes = [c_void_p, c_char_p, c_size_t]
+            lib.NpuAmpGrMirrorUpsertText.restype = c_int
         lib.NpuAmpGrSearch.argtypes = [c_void_p, c_char_p, c_size_t, self._DY_CALLBACK,
                                        ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t)]
         lib.NpuAmpGrSearch.restype = c_int
@@ -509,6 +514,14 @@ class GradRegionLib:
 
     def load(self, h, data: bytes, fresh: bool) -> int:
         return self._lib.NpuAmpGrMirrorLoad(h, data, len(data), int(fresh))
+
+    def upsert_text(self, h, data: bytes):
+        """:meth:`load` (not fresh) of nodes given as text
+        (``grad_region._lean_text``): 0 ok, 1 refused, None when the library
+        lacks the call."""
+        if not self.can_upsert_text:
+            return None
+        return self._lib.NpuAmpGrMirrorUpsertText(h, data, len(data))
 
     def load_async(self, h, data: bytes) -> int:
         """:meth:`load` (fresh) on a C++ helper thread: 0 started (``data``

@@ -1,5 +1,4 @@
-"""Issue 17: two exact shortcuts of this session, each against its reference
-switch on real graphs.
+"""Issue 17: an exact shortcut against its reference switch on real graphs.
 
 * ``shapes.FAST_WALK``: ``local_shape`` walks a tensor whose shape needs no
   input's (constants, variables, placeholders, recorded shapes) or is its
@@ -9,21 +8,13 @@ switch on real graphs.
   TF-Slim ResNet-v1-50, the BERT-like builder, a Keras 2 transformer, a Keras
   model in a TF1 graph (learning-phase conds) and v1 control flow; both
   agree on cycles and leave the same memo when the walk raises.
-* ``grad_region.GONE_FROM_LOG``: the C++ mirror's first sync learns the
-  names removed since the fusion pass began from the graph's removal log,
-  not by testing every name the graph had: the same names (the C++ side keeps
-  a set) and byte-identical output through grappler.
 """
 import pytest
 from tensorflow.core.framework import graph_pb2
 
 from graph_passes import shapes as shapes_mod
-from graph_passes.fusion import grad_region as gr
 from graph_passes.graph import Graph
-from test_precision_bulk import _library  # noqa: F401  (an autouse fixture: the library loaded)
-from test_precision_fast import _strip_times
 from test_precision_native import _graph
-from test_speed_paths import optimize_rewritten, plugin_only_grappler
 
 REAL = ["keras_resnet50_training", "slim_resnet_v1_50", "bert_like", "keras_transformer_training",
         "learning_phase_conds", "v1_control_flow"]
@@ -151,78 +142,3 @@ def test_a_walk_that_raises_leaves_the_same_memo(monkeypatch, bad):
         memos.append(list(memo.items()))
         assert "c29" not in memo and all(v is not None for v in memo.values()), memo
     assert memos[0] == memos[1]
-
-
-@pytest.mark.parametrize("name", ["bert_like", "keras_transformer_training"])
-@pytest.mark.parametrize("mode", ["allow_mix_precision", "allow_mix_precision_bf16"])
-def test_gone_from_log_sends_the_same_names_through_grappler(k2, monkeypatch, name, mode):
-    """Through grappler: every ``before`` the mirror sends is the same set
-    with the removal log as with the reference scan, and the output and the
-    report are the same."""
-    if gr.native is None:
-        pytest.skip("the C++ gradient-region search is not loaded")
-    runs = {}
-    real_before = type(gr.native).before
-    for on in (True, False):
-        sent = []
-
-        def before(self, h, names, reset, _sent=sent, _real=real_before):
-            _sent.append((frozenset(n for n in names.decode().split("\x01") if n), bool(reset)))
-            return _real(self, h, names, reset)
-
-        monkeypatch.setattr(type(gr.native), "before", before)
-        monkeypatch.setattr(gr, "GONE_FROM_LOG", on)
-        gd, fetches = _graph(name, k2)
-        mg, cfg = plugin_only_grappler(gd, fetches)
-        cfg.graph_options.rewrite_options.custom_optimizers[0].parameter_map["precision_mode"].s = mode.encode()
-        out, rep = optimize_rewritten(cfg, mg, name.encode())
-        runs[on] = (out, _strip_times(rep), sent)
-    assert runs[True][0] == runs[False][0]
-    assert runs[True][1] == runs[False][1]
-    assert runs[True][2] == runs[False][2]
-    assert any(reset for _, reset in runs[True][2])
-
-
-@pytest.mark.parametrize("name", ["bert_like", "keras_resnet50_training"])
-def test_gone_before_equals_the_scan_through_edits(k2, monkeypatch, name):
-    """``_gone_before`` from the removal log equals the scan of every
-    recorded name: after batch and single removals, a removed name added
-    back, nodes created and removed again (never recorded), a removal
-    repeated, and again after a second mark.  Without a mark, or with the
-    mark of another set, it scans."""
-    from tensorflow.core.framework import node_def_pb2
-
-    gd, _ = _graph(name, k2)
-    g = Graph(gd)
-
-    def both():
-        before = getattr(g, gr.ORIGINAL_NAMES_ATTR)
-        got = []
-        for on in (True, False):
-            monkeypatch.setattr(gr, "GONE_FROM_LOG", on)
-            got.append(gr._gone_before(g, before))
-        assert len(got[0]) == len(set(got[0]))
-        assert set(got[0]) == set(got[1])
-        return set(got[0])
-
-    gr.mark_original_names(g)
-    assert both() == set()
-    names = list(g.nodes)
-    sinks = [n for n in names if not g.consumers(n)][:5]
-    g.remove_nodes(sinks, force=True)
-    g.remove_node(names[3], force=True)
-    back = node_def_pb2.NodeDef()
-    back.CopyFrom(gd.node[3])
-    g.add_node(back)  # (removed, then added back under its name: not gone)
-    extra = node_def_pb2.NodeDef(name="never_recorded", op="NoOp")
-    g.add_node(extra)
-    g.remove_node("never_recorded")
-    g.remove_nodes(sinks[:2], force=True)  # (already gone: nothing more)
-    assert both() == set(sinks)
-    gr.mark_original_names(g)  # a second pass over the edited graph
-    g.remove_node(names[4], force=True)
-    assert both() == {names[4]}
-    setattr(g, gr.ORIGINAL_MARK_ATTR, None)  # no mark: the scan
-    assert set(gr._gone_before(g, getattr(g, gr.ORIGINAL_NAMES_ATTR))) == {names[4]}
-    setattr(g, gr.ORIGINAL_MARK_ATTR, (frozenset(), 0))  # the mark of another set: the scan
-    assert set(gr._gone_before(g, getattr(g, gr.ORIGINAL_NAMES_ATTR))) == {names[4]}

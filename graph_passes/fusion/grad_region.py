@@ -837,6 +837,31 @@ def _lean_nodes(nodes) -> bytes:
     return gd.SerializeToString()
 
 
+#: (issue 17) a sync sends the nodes edited since the last one as text
+#: (:func:`_lean_text`, ``NpuAmpGrMirrorUpsertText``); False: the reference,
+#: a GraphDef of them (:func:`_lean_nodes`), built, serialized and parsed
+LEAN_TEXT = True
+
+
+def _lean_text(nodes) -> bytes | None:
+    """``nodes``' names, ops and inputs as the C++ mirror's text: records
+    joined by \\x02, fields by \\x01; None when a field holds a separator or
+    a non-ASCII character (then :func:`_lean_nodes`: the mirror refuses such
+    names itself)."""
+    records, fields = [], 0
+    for n in nodes:
+        ins = n.input[:]
+        records.append("\x01".join((n.name, n.op, *ins)))
+        fields += 1 + len(ins)
+    try:
+        data = "\x02".join(records).encode("ascii")
+    except UnicodeEncodeError:
+        return None
+    if data.count(b"\x01") != fields or data.count(b"\x02") != len(records) - 1:
+        return None
+    return data
+
+
 class _Mirror:
     """The C++ copy of a graph's names, ops and inputs (and the search's
     positions), kept in step through ``Graph.edits_since`` /
@@ -879,6 +904,12 @@ class _Mirror:
             except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone
                 pass
 
+    def _upsert(self, graph, nodes) -> int:
+        """Send ``nodes`` (edited or created since the last sync): 0 ok."""
+        data = _lean_text(nodes) if LEAN_TEXT else None
+        rc = self.lib.upsert_text(self.h, data) if data is not None else None
+        return self.lib.load(self.h, _lean_nodes(nodes), False) if rc is None else rc
+
     def sync(self, graph, pos) -> bool:
         """Bring the mirror up to ``graph`` and ``pos``; False when it cannot."""
         lib, h = self.lib, self.h
@@ -895,7 +926,7 @@ class _Mirror:
         names = list(dict.fromkeys(changed + removed))
         live = [n for n in names if n in nodes]
         gone = [n for n in names if n not in nodes]
-        if live and lib.load(h, _lean_nodes(map(nodes.__getitem__, live)), False) != 0:
+        if live and self._upsert(graph, [nodes[n] for n in live]) != 0:
             return False
         if gone:
             lib.remove(h, "\x01".join(gone).encode())
