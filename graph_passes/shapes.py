@@ -422,8 +422,7 @@ def local_shape(graph, ref, memo=None):
                 need = gen.send(value)
             except StopIteration as done:
                 sh = done.value
-                if sh is not None and any(d < 0 for d in sh):
-                    sh = None
+                sh = _known(sh)
                 memo[r] = sh
                 stack.pop()
                 if not stack:
@@ -440,6 +439,12 @@ def local_shape(graph, ref, memo=None):
         for r, _ in stack:  # nothing in progress stays memoised
             del memo[r]
         raise
+
+
+def _known(sh):
+    """``sh`` when it is fully known (no dim below 0), else None: what the
+    walks memoise."""
+    return None if sh is None or (sh and min(sh) < 0) else sh
 
 
 #: (issue 17) :func:`local_shape` without a generator for the tensors whose
@@ -472,8 +477,7 @@ def _walk_fast(graph, ref, memo):
                         cur = val
                     continue
                 if kind is _DONE:
-                    if val and min(val) < 0:
-                        val = None
+                    val = _known(val)
                     memo[cur] = val
                     if not stack:
                         return val
@@ -485,16 +489,12 @@ def _walk_fast(graph, ref, memo):
                 value = None
             r, gen = stack[-1]
             if gen is None:
-                sh = value  # (its input 0's shape)
-                if sh and min(sh) < 0:
-                    sh = None
+                sh = _known(value)  # (its input 0's shape)
             else:
                 try:
                     need = gen.send(value)
                 except StopIteration as done:
-                    sh = done.value
-                    if sh and min(sh) < 0:
-                        sh = None
+                    sh = _known(done.value)
                 else:
                     if need in memo:
                         value = memo[need]

@@ -904,7 +904,7 @@ class _Mirror:
             except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone
                 pass
 
-    def _upsert(self, graph, nodes) -> int:
+    def _upsert(self, nodes) -> int:
         """Send ``nodes`` (edited or created since the last sync): 0 ok."""
         data = _lean_text(nodes) if LEAN_TEXT else None
         rc = self.lib.upsert_text(self.h, data) if data is not None else None
@@ -926,7 +926,7 @@ class _Mirror:
         names = list(dict.fromkeys(changed + removed))
         live = [n for n in names if n in nodes]
         gone = [n for n in names if n not in nodes]
-        if live and self._upsert(graph, [nodes[n] for n in live]) != 0:
+        if live and self._upsert([nodes[n] for n in live]) != 0:
             return False
         if gone:
             lib.remove(h, "\x01".join(gone).encode())
