@@ -36,6 +36,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <queue>
 #include <string>
@@ -281,6 +282,10 @@ struct Node {
   std::vector<InputRef> inputs;
   bool alive = false;
   double pos = kNoPos;
+  // (the shape walk) the NodeDef bytes of the fresh load, while no upsert or
+  // removal since has touched the node (`dirty`): its attrs are these
+  string_view def;
+  bool dirty = false;
 };
 
 class Mirror {
@@ -321,6 +326,8 @@ class Mirror {
     if (!n.alive) return;
     Unlink(id);
     n.alive = false;
+    n.dirty = true;
+    n.def = string_view();
     n.inputs.clear();
     n.op = string_view();
   }
@@ -334,7 +341,7 @@ class Mirror {
   // the node `name` now has `op` and `inputs` (created, or edited in place);
   // every view is into a buffer of Keep()
   bool Upsert(string_view name, string_view op, const string_view* inputs, size_t n_inputs,
-              bool fresh) {
+              bool fresh, string_view def = string_view()) {
     if (!Printable(op)) return false;
     const int32_t id = Intern(name, /*stable=*/true);
     if (id < 0) return false;
@@ -358,6 +365,8 @@ class Mirror {
     n.op = op;
     n.inputs = std::move(ins);
     n.alive = true;
+    n.def = fresh ? def : string_view();
+    n.dirty = n.dirty || !fresh;
     for (size_t i = 0; i < n.inputs.size(); ++i) {
       consumers_[n.inputs[i].src].emplace_back(id, n.inputs[i].ctrl ? -1 : static_cast<int32_t>(i));
     }
@@ -424,11 +433,14 @@ class Mirror {
 // the bridge's reader) upserted; the mirror keeps a copy the views point into.
 bool LoadGraphDef(Mirror* m, const char* bytes, size_t len, bool fresh) {
   npu_amp_tf::GraphViews v;
+  v.want_defs = fresh;
   if (!npu_amp_tf::ViewsOfBytes(m->Keep(bytes, len), &v)) return false;
   for (size_t i = 0; i < v.name.size(); ++i) {
     const string_view* ins = v.input.data() + v.in_start[i];
     const size_t n_ins = static_cast<size_t>(v.in_start[i + 1] - v.in_start[i]);
-    if (!m->Upsert(v.name[i], v.op[i], ins, n_ins, fresh)) return false;
+    if (!m->Upsert(v.name[i], v.op[i], ins, n_ins, fresh, fresh ? v.def[i] : string_view())) {
+      return false;
+    }
   }
   return true;
 }
@@ -991,6 +1003,607 @@ class Search {
   std::unordered_map<string, string> roots_;
 };
 
+// ---------------------------------------------------------------- shapes
+// (issue 17, graph_passes.shapes.NATIVE_WALK) local_shape's walk
+// (graph_passes/shapes.py: _head, _op_shape, _const_ints, _const_ints_walk,
+// const_node, tensor_value, _broadcast, _known) over the mirror: the same
+// rules, in the same order (an input is walked exactly when Python's walk
+// would walk it), with the same memo semantics (an answer, once given, is
+// kept).  The structure (ops, inputs, which nodes are alive) is the mirror's,
+// current after a sync; attrs are read from the NodeDef bytes of the fresh
+// load, so a node upserted or removed since (`dirty`) whose attrs the walk
+// needs makes it give up (kShapeAbort): Python walks that tensor itself.  It
+// also gives up on what it does not decode the way Python does (a tensor in
+// a form tensor_value leaves to tf.make_ndarray, a tensor named "x:0", a
+// cycle), so every answer it gives is Python's.
+namespace wire = npu_amp_tf;
+
+bool ReadBytes(const char*& p, const char* end, string_view* out) {
+  uint64_t len;
+  if (!wire::ReadVarint(p, end, &len) || len > static_cast<uint64_t>(end - p)) return false;
+  *out = string_view(p, len);
+  p += len;
+  return true;
+}
+
+struct Bad {};  // malformed bytes, or a form the walk leaves to Python
+
+// The AttrValue bytes of attr `key` of the NodeDef `def` (the map's last
+// entry for it); false when it has none.
+bool FindAttr(string_view def, string_view key, string_view* val) {
+  const char* p = def.data();
+  const char* end = p + def.size();
+  bool found = false;
+  while (p < end) {
+    uint64_t tag;
+    if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+    if (tag != ((5 << 3) | 2)) {
+      if (!wire::SkipField(p, end, tag & 7)) throw Bad();
+      continue;
+    }
+    string_view entry;
+    if (!ReadBytes(p, end, &entry)) throw Bad();
+    const char* q = entry.data();
+    const char* qe = q + entry.size();
+    string_view k, v;
+    bool has_k = false;
+    while (q < qe) {
+      uint64_t t;
+      if (!wire::ReadVarint(q, qe, &t)) throw Bad();
+      if ((t >> 3) == 1 && (t & 7) == 2) {
+        if (!ReadBytes(q, qe, &k)) throw Bad();
+        has_k = true;
+      } else if ((t >> 3) == 2 && (t & 7) == 2) {
+        if (!ReadBytes(q, qe, &v)) throw Bad();
+      } else if (!wire::SkipField(q, qe, t & 7)) {
+        throw Bad();
+      }
+    }
+    if (has_k && k == key) {
+      *val = v;
+      found = true;
+    }
+  }
+  return found;
+}
+
+// An AttrValue's oneof: the field set last (a message field given twice
+// would be merged by protobuf: Bad), and the views of b, shape, tensor, list.
+struct AttrView {
+  uint64_t last = 0;
+  bool b = false;
+  string_view msg;  // shape / tensor / list bytes when `last` is 7 / 8 / 1
+  explicit AttrView(string_view a) {
+    const char* p = a.data();
+    const char* end = p + a.size();
+    int msgs = 0;
+    while (p < end) {
+      uint64_t tag;
+      if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+      const uint64_t f = tag >> 3, wt = tag & 7;
+      if (f == 0 || f > 10) {
+        if (!wire::SkipField(p, end, wt)) throw Bad();
+        continue;
+      }
+      last = f;
+      if ((f == 5 && wt != 0) || ((f == 1 || f == 7 || f == 8) && wt != 2)) throw Bad();
+      if (f == 5) {
+        uint64_t x;
+        if (!wire::ReadVarint(p, end, &x)) throw Bad();
+        b = x != 0;
+      } else if (f == 1 || f == 7 || f == 8) {
+        if (!ReadBytes(p, end, &msg) || ++msgs > 1) throw Bad();
+      } else if (!wire::SkipField(p, end, wt)) {
+        throw Bad();
+      }
+    }
+  }
+  bool get_b() const { return last == 5 && b; }
+  string_view get(uint64_t f) const { return last == f ? msg : string_view(); }
+};
+
+// A TensorShapeProto: its dims' sizes, or false when unknown_rank.
+bool ShapeDims(string_view s, std::vector<int64_t>* dims) {
+  dims->clear();
+  bool unknown = false;
+  const char* p = s.data();
+  const char* end = p + s.size();
+  while (p < end) {
+    uint64_t tag;
+    if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+    if (tag == ((2 << 3) | 2)) {
+      string_view d;
+      if (!ReadBytes(p, end, &d)) throw Bad();
+      int64_t size = 0;
+      const char* q = d.data();
+      const char* qe = q + d.size();
+      while (q < qe) {
+        uint64_t t, x;
+        if (!wire::ReadVarint(q, qe, &t)) throw Bad();
+        if (t == ((1 << 3) | 0)) {
+          if (!wire::ReadVarint(q, qe, &x)) throw Bad();
+          size = static_cast<int64_t>(x);
+        } else if (!wire::SkipField(q, qe, t & 7)) {
+          throw Bad();
+        }
+      }
+      dims->push_back(size);
+    } else if (tag == ((3 << 3) | 0)) {
+      uint64_t x;
+      if (!wire::ReadVarint(p, end, &x)) throw Bad();
+      unknown = x != 0;
+    } else if (!wire::SkipField(p, end, tag & 7)) {
+      throw Bad();
+    }
+  }
+  return !unknown;
+}
+
+// A TensorProto's dtype, shape, content and int_val / int64_val.
+struct TensorView {
+  uint64_t dtype = 0;
+  string_view shape, content;
+  std::vector<int64_t> int_val, int64_val;
+  explicit TensorView(string_view t) {
+    const char* p = t.data();
+    const char* end = p + t.size();
+    int shapes = 0;
+    while (p < end) {
+      uint64_t tag, x;
+      if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+      const uint64_t f = tag >> 3, wt = tag & 7;
+      if (f == 1 && wt == 0) {
+        if (!wire::ReadVarint(p, end, &dtype)) throw Bad();
+      } else if (f == 2 && wt == 2) {
+        if (!ReadBytes(p, end, &shape) || ++shapes > 1) throw Bad();
+      } else if (f == 4 && wt == 2) {
+        if (!ReadBytes(p, end, &content)) throw Bad();
+      } else if ((f == 7 || f == 10) && wt == 0) {
+        if (!wire::ReadVarint(p, end, &x)) throw Bad();
+        (f == 7 ? int_val : int64_val).push_back(
+            f == 7 ? static_cast<int64_t>(static_cast<int32_t>(x)) : static_cast<int64_t>(x));
+      } else if ((f == 7 || f == 10) && wt == 2) {
+        string_view packed;
+        if (!ReadBytes(p, end, &packed)) throw Bad();
+        const char* q = packed.data();
+        const char* qe = q + packed.size();
+        while (q < qe) {
+          if (!wire::ReadVarint(q, qe, &x)) throw Bad();
+          (f == 7 ? int_val : int64_val).push_back(
+              f == 7 ? static_cast<int64_t>(static_cast<int32_t>(x)) : static_cast<int64_t>(x));
+        }
+      } else if (!wire::SkipField(p, end, wt)) {
+        throw Bad();
+      }
+    }
+  }
+};
+
+using Dims = std::vector<int64_t>;
+
+struct ShapeEntry {
+  bool done = false;  // false: in progress
+  bool known = false;
+  Dims dims;
+};
+
+// One ShapeOracle's memo (its answers outlive any one mirror).
+struct ShapeMemo {
+  std::unordered_map<string, ShapeEntry> map;
+};
+
+constexpr int kShapeAbort = -2;  // the walk gave up: Python walks the tensor
+constexpr int kShapeNone = -1;   // no fully known shape
+
+bool InSet(string_view op, std::initializer_list<string_view> ops) {
+  for (string_view o : ops) {
+    if (o == op) return true;
+  }
+  return false;
+}
+
+const std::unordered_set<string_view>& SameShapeOps() {
+  static const std::unordered_set<string_view> s = {
+      "Identity", "Snapshot", "StopGradient", "Cast", "BiasAdd",
+      "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus", "Softsign",
+      "Rsqrt", "Sqrt", "Exp", "Expm1", "Log", "Log1p", "Neg", "Square", "Abs", "Reciprocal",
+      "Inv", "Erf", "Erfc", "Sin", "Cos", "Atan", "Sinh", "Cosh", "Softmax", "LogSoftmax",
+      "ZerosLike", "OnesLike", "Sign", "Floor", "Ceil", "Round", "Rint", "IsFinite", "IsNan",
+      "IsInf", "LogicalNot",
+      "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "TanhGrad",
+      "SigmoidGrad", "RsqrtGrad", "SqrtGrad", "SoftplusGrad", "SoftsignGrad", "ReciprocalGrad",
+      "LayerNorm", "RMSNorm", "ScaleMaskSoftmax", "AddRelu", "AddNReluGrad", "BatchNormGradNHWC",
+      "GeluErf", "GeluErfGrad"};
+  return s;
+}
+
+bool Known(const Dims& d) {
+  for (int64_t x : d) {
+    if (x < 0) return false;
+  }
+  return true;
+}
+
+// The walk: Step() computes one tensor's shape from the memo, or names the
+// input whose shape it needs first (then runs again from the start: every
+// input it read before is in the memo by then).
+class ShapeWalk {
+ public:
+  ShapeWalk(const Mirror& m, ShapeMemo& memo) : m_(m), memo_(memo) {}
+
+  // The shape of `ref`: its rank (dims in *out), kShapeNone, or kShapeAbort.
+  int Ask(string_view ref, Dims* out) {
+    auto it = memo_.map.find(string(ref));
+    if (it != memo_.map.end()) {
+      if (!it->second.done) return kShapeAbort;
+      return Result(it->second, out);
+    }
+    std::vector<string> stack{string(ref)};
+    memo_.map[stack.back()];  // in progress
+    try {
+      while (!stack.empty()) {
+        need_.clear();
+        value_.clear();
+        const Outcome o = Step(stack.back());
+        if (o == kNeed) {
+          auto ins = memo_.map.emplace(need_, ShapeEntry());
+          if (!ins.second) throw Bad();  // (in progress: a cycle)
+          stack.push_back(need_);
+          continue;
+        }
+        ShapeEntry& e = memo_.map[stack.back()];
+        e.done = true;
+        e.known = o == kValue && Known(value_);
+        if (e.known) e.dims = value_;
+        stack.pop_back();
+      }
+    } catch (const Bad&) {
+      for (const string& r : stack) memo_.map.erase(r);  // (nothing in progress stays)
+      return kShapeAbort;
+    }
+    return Result(memo_.map[string(ref)], out);
+  }
+
+ private:
+  enum Outcome { kValue, kNone, kNeed };
+
+  static int Result(const ShapeEntry& e, Dims* out) {
+    if (!e.known) return kShapeNone;
+    *out = e.dims;
+    return static_cast<int>(e.dims.size());
+  }
+
+  // The memo's answer for an input `ref`: true with *known / *dims when
+  // there is one; false (need_ set) when the walk must compute it first.
+  bool Get(string_view ref, bool* known, Dims* dims) {
+    auto it = memo_.map.find(string(ref));
+    if (it == memo_.map.end()) {
+      need_ = string(ref);
+      return false;
+    }
+    if (!it->second.done) throw Bad();  // (a cycle: Python's walk answers it)
+    *known = it->second.known;
+    *dims = it->second.dims;
+    return true;
+  }
+
+  const Node* Alive(string_view name) const {
+    const int32_t id = m_.Find(name);
+    return m_.Alive(id) ? &m_.node(id) : nullptr;
+  }
+
+  // A node's attrs are read: those of the fresh load, while it is clean.
+  static string_view Def(const Node& n) {
+    if (n.dirty || n.def.empty()) throw Bad();
+    return n.def;
+  }
+
+  static bool Attr(const Node& n, string_view key, string_view* val) {
+    return FindAttr(Def(n), key, val);
+  }
+
+  static bool BoolAttr(const Node& n, string_view key) {
+    string_view a;
+    return Attr(n, key, &a) && AttrView(a).get_b();
+  }
+
+  // _shape_attr: false for None
+  static bool ShapeAttr(const Node& n, Dims* dims) {
+    string_view a;
+    if (!Attr(n, "shape", &a)) return false;
+    return ShapeDims(AttrView(a).get(7), dims);
+  }
+
+  // _const_ints: false for None
+  bool ConstInts(string_view ref, Dims* out) {
+    string_view name;
+    int64_t port;
+    bool ctrl;
+    ParseRef(ref, &name, &port, &ctrl);
+    const Node* n = Alive(name);
+    for (int depth = 0; n != nullptr && n->op == "Identity" && !n->inputs.empty() && depth < 8;
+         ++depth) {
+      n = m_.Alive(n->inputs[0].src) ? &m_.node(n->inputs[0].src) : nullptr;
+    }
+    if (n == nullptr || n->op != "Const") return false;
+    string_view a;
+    if (!Attr(*n, "value", &a)) throw Bad();  // (Python's attr["value"] would add one)
+    const TensorView t(AttrView(a).get(8));
+    if (t.dtype == 1 || t.dtype == 2 || t.dtype == 10 || t.dtype == 19) return false;  // not ints
+    if (t.dtype != 3 && t.dtype != 9) throw Bad();  // (tf.make_ndarray's)
+    Dims shape;
+    ShapeDims(t.shape, &shape);  // (Python reads the dims whatever unknown_rank says)
+    int64_t n_el = 1;
+    for (int64_t d : shape) {
+      if (d < 0) throw Bad();
+      n_el *= d;
+    }
+    out->clear();
+    if (!t.content.empty()) {
+      const size_t item = t.dtype == 3 ? 4 : 8;
+      if (t.content.size() != static_cast<size_t>(n_el) * item) throw Bad();
+      for (int64_t i = 0; i < n_el; ++i) {
+        if (item == 4) {
+          int32_t v;
+          std::memcpy(&v, t.content.data() + i * 4, 4);
+          out->push_back(v);
+        } else {
+          int64_t v;
+          std::memcpy(&v, t.content.data() + i * 8, 8);
+          out->push_back(v);
+        }
+      }
+      return true;
+    }
+    const Dims& vals = t.dtype == 3 ? t.int_val : t.int64_val;
+    if (static_cast<int64_t>(vals.size()) != n_el || vals.empty()) throw Bad();
+    *out = vals;
+    return true;
+  }
+
+  // _const_ints_walk: false for None; throws nothing new, but may set need_
+  // (then returns false with *needed true)
+  bool ConstIntsWalk(string_view ref, Dims* out, bool* needed) {
+    *needed = false;
+    string_view name;
+    int64_t port;
+    bool ctrl;
+    ParseRef(ref, &name, &port, &ctrl);
+    const Node* n = Alive(name);
+    if (n != nullptr && n->op == "Shape" && port == 0 && !ctrl && !n->inputs.empty()) {
+      bool known;
+      if (!Get(n->inputs[0].ref, &known, out)) {
+        *needed = true;
+        return false;
+      }
+      return known;
+    }
+    return ConstInts(ref, out);
+  }
+
+  Outcome Value(Dims d) {
+    value_ = std::move(d);
+    return kValue;
+  }
+
+  Outcome Step(const string& ref) {
+    string_view name;
+    int64_t port;
+    bool ctrl;
+    ParseRef(ref, &name, &port, &ctrl);
+    if (!ctrl && port == 0 && name.size() != ref.size()) throw Bad();  // ("x:0": Python's own key)
+    const Node* np = Alive(name);
+    if (np == nullptr || ctrl) return kNone;
+    const Node& n = *np;
+    Dims d;
+    string_view a;
+    if (Attr(n, "_output_shapes", &a)) {
+      const AttrView av(a);
+      const string_view list = av.get(1);
+      // ListValue.shape = 7, repeated
+      const char* p = list.data();
+      const char* end = p + list.size();
+      int64_t k = 0;
+      while (p < end) {
+        uint64_t tag;
+        if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+        if (tag == ((7 << 3) | 2)) {
+          string_view s;
+          if (!ReadBytes(p, end, &s)) throw Bad();
+          if (k++ == port) {
+            if (ShapeDims(s, &d)) return Value(d);
+            break;
+          }
+        } else if (!wire::SkipField(p, end, tag & 7)) {
+          throw Bad();
+        }
+      }
+    }
+    const string_view op = n.op;
+    if (port != 0) return kNone;
+    if (op == "Const") {
+      if (!Attr(n, "value", &a)) throw Bad();
+      const TensorView t(AttrView(a).get(8));
+      ShapeDims(t.shape, &d);  // (Python reads the dims whatever unknown_rank says)
+      return Value(d);
+    }
+    if (op == "Placeholder" || op == "VariableV2") return ShapeAttr(n, &d) ? Value(d) : kNone;
+    if (op == "VarHandleOp") return Value(Dims());
+    // data inputs (Python: only read past input 0 for the ops that need them)
+    std::vector<const InputRef*> data;
+    for (const InputRef& in : n.inputs) {
+      if (!in.ctrl) data.push_back(&in);
+    }
+    if (data.empty()) return kNone;
+    const InputRef& first = *data[0];
+    if (op == "ReadVariableOp") {
+      const Node* h = m_.Alive(first.src) ? &m_.node(first.src) : nullptr;
+      if (h == nullptr || h->op != "VarHandleOp") return kNone;
+      return ShapeAttr(*h, &d) ? Value(d) : kNone;
+    }
+    bool known;
+    if (SameShapeOps().count(op)) {
+      if (!Get(first.ref, &known, &d)) return kNeed;
+      return known ? Value(d) : kNone;
+    }
+    const size_t nd = data.size();
+    Dims x, y;
+    bool kx, ky;
+    if (InSet(op, {"Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
+                   "SquaredDifference", "Pow", "FloorDiv", "FloorMod", "MulNoNan"}) &&
+        nd == 2) {
+      if (!Get(data[0]->ref, &kx, &x)) return kNeed;
+      if (!kx) return kNone;
+      if (!Get(data[1]->ref, &ky, &y)) return kNeed;
+      if (!ky) return kNone;
+      return Broadcast(x, y, &d) ? Value(d) : kNone;
+    }
+    if ((op == "LayerNormGrad" || op == "RMSNormGrad") && nd >= 2) {
+      if (!Get(data[1]->ref, &kx, &x)) return kNeed;
+      return kx ? Value(x) : kNone;
+    }
+    if (op == "AddN") {
+      for (const InputRef* in : data) {
+        if (!Get(in->ref, &kx, &x)) return kNeed;
+        if (kx) return Value(x);
+      }
+      return kNone;
+    }
+    if (InSet(op, {"MatMul", "_FusedMatMul", "_MklNativeFusedMatMul", "_MklFusedMatMul"}) && nd >= 2) {
+      if (!Get(data[0]->ref, &kx, &x)) return kNeed;
+      if (!kx) return kNone;
+      if (!Get(data[1]->ref, &ky, &y)) return kNeed;
+      if (!ky || x.size() != 2 || y.size() != 2) return kNone;
+      const bool ta = BoolAttr(n, "transpose_a"), tb = BoolAttr(n, "transpose_b");
+      if ((ta ? x[0] : x[1]) != (tb ? y[1] : y[0])) return kNone;
+      return Value(Dims{ta ? x[1] : x[0], tb ? y[0] : y[1]});
+    }
+    if (InSet(op, {"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}) && nd == 2) {
+      if (!Get(data[0]->ref, &kx, &x)) return kNeed;
+      if (!kx) return kNone;
+      if (!Get(data[1]->ref, &ky, &y)) return kNeed;
+      if (!ky || x.size() < 2 || y.size() < 2) return kNone;
+      const bool adj_a = BoolAttr(n, "adj_x"), adj_b = BoolAttr(n, "adj_y");
+      const size_t rx = x.size(), ry = y.size();
+      const int64_t mm = adj_a ? x[rx - 1] : x[rx - 2], ka = adj_a ? x[rx - 2] : x[rx - 1];
+      const int64_t kb = adj_b ? y[ry - 1] : y[ry - 2], nn = adj_b ? y[ry - 2] : y[ry - 1];
+      if (ka != kb) return kNone;
+      const Dims bx(x.begin(), x.end() - 2), by(y.begin(), y.end() - 2);
+      if (op == "BatchMatMul") {
+        if (bx != by) return kNone;
+        d = bx;
+      } else if (!Broadcast(bx, by, &d)) {
+        return kNone;
+      }
+      d.push_back(mm);
+      d.push_back(nn);
+      return Value(d);
+    }
+    bool needed;
+    if ((op == "Fill" || op == "BroadcastTo") && nd == 2) {
+      const bool ok = ConstIntsWalk(data[op == "Fill" ? 0 : 1]->ref, &d, &needed);
+      if (needed) return kNeed;
+      if (!ok) return kNone;
+      for (int64_t v : d) {
+        if (v < 0) return kNone;
+      }
+      return Value(d);
+    }
+    if (op == "Tile" && nd == 2) {
+      Dims mult;
+      const bool ok = ConstIntsWalk(data[1]->ref, &mult, &needed);
+      if (needed) return kNeed;
+      if (!ok) return kNone;
+      if (!Get(data[0]->ref, &kx, &x)) return kNeed;
+      if (!kx || x.size() != mult.size()) return kNone;
+      for (size_t i = 0; i < x.size(); ++i) d.push_back(x[i] * mult[i]);
+      return Value(d);
+    }
+    if (op == "Reshape" && nd == 2) {
+      Dims target;
+      const bool ok = ConstIntsWalk(data[1]->ref, &target, &needed);
+      if (needed) return kNeed;
+      if (!ok) return kNone;
+      int minus = 0;
+      for (int64_t v : target) {
+        if (v < -1) return kNone;
+        minus += v == -1;
+      }
+      if (minus > 1) return kNone;
+      if (minus == 0) return Value(target);
+      if (!Get(data[0]->ref, &kx, &x)) return kNeed;
+      if (!kx) return kNone;
+      int64_t total = 1, rest = 1;
+      for (int64_t v : x) total *= v;
+      for (int64_t v : target) {
+        if (v != -1) rest *= v;
+      }
+      if (rest == 0 || total % rest) return kNone;
+      for (int64_t v : target) d.push_back(v == -1 ? total / rest : v);
+      return Value(d);
+    }
+    if (op == "Transpose" && nd == 2) {
+      Dims perm;
+      if (!ConstInts(data[1]->ref, &perm)) return kNone;
+      if (!Get(data[0]->ref, &kx, &x)) return kNeed;
+      if (!kx) return kNone;
+      Dims sorted_perm = perm;
+      std::sort(sorted_perm.begin(), sorted_perm.end());
+      if (sorted_perm.size() != x.size()) return kNone;
+      for (size_t i = 0; i < sorted_perm.size(); ++i) {
+        if (sorted_perm[i] != static_cast<int64_t>(i)) return kNone;
+      }
+      for (int64_t p : perm) d.push_back(x[p]);
+      return Value(d);
+    }
+    if (InSet(op, {"Mean", "Sum", "Max", "Min", "Prod"}) && nd == 2) {
+      Dims axes;
+      if (!ConstInts(data[1]->ref, &axes)) return kNone;
+      if (!Get(data[0]->ref, &kx, &x)) return kNeed;
+      if (!kx) return kNone;
+      const int64_t r = static_cast<int64_t>(x.size());
+      std::vector<char> on(x.size(), 0);
+      for (int64_t v : axes) {
+        if (!(-r <= v && v < r)) return kNone;
+        on[((v % r) + r) % r] = 1;
+      }
+      const bool keep = BoolAttr(n, "keep_dims");
+      for (int64_t i = 0; i < r; ++i) {
+        if (keep) {
+          d.push_back(on[i] ? 1 : x[i]);
+        } else if (!on[i]) {
+          d.push_back(x[i]);
+        }
+      }
+      return Value(d);
+    }
+    return kNone;
+  }
+
+  static bool Broadcast(const Dims& a0, const Dims& b0, Dims* out) {
+    const size_t n = std::max(a0.size(), b0.size());
+    Dims a(n - a0.size(), 1), b(n - b0.size(), 1);
+    a.insert(a.end(), a0.begin(), a0.end());
+    b.insert(b.end(), b0.begin(), b0.end());
+    out->clear();
+    for (size_t i = 0; i < n; ++i) {
+      if (a[i] == b[i] || b[i] == 1) {
+        out->push_back(a[i]);
+      } else if (a[i] == 1) {
+        out->push_back(b[i]);
+      } else {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  const Mirror& m_;
+  ShapeMemo& memo_;
+  string need_;
+  Dims value_;
+};
+
 }  // namespace
 
 #define NPU_AMP_GR_EXPORT extern "C" __attribute__((visibility("default")))
@@ -1344,4 +1957,33 @@ NPU_AMP_GR_EXPORT int NpuAmpGrSearch(void* h, const char* request, size_t len, D
   *out = buf.data();
   *out_len = buf.size();
   return st;
+}
+
+// ---------------------------------------------------------------- shapes
+// (issue 17) graph_passes.shapes.local_shape's walk over the mirror, for one
+// memo (a ShapeOracle's; it outlives any one mirror): the rank of `ref`'s
+// fully known shape with its dims in out[0..rank), -1 when it has none, -2
+// when the walk gave up (a node it needs the attrs of was edited since the
+// load, a form it leaves to Python, more than `cap` dims): Python walks it.
+// The mirror must be synced, and loaded from the graph's own bytes.
+NPU_AMP_GR_EXPORT void* NpuAmpGrShapeMemoNew() { return new ShapeMemo(); }
+
+NPU_AMP_GR_EXPORT void NpuAmpGrShapeMemoFree(void* p) { delete static_cast<ShapeMemo*>(p); }
+
+NPU_AMP_GR_EXPORT int NpuAmpGrShape(void* h, void* memo, const char* ref, size_t len, int64_t* out,
+                                    int cap) {
+  auto* m = static_cast<Mirror*>(h);
+  auto* mm = static_cast<ShapeMemo*>(memo);
+  if (m == nullptr || mm == nullptr || ref == nullptr) return kShapeAbort;
+  m->Join();
+  try {
+    Dims d;
+    const int r = ShapeWalk(*m, *mm).Ask(string_view(ref, len), &d);
+    if (r < 0) return r;
+    if (r > cap) return kShapeAbort;
+    std::copy(d.begin(), d.end(), out);
+    return r;
+  } catch (...) {  // (bad_alloc)
+    return kShapeAbort;
+  }
 }

@@ -15,6 +15,10 @@ namespace npu_amp_tf {
 struct GraphViews {
   std::vector<std::string_view> name, op, input;
   std::vector<int64_t> in_start{0};  // node i's inputs: input[in_start[i] .. in_start[i+1])
+  // (set `want_defs` first) node i's NodeDef bytes: grad_region.cc's shape
+  // walk reads their attrs
+  bool want_defs = false;
+  std::vector<std::string_view> def;
 };
 
 // Protobuf wire format: a varint at *p (< end); false on a bad one.
@@ -90,6 +94,7 @@ inline bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
     }
     v->name.push_back(name);
     v->op.push_back(op);
+    if (v->want_defs) v->def.emplace_back(node_end - len, len);
     v->in_start.push_back(static_cast<int64_t>(v->input.size()));
   }
   return true;

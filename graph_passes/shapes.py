@@ -390,7 +390,12 @@ _REDUCE = frozenset({"Mean", "Sum", "Max", "Min", "Prod"})
 _BATCH_MATMUL = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 
 
-def local_shape(graph, ref, memo=None):
+#: what an ``ask`` of :func:`local_shape` returns for a tensor it leaves to
+#: the Python walk
+UNANSWERED = object()
+
+
+def local_shape(graph, ref, memo=None, ask=None):
     """The *fully known* shape of tensor ``ref`` from its producers, walking
     back through common ops (elementwise, broadcasting binary ops, MatMul /
     BatchMatMul, Reshape / Transpose with constant operands, reductions with
@@ -405,13 +410,18 @@ def local_shape(graph, ref, memo=None):
     them), so a chain of any length (the gradient of a deep network's first
     layer sits behind every later layer's backward) is walked once, with no
     limit from Python's recursion.  (:data:`FAST_WALK`: a tensor whose shape
-    needs no input's, or is its input 0's, takes no generator.)"""
+    needs no input's, or is its input 0's, takes no generator.)
+
+    ``ask`` (with :data:`FAST_WALK`): a function giving a tensor's shape
+    before the walk computes it (its answer is memoised like the walk's),
+    or :data:`UNANSWERED` (then the walk computes it); the fusion pass's
+    C++ walk (``grad_region.shape_asker``), which answers as this walk would."""
     if memo is None:
         memo = {}
     if ref in memo:
         return memo[ref]
     if FAST_WALK:
-        return _walk_fast(graph, ref, memo)
+        return _walk_fast(graph, ref, memo, ask)
     memo[ref] = None  # (a tensor in progress: a cycle through it answers None)
     stack = [(ref, _compute(graph, ref))]
     value = None
@@ -455,10 +465,15 @@ def _known(sh):
 FAST_WALK = True
 
 
-def _walk_fast(graph, ref, memo):
+def _walk_fast(graph, ref, memo, ask=None):
     """:func:`local_shape`'s walk for a ``ref`` not in ``memo``.  The stack
     holds (tensor, generator), or (tensor, None) for a tensor whose shape is
-    that of the tensor above it (its input 0)."""
+    that of the tensor above it (its input 0).  ``ask``: see :func:`local_shape`."""
+    if ask is not None:
+        got = ask(ref)
+        if got is not UNANSWERED:
+            memo[ref] = got
+            return got
     stack = []
     cur = ref  # a tensor to start (memo: None, in progress), or None
     value = None
@@ -471,6 +486,9 @@ def _walk_fast(graph, ref, memo):
                     stack.append((cur, None))
                     if val in memo:
                         value = memo[val]
+                        cur = None
+                    elif ask is not None and (got := ask(val)) is not UNANSWERED:
+                        value = memo[val] = got
                         cur = None
                     else:
                         memo[val] = None
@@ -498,6 +516,8 @@ def _walk_fast(graph, ref, memo):
                 else:
                     if need in memo:
                         value = memo[need]
+                    elif ask is not None and (got := ask(need)) is not UNANSWERED:
+                        value = memo[need] = got
                     else:
                         memo[need] = None
                         cur = need

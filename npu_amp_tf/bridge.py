@@ -501,6 +501,18 @@ class GradRegionLib:
         lib.NpuAmpGrSearch.argtypes = [c_void_p, c_char_p, c_size_t, self._DY_CALLBACK,
                                        ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t)]
         lib.NpuAmpGrSearch.restype = c_int
+        #: (issue 17) the producer walks of ``shapes.local_shape`` over the
+        #: mirror (a library built before it: False)
+        self.can_shape = all(hasattr(lib, f) for f in ("NpuAmpGrShape", "NpuAmpGrShapeMemoNew",
+                                                         "NpuAmpGrShapeMemoFree"))
+        if self.can_shape:
+            lib.NpuAmpGrShapeMemoNew.argtypes = []
+            lib.NpuAmpGrShapeMemoNew.restype = c_void_p
+            lib.NpuAmpGrShapeMemoFree.argtypes = [c_void_p]
+            lib.NpuAmpGrShapeMemoFree.restype = None
+            lib.NpuAmpGrShape.argtypes = [c_void_p, c_void_p, c_char_p, c_size_t,
+                                          ctypes.POINTER(ctypes.c_int64), c_int]
+            lib.NpuAmpGrShape.restype = c_int
         self._lib = lib
 
     def new(self):
@@ -549,6 +561,32 @@ class GradRegionLib:
         arr = array.array("d", values)
         return self._lib.NpuAmpGrMirrorPositions(h, data, len(data), arr.buffer_info()[0] if len(arr) else None,
                                                  len(arr), int(reset))
+
+    def shape_memo(self):
+        """A new memo for :meth:`shape` (free it with :meth:`free_shape_memo`)."""
+        return self._lib.NpuAmpGrShapeMemoNew()
+
+    def free_shape_memo(self, memo):
+        self._lib.NpuAmpGrShapeMemoFree(memo)
+
+    #: the most dims :meth:`shape` returns (a higher rank: not answered)
+    SHAPE_CAP = 64
+
+    def shape_buffer(self):
+        return (ctypes.c_int64 * self.SHAPE_CAP)()
+
+    def shape(self, h, memo, ref: str, buf):
+        """(True, the fully known shape of tensor ``ref`` as a list, or None)
+        from the C++ walk over mirror ``h`` with ``memo``; (False, None) when
+        it gave up (Python walks ``ref`` itself).  ``buf``: :meth:`shape_buffer`."""
+        try:
+            data = ref.encode("ascii")
+        except UnicodeEncodeError:
+            return False, None
+        r = self._lib.NpuAmpGrShape(h, memo, data, len(data), buf, self.SHAPE_CAP)
+        if r >= 0:
+            return True, buf[:r]
+        return (True, None) if r == -1 else (False, None)
 
     def search(self, h, request: bytes, dy_candidate):
         """(status, answer text) of one search; ``dy_candidate(ref) -> bool``

@@ -197,6 +197,9 @@ class ShapeOracle:
     def __init__(self, graph: Graph):
         self.graph = graph
         self._local = {}
+        #: (issue 17) the C++ producer walk (``grad_region.shape_asker``):
+        #: False until first needed, then it or None
+        self._ask = False
 
     def shape(self, ref: str, depth: int = 0):
         src, port, ctrl = parse_tensor(ref)
@@ -226,7 +229,15 @@ class ShapeOracle:
             if v is not None and (v >= 0).all():
                 return [int(d) for d in v.reshape(-1).tolist()]  # (see shapes._const_ints)
         if not _shapes.table(self.graph).inferred:  # once inferred, the table answers
-            sh = _shapes.local_shape(self.graph, tensor_name(src, port), self._local)
+            ask = self._ask
+            if ask is False:
+                from .grad_region import shape_asker
+
+                ask = self._ask = shape_asker(self.graph)
+            ref = tensor_name(src, port)
+            sh = _shapes.local_shape(self.graph, ref, self._local, ask)
+            if ask is not None and ask.reference is not None:
+                ask.check(ref, sh)
             if sh is not None:
                 return sh
         return self._infer(src, port)

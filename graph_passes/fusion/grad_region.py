@@ -116,9 +116,11 @@ import dataclasses
 import functools
 import os
 import re
+import weakref
 from typing import Callable, Iterable
 
 from .. import registry
+from .. import shapes as _shapes
 from ..graph import Graph, parse_tensor
 
 #: op types TF's gradient functions emit for the forward ops these rules fuse
@@ -881,6 +883,11 @@ class _Mirror:
         self.before = None
         #: the bytes the helper thread reads (kept alive until it is joined), or None
         self.pending = None
+        #: (issue 17) loaded from the graph's own bytes: the C++ shape walk
+        #: reads their attrs (a mirror of names, ops and inputs only: False)
+        self.attrs = False
+        #: live nodes synced without positions (a names-only sync, for the shape walk)
+        self.unpos = []
         if not self.ok:
             return
         src = graph.source_bytes
@@ -892,6 +899,7 @@ class _Mirror:
                 self.pending = src
             else:
                 self.ok = lib.load(self.h, src, True) == 0
+            self.attrs = True
         else:
             self.ok = lib.load(self.h, _lean_nodes(graph.nodes.values()), True) == 0
             self.mark, self.rmark = graph.edit_marks()
@@ -911,8 +919,13 @@ class _Mirror:
         return self.lib.load(self.h, _lean_nodes(nodes), False) if rc is None else rc
 
     def sync(self, graph, pos) -> bool:
-        """Bring the mirror up to ``graph`` and ``pos``; False when it cannot."""
+        """Bring the mirror up to ``graph`` and ``pos``; False when it cannot.
+        ``pos`` None: the nodes only (the shape walk's); their positions go
+        with the next sync that has them."""
         lib, h = self.lib, self.h
+        if (pos is None and self.pending is None and graph.edit_marks() == (self.mark, self.rmark)
+                and getattr(graph, ORIGINAL_NAMES_ATTR, None) is self.before):
+            return True  # (nothing to send)
         if self.pending is not None:
             rc = lib.wait(h)
             self.pending = None
@@ -941,12 +954,17 @@ class _Mirror:
             gone_before = [n for n in removed if n in before]
             if gone_before:
                 lib.before(h, "\x01".join(gone_before).encode(), False)
+        if pos is None:
+            self.unpos.extend(live)
+            return True
         if pos is not self.pos:
             if lib.positions(h, list(pos), list(pos.values()), True) != 0:
                 return False
             self.pos = pos
-        elif live:
+            self.unpos = []
+        elif live or self.unpos:
             nan = float("nan")
+            live, self.unpos = self.unpos + live, []
             if lib.positions(h, live, [pos.get(k, nan) for k in live], False) != 0:
                 return False
         return True
@@ -998,7 +1016,8 @@ def preload(graph) -> bool:
 
 
 def _mirror(graph, pos):
-    """The graph's synced :class:`_Mirror`, or None (then Python searches)."""
+    """The graph's synced :class:`_Mirror`, or None (then Python searches).
+    ``pos`` None: synced without positions (see :meth:`_Mirror.sync`)."""
     m = getattr(graph, _MIRROR_ATTR, None)
     if m is False:
         return None  # (refused once: names the C++ search does not take)
@@ -1014,6 +1033,58 @@ def _mirror(graph, pos):
         setattr(graph, _MIRROR_ATTR, False)
         return None
     return m
+
+
+#: (issue 17) the fusion pass's ``ShapeOracle`` has its producer walks
+#: (``shapes.local_shape``) done in C++ over the mirror (``NpuAmpGrShape``),
+#: which answers as the Python walk does or leaves the tensor to it; BERT-12:
+#: the first incoming-gradient candidate's shape walks ~760 nodes of the
+#: forward pass (4.5 ms in Python).  False: the reference, Python walks all.
+#: CHECK_NATIVE walks both ways and compares every answer
+NATIVE_SHAPES = True
+#: (CHECK_NATIVE) the shape answers compared
+CHECKED_SHAPES = [0]
+
+
+class _ShapeAsk:
+    """``ask`` of :func:`graph_passes.shapes.local_shape`: the C++ walk over
+    the graph's mirror (synced first, names only), with a memo of its own
+    for one ``ShapeOracle``.  ``reference`` (CHECK_NATIVE): the Python
+    walk's memo, kept beside to compare each answer (:meth:`check`)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.memo = native.shape_memo()
+        self.buf = native.shape_buffer()
+        self.reference = {} if CHECK_NATIVE else None
+        weakref.finalize(self, native.free_shape_memo, self.memo)
+
+    def __call__(self, ref):
+        m = _mirror(self.graph, None)
+        if m is None or not m.attrs or not self.memo:
+            return _shapes.UNANSWERED
+        ok, sh = native.shape(m.h, self.memo, ref, self.buf)
+        return sh if ok else _shapes.UNANSWERED
+
+    def check(self, ref, got):
+        want = _shapes.local_shape(self.graph, ref, self.reference)
+        CHECKED_SHAPES[0] += 1
+        if want != got:
+            CHECKED[1].append((["shape", ref], got, want))
+            raise AssertionError(f"the C++ shape walk differs from the Python one for {ref!r}: "
+                                 f"C++ {got!r}, Python {want!r}")
+
+
+def shape_asker(graph):
+    """A :class:`_ShapeAsk` for a ``ShapeOracle`` of ``graph`` when the C++
+    walk can run (:data:`NATIVE_SHAPES`, the library has it, and the graph
+    has a mirror, made by the fusion pass when it may search); else None."""
+    if not NATIVE_SHAPES or native is None or not getattr(native, "can_shape", False):
+        return None
+    m = getattr(graph, _MIRROR_ATTR, None)
+    if not isinstance(m, _Mirror) or not m.attrs:
+        return None
+    return _ShapeAsk(graph)
 
 
 def _native_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, protected, max_nodes,
