@@ -16,7 +16,9 @@
 // removed since (Graph.edits_since / removed_since); the topological
 // positions come from Python (grad_region._positions).  The one question
 // about values, whether an external tensor has a float dtype and dy's
-// shape, is a callback into Python.  Names must be printable ASCII (else
+// shape, is a callback into Python; the shapes themselves come from this
+// file's port of shapes.local_shape (NpuAmpGrShape, below), which reads the
+// attrs of the loaded NodeDef bytes of the nodes not edited since.  Names must be printable ASCII (else
 // the mirror refuses and Python searches): the Python matchers' \d and
 // isdecimal() then mean [0-9].
 //
@@ -28,7 +30,8 @@
 //   rc = NpuAmpGrMirrorBefore(h, names, len, reset)  known names of removed nodes
 //   rc = NpuAmpGrMirrorPositions(h, names, len, pos, n, reset)
 //   rc = NpuAmpGrSearch(h, request, len, dy_cb, &out, &out_len)
-//   NpuAmpGrMirrorFree(h)
+//   memo = NpuAmpGrShapeMemoNew(); rank = NpuAmpGrShape(h, memo, ref, len, dims, cap)
+//   NpuAmpGrShapeMemoFree(memo); NpuAmpGrMirrorFree(h)
 
 #include <algorithm>
 #include <cmath>
