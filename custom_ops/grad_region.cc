@@ -39,7 +39,6 @@
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <initializer_list>
 #include <limits>
 #include <queue>
 #include <string>
@@ -67,6 +66,9 @@ constexpr double kNoPos = std::numeric_limits<double>::quiet_NaN();
 struct OpSets {
   string text;  // (the sets view it)
   std::unordered_set<string_view> grad, static_arith, from_input, aggregation, shape, value_static;
+  // the shape walk's (graph_passes/shapes.py _SAME_SHAPE, _BROADCAST, _MATMUL,
+  // _BATCH_MATMUL, _REDUCE)
+  std::unordered_set<string_view> same_shape, broadcast, matmul, batch_matmul, reduce;
   bool set = false;
 };
 
@@ -1161,19 +1163,20 @@ struct TensorView {
         if (!ReadBytes(p, end, &shape) || ++shapes > 1) throw Bad();
       } else if (f == 4 && wt == 2) {
         if (!ReadBytes(p, end, &content)) throw Bad();
-      } else if ((f == 7 || f == 10) && wt == 0) {
-        if (!wire::ReadVarint(p, end, &x)) throw Bad();
-        (f == 7 ? int_val : int64_val).push_back(
-            f == 7 ? static_cast<int64_t>(static_cast<int32_t>(x)) : static_cast<int64_t>(x));
-      } else if ((f == 7 || f == 10) && wt == 2) {
-        string_view packed;
-        if (!ReadBytes(p, end, &packed)) throw Bad();
-        const char* q = packed.data();
-        const char* qe = q + packed.size();
-        while (q < qe) {
+      } else if ((f == 7 || f == 10) && (wt == 0 || wt == 2)) {
+        // int_val (int32) / int64_val, one varint or a packed run of them
+        auto read_one = [&](const char*& q, const char* qe) {
           if (!wire::ReadVarint(q, qe, &x)) throw Bad();
           (f == 7 ? int_val : int64_val).push_back(
               f == 7 ? static_cast<int64_t>(static_cast<int32_t>(x)) : static_cast<int64_t>(x));
+        };
+        if (wt == 0) {
+          read_one(p, end);
+        } else {
+          string_view run;
+          if (!ReadBytes(p, end, &run)) throw Bad();
+          const char* q = run.data();
+          while (q < run.data() + run.size()) read_one(q, run.data() + run.size());
         }
       } else if (!wire::SkipField(p, end, wt)) {
         throw Bad();
@@ -1197,28 +1200,6 @@ struct ShapeMemo {
 
 constexpr int kShapeAbort = -2;  // the walk gave up: Python walks the tensor
 constexpr int kShapeNone = -1;   // no fully known shape
-
-bool InSet(string_view op, std::initializer_list<string_view> ops) {
-  for (string_view o : ops) {
-    if (o == op) return true;
-  }
-  return false;
-}
-
-const std::unordered_set<string_view>& SameShapeOps() {
-  static const std::unordered_set<string_view> s = {
-      "Identity", "Snapshot", "StopGradient", "Cast", "BiasAdd",
-      "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus", "Softsign",
-      "Rsqrt", "Sqrt", "Exp", "Expm1", "Log", "Log1p", "Neg", "Square", "Abs", "Reciprocal",
-      "Inv", "Erf", "Erfc", "Sin", "Cos", "Atan", "Sinh", "Cosh", "Softmax", "LogSoftmax",
-      "ZerosLike", "OnesLike", "Sign", "Floor", "Ceil", "Round", "Rint", "IsFinite", "IsNan",
-      "IsInf", "LogicalNot",
-      "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "TanhGrad",
-      "SigmoidGrad", "RsqrtGrad", "SqrtGrad", "SoftplusGrad", "SoftsignGrad", "ReciprocalGrad",
-      "LayerNorm", "RMSNorm", "ScaleMaskSoftmax", "AddRelu", "AddNReluGrad", "BatchNormGradNHWC",
-      "GeluErf", "GeluErfGrad"};
-  return s;
-}
 
 bool Known(const Dims& d) {
   for (int64_t x : d) {
@@ -1444,17 +1425,17 @@ class ShapeWalk {
       if (h == nullptr || h->op != "VarHandleOp") return kNone;
       return ShapeAttr(*h, &d) ? Value(d) : kNone;
     }
+    const OpSets& ops = m_.ops;
+    if (!ops.set) throw Bad();
     bool known;
-    if (SameShapeOps().count(op)) {
+    if (ops.same_shape.count(op)) {
       if (!Get(first.ref, &known, &d)) return kNeed;
       return known ? Value(d) : kNone;
     }
     const size_t nd = data.size();
     Dims x, y;
     bool kx, ky;
-    if (InSet(op, {"Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
-                   "SquaredDifference", "Pow", "FloorDiv", "FloorMod", "MulNoNan"}) &&
-        nd == 2) {
+    if (ops.broadcast.count(op) && nd == 2) {
       if (!Get(data[0]->ref, &kx, &x)) return kNeed;
       if (!kx) return kNone;
       if (!Get(data[1]->ref, &ky, &y)) return kNeed;
@@ -1472,7 +1453,7 @@ class ShapeWalk {
       }
       return kNone;
     }
-    if (InSet(op, {"MatMul", "_FusedMatMul", "_MklNativeFusedMatMul", "_MklFusedMatMul"}) && nd >= 2) {
+    if (ops.matmul.count(op) && nd >= 2) {
       if (!Get(data[0]->ref, &kx, &x)) return kNeed;
       if (!kx) return kNone;
       if (!Get(data[1]->ref, &ky, &y)) return kNeed;
@@ -1481,7 +1462,7 @@ class ShapeWalk {
       if ((ta ? x[0] : x[1]) != (tb ? y[1] : y[0])) return kNone;
       return Value(Dims{ta ? x[1] : x[0], tb ? y[0] : y[1]});
     }
-    if (InSet(op, {"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}) && nd == 2) {
+    if (ops.batch_matmul.count(op) && nd == 2) {
       if (!Get(data[0]->ref, &kx, &x)) return kNeed;
       if (!kx) return kNone;
       if (!Get(data[1]->ref, &ky, &y)) return kNeed;
@@ -1559,7 +1540,7 @@ class ShapeWalk {
       for (int64_t p : perm) d.push_back(x[p]);
       return Value(d);
     }
-    if (InSet(op, {"Mean", "Sum", "Max", "Min", "Prod"}) && nd == 2) {
+    if (ops.reduce.count(op) && nd == 2) {
       Dims axes;
       if (!ConstInts(data[1]->ref, &axes)) return kNone;
       if (!Get(data[0]->ref, &kx, &x)) return kNeed;
@@ -1690,18 +1671,23 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorRemove(void* h, const char* names, size_t le
 }
 
 // The op sets: sections separated by \x03 (GRAD_OPS, _STATIC_ARITH,
-// _FROM_INPUT_OPS, AGGREGATIONS, SHAPE_OPS, VALUE_STATIC_OPS), names by \x01.
+// _FROM_INPUT_OPS, AGGREGATIONS, SHAPE_OPS, VALUE_STATIC_OPS, then the shape
+// walk's: shapes._SAME_SHAPE, _BROADCAST, _MATMUL, _BATCH_MATMUL, _REDUCE),
+// names by \x01.
 NPU_AMP_GR_EXPORT int NpuAmpGrMirrorOps(void* h, const char* data, size_t len) {
   auto* m = static_cast<Mirror*>(h);
   if (m == nullptr) return 1;
   m->Join();
   std::vector<string_view> sec = Split(string_view(data, len), '\x03');
-  if (sec.size() != 6) return 1;
+  std::unordered_set<string_view>* sets[] = {
+      &m->ops.grad,       &m->ops.static_arith, &m->ops.from_input, &m->ops.aggregation,
+      &m->ops.shape,      &m->ops.value_static, &m->ops.same_shape, &m->ops.broadcast,
+      &m->ops.matmul,     &m->ops.batch_matmul, &m->ops.reduce};
+  constexpr size_t kSets = sizeof(sets) / sizeof(sets[0]);
+  if (sec.size() != kSets) return 1;
   m->ops.text.assign(data, len);
   sec = Split(m->ops.text, '\x03');
-  std::unordered_set<string_view>* sets[] = {&m->ops.grad, &m->ops.static_arith, &m->ops.from_input,
-                                             &m->ops.aggregation, &m->ops.shape, &m->ops.value_static};
-  for (int i = 0; i < 6; ++i) {
+  for (size_t i = 0; i < kSets; ++i) {
     sets[i]->clear();
     for (string_view op : Split(sec[i], '\x01')) sets[i]->emplace(op);
   }

@@ -387,6 +387,8 @@ _BROADCAST = frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
     "SquaredDifference", "Pow", "FloorDiv", "FloorMod", "MulNoNan"})
 _REDUCE = frozenset({"Mean", "Sum", "Max", "Min", "Prod"})
+#: (a, b) -> [rows of a, cols of b], transposes by attr
+_MATMUL = frozenset({"MatMul", "_FusedMatMul", "_MklNativeFusedMatMul", "_MklFusedMatMul"})
 _BATCH_MATMUL = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 
 
@@ -622,7 +624,7 @@ def _op_shape(graph, node, op, data):
             if sh is not None:
                 return sh
         return None
-    if op in ("MatMul", "_FusedMatMul", "_MklNativeFusedMatMul", "_MklFusedMatMul") and len(data) >= 2:
+    if op in _MATMUL and len(data) >= 2:
         a = (yield data[0])
         b = (yield data[1]) if a is not None else None
         if b is None or len(a) != 2 or len(b) != 2:

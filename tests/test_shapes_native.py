@@ -223,6 +223,10 @@ def test_edge_cases_left_to_python():
         _node("padded", "Const", dtype=av(type=3), value=av(tensor=tensor_pb2.TensorProto(
             dtype=3, tensor_shape=shape(3), int_val=[4]))),
         _node("rp", "Reshape", ["p", "padded"], T=f32, Tshape=av(type=3)),
+        # listed in full (packed varints, a negative one among them)
+        _node("listed", "Const", dtype=av(type=3), value=av(tensor=tensor_pb2.TensorProto(
+            dtype=3, tensor_shape=shape(2), int_val=[-1, 8]))),
+        _node("rl", "Reshape", ["p", "listed"], T=f32, Tshape=av(type=3)),
         _node("named0", "Identity", ["p:0"], T=f32),
         _node("c1", "Identity", ["c2"], T=f32),
         _node("c2", "Identity", ["c1"], T=f32),
@@ -236,6 +240,7 @@ def test_edge_cases_left_to_python():
     assert w.ask("c1") is S.UNANSWERED
     assert w.ask("mm_i") is None  # [3,5] x [3,5] without the transpose
     assert w.ask("mm_b") == [5, 5]
+    assert w.ask("rl") == [3, 8] == S.local_shape(w.g, "rl", {})
     w.sync()
     for ref in ("rp", "named0", "c1", "c2", "mm_i", "mm_b", "p"):
         ask = gr._ShapeAsk(w.g)

@@ -825,8 +825,12 @@ _MIRROR_ATTR = "_grad_region_mirror"
 
 
 def _op_sets() -> bytes:
+    """The op sets the C++ side reads (``NpuAmpGrMirrorOps``): the search's,
+    then the shape walk's (``graph_passes.shapes``)."""
     return "\x03".join("\x01".join(sorted(ops)) for ops in (
-        GRAD_OPS, _STATIC_ARITH, _FROM_INPUT_OPS, AGGREGATIONS, SHAPE_OPS, VALUE_STATIC_OPS)).encode()
+        GRAD_OPS, _STATIC_ARITH, _FROM_INPUT_OPS, AGGREGATIONS, SHAPE_OPS, VALUE_STATIC_OPS,
+        _shapes._SAME_SHAPE, _shapes._BROADCAST, _shapes._MATMUL, _shapes._BATCH_MATMUL,
+        _shapes._REDUCE)).encode()
 
 
 def _lean_nodes(nodes) -> bytes:
