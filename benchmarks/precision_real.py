@@ -16,6 +16,17 @@ asserts nothing.
 
     python benchmarks/precision_real.py [--models resnet50,mobilenet,slim_resnet,fanout]
 
+``--applications DenseNet121,EfficientNetB0,... --mode bf16|fp16 [--size 96 --batch 8]``
+instead checks Keras 2 applications (``weights=None``, 10 classes; ``tf_keras`` on TF >= 2.16)
+in TF1 graphs, one SGD step each in its own subprocess: FP32, ours and grappler's peer
+(``auto_mixed_precision_onednn_bfloat16`` for bf16, ``auto_mixed_precision_cpu`` for fp16) in
+three sessions with the **same initial weights** (the first session's values assigned in the
+others: Keras's unseeded initializers differ between builds), run in that order so that a peer
+that kills its process still leaves ours' figures.  Per model: the forward loss of each, and
+the step's weight update against FP32's (cosine, and the norm of the difference over FP32's).
+``--peer-emulate`` leaves grappler's FP16 emulation on the CPU at TF's default (on; the other
+rows turn it off as tests/amp_peers.py does).
+
 ``--saved-model 224,8[,1.0]`` instead measures the offline path on a Keras
 MobileNetV2 SavedModel (``model.save``: one function per layer) at that input
 size, batch and width: casts of ``npu-amp report`` / ``rewrite`` (calls inlined
@@ -40,6 +51,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import amp_peers as P  # noqa: E402  (sets the grappler emulation env var)
+
+if os.environ.get("NPU_AMP_TF_PEER_EMULATE") == "1":  # --peer-emulate: TF's default back (read
+    os.environ["TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_EMULATE_FP16"] = "1"  # when the pass runs)
 import npu_amp_tf  # noqa: E402
 from conftest import keras2  # noqa: E402
 
@@ -171,11 +185,119 @@ def saved_model_row(hw: int, batch: int, alpha: float):
               f"| {sb / mib:.1f} -> {sa / mib:.1f} MiB | {n16} |")
 
 
+#: --applications' default list (Keras 2 applications that build at 96x96)
+APPLICATIONS = ("DenseNet121,EfficientNetB0,InceptionV3,Xception,MobileNetV2,MobileNetV3Small,"
+                "ConvNeXtTiny,RegNetX002,VGG16,ResNet50V2,EfficientNetV2B0,NASNetMobile")
+_PEER_FLAG = {"bf16": "auto_mixed_precision_onednn_bfloat16", "fp16": "auto_mixed_precision_cpu"}
+_PRECISION_MODE = {"bf16": "allow_mix_precision_bf16", "fp16": "allow_mix_precision"}
+
+
+def application_step(name: str, mode: str, size: int, batch: int):
+    """One application (see the module docstring): prints one ``ROW`` line of
+    JSON after ours, and again with the peer's figures after the peer."""
+    import json
+
+    k = keras2()
+    g = tf.Graph()
+    g.seed = 0
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [batch, size, size, 3], name="images")
+        y = v1.placeholder(tf.int32, [batch], name="labels")
+        model = getattr(k.applications, name)(weights=None, classes=10, input_shape=(size, size, 3))
+        probs = model(x, training=True)
+        loss = tf.reduce_mean(k.losses.sparse_categorical_crossentropy(y, probs), name="loss")
+        train = v1.train.GradientDescentOptimizer(1e-3).minimize(
+            loss, var_list=model.trainable_weights, name="train")
+        init = v1.global_variables_initializer()
+        holders = [v1.placeholder(w.dtype.base_dtype, w.shape) for w in model.weights]
+        assign = tf.group(*[w.assign(h) for w, h in zip(model.weights, holders)])
+    rng = np.random.RandomState(0)
+    feeds = {x: rng.rand(batch, size, size, 3).astype(np.float32), y: np.arange(batch) % 10}
+    trainable = [i for i, w in enumerate(model.weights) if any(w is t for t in model.trainable_weights)]
+    peer = P._base_config()
+    setattr(peer.graph_options.rewrite_options, _PEER_FLAG[mode], P.RC.ON)
+    configs = [("fp32", P._base_config()),
+               ("ours", P._base_config(npu_amp_tf.session_config(precision_mode=_PRECISION_MODE[mode],
+                                                                 fail_on_error=True))),
+               ("peer", peer)]
+    start, row, update = None, {"model": name}, {}
+    for label, cfg in configs:
+        with v1.Session(graph=g, config=cfg) as s:
+            s.run(init)
+            if start is None:
+                start = s.run(model.weights)
+            else:
+                s.run(assign, dict(zip(holders, start)))
+            row[label + "_loss"] = float(s.run([loss, train], feeds)[0])
+            after = s.run([model.weights[i] for i in trainable])
+        update[label] = np.concatenate([(a - start[i]).ravel().astype(np.float64)
+                                        for a, i in zip(after, trainable)])
+        if label != "fp32":
+            ref = update["fp32"]
+            d = update[label]
+            row[label + "_cos"] = float(d @ ref / (np.linalg.norm(d) * np.linalg.norm(ref) + 1e-300))
+            row[label + "_rel"] = float(np.linalg.norm(d - ref) / (np.linalg.norm(ref) + 1e-300))
+            print("ROW " + json.dumps(row), flush=True)
+
+
+def applications(names: str, mode: str, size: int, batch: int, emulate: bool):
+    """Each application of ``names`` in its own subprocess (a crash is a row)."""
+    import json
+    import signal
+    import subprocess
+
+    env = dict(os.environ)
+    if emulate:
+        env["NPU_AMP_TF_PEER_EMULATE"] = "1"
+    rows = []
+    for name in names.split(","):
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", name, "--mode", mode,
+                               "--size", str(size), "--batch", str(batch)],
+                              env=env, capture_output=True, text=True, timeout=1800)
+        got = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+        row = got[-1] if got else {"model": name}
+        if proc.returncode != 0:
+            rc = proc.returncode
+            how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
+            where = "the peer" if "ours_loss" in row else "before ours' figures"
+            row["status"] = f"{how} in {where}"
+            if not got:
+                row["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def fmt(row, key, spec):
+        v = row.get(key)
+        return "—" if v is None else format(v, spec)
+
+    print(f"\n| {mode}, {size}x{size}, batch {batch}, TF {tf.__version__} | forward loss FP32 / ours / "
+          f"peer | update cosine with FP32's, ours / peer | update error, ours / peer | notes |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {fmt(r, 'fp32_loss', '.4f')} / {fmt(r, 'ours_loss', '.4f')} / "
+              f"{fmt(r, 'peer_loss', '.4f')} | {fmt(r, 'ours_cos', '.3f')} / {fmt(r, 'peer_cos', '.3f')} | "
+              f"{fmt(r, 'ours_rel', '.3f')} / {fmt(r, 'peer_rel', '.3f')} | "
+              f"{r.get('status', '')} {r.get('error', '')} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--saved-model", default=None, metavar="HW,BATCH[,ALPHA]")
+    ap.add_argument("--applications", nargs="?", const=APPLICATIONS, default=None, metavar="NAMES")
+    ap.add_argument("--mode", choices=sorted(_PEER_FLAG), default="bf16")
+    ap.add_argument("--size", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--peer-emulate", action="store_true",
+                    help="grappler's FP16 emulation on the CPU left at TF's default (on)")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        application_step(args.one, args.mode, args.size, args.batch)
+        return
+    if args.applications:
+        applications(args.applications, args.mode, args.size, args.batch, args.peer_emulate)
+        return
     if args.saved_model:
         parts = args.saved_model.split(",")
         saved_model_row(int(parts[0]), int(parts[1]), float(parts[2]) if len(parts) > 2 else 1.0)
