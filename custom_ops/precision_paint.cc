@@ -24,8 +24,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <string>
 #include <string_view>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "name_table.h"  // npu_amp_tf::NameTable (no TensorFlow types)
@@ -111,6 +114,12 @@ struct Painter {
     return RefSpan{in_refs.data() + in_start[i], in_refs.data() + in_start[i + 1]};
   }
   std::vector<int32_t> cons_start, cons_node, cons_idx, cons_port;  // data readers per source
+  // (issue 17) kept for FixEdges: a copy of the strings, the names (ids =
+  // node indices) and each input's text, as Python wrote it
+  std::string text;
+  npu_amp_tf::NameTable index;
+  std::vector<std::string_view> ref_text;  // parallel to in_refs
+  std::string fix_blob;                    // NpuAmpPaintFixEdges' answer
   std::vector<char> unsafe, unsafe_known;
   mutable std::vector<char> asked_seen;  // per run: the unanswered constants asked about
   mutable std::vector<int32_t> asked;
@@ -605,6 +614,250 @@ bool ParsePort(std::string_view s, int32_t* port) {
   return true;
 }
 
+// ------------------------------------------------ the casts on mismatched edges
+// (issue 17, the C++ core's milestone 2) amp.py PrecisionPass._fix_edges_bulk's
+// decisions, over the painter's graph: every float data input whose dtype
+// differs from the float dtype its node wants gets a tensor of that dtype:
+// the root behind float->float Casts when it has it, else a Cast already
+// reading the root (the first by name), else a new Cast named
+// "<src>/CastToXx[_port]" (a "_j" suffix when taken), one per (root, dtype).
+// Python keeps the reference and applies the plan (NodeDefs, the index).
+//
+// The dtypes are those Python applied from the result record `o` (a copy of
+// the painting's output, as Python read it: the painted target, then FP32 for
+// a demotion, then the low dtype for a follow-up), with `overrides` for the
+// nodes re-typed since (_adapt_casts, _convert_consts), which also count as
+// touched.  `ctrl_casts`: the Casts with a control input (never reused).
+class CastPlan {
+ public:
+  explicit CastPlan(const Painter& p) : p_(p), var_(p.n, 0), ov_at_(p.n, -1), touched_(p.n, 0) {}
+
+  // false: arguments that do not describe the graph
+  bool Load(const int32_t* o, const int32_t* ints, int64_t n_ints) {
+    const int32_t n = p_.n;
+    for (int32_t i = 0; i < n; ++i) {
+      const int32_t* r = o + static_cast<size_t>(i) * kOutWidth;
+      if (r[kODecided] != 2) continue;
+      const int32_t c = p_.cls[i];
+      int32_t fin = r[kOTarget];
+      bool moved = fin != p_.cur0[c];
+      if (r[kODemoted]) fin = kF32, moved = true;
+      if (r[kOFollowed]) fin = p_.low, moved = true;
+      if (moved) touched_[i] = 1;
+      var_[i] = fin == p_.cur0[c] ? 0 : fin == kF32 ? 1 : IsLow(fin) ? 2 : 0;
+    }
+    IntReader rd{ints, n_ints};
+    const int32_t n_ov = rd.One();
+    if (!rd.ok || n_ov < 0) return false;
+    ov_.resize(n_ov);
+    for (int32_t j = 0; j < n_ov; ++j) {
+      const int32_t i = rd.One();
+      if (!rd.ok || i < 0 || i >= n) return false;
+      Ov& v = ov_[j];
+      if (!ReadDts(&rd, &v.nin, &v.ins) || !ReadDts(&rd, &v.nout, &v.outs)) return false;
+      ov_at_[i] = j;
+      touched_[i] = 1;
+    }
+    const int32_t n_ctrl = rd.One();
+    if (!rd.ok || n_ctrl < 0) return false;
+    ctrl_.assign(n, 0);
+    for (int32_t j = 0; j < n_ctrl; ++j) {
+      const int32_t i = rd.One();
+      if (!rd.ok || i < 0 || i >= n) return false;
+      ctrl_[i] = 1;
+    }
+    mism_ = o;
+    return rd.ok && rd.left == 0;
+  }
+
+  // the plan as Python reads it (see NpuAmpPaintFixEdges); false: a form
+  // left to Python (a root of unknown dtype needing a cast)
+  bool Run(std::string* blob) {
+    const int32_t n = p_.n;
+    std::vector<int32_t> news, steps, saves;  // (src, SrcT, DstT), (new, node, k), node
+    std::vector<std::string_view> step_refs;
+    struct Key {
+      std::string_view root;
+      int32_t dt;
+      bool operator==(const Key& o) const { return dt == o.dt && root == o.root; }
+    };
+    struct KeyHash {
+      size_t operator()(const Key& k) const {
+        return npu_amp_tf::NameTable::Hash(k.root) * 31 + static_cast<size_t>(k.dt);
+      }
+    };
+    std::unordered_map<Key, std::string_view, KeyHash> cache;
+    std::unordered_set<std::string_view> taken;
+    for (int32_t i = 0; i < n; ++i) {
+      const int32_t bits = mism_[static_cast<size_t>(i) * kOutWidth + kOMismatch];
+      if (!bits) continue;
+      const RefSpan ins = p_.In(i);
+      bool visit = touched_[i] != 0;
+      for (size_t k = 0; !visit && k < ins.size(); ++k) {
+        visit = !ins[k].ctrl && ins[k].src >= 0 && touched_[ins[k].src];
+      }
+      if (!visit) continue;
+      const int32_t* want;
+      const int32_t len = InsOf(i, &want);
+      if (len < 0) continue;
+      const int32_t m = std::min<int32_t>(len, static_cast<int32_t>(ins.size()));
+      for (int32_t k = 0; k < m; ++k) {
+        if (k < 30 ? !(bits >> k & 1) : !(bits >> 30 & 1)) continue;
+        const size_t e = static_cast<size_t>(p_.in_start[i]) + k;
+        const Ref& r = p_.in_refs[e];
+        if (r.ctrl) continue;
+        const int32_t w = Base(want[k]);
+        if (!IsFloat(w)) continue;
+        const int32_t have = DtypeOf(r);
+        if (have < 0) continue;
+        const int32_t hb = Base(have);
+        if (!IsFloat(hb) || hb == w) continue;
+        const std::string_view inp = p_.ref_text[e];
+        const size_t re = RootEdge(e);
+        const std::string_view root = p_.ref_text[re];
+        const Ref& rr = p_.in_refs[re];
+        const int32_t rdt = root == inp ? have : DtypeOf(rr);
+        int32_t nj = -1;
+        std::string_view ref;
+        if (rdt >= 0 && Base(rdt) == w) {
+          ref = root;
+        } else {
+          const Key key{root, w};
+          auto hit = cache.find(key);
+          if (hit != cache.end()) {
+            ref = hit->second;
+          } else {
+            if (rdt < 0 || rr.src < 0) return false;
+            const int32_t found = ExistingCast(rr, w, Base(rdt));
+            if (found >= 0) {
+              ref = p_.index.key(found);
+            } else {
+              std::string base(p_.index.key(rr.src));
+              base += w == kHalf ? "/CastToFp16" : w == kBf16 ? "/CastToBf16" : "/CastToFp32";
+              if (rr.port) base += "_" + std::to_string(rr.port);
+              std::string name = base;
+              for (int j = 1; p_.index.Find(name) >= 0 || taken.count(name); ++j) {
+                name = base + "_" + std::to_string(j);
+              }
+              names_.push_back(std::move(name));
+              ref = names_.back();
+              taken.insert(ref);
+              nj = static_cast<int32_t>(news.size() / 3);
+              news.insert(news.end(), {rr.src, Base(rdt), w});
+              new_roots_.push_back(root);
+            }
+            cache.emplace(key, ref);
+          }
+        }
+        saves.push_back(i);
+        if (nj >= 0 || ref != inp) {
+          steps.insert(steps.end(), {nj, i, k});
+          step_refs.push_back(ref);
+        }
+      }
+    }
+    // ints: counts, news, steps, saves; then the text: new names \x01-joined,
+    // \x02, their roots, \x02, the steps' references
+    std::vector<int32_t> head = {static_cast<int32_t>(news.size() / 3),
+                                 static_cast<int32_t>(steps.size() / 3),
+                                 static_cast<int32_t>(saves.size())};
+    blob->clear();
+    for (const std::vector<int32_t>* v : {&head, &news, &steps, &saves}) {
+      blob->append(reinterpret_cast<const char*>(v->data()), v->size() * sizeof(int32_t));
+    }
+    for (size_t j = 0; j < names_.size(); ++j) {
+      if (j) blob->push_back('\x01');
+      blob->append(names_[j]);
+    }
+    blob->push_back('\x02');
+    for (size_t j = 0; j < new_roots_.size(); ++j) {
+      if (j) blob->push_back('\x01');
+      blob->append(new_roots_[j]);
+    }
+    blob->push_back('\x02');
+    for (size_t j = 0; j < step_refs.size(); ++j) {
+      if (j) blob->push_back('\x01');
+      blob->append(step_refs[j]);
+    }
+    return true;
+  }
+
+ private:
+  struct Ov {
+    int32_t nin = -1, nout = -1;
+    std::vector<int32_t> ins, outs;
+  };
+
+  static bool ReadDts(IntReader* rd, int32_t* count, std::vector<int32_t>* vals) {
+    *count = rd->One();
+    if (!rd->ok || *count < -1 || *count > rd->left) return false;
+    for (int32_t j = 0; j < *count; ++j) vals->push_back(rd->One());
+    return rd->ok;
+  }
+
+  int32_t InsOf(int32_t i, const int32_t** v) const {
+    if (ov_at_[i] >= 0) {
+      const Ov& o = ov_[ov_at_[i]];
+      *v = o.ins.data();
+      return o.nin;
+    }
+    const Csr& c = p_.dts[var_[i]][0];
+    *v = c.At(p_.cls[i]);
+    return c.Len(p_.cls[i]);
+  }
+  int32_t OutsOf(int32_t i, const int32_t** v) const {
+    if (ov_at_[i] >= 0) {
+      const Ov& o = ov_[ov_at_[i]];
+      *v = o.outs.data();
+      return o.nout;
+    }
+    const Csr& c = p_.dts[var_[i]][1];
+    *v = c.At(p_.cls[i]);
+    return c.Len(p_.cls[i]);
+  }
+  // tensor_dtype: the dtype (ref types included) or -1
+  int32_t DtypeOf(const Ref& r) const {
+    if (r.ctrl || r.src < 0) return -1;
+    const int32_t* v;
+    const int32_t len = OutsOf(r.src, &v);
+    return len < 0 || r.port >= len ? -1 : v[r.port];
+  }
+  // amp.py root(): the input (an index of in_refs) behind float->float Casts
+  size_t RootEdge(size_t e) const {
+    for (int s = 0; s < 64; ++s) {
+      const Ref& r = p_.in_refs[e];
+      if (r.src < 0 || p_.kind[p_.cls[r.src]] != kKindCast || p_.In(r.src).empty()) return e;
+      const int32_t *si, *so;
+      if (InsOf(r.src, &si) < 1 || OutsOf(r.src, &so) < 1) return e;
+      if (!IsFloat(si[0]) || !IsFloat(so[0])) return e;
+      e = static_cast<size_t>(p_.in_start[r.src]);
+    }
+    return e;
+  }
+  // the first (by name) Cast reading `r` at its input 0 with DstT `w`,
+  // SrcT `src_t` and no control input, or -1
+  int32_t ExistingCast(const Ref& r, int32_t w, int32_t src_t) const {
+    int32_t best = -1;
+    for (int32_t e = p_.cons_start[r.src]; e < p_.cons_start[r.src + 1]; ++e) {
+      if (p_.cons_port[e] != r.port || p_.cons_idx[e] != 0) continue;
+      const int32_t c = p_.cons_node[e];
+      if (p_.kind[p_.cls[c]] != kKindCast || ctrl_[c]) continue;
+      const int32_t *si, *so;
+      if (InsOf(c, &si) < 1 || OutsOf(c, &so) < 1 || so[0] != w || si[0] != src_t) continue;
+      if (best < 0 || p_.index.key(c) < p_.index.key(best)) best = c;
+    }
+    return best;
+  }
+
+  const Painter& p_;
+  std::vector<int32_t> var_, ov_at_;
+  std::vector<char> touched_, ctrl_;
+  std::vector<Ov> ov_;
+  const int32_t* mism_ = nullptr;
+  std::deque<std::string> names_;  // the new casts' names (stable storage)
+  std::vector<std::string_view> new_roots_;
+};
+
 Painter* Open(const char* strings, size_t len, const int32_t* ints, int64_t n_ints) {
   auto* pt = new Painter();
   IntReader r{ints, n_ints};
@@ -645,14 +898,15 @@ Painter* Open(const char* strings, size_t len, const int32_t* ints, int64_t n_in
   }
   // strings: names joined by \x01, \x03, then per node its inputs joined by
   // \x01, nodes joined by \x02
-  std::string_view all(strings, len);
+  pt->text.assign(strings, len);
+  std::string_view all(pt->text);
   const size_t sep = all.find('\x03');
   if (sep == std::string_view::npos) {
     delete pt;
     return nullptr;
   }
   std::string_view names = all.substr(0, sep), ins = all.substr(sep + 1);
-  npu_amp_tf::NameTable index;
+  npu_amp_tf::NameTable& index = pt->index;
   index.Reserve(static_cast<size_t>(n));
   {
     size_t pos = 0;
@@ -668,6 +922,7 @@ Painter* Open(const char* strings, size_t len, const int32_t* ints, int64_t n_in
   }
   pt->in_start.assign(static_cast<size_t>(n) + 1, 0);
   pt->in_refs.reserve(static_cast<size_t>(n) * 3);
+  pt->ref_text.reserve(static_cast<size_t>(n) * 3);
   {
     size_t pos = 0;
     for (int32_t i = 0; i < n; ++i) {
@@ -708,6 +963,7 @@ Painter* Open(const char* strings, size_t len, const int32_t* ints, int64_t n_in
         }
         rf.src = index.Find(name);
         pt->in_refs.push_back(rf);
+        pt->ref_text.push_back(ref);
       }
     }
     pt->in_start[n] = static_cast<int32_t>(pt->in_refs.size());
@@ -796,6 +1052,29 @@ NPU_AMP_PAINT_EXPORT int64_t NpuAmpPaintRun(void* h, const int32_t* answered, in
   const int64_t k = static_cast<int64_t>(pt->asked.size());
   for (int64_t j = 0; j < k && j < cap; ++j) asked[j] = pt->asked[j];
   return k;
+}
+
+// (issue 17) amp.py _fix_edges_bulk's plan after a run (see CastPlan): `out`
+// the result record as Python applied it, `ints` the overrides and the Casts
+// with control inputs.  0: `*data`/`*len` hold the plan (valid until the next
+// call or NpuAmpPaintClose): int32 counts (new casts, steps, saves), per new
+// cast (source node, SrcT, DstT), per step (new cast or -1, node, input),
+// per save the node, then the text (new names, their roots, the steps'
+// references); 1: a form left to Python; -1: bad arguments.
+NPU_AMP_PAINT_EXPORT int NpuAmpPaintFixEdges(void* h, const int32_t* out, int64_t n_out,
+                                             const int32_t* ints, int64_t n_ints, const char** data,
+                                             size_t* len) {
+  auto* pt = static_cast<Painter*>(h);
+  if (pt == nullptr || out == nullptr || ints == nullptr || data == nullptr || len == nullptr ||
+      n_out != static_cast<int64_t>(pt->n) * kOutWidth) {
+    return -1;
+  }
+  CastPlan plan(*pt);
+  if (!plan.Load(out, ints, n_ints)) return -1;
+  if (!plan.Run(&pt->fix_blob)) return 1;
+  *data = pt->fix_blob.data();
+  *len = pt->fix_blob.size();
+  return 0;
 }
 
 NPU_AMP_PAINT_EXPORT void NpuAmpPaintClose(void* h) { delete static_cast<Painter*>(h); }

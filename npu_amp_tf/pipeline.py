@@ -7,6 +7,8 @@ the library, and returns the new GraphDef and one Report.
 """
 from __future__ import annotations
 
+import array
+import ctypes
 import functools
 import gc
 import importlib
@@ -293,7 +295,9 @@ def native_paint_entry():
     """The precision pass's painting loops in C++ (``ctx.native_paint``: see
     graph_passes/precision/native.py and custom_ops/precision_paint.cc), when
     the custom-op library is loaded and has them; else None (the pass paints
-    in Python).  ``fn(strings, ints, n_out, check)`` -> ``array('i')`` or None."""
+    in Python).  ``fn(strings, ints, n_out, check)`` -> ``array('i')`` or None;
+    with the library's ``NpuAmpPaintFixEdges``, a :class:`PaintResult` whose
+    painter stays open for the casts' plan (``native.fix_edges``)."""
     global _paint_entry
     if _paint_entry is not None:
         return _paint_entry or None
@@ -305,9 +309,6 @@ def native_paint_entry():
     if not hasattr(lib, "NpuAmpPaintRun"):
         _paint_entry = False
         return None
-    import array
-    import ctypes
-
     c_int64, c_void_p = ctypes.c_int64, ctypes.c_void_p
     lib.NpuAmpPaintOpen.argtypes = [ctypes.c_char_p, ctypes.c_size_t, c_void_p, c_int64]
     lib.NpuAmpPaintOpen.restype = c_void_p
@@ -316,16 +317,22 @@ def native_paint_entry():
     lib.NpuAmpPaintRun.restype = c_int64
     lib.NpuAmpPaintClose.argtypes = [c_void_p]
     lib.NpuAmpPaintClose.restype = None
+    fix = getattr(lib, "NpuAmpPaintFixEdges", None)
+    if fix is not None:
+        fix.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_int64,
+                        ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t)]
+        fix.restype = ctypes.c_int
 
     def paint(strings, ints, n_out, check):
         # (arrays passed by address, as bridge.kahn_order does)
         h = lib.NpuAmpPaintOpen(strings, len(strings), ints.buffer_info()[0], len(ints))
         if not h:
             return None
+        kept = None
         try:
             n = ints[1]
             asked = array.array("i", bytes(4 * max(n, 1)))
-            out = array.array("i", bytes(4 * n_out))
+            out = PaintResult(bytes(4 * n_out)) if fix is not None else array.array("i", bytes(4 * n_out))
             answered, bad = array.array("i", [0]), array.array("i", [0])
             na = nb = 0
             for _ in range(n + 1):  # (each round answers at least one more constant)
@@ -333,20 +340,62 @@ def native_paint_entry():
                                        out.buffer_info()[0], n_out, asked.buffer_info()[0], n)
                 if k < 0 or k > n:
                     return None
-                if k == 0:
+                unsafe = check(asked[:k].tolist()) if k else None
+                if not unsafe:  # (the result stands: the constants taken as safe are)
+                    if fix is None:
+                        return out
+                    # (issue 17) the painter stays open for the casts' plan
+                    # (PaintResult.fix_edges); closed with the result
+                    out.painter = kept = _Painter(lib, fix, h)
                     return out
                 new = asked[:k].tolist()
-                unsafe = check(new)
-                if not unsafe:
-                    return out  # (the constants taken as safe are)
                 answered, bad = array.array("i", new), array.array("i", unsafe)
                 na, nb = len(new), len(unsafe)
             return None
         finally:
-            lib.NpuAmpPaintClose(h)
+            if kept is None:
+                lib.NpuAmpPaintClose(h)
 
     _paint_entry = paint
     return paint
+
+
+class PaintResult(array.array):
+    """The painting's result record (an ``array('i')``) with the open
+    painter behind it (``painter``: :class:`_Painter`), for the casts'
+    plan (``graph_passes.precision.native.fix_edges``)."""
+
+    __slots__ = ("painter",)
+
+    def __new__(cls, data):
+        return super().__new__(cls, "i", data)
+
+
+class _Painter:
+    """An open C++ painter (``NpuAmpPaintOpen``), closed when dropped."""
+
+    def __init__(self, lib, fix, h):
+        self._lib, self._fix, self._h = lib, fix, h
+
+    def fix_edges(self, out, ints):
+        """``NpuAmpPaintFixEdges``: the plan's bytes, or None (Python plans)."""
+        data, size = ctypes.c_char_p(), ctypes.c_size_t()
+        rc = self._fix(self._h, out.buffer_info()[0], len(out), ints.buffer_info()[0], len(ints),
+                       ctypes.byref(data), ctypes.byref(size))
+        if rc != 0:
+            return None
+        return ctypes.string_at(data, size.value)
+
+    def close(self):
+        h, self._h = self._h, None
+        if h:
+            self._lib.NpuAmpPaintClose(h)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone
+            pass
 
 
 def _precheck(fn, out, data, device):

@@ -30,7 +30,7 @@ from test_speed_paths import optimize_rewritten, plugin_only_grappler
 
 from conftest import assert_same
 
-SWITCHES = ("bulk_apply", "bulk_casts", "batch_saves", "copy_probe")
+SWITCHES = ("bulk_apply", "bulk_casts", "batch_saves", "copy_probe", "native_casts")
 
 MODES = {
     "fp16": dict(precision_mode="allow_mix_precision"),
@@ -213,15 +213,19 @@ def test_a_planted_fault_is_caught(k2, monkeypatch, fault):
         monkeypatch.setattr(amp.PrecisionPass, "_convert_consts", conv)
 
     if fault == "mask":  # one listed input dropped from the native mismatch masks
-        orig_fix = amp.PrecisionPass._fix_edges_bulk
+        orig_fix = amp.PrecisionPass._fix_edges
 
-        def fix(self, shapes, mism):
+        def fix(self, shapes):
             m = self._mismatch_inputs
             if m:
                 name = next(n for n in sorted(m) if m[n])
                 m[name] &= m[name] - 1
-            return orig_fix(self, shapes, mism)
-        monkeypatch.setattr(amp.PrecisionPass, "_fix_edges_bulk", fix)
+                if self._painted_with is not None:  # (the record the C++ plan reads: native_casts)
+                    rec = self._painted_with[1]
+                    at = self._const_wants[0][name] * native_mod.OUT_WIDTH + native_mod.O_MISMATCH
+                    rec[at] = m[name]
+            return orig_fix(self, shapes)
+        monkeypatch.setattr(amp.PrecisionPass, "_fix_edges", fix)
     if fault == "cast_order":  # the batch's casts added in reverse
         orig_rewire = Graph.add_and_rewire
         monkeypatch.setattr(Graph, "add_and_rewire", lambda self, steps: orig_rewire(self, steps[::-1]))
@@ -305,3 +309,90 @@ def test_copy_probe_asks_about_copies_only_when_there_are_some(k2, monkeypatch):
         outs[probe] = (out.SerializeToString(deterministic=True), len(asked), rep.summary["casts_inserted"])
     assert outs[True][1] == 0 and outs[False][1] >= outs[False][2] > 100, outs
     assert outs[True][0] == outs[False][0]
+
+
+# ----------------------------------------- issue 17: the casts' plan in C++
+def _native_casts(monkeypatch, on):
+    _set(monkeypatch, True)
+    monkeypatch.setattr(amp.PrecisionPass, "native_casts", on)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "fp16_l3"])
+@pytest.mark.parametrize("name", REAL)
+def test_native_cast_plan_equals_the_python_plan(k2, monkeypatch, name, mode):
+    """``PrecisionPass.native_casts``: the C++ painter's plan of the casts on
+    mismatched edges (``native.fix_edges``) against ``_fix_edges_bulk``, the
+    other switches on: byte-identical graphs, equal reports in their order,
+    and the C++ plan was made (the switch is not silently idle)."""
+    gd, fetches = _graph(name, k2)
+    res = {}
+    for on in (True, False):
+        _native_casts(monkeypatch, on)
+        made = native_mod.CAST_PLANS[0]
+        out, rep = npu_amp_tf.rewrite_graph(gd, fetches=[f.split(":")[0] for f in fetches], **MODES[mode])
+        res[on] = (out.SerializeToString(deterministic=True), _strip_times(rep.to_json()),
+                   native_mod.CAST_PLANS[0] - made)
+    assert res[True][2] >= 1 and res[False][2] == 0, (res[True][2], res[False][2])
+    assert res[True][1]["summary"]["casts_inserted"] > 0
+    assert_same(res[True][0], res[False][0], "the C++ plan's and the Python plan's graphs")
+    assert json.dumps(res[True][1], default=str) == json.dumps(res[False][1], default=str)
+
+
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like", "keras_transformer_training"])
+def test_native_cast_plan_through_grappler(k2, monkeypatch, name):
+    """Inside grappler (the item's index, the fusion pass first, the painting
+    strings from the item): the C++ plan gives the Python plan's graph."""
+    made = native_mod.CAST_PLANS[0]
+    assert_grappler_on_equals_off(k2, name, lambda on: _native_casts(monkeypatch, on))
+    assert native_mod.CAST_PLANS[0] > made
+
+
+def cast_names_graph():
+    """FP16 MatMuls reading float32 tensors where the reference's names and
+    reuse rules show: ``x/CastToFp16`` is taken by an Identity (the new Cast
+    is ``x/CastToFp16_1``), ``y`` has a user Cast to float16 with a control
+    input (never reused) and ``z`` one without (reused), and ``w:1`` (port 1
+    of a Split) gets ``w/CastToFp16_1`` (the port suffix); ``v`` is read
+    through a float32->float32 Cast (its root is ``v``)."""
+    import tensorflow as tf
+
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 4], name="x")
+        tf.identity(x, name="x/CastToFp16")
+        y = tf.compat.v1.placeholder(tf.float32, [4, 4], name="y")
+        z = tf.compat.v1.placeholder(tf.float32, [4, 4], name="z")
+        v = tf.compat.v1.placeholder(tf.float32, [4, 4], name="v")
+        w = tf.split(tf.compat.v1.placeholder(tf.float32, [4, 8], name="wsrc"), 2, axis=1, name="w")
+        with tf.control_dependencies([x]):
+            yc = tf.cast(y, tf.float16, name="y_user_cast")
+        zc = tf.cast(z, tf.float16, name="z_user_cast")
+        vv = tf.cast(v, tf.float32, name="v_same")
+        outs = [tf.matmul(x, y, name="mm_xy"), tf.matmul(z, w[1], name="mm_zw"),
+                tf.matmul(vv, x, name="mm_vx"), tf.matmul(yc, zc, name="mm_user")]
+        tf.add_n([tf.cast(o, tf.float32) for o in outs], name="out")
+    return g.as_graph_def(), ["out"]
+
+
+def test_native_cast_plan_names_and_reuse(monkeypatch):
+    """The rules the plan follows, derived by hand: a taken name gets "_1",
+    port 1 a "_1" suffix, a user Cast with a control input is not reused and
+    one without is, a float Cast is seen through to its root."""
+    gd, fetches = cast_names_graph()
+    res = {}
+    for on in (True, False):
+        _native_casts(monkeypatch, on)
+        made = native_mod.CAST_PLANS[0]
+        out, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, precision_mode="allow_mix_precision")
+        res[on] = out
+        assert (native_mod.CAST_PLANS[0] > made) == on
+    assert_same(res[True].SerializeToString(deterministic=True), res[False].SerializeToString(deterministic=True),
+                "the C++ plan's and the Python plan's graphs")
+    nodes = {n.name: n for n in res[True].node}
+    assert list(nodes["mm_xy"].input) == ["x/CastToFp16_1", "y/CastToFp16"]
+    assert nodes["x/CastToFp16_1"].op == "Cast" and list(nodes["x/CastToFp16_1"].input) == ["x"]
+    assert nodes["x/CastToFp16"].op == "Identity"
+    assert list(nodes["mm_zw"].input) == ["z_user_cast", "w/CastToFp16_1"]
+    assert list(nodes["w/CastToFp16_1"].input) == ["w:1"]
+    assert list(nodes["mm_vx"].input) == ["v/CastToFp16", "x/CastToFp16_1"]
+    assert "y_user_cast" not in nodes["mm_xy"].input

@@ -225,6 +225,13 @@ class PrecisionPass(Pass):
     #: new cast only when there are some; False: asks every time (the
     #: reference; the same graph)
     copy_probe = True
+    #: (issue 17, the C++ core's milestone 2) with ``bulk_casts`` and the
+    #: native painting, the casts on mismatched edges are decided in C++ by
+    #: the painter that painted (``native.fix_edges``, custom_ops/
+    #: precision_paint.cc ``CastPlan``): the same casts, names, reuse and edge
+    #: order as ``_fix_edges_bulk``, which stays the reference (False; the
+    #: same graph and report, tests/test_precision_bulk.py)
+    native_casts = True
 
     # ------------------------------------------------------------ set-up
     def run(self, graph, ctx):
@@ -274,6 +281,12 @@ class PrecisionPass(Pass):
         #: (issue 17t, bulk_apply) the painted nodes' report entries, as the
         #: native result's rows (native._Entries), written when read
         self._entries = None
+        #: (issue 17, native painting with bulk_apply) (the C++ painter kept
+        #: open, its result record, the painted names and nodes), for
+        #: native.fix_edges; dropped after _fix_edges
+        self._painted_with = None
+        #: the nodes _adapt_casts and _convert_consts re-typed, in order
+        self._late = []
         self.casts_inserted = 0
         self.copy_reads = 0
         self._contested = set()  # painted low although an FP32 producer voted against
@@ -312,6 +325,7 @@ class PrecisionPass(Pass):
             self._adapt_casts()
             self._convert_consts()
             self._fix_edges(shapes)
+            self._painted_with = None  # (the C++ painter closes)
             if self.ctx.option("delay_fp32_copies", True):
                 self._delay_widening_casts(shapes)
         else:
@@ -1061,6 +1075,7 @@ class PrecisionPass(Pass):
                 if have is not None and registry.base_dtype(have) in FLOATS and have != src_t:
                     self._set_type(node, "SrcT", registry.base_dtype(have))
                     self.touched.add(name)
+                    self._late.append(name)
             elif node.attr["DstT"].type in FLOATS and name not in self.protected:
                 wants = self._consumer_wants(name)
                 if wants and len(wants) == 1:
@@ -1068,6 +1083,7 @@ class PrecisionPass(Pass):
                     if w in FLOATS and w != node.attr["DstT"].type:
                         self._set_type(node, "DstT", w)
                         self.touched.add(name)
+                        self._late.append(name)
                         self._record(node, "cast", f"int->float Cast retargeted to {registry.dtype_name(w)} "
                                                    "(its consumers all want it)", dtype=w)
 
@@ -1122,6 +1138,7 @@ class PrecisionPass(Pass):
             self._edited(name)
             _convert_const(node, w)
             self.touched.add(name)
+            self._late.append(name)
             self._record(node, "const", f"constant converted in place to {registry.dtype_name(w)}",
                          lst="const", dtype=w, was=registry.dtype_name(cur))
 
@@ -1131,6 +1148,8 @@ class PrecisionPass(Pass):
         mism = self._mismatch
         touched = self.touched
         if mism is not None and self.bulk_casts:
+            if self.native_casts and self._painted_with is not None and _native.fix_edges(self, shapes):
+                return None
             return self._fix_edges_bulk(shapes, mism)
         if mism is not None:
             # (issue 17n: the native painting listed the nodes with a float input of

@@ -259,6 +259,10 @@ def paint(pp, order, fn):
     if out is None:
         return None
     if batched and pp.bulk_apply:
+        # (issue 17) the painter behind the result, kept open for the casts' plan (fix_edges)
+        painter = getattr(out, "painter", None)
+        if painter is not None:
+            pp._painted_with = (painter, out, names, nodes)
         return _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops, cop)
     return _apply(pp, out, order, idx, names, nodes, cid, infos, lsts, rec)
 
@@ -859,10 +863,98 @@ def _refill_memos(pp, paths, names, nodes, cid, infos):
         info_memo[name] = (node.op, infos[c])
 
 
+#: how many casts' plans the C++ painter made (:func:`fix_edges`; for tests)
+CAST_PLANS = [0]
+
+
+def fix_edges(pp, shapes) -> bool:
+    """(issue 17, the C++ core's milestone 2) ``PrecisionPass._fix_edges_bulk``
+    with its decisions made by the C++ painter that painted
+    (``pp._painted_with``; custom_ops/precision_paint.cc ``CastPlan``): which
+    edges get which tensor (the root behind float Casts, an existing Cast, or
+    a new ``<src>/CastToXx`` Cast, named as the reference names it), in the
+    reference's order.  Python makes the new Casts' NodeDefs (a copy of a
+    template per (SrcT, DstT, device)), saves the nodes it re-wires and has
+    the graph add and re-wire in one call (``Graph.add_and_rewire``).
+
+    The painter reads the dtypes from the result record as
+    :func:`_apply_bulk` applied it, and is told the nodes ``_adapt_casts`` and
+    ``_convert_consts`` re-typed since (their dtypes now) and the Casts with
+    a control input (never reused).  False (nothing done: the caller runs
+    the reference) when ``keep_fp16_copies``' working copies may be read
+    instead of a cast, the graph's nodes are not those painted, or the
+    painter leaves the plan to Python."""
+    painter, out, names, nodes = pp._painted_with
+    g = pp.g
+    masks, cw = pp._mismatch_inputs, pp._const_wants
+    if masks is None or cw is None or len(g.nodes) != len(names):
+        return False
+    if not pp.copy_probe or any(n.endswith("/Fp16Copy") for n in g.nodes_of_type("VarHandleOp")):
+        return False  # (a copy's read may replace a cast: the reference decides)
+    idx = cw[0]  # (name -> the painted node index)
+    ints = array("i", [len(pp._late)])
+    for name in pp._late:
+        node = nodes[idx[name]]
+        _, ins, outs = pp._memo_dts(node)
+        ints.append(idx[name])
+        for dts in (ins, outs):
+            if dts is None:
+                ints.append(-1)
+            else:
+                ints.append(len(dts))
+                ints.extend(dts)
+    ctrl = [idx[c] for c in g.nodes_of_type("Cast") if any(i[:1] == "^" for i in nodes[idx[c]].input)]
+    ints.append(len(ctrl))
+    ints.extend(ctrl)
+    blob = painter.fix_edges(out, ints)
+    if blob is None:
+        return False
+    CAST_PLANS[0] += 1
+    n_new, n_steps, n_saves = np.frombuffer(blob, np.int32, 3).tolist()
+    a = 3 + 3 * n_new
+    b = a + 3 * n_steps
+    cnt = b + n_saves
+    head = np.frombuffer(blob, np.int32, cnt)
+    new_names, new_roots, refs = blob[4 * cnt:].decode().split("\x02")
+    new_names = new_names.split("\x01") if n_new else []
+    new_roots = new_roots.split("\x01") if n_new else []
+    refs = refs.split("\x01") if n_steps else []
+    made = []
+    templates = {}
+    cast_op = node_def_pb2.NodeDef
+    for (si, src_t, dst_t), cname, root in zip(head[3:a].reshape(-1, 3).tolist(), new_names, new_roots):
+        dev = nodes[si].device
+        tk = (src_t, dst_t, dev)
+        tmpl = templates.get(tk)
+        if tmpl is None:
+            tmpl = templates[tk] = cast_op(op="Cast", device=dev)
+            tmpl.attr["SrcT"].type = src_t
+            tmpl.attr["DstT"].type = dst_t
+            tmpl.attr["Truncate"].b = False
+        new = cast_op()
+        new.CopyFrom(tmpl)
+        new.name = cname
+        new.input.append(root)
+        made.append(new)
+    pp.casts_inserted += len(made)
+    pp.new_casts.extend(new_names)
+    if shapes is not None:
+        for cname, root in zip(new_names, new_roots):
+            shapes.alias(cname, root)
+    nget = names.__getitem__
+    pp._before.save_all(list(map(nget, head[b:cnt].tolist())))
+    if n_steps:
+        st = head[a:b].reshape(-1, 3)
+        made.append(None)  # (index -1: no new node)
+        g.add_and_rewire(list(zip(map(made.__getitem__, st[:, 0].tolist()), map(nget, st[:, 1].tolist()),
+                                  st[:, 2].tolist(), refs)))
+    return True
+
+
 def _fail(name):
     from ..errors import GraphError
 
     raise GraphError(f"native painting returned no reason for '{name}'")
 
 
-__all__ = ["paint", "MIX_MODES", "OUT_WIDTH"]
+__all__ = ["paint", "fix_edges", "MIX_MODES", "OUT_WIDTH"]
