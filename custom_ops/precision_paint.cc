@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -120,6 +121,7 @@ struct Painter {
   npu_amp_tf::NameTable index;
   std::vector<std::string_view> ref_text;  // parallel to in_refs
   std::string fix_blob;                    // NpuAmpPaintFixEdges' answer
+  std::shared_ptr<void> fix_plan;          // its CastPlan, for NpuAmpPaintDelayPlan
   std::vector<char> unsafe, unsafe_known;
   mutable std::vector<char> asked_seen;  // per run: the unanswered constants asked about
   mutable std::vector<int32_t> asked;
@@ -686,7 +688,11 @@ class CastPlan {
         return npu_amp_tf::NameTable::Hash(k.root) * 31 + static_cast<size_t>(k.dt);
       }
     };
-    std::unordered_map<Key, std::string_view, KeyHash> cache;
+    struct Target {
+      std::string_view ref;
+      int32_t id;  // the node the reference names: a painted node, or n + a new cast
+    };
+    std::unordered_map<Key, Target, KeyHash> cache;
     std::unordered_set<std::string_view> taken;
     for (int32_t i = 0; i < n; ++i) {
       const int32_t bits = mism_[static_cast<size_t>(i) * kOutWidth + kOMismatch];
@@ -717,7 +723,7 @@ class CastPlan {
         const std::string_view root = p_.ref_text[re];
         const Ref& rr = p_.in_refs[re];
         const int32_t rdt = root == inp ? have : DtypeOf(rr);
-        int32_t nj = -1;
+        int32_t nj = -1, tgt = rr.src;
         std::string_view ref;
         if (rdt >= 0 && Base(rdt) == w) {
           ref = root;
@@ -725,12 +731,14 @@ class CastPlan {
           const Key key{root, w};
           auto hit = cache.find(key);
           if (hit != cache.end()) {
-            ref = hit->second;
+            ref = hit->second.ref;
+            tgt = hit->second.id;
           } else {
             if (rdt < 0 || rr.src < 0) return false;
             const int32_t found = ExistingCast(rr, w, Base(rdt));
             if (found >= 0) {
               ref = p_.index.key(found);
+              tgt = found;
             } else {
               std::string base(p_.index.key(rr.src));
               base += w == kHalf ? "/CastToFp16" : w == kBf16 ? "/CastToBf16" : "/CastToFp32";
@@ -745,17 +753,21 @@ class CastPlan {
               nj = static_cast<int32_t>(news.size() / 3);
               news.insert(news.end(), {rr.src, Base(rdt), w});
               new_roots_.push_back(root);
+              tgt = n + nj;
             }
-            cache.emplace(key, ref);
+            cache.emplace(key, Target{ref, tgt});
           }
         }
         saves.push_back(i);
         if (nj >= 0 || ref != inp) {
           steps.insert(steps.end(), {nj, i, k});
           step_refs.push_back(ref);
+          step_tgt_.push_back(tgt);
         }
       }
     }
+    news_ = news;
+    steps_ = steps;
     // ints: counts, news, steps, saves; then the text: new names \x01-joined,
     // \x02, their roots, \x02, the steps' references
     std::vector<int32_t> head = {static_cast<int32_t>(news.size() / 3),
@@ -781,6 +793,86 @@ class CastPlan {
     }
     return true;
   }
+
+  // (issue 17) amp.py _delay_widening_casts' plan over the graph as this
+  // plan leaves it (after Run): `pos` the Kahn position of every node, the
+  // painted ones then the new casts (n + j).  Per new FP32 copy of a low
+  // tensor (creation order) that nothing awaits, the producers it waits for:
+  // the other inputs of its readers placed after its source and before its
+  // first reader (not a Const, not a delayed copy, each once); a copy that
+  // waits takes the place just before its first reader.  `*forward`: every
+  // edge into and out of the copies that wait (their waits included) goes
+  // forward in the positions so updated (amp.py _forward_at: no cycle).
+  // The plan: per copy that waits, its index, the count of waits, the waits.
+  void Delay(const int32_t* pos_in, std::vector<int32_t>* plan, bool* forward) const {
+    const int32_t n = p_.n;
+    const int32_t nn = static_cast<int32_t>(news_.size() / 3);
+    std::vector<double> pos(pos_in, pos_in + n + nn);
+    // the steps by new cast (its readers, in the order they were re-wired),
+    // and every re-wired input's target
+    std::vector<std::vector<int32_t>> readers(nn);  // step indices
+    std::unordered_map<int64_t, int32_t> rewired;
+    const size_t ns = steps_.size() / 3;
+    for (size_t t = 0; t < ns; ++t) {
+      const int32_t node = steps_[3 * t + 1], k = steps_[3 * t + 2], tgt = step_tgt_[t];
+      rewired[(static_cast<int64_t>(node) << 32) | static_cast<uint32_t>(k)] = tgt;
+      if (tgt >= n) readers[tgt - n].push_back(static_cast<int32_t>(t));
+    }
+    auto is_const = [&](int32_t id) { return id >= 0 && id < n && p_.kind[p_.cls[id]] == kKindConst; };
+    std::vector<char> awaited(n + nn, 0), delayed(n + nn, 0);
+    std::vector<int32_t> moved;
+    *forward = true;
+    for (int32_t j = 0; j < nn; ++j) {
+      const int32_t id = n + j, src = news_[3 * j], src_t = news_[3 * j + 1], dst_t = news_[3 * j + 2];
+      if (awaited[id] || dst_t != kF32 || !IsLow(src_t)) continue;
+      if (is_const(src) || readers[j].empty()) continue;
+      double first = 0;
+      bool any = false;
+      for (int32_t t : readers[j]) {
+        const double q = pos[steps_[3 * t + 1]];
+        first = any ? std::min(first, q) : q;
+        any = true;
+      }
+      std::vector<int32_t> waits;
+      for (int32_t t : readers[j]) {
+        const int32_t reader = steps_[3 * t + 1], idx = steps_[3 * t + 2];
+        const RefSpan ins = p_.In(reader);
+        for (size_t k = 0; k < ins.size(); ++k) {
+          if (static_cast<int32_t>(k) == idx || ins[k].ctrl) continue;
+          auto rw = rewired.find((static_cast<int64_t>(reader) << 32) | static_cast<uint32_t>(k));
+          const int32_t other = rw != rewired.end() ? rw->second : ins[k].src;
+          if (other < 0 || delayed[other] || is_const(other)) continue;
+          if (std::find(waits.begin(), waits.end(), other) != waits.end()) continue;
+          if (pos[src] < pos[other] && pos[other] < first) waits.push_back(other);
+        }
+      }
+      if (waits.empty()) continue;
+      pos[id] = first - 0.5;
+      delayed[id] = 1;
+      for (int32_t w : waits) awaited[w] = 1;
+      moved.push_back(j);
+      plan->push_back(j);
+      plan->push_back(static_cast<int32_t>(waits.size()));
+      plan->insert(plan->end(), waits.begin(), waits.end());
+    }
+    // _forward_at: the copy's inputs (its source, its waits) before it, its
+    // readers after it
+    for (size_t a = 0, at = 0; a < moved.size(); ++a) {
+      const int32_t j = moved[a];
+      const double p = pos[n + j];
+      const int32_t nw = (*plan)[at + 1];
+      bool ok = pos[news_[3 * j]] < p;
+      for (int32_t w = 0; ok && w < nw; ++w) ok = pos[(*plan)[at + 2 + w]] < p;
+      for (int32_t t : readers[j]) ok = ok && pos[steps_[3 * t + 1]] > p;
+      at += 2 + nw;
+      if (!ok) {
+        *forward = false;
+        break;
+      }
+    }
+  }
+
+  int32_t new_count() const { return static_cast<int32_t>(news_.size() / 3); }
 
  private:
   struct Ov {
@@ -856,6 +948,9 @@ class CastPlan {
   const int32_t* mism_ = nullptr;
   std::deque<std::string> names_;  // the new casts' names (stable storage)
   std::vector<std::string_view> new_roots_;
+  // after Run: the new casts (source, SrcT, DstT), the steps (new cast or -1,
+  // node, input) and each step's target (a painted node, or n + a new cast)
+  std::vector<int32_t> news_, steps_, step_tgt_;
 };
 
 Painter* Open(const char* strings, size_t len, const int32_t* ints, int64_t n_ints) {
@@ -1069,9 +1164,34 @@ NPU_AMP_PAINT_EXPORT int NpuAmpPaintFixEdges(void* h, const int32_t* out, int64_
       n_out != static_cast<int64_t>(pt->n) * kOutWidth) {
     return -1;
   }
-  CastPlan plan(*pt);
-  if (!plan.Load(out, ints, n_ints)) return -1;
-  if (!plan.Run(&pt->fix_blob)) return 1;
+  pt->fix_plan.reset();
+  auto plan = std::make_shared<CastPlan>(*pt);
+  if (!plan->Load(out, ints, n_ints)) return -1;
+  if (!plan->Run(&pt->fix_blob)) return 1;
+  pt->fix_plan = plan;
+  *data = pt->fix_blob.data();
+  *len = pt->fix_blob.size();
+  return 0;
+}
+
+// (issue 17) amp.py _delay_widening_casts' plan after NpuAmpPaintFixEdges
+// (see CastPlan::Delay): `pos` n + (new casts) Kahn positions.  0: `*data`/
+// `*len` hold int32 [forward, then per copy that waits: its new-cast index,
+// the count of its waits, the waits (a painted node, or n + a new cast)];
+// -1: bad arguments or no plan made.
+NPU_AMP_PAINT_EXPORT int NpuAmpPaintDelayPlan(void* h, const int32_t* pos, int64_t n_pos,
+                                              const char** data, size_t* len) {
+  auto* pt = static_cast<Painter*>(h);
+  if (pt == nullptr || pos == nullptr || data == nullptr || len == nullptr || !pt->fix_plan) return -1;
+  const auto* plan = static_cast<const CastPlan*>(pt->fix_plan.get());
+  if (n_pos != static_cast<int64_t>(pt->n) + plan->new_count()) return -1;
+  std::vector<int32_t> out;
+  bool forward = true;
+  plan->Delay(pos, &out, &forward);
+  pt->fix_blob.assign(reinterpret_cast<const char*>(&forward), 0);
+  const int32_t f = forward ? 1 : 0;
+  pt->fix_blob.append(reinterpret_cast<const char*>(&f), sizeof(f));
+  pt->fix_blob.append(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int32_t));
   *data = pt->fix_blob.data();
   *len = pt->fix_blob.size();
   return 0;

@@ -945,6 +945,35 @@ class Graph:
             return None
         return list(map(names.__getitem__, res))
 
+    def kahn_positions(self):
+        """(issue 17) The Kahn position of every node id (``_seq``) as an
+        int32 array indexed by id (removed ids: -1), from :data:`native_kahn`
+        over the incremental sort arrays, without the names' order that
+        :meth:`topo_order` builds (nor caching it); None when the sort cannot
+        run so, or the graph has a cycle outside loops (every node is then
+        not ordered).  The same order as :meth:`topo_order`."""
+        fn = native_kahn
+        if fn is None or not self.native_sort or not self.incremental_sort or not self.nodes:
+            return None
+        got = self._kahn_arrays()
+        if got is None:
+            return None
+        counts, readers, ids = got
+        flags = array("B", bytes(len(counts)))
+        for name in self.nodes_of_type(LOOP_BACK_OPS):
+            flags[ids[name]] = 1
+        res = fn(len(counts), counts, readers, flags)
+        if res is None:
+            return None
+        at = np.asarray(res, np.int32)
+        if len(counts) != len(self.nodes):
+            at = at[np.frombuffer(self._id_dead, np.uint8)[at] == 0]
+        if len(at) != len(self.nodes):
+            return None  # (a cycle: its nodes are not ordered)
+        pos = np.full(len(counts), -1, np.int32)
+        pos[at] = np.arange(len(at), dtype=np.int32)
+        return pos
+
     def _forget_id(self, name):
         """Drop a removed node's id (its slot in the sort's arrays empties)."""
         k = self._seq.pop(name, None)

@@ -322,6 +322,11 @@ def native_paint_entry():
         fix.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_int64,
                         ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t)]
         fix.restype = ctypes.c_int
+    delay = getattr(lib, "NpuAmpPaintDelayPlan", None)
+    if delay is not None:
+        delay.argtypes = [c_void_p, c_void_p, c_int64, ctypes.POINTER(ctypes.c_char_p),
+                          ctypes.POINTER(ctypes.c_size_t)]
+        delay.restype = ctypes.c_int
 
     def paint(strings, ints, n_out, check):
         # (arrays passed by address, as bridge.kahn_order does)
@@ -383,6 +388,17 @@ class _Painter:
         rc = self._fix(self._h, out.buffer_info()[0], len(out), ints.buffer_info()[0], len(ints),
                        ctypes.byref(data), ctypes.byref(size))
         if rc != 0:
+            return None
+        return ctypes.string_at(data, size.value)
+
+    def delay_plan(self, pos):
+        """``NpuAmpPaintDelayPlan`` over ``pos`` (int32 array): the plan's
+        int32 array, or None."""
+        fn = getattr(self._lib, "NpuAmpPaintDelayPlan", None)
+        if fn is None or not self._h:
+            return None
+        data, size = ctypes.c_char_p(), ctypes.c_size_t()
+        if fn(self._h, pos.ctypes.data, len(pos), ctypes.byref(data), ctypes.byref(size)) != 0:
             return None
         return ctypes.string_at(data, size.value)
 

@@ -285,6 +285,9 @@ class PrecisionPass(Pass):
         #: open, its result record, the painted names and nodes), for
         #: native.fix_edges; dropped after _fix_edges
         self._painted_with = None
+        #: (issue 17) (the C++ painter, the painted names, the new casts' names)
+        #: after native.fix_edges, for native.delay_plan
+        self._cast_plan = None
         #: the nodes _adapt_casts and _convert_consts re-typed, in order
         self._late = []
         self.casts_inserted = 0
@@ -325,9 +328,10 @@ class PrecisionPass(Pass):
             self._adapt_casts()
             self._convert_consts()
             self._fix_edges(shapes)
-            self._painted_with = None  # (the C++ painter closes)
+            self._painted_with = None
             if self.ctx.option("delay_fp32_copies", True):
                 self._delay_widening_casts(shapes)
+            self._cast_plan = None  # (the C++ painter closes)
         else:
             for name, node in graph.nodes.items():
                 if self.info(node).attrs:
@@ -1396,6 +1400,48 @@ class PrecisionPass(Pass):
         # for the casts that follow; a Cast another one waits on is not moved, and a moved Cast is
         # not waited on (two casts feeding one reader would otherwise wait on each other).
         # Leaving out some of the edges found this way (the small copies) keeps the graph acyclic.
+        got = None
+        if self._cast_plan is not None and self.native_casts:
+            got = _native.delay_plan(self)  # (issue 17: the loop below in C++; None: it runs here)
+            self._cast_plan = None
+        if got is not None:
+            plan, forward = got
+            pos, cyclic = None, False
+        else:
+            pos, cyclic, plan = self._delay_plan()
+            forward = None
+        small = self._small_copies([c for c, _ in plan], shapes)
+        for cname, waits in plan:
+            if cname in small:
+                self.decisions.setdefault(cname, {})["not_delayed"] = (
+                    f"FP32 copy of {small[cname]} bytes: with the other small ones at most "
+                    f"{self.DELAY_SMALL_SHARE:.0%} of the delayed copies' bytes")
+                continue
+            for other in waits:
+                g.add_control_input(cname, other)
+            self.casts_delayed += 1
+            self.decisions.setdefault(cname, {})["waits_for"] = waits
+        delayed = {c for c, _ in plan if c not in small}
+        if forward is None and delayed and self.fast_paths and not cyclic:
+            forward = self._forward_at(pos, [c for c, _ in plan])
+        # never cyclic, by the order argument above: a safety net (its proof, when
+        # it holds, is the order itself; else the full topological sort decides)
+        if delayed and not (self.fast_paths and not cyclic and forward) and not self._acyclic():
+            for cname in delayed:
+                node = g.nodes[cname]
+                keep = [i for i in node.input[:] if not i.startswith("^")]
+                del node.input[:]
+                node.input.extend(keep)
+                self.decisions.get(cname, {}).pop("waits_for", None)
+            g.reindex()
+            self.casts_delayed = 0
+            self.ctx.report.warn("delayed casts undone: they closed a cycle", pass_name="precision")
+
+    def _delay_plan(self):
+        """(positions, cyclic, plan) of :meth:`_delay_widening_casts`: the
+        reference's loop (the C++ painter's ``CastPlan::Delay`` makes the same
+        plan, ``native.delay_plan``)."""
+        g = self.g
         pos = dict(g.topo_positions())
         cyclic = bool(g._topo_cache and g._topo_cache[1])  # (the order tops up a cycle's nodes last)
         awaited, delayed = set(), set()
@@ -1424,31 +1470,7 @@ class PrecisionPass(Pass):
                 delayed.add(cname)
                 awaited.update(waits)
                 plan.append((cname, waits))
-        small = self._small_copies([c for c, _ in plan], shapes)
-        for cname, waits in plan:
-            if cname in small:
-                self.decisions.setdefault(cname, {})["not_delayed"] = (
-                    f"FP32 copy of {small[cname]} bytes: with the other small ones at most "
-                    f"{self.DELAY_SMALL_SHARE:.0%} of the delayed copies' bytes")
-                continue
-            for other in waits:
-                g.add_control_input(cname, other)
-            self.casts_delayed += 1
-            self.decisions.setdefault(cname, {})["waits_for"] = waits
-        delayed = {c for c, _ in plan if c not in small}
-        # never cyclic, by the order argument above: a safety net (its proof, when
-        # it holds, is the order itself; else the full topological sort decides)
-        if delayed and not (self.fast_paths and not cyclic and self._forward_at(pos, [c for c, _ in plan])) \
-                and not self._acyclic():
-            for cname in delayed:
-                node = g.nodes[cname]
-                keep = [i for i in node.input[:] if not i.startswith("^")]
-                del node.input[:]
-                node.input.extend(keep)
-                self.decisions.get(cname, {}).pop("waits_for", None)
-            g.reindex()
-            self.casts_delayed = 0
-            self.ctx.report.warn("delayed casts undone: they closed a cycle", pass_name="precision")
+        return pos, cyclic, plan
 
     #: the most nodes :meth:`_none_can_wait` visits for one producer's depth
     DEPTH_PROOF_BUDGET = 64

@@ -52,7 +52,7 @@ for an op of unknown signature) joined by ``\\x01``, nodes joined by
 from __future__ import annotations
 
 from array import array
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import attrgetter, contains, getitem, is_
 
 import numpy as np
@@ -938,6 +938,7 @@ def fix_edges(pp, shapes) -> bool:
         made.append(new)
     pp.casts_inserted += len(made)
     pp.new_casts.extend(new_names)
+    pp._cast_plan = (painter, names, new_names)
     if shapes is not None:
         for cname, root in zip(new_names, new_roots):
             shapes.alias(cname, root)
@@ -951,10 +952,54 @@ def fix_edges(pp, shapes) -> bool:
     return True
 
 
+def delay_plan(pp):
+    """(issue 17, the C++ core's milestone 2) ``_delay_widening_casts``' loop
+    by the C++ painter whose plan inserted the casts (``pp._cast_plan``, see
+    :func:`fix_edges`; custom_ops/precision_paint.cc ``CastPlan::Delay``):
+    ``(plan, forward)``, ``plan`` the ``(cast, producers it waits for)``
+    pairs in the reference's order and ``forward`` whether every edge into
+    and out of those casts goes forward in the Kahn order so updated
+    (``PrecisionPass._forward_at``); or None (the caller runs the
+    reference): no such plan, a graph edited since other than by it, a cycle.
+    The positions are the graph's Kahn order (``Graph.kahn_positions``) by
+    node id, mapped to the painted nodes and the new casts."""
+    painter, names, new_names = pp._cast_plan
+    g = pp.g
+    if len(g.nodes) != len(names) + len(new_names):
+        return None
+    by_id = g.kahn_positions()
+    if by_id is None:
+        return None
+    seq = g._seq  # noqa: SLF001 - the ids the sort numbers nodes by
+    try:
+        ids = np.fromiter(map(seq.__getitem__, chain(names, new_names)), np.int64, len(g.nodes))
+    except KeyError:
+        return None
+    pos = by_id[ids]
+    if (pos < 0).any():
+        return None
+    blob = painter.delay_plan(np.ascontiguousarray(pos, np.int32))
+    if blob is None:
+        return None
+    a = np.frombuffer(blob, np.int32).tolist()
+    n = len(names)
+    plan, at = [], 1
+    while at < len(a):
+        j, k = a[at], a[at + 1]
+        plan.append((new_names[j], [names[w] if w < n else new_names[w - n] for w in a[at + 2:at + 2 + k]]))
+        at += 2 + k
+    DELAY_PLANS[0] += 1
+    return plan, bool(a[0])
+
+
+#: how many delay plans the C++ painter made (:func:`delay_plan`; for tests)
+DELAY_PLANS = [0]
+
+
 def _fail(name):
     from ..errors import GraphError
 
     raise GraphError(f"native painting returned no reason for '{name}'")
 
 
-__all__ = ["paint", "fix_edges", "MIX_MODES", "OUT_WIDTH"]
+__all__ = ["paint", "fix_edges", "delay_plan", "MIX_MODES", "OUT_WIDTH"]
