@@ -117,6 +117,8 @@ import functools
 import os
 import re
 import weakref
+from itertools import repeat
+from operator import and_
 from typing import Callable, Iterable
 
 from .. import registry
@@ -1122,12 +1124,12 @@ def _native_growth(graph, pos, fwd, outs, ins, side, fscope, owner_scopes, prote
         raise GradRegionRefused(refusal, why_not)
     if status == 2:
         raise _no_dy_refusal(graph, fwd, why_not)
-    region, fwd_dep, dy_dep, val_static = {}, {}, {}, {}
-    for item in region_s.split("\x02") if region_s else ():
-        name, flags = item.split("\x01")
-        f = int(flags)
-        region[name] = None
-        fwd_dep[name], dy_dep[name], val_static[name] = bool(f & 1), bool(f & 2), bool(f & 4)
+    # (issue 17) "name\x01flags" items: the four maps built with C-level maps
+    parts = region_s.replace("\x02", "\x01").split("\x01") if region_s else []
+    names, flags = parts[0::2], list(map(int, parts[1::2]))
+    region = dict.fromkeys(names)
+    fwd_dep, dy_dep, val_static = (dict(zip(names, map(bool, map(and_, flags, repeat(bit)))))
+                                   for bit in (1, 2, 4))
     return region, fwd_dep, dy_dep, val_static, why_not, dy, _hints(hints_s, len(region))
 
 
