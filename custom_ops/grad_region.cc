@@ -431,6 +431,7 @@ class Mirror {
       seen;
   Stamped<signed char> static_memo, in_memo, anc_memo, owner_memo;
   std::vector<string> owners;
+  std::string norm_text;  // NpuAmpGrAnalyzeNorms' answer
 };
 
 // ---------------------------------------------------------------- loading
@@ -1211,6 +1212,66 @@ bool Known(const Dims& d) {
 // The walk: Step() computes one tensor's shape from the memo, or names the
 // input whose shape it needs first (then runs again from the start: every
 // input it read before is in the memo by then).
+// A node's attrs are read: those of the fresh load, while it is clean.
+string_view CleanDef(const Node& n) {
+  if (n.dirty || n.def.empty()) throw Bad();
+  return n.def;
+}
+
+enum ConstKind { kNotConst = 0, kConstInts = 1, kConstOther = 2 };
+
+// The Const behind `ref` through at most 8 Identity ops (shapes.const_node,
+// by name: the port and a '^' ignored): kConstInts with its int32 / int64
+// values in *out (shapes.tensor_value's), kConstOther for a float or bool
+// one, kNotConst; Bad for a form Python's decoding decides (tf.make_ndarray:
+// other dtypes, a short value list, an unknown dim).
+int ConstIntsAt(const Mirror& m, string_view ref, Dims* out) {
+  string_view name;
+  int64_t port;
+  bool ctrl;
+  ParseRef(ref, &name, &port, &ctrl);
+  const int32_t id = m.Find(name);
+  const Node* n = m.Alive(id) ? &m.node(id) : nullptr;
+  for (int depth = 0; n != nullptr && n->op == "Identity" && !n->inputs.empty() && depth < 8;
+       ++depth) {
+    n = m.Alive(n->inputs[0].src) ? &m.node(n->inputs[0].src) : nullptr;
+  }
+  if (n == nullptr || n->op != "Const") return kNotConst;
+  string_view a;
+  if (!FindAttr(CleanDef(*n), "value", &a)) throw Bad();  // (Python's attr["value"] would add one)
+  const TensorView t(AttrView(a).get(8));
+  if (t.dtype == 1 || t.dtype == 2 || t.dtype == 10 || t.dtype == 19) return kConstOther;
+  if (t.dtype != 3 && t.dtype != 9) throw Bad();  // (tf.make_ndarray's)
+  Dims shape;
+  ShapeDims(t.shape, &shape);  // (Python reads the dims whatever unknown_rank says)
+  int64_t n_el = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw Bad();
+    n_el *= d;
+  }
+  out->clear();
+  if (!t.content.empty()) {
+    const size_t item = t.dtype == 3 ? 4 : 8;
+    if (t.content.size() != static_cast<size_t>(n_el) * item) throw Bad();
+    for (int64_t i = 0; i < n_el; ++i) {
+      if (item == 4) {
+        int32_t v;
+        std::memcpy(&v, t.content.data() + i * 4, 4);
+        out->push_back(v);
+      } else {
+        int64_t v;
+        std::memcpy(&v, t.content.data() + i * 8, 8);
+        out->push_back(v);
+      }
+    }
+    return kConstInts;
+  }
+  const Dims& vals = t.dtype == 3 ? t.int_val : t.int64_val;
+  if (static_cast<int64_t>(vals.size()) != n_el || vals.empty()) throw Bad();
+  *out = vals;
+  return kConstInts;
+}
+
 class ShapeWalk {
  public:
   ShapeWalk(const Mirror& m, ShapeMemo& memo) : m_(m), memo_(memo) {}
@@ -1276,14 +1337,8 @@ class ShapeWalk {
     return m_.Alive(id) ? &m_.node(id) : nullptr;
   }
 
-  // A node's attrs are read: those of the fresh load, while it is clean.
-  static string_view Def(const Node& n) {
-    if (n.dirty || n.def.empty()) throw Bad();
-    return n.def;
-  }
-
   static bool Attr(const Node& n, string_view key, string_view* val) {
-    return FindAttr(Def(n), key, val);
+    return FindAttr(CleanDef(n), key, val);
   }
 
   static bool BoolAttr(const Node& n, string_view key) {
@@ -1299,51 +1354,7 @@ class ShapeWalk {
   }
 
   // _const_ints: false for None
-  bool ConstInts(string_view ref, Dims* out) {
-    string_view name;
-    int64_t port;
-    bool ctrl;
-    ParseRef(ref, &name, &port, &ctrl);
-    const Node* n = Alive(name);
-    for (int depth = 0; n != nullptr && n->op == "Identity" && !n->inputs.empty() && depth < 8;
-         ++depth) {
-      n = m_.Alive(n->inputs[0].src) ? &m_.node(n->inputs[0].src) : nullptr;
-    }
-    if (n == nullptr || n->op != "Const") return false;
-    string_view a;
-    if (!Attr(*n, "value", &a)) throw Bad();  // (Python's attr["value"] would add one)
-    const TensorView t(AttrView(a).get(8));
-    if (t.dtype == 1 || t.dtype == 2 || t.dtype == 10 || t.dtype == 19) return false;  // not ints
-    if (t.dtype != 3 && t.dtype != 9) throw Bad();  // (tf.make_ndarray's)
-    Dims shape;
-    ShapeDims(t.shape, &shape);  // (Python reads the dims whatever unknown_rank says)
-    int64_t n_el = 1;
-    for (int64_t d : shape) {
-      if (d < 0) throw Bad();
-      n_el *= d;
-    }
-    out->clear();
-    if (!t.content.empty()) {
-      const size_t item = t.dtype == 3 ? 4 : 8;
-      if (t.content.size() != static_cast<size_t>(n_el) * item) throw Bad();
-      for (int64_t i = 0; i < n_el; ++i) {
-        if (item == 4) {
-          int32_t v;
-          std::memcpy(&v, t.content.data() + i * 4, 4);
-          out->push_back(v);
-        } else {
-          int64_t v;
-          std::memcpy(&v, t.content.data() + i * 8, 8);
-          out->push_back(v);
-        }
-      }
-      return true;
-    }
-    const Dims& vals = t.dtype == 3 ? t.int_val : t.int64_val;
-    if (static_cast<int64_t>(vals.size()) != n_el || vals.empty()) throw Bad();
-    *out = vals;
-    return true;
-  }
+  bool ConstInts(string_view ref, Dims* out) { return ConstIntsAt(m_, ref, out) == kConstInts; }
 
   // _const_ints_walk: false for None; throws nothing new, but may set need_
   // (then returns false with *needed true)
@@ -1586,6 +1597,289 @@ class ShapeWalk {
   ShapeMemo& memo_;
   string need_;
   Dims value_;
+};
+
+// ------------------------------------------------------- the norm analysis
+// (issue 17, the C++ core's milestone 3: the layer-norm fusion's match)
+// graph_passes/fusion/builtin.py _analyze_norm over the mirror, the same
+// answer: LayerNorm `[gamma *] (x - mean) {* rsqrt(var + eps) | / sqrt(var +
+// eps)} [+ beta]` (var: moments' Mean(SquaredDifference(x, [StopGradient]
+// mean)) or Mean(Square|x*x (x - mean))), RMSNorm `[gamma *] x {* rsqrt(
+// mean(x^2) + eps) | ...}`, with the refs as written and the inner nodes in
+// Python's order (duplicates kept).  Bad: a form Python decides (an input
+// count Python's unpacking would refuse, a Pow exponent, a node edited since
+// the load whose attrs are read, a constant tf.make_ndarray decodes).
+class NormAnalyzer {
+ public:
+  explicit NormAnalyzer(const Mirror& m) : m_(m) {}
+
+  struct Result {
+    bool rms = false;
+    const InputRef *x = nullptr, *axes = nullptr, *eps = nullptr, *gamma = nullptr, *beta = nullptr;
+    std::vector<int32_t> inner;
+  };
+
+  // false: no norm at `anchor` (Python's None)
+  bool Analyze(int32_t anchor, Result* res) {
+    const Node& a = m_.node(anchor);
+    self_ = InputRef{anchor, 0, false, m_.name(anchor)};  // (the anchor's name as a reference)
+    std::vector<std::pair<const InputRef*, const InputRef*>> roots;  // (product, beta)
+    if (a.op == "Add" || a.op == "AddV2") {
+      const InputRef *x, *y;
+      Two(anchor, &x, &y);
+      roots = {{x, y}, {y, x}};
+    } else if (a.op == "Mul" || a.op == "RealDiv") {
+      roots = {{&self_, nullptr}};
+    }
+    for (const auto& [prod, beta] : roots) {
+      const int32_t p = Src(*prod);
+      if (p < 0 || (m_.node(p).op != "Mul" && m_.node(p).op != "RealDiv")) continue;
+      std::vector<Factor> factors;
+      std::vector<int32_t> pinner;
+      Product(*prod, &factors, &pinner, 0);
+      std::vector<int32_t> inner = {anchor};
+      for (int32_t n : pinner) {
+        if (n != anchor) inner.push_back(n);
+      }
+      if (Classify(factors, inner, res)) {
+        res->beta = beta;
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  struct Factor {
+    bool div;
+    const InputRef* ref;
+  };
+  struct Mean {
+    const InputRef *x, *axes;
+    int32_t node;
+  };
+
+  // _src: the node a data reference of output 0 names, or -1
+  int32_t Src(const InputRef& r) const {
+    if (r.ctrl || r.port != 0 || !m_.Alive(r.src)) return -1;
+    return r.src;
+  }
+  string_view Op(int32_t id) const { return m_.node(id).op; }
+  // `a, c = graph.data_inputs(node)`: exactly two, else Python's unpacking decides
+  void Two(int32_t id, const InputRef** a, const InputRef** c) const {
+    std::vector<const InputRef*> d = Data(id);
+    if (d.size() != 2) throw Bad();
+    *a = d[0];
+    *c = d[1];
+  }
+  std::vector<const InputRef*> Data(int32_t id) const {
+    std::vector<const InputRef*> d;
+    for (const InputRef& in : m_.node(id).inputs) {
+      if (!in.ctrl) d.push_back(&in);
+    }
+    return d;
+  }
+
+  void Product(const InputRef& ref, std::vector<Factor>* factors, std::vector<int32_t>* inner,
+               int depth) const {
+    const int32_t n = Src(ref);
+    if (n >= 0 && depth < 4 && (Op(n) == "Mul" || Op(n) == "RealDiv")) {
+      const InputRef *a, *c;
+      Two(n, &a, &c);
+      inner->push_back(n);
+      Product(*a, factors, inner, depth + 1);
+      if (Op(n) == "Mul") {
+        Product(*c, factors, inner, depth + 1);
+      } else {
+        factors->push_back({true, c});
+      }
+      return;
+    }
+    factors->push_back({false, &ref});
+  }
+
+  bool MeanOf(const InputRef& ref, Mean* out) const {
+    const int32_t n = Src(ref);
+    if (n < 0 || Op(n) != "Mean") return false;
+    string_view a;
+    if (!FindAttr(CleanDef(m_.node(n)), "keep_dims", &a) || !AttrView(a).get_b()) return false;
+    Two(n, &out->x, &out->axes);
+    out->node = n;
+    return true;
+  }
+
+  // const_value(...) of integer axes, sorted; false for None
+  bool SortedAxes(const InputRef& ref, Dims* v) const {
+    const int k = ConstIntsAt(m_, ref.ref, v);
+    if (k == kConstOther) throw Bad();  // (a float "axes": numpy's comparison, in Python)
+    std::sort(v->begin(), v->end());
+    return k == kConstInts;
+  }
+
+  bool SameMean(const Mean& a, const Mean& b) const {
+    if (a.node == b.node) return true;
+    Dims va, vb;
+    const bool ka = SortedAxes(*a.axes, &va), kb = SortedAxes(*b.axes, &vb);
+    return a.x->ref == b.x->ref && ka && kb && va == vb;
+  }
+
+  bool SameAxes(const InputRef& a, const InputRef& c) const {
+    Dims va, vc;
+    const bool ka = SortedAxes(a, &va), kc = SortedAxes(c, &vc);
+    return ka && kc && va == vc;
+  }
+
+  // _inv_std: (var ref, eps ref) of Rsqrt(v + eps) ('mul') / Sqrt(v + eps) ('div')
+  bool InvStd(bool div, const InputRef& ref, std::vector<int32_t>* inner, const InputRef** var,
+              const InputRef** eps) const {
+    const int32_t n = Src(ref);
+    if (n < 0 || Op(n) != (div ? "Sqrt" : "Rsqrt")) return false;
+    const std::vector<const InputRef*> d = Data(n);
+    if (d.empty()) throw Bad();  // (Python's [0] would raise)
+    const int32_t add = Src(*d[0]);
+    if (add < 0 || (Op(add) != "Add" && Op(add) != "AddV2")) return false;
+    const InputRef *a, *c;
+    Two(add, &a, &c);
+    inner->push_back(n);
+    inner->push_back(add);
+    for (const auto& [v, e] : {std::pair{a, c}, std::pair{c, a}}) {
+      const int32_t s = Src(*v);
+      if (s >= 0 && Op(s) == "Mean") {
+        *var = v;
+        *eps = e;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  bool Variance(const InputRef& ref, const Mean& mean, std::vector<int32_t>* inner) const {
+    Mean mv;
+    if (!MeanOf(ref, &mv)) return false;
+    inner->push_back(mv.node);
+    const int32_t sq = Src(*mv.x);
+    if (sq < 0) return false;
+    const string_view x = mean.x->ref;
+    if (Op(sq) == "SquaredDifference") {
+      const InputRef *a, *c;
+      Two(sq, &a, &c);
+      inner->push_back(sq);
+      for (const auto& [xx, mm0] : {std::pair{a, c}, std::pair{c, a}}) {
+        if (xx->ref != x) continue;
+        const InputRef* mm = mm0;
+        const int32_t mn = Src(*mm);
+        if (mn >= 0 && Op(mn) == "StopGradient") {
+          inner->push_back(mn);
+          if (m_.node(mn).inputs.empty()) throw Bad();
+          mm = &m_.node(mn).inputs[0];
+        }
+        Mean m2;
+        if (MeanOf(*mm, &m2) && SameMean(mean, m2)) {
+          inner->push_back(m2.node);
+          return SameAxes(*mv.axes, *mean.axes);
+        }
+      }
+      return false;
+    }
+    if (Op(sq) == "Square" || Op(sq) == "Pow" || Op(sq) == "Mul") {
+      if (Op(sq) == "Pow") throw Bad();  // (its exponent: scalar_value, in Python)
+      const std::vector<const InputRef*> d = Data(sq);
+      if (d.empty() || (Op(sq) == "Mul" && d.size() < 2)) throw Bad();
+      if (Op(sq) == "Mul" && d[0]->ref != d[1]->ref) return false;
+      const int32_t sub = Src(*d[0]);
+      if (sub < 0 || Op(sub) != "Sub") return false;
+      const std::vector<const InputRef*> ds = Data(sub);
+      if (ds.empty()) throw Bad();
+      if (ds[0]->ref != x) return false;
+      if (ds.size() < 2) throw Bad();
+      Mean m2;
+      if (!MeanOf(*ds[1], &m2) || !SameMean(mean, m2)) return false;
+      inner->insert(inner->end(), {sq, sub, m2.node});
+      return SameAxes(*mv.axes, *mean.axes);
+    }
+    return false;
+  }
+
+  // _mean_square: (x, axes) of Mean(Square(x) | x * x)
+  bool MeanSquare(const InputRef& ref, std::vector<int32_t>* inner, const InputRef** x,
+                  const InputRef** axes) const {
+    Mean mv;
+    if (!MeanOf(ref, &mv)) return false;
+    const int32_t sq = Src(*mv.x);
+    if (sq < 0 || (Op(sq) != "Square" && Op(sq) != "Pow" && Op(sq) != "Mul")) return false;
+    if (Op(sq) == "Pow") throw Bad();
+    const std::vector<const InputRef*> d = Data(sq);
+    if (d.empty() || (Op(sq) == "Mul" && d.size() < 2)) throw Bad();
+    if (Op(sq) == "Mul" && d[0]->ref != d[1]->ref) return false;
+    inner->push_back(mv.node);
+    inner->push_back(sq);
+    *x = d[0];
+    *axes = mv.axes;
+    return true;
+  }
+
+  bool Classify(const std::vector<Factor>& factors, const std::vector<int32_t>& inner,
+                Result* res) const {
+    if (factors.size() < 2 || factors.size() > 3) return false;
+    for (size_t i = 0; i < factors.size(); ++i) {
+      std::vector<int32_t> sub_inner;
+      const InputRef *var, *eps;
+      if (!InvStd(factors[i].div, *factors[i].ref, &sub_inner, &var, &eps)) continue;
+      std::vector<const InputRef*> rest;
+      for (size_t k = 0; k < factors.size(); ++k) {
+        if (k == i) continue;
+        if (factors[k].div) return false;
+        rest.push_back(factors[k].ref);
+      }
+      auto others = [&](size_t j) {  // gamma: the rest but j, the first of them
+        for (size_t k = 0; k < rest.size(); ++k) {
+          if (k != j) return rest[k];
+        }
+        return static_cast<const InputRef*>(nullptr);
+      };
+      for (size_t j = 0; j < rest.size(); ++j) {
+        const int32_t sub = Src(*rest[j]);
+        if (sub < 0 || Op(sub) != "Sub") continue;
+        const InputRef *x, *mref;
+        Two(sub, &x, &mref);
+        Mean mean;
+        if (!MeanOf(*mref, &mean) || mean.x->ref != x->ref) continue;
+        std::vector<int32_t> v_inner;
+        if (!Variance(*var, mean, &v_inner)) continue;
+        res->rms = false;
+        res->x = x;
+        res->axes = mean.axes;
+        res->eps = eps;
+        res->gamma = others(j);
+        res->inner = inner;
+        res->inner.insert(res->inner.end(), sub_inner.begin(), sub_inner.end());
+        res->inner.insert(res->inner.end(), v_inner.begin(), v_inner.end());
+        res->inner.push_back(sub);
+        res->inner.push_back(mean.node);
+        return true;
+      }
+      std::vector<int32_t> ms_inner;
+      const InputRef *x, *axes;
+      if (!MeanSquare(*var, &ms_inner, &x, &axes)) return false;
+      for (size_t j = 0; j < rest.size(); ++j) {
+        if (rest[j]->ref != x->ref) continue;
+        res->rms = true;
+        res->x = x;
+        res->axes = axes;
+        res->eps = eps;
+        res->gamma = others(j);
+        res->inner = inner;
+        res->inner.insert(res->inner.end(), sub_inner.begin(), sub_inner.end());
+        res->inner.insert(res->inner.end(), ms_inner.begin(), ms_inner.end());
+        return true;
+      }
+      return false;
+    }
+    return false;
+  }
+
+  const Mirror& m_;
+  InputRef self_;
 };
 
 }  // namespace
@@ -1975,4 +2269,69 @@ NPU_AMP_GR_EXPORT int NpuAmpGrShape(void* h, void* memo, const char* ref, size_t
   } catch (...) {  // (bad_alloc)
     return kShapeAbort;
   }
+}
+
+// (issue 17) builtin.py _analyze_norm at each node named in `names`
+// (\x01-joined) and at its Add/AddV2/Mul readers (NormAnalyzer): per node
+// analysed, "name\x01n" (no norm), "name\x01p" (Python decides) or
+// "name\x01y\x01kind\x01x\x01axes\x01eps\x01gamma\x01beta\x01inner" (kind "l" /
+// "r", an absent gamma / beta "\x04", the inner names \x05-joined), entries
+// \x02-joined in *out (valid until the next call on `h`).  0 ok, -1 bad
+// arguments.  The mirror must be synced (names and inputs).
+NPU_AMP_GR_EXPORT int NpuAmpGrAnalyzeNorms(void* h, const char* names, size_t len, const char** out,
+                                           size_t* out_len) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr || names == nullptr || out == nullptr || out_len == nullptr) return -1;
+  m->Join();
+  std::string& text = m->norm_text;
+  text.clear();
+  try {
+    NormAnalyzer an(*m);
+    std::vector<int32_t> ids;
+    std::vector<char> seen(m->size(), 0);
+    for (string_view name : Split(string_view(names, len), '\x01')) {
+      const int32_t id = m->Find(name);
+      if (!m->Alive(id)) continue;
+      if (!seen[id]) ids.push_back(id), seen[id] = 1;
+      for (const auto& [c, idx] : m->consumers(id)) {
+        if (idx < 0 || seen[c] || !m->Alive(c)) continue;
+        const string_view op = m->node(c).op;
+        if (op == "Add" || op == "AddV2" || op == "Mul") ids.push_back(c), seen[c] = 1;
+      }
+    }
+    for (int32_t id : ids) {
+      if (!text.empty()) text.push_back('\x02');
+      text.append(m->name(id));
+      NormAnalyzer::Result r;
+      bool found;
+      try {
+        found = an.Analyze(id, &r);
+      } catch (const Bad&) {
+        text.append("\x01p");
+        continue;
+      }
+      if (!found) {
+        text.append("\x01n");
+        continue;
+      }
+      text.append(r.rms ? "\x01y\x01r\x01" : "\x01y\x01l\x01");
+      for (const InputRef* ref : {r.x, r.axes, r.eps, r.gamma, r.beta}) {
+        if (ref == nullptr) {
+          text.push_back('\x04');
+        } else {
+          text.append(ref->ref);
+        }
+        text.push_back('\x01');
+      }
+      for (size_t k = 0; k < r.inner.size(); ++k) {
+        if (k) text.push_back('\x05');
+        text.append(m->name(r.inner[k]));
+      }
+    }
+  } catch (...) {  // (bad_alloc)
+    return -1;
+  }
+  *out = text.data();
+  *out_len = text.size();
+  return 0;
 }

@@ -513,7 +513,27 @@ class GradRegionLib:
             lib.NpuAmpGrShape.argtypes = [c_void_p, c_void_p, c_char_p, c_size_t,
                                           ctypes.POINTER(ctypes.c_int64), c_int]
             lib.NpuAmpGrShape.restype = c_int
+        #: (issue 17) the layer-norm rule's analysis over the mirror (a library built before it: False)
+        self.can_analyze_norms = hasattr(lib, "NpuAmpGrAnalyzeNorms")
+        if self.can_analyze_norms:
+            lib.NpuAmpGrAnalyzeNorms.argtypes = [c_void_p, c_char_p, c_size_t, ctypes.POINTER(c_void_p),
+                                                 ctypes.POINTER(c_size_t)]
+            lib.NpuAmpGrAnalyzeNorms.restype = c_int
         self._lib = lib
+
+    def analyze_norms(self, h, names):
+        """``NpuAmpGrAnalyzeNorms`` at the nodes ``names`` (and their
+        Add/AddV2/Mul readers): its answer text, or None."""
+        if not self.can_analyze_norms:
+            return None
+        try:
+            data = "\x01".join(names).encode("ascii")
+        except UnicodeEncodeError:
+            return None
+        out, size = ctypes.c_void_p(), ctypes.c_size_t()
+        if self._lib.NpuAmpGrAnalyzeNorms(h, data, len(data), ctypes.byref(out), ctypes.byref(size)) != 0:
+            return None
+        return ctypes.string_at(out, size.value).decode("ascii") if size.value else ""
 
     def new(self):
         return self._lib.NpuAmpGrMirrorNew()

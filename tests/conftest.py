@@ -59,7 +59,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"gradient-region searches run in C++ and in Python and compared: "
                                     f"{gr.CHECKED[0]}, and their finishes with the C++ hints and "
                                     f"without: {gr.CHECKED_FINISH[0]}, and producer-walked shapes from the "
-                                    f"C++ walk and Python's: {gr.CHECKED_SHAPES[0]}; differing: "
+                                    f"C++ walk and Python's: {gr.CHECKED_SHAPES[0]}, and layer-norm "
+                                    f"analyses: {gr.CHECKED_NORMS[0]}; differing: "
                                     f"{len(gr.CHECKED[1])}")
         for fwd, a, b in gr.CHECKED[1][:5]:
             terminalreporter.write_line(f"C++ and Python gradient-region searches (or finishes) differ for "

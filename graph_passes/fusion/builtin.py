@@ -1089,6 +1089,9 @@ def analyze_norm(graph, anchor):
         memo = (key, {})
         setattr(graph, NORM_MEMO_ATTR, memo)
     hit = memo[1].get(anchor.name)
+    if hit is None and NATIVE_NORMS:  # (the build's question after an edit: asked of C++ too)
+        _native_norms(graph, (anchor.name,))
+        hit = memo[1].get(anchor.name)
     if hit is None or hit[0] is not anchor:
         hit = memo[1][anchor.name] = (anchor, _analyze_norm(graph, anchor))
     res = hit[1]
@@ -1228,7 +1231,63 @@ def _norm_candidates(graph):
                     nxt.add(c)
         roots |= nxt
         level = nxt
-    return with_add_readers(graph, roots)
+    out = with_add_readers(graph, roots)
+    if NATIVE_NORMS and out:
+        _native_norms(graph, out)
+    return out
+
+
+#: (issue 17, the C++ core's milestone 3: the layer-norm fusion's match) the
+#: candidates' :func:`_analyze_norm` answers (and their Add/Mul readers',
+#: which ``_would_extend`` asks) computed in one C++ call over the
+#: gradient-region search's mirror (custom_ops/grad_region.cc
+#: ``NormAnalyzer``) and put in :func:`analyze_norm`'s memo; a form it leaves
+#: to Python is analysed here as before.  False: Python analyses all (the
+#: reference).  ``grad_region.CHECK_NATIVE`` (the test suite) analyses both
+#: ways and compares every answer (``grad_region.CHECKED_NORMS``)
+NATIVE_NORMS = True
+
+
+def _native_norms(graph, names):
+    from . import grad_region as gr
+
+    if gr.native is None or not gr.NATIVE_SEARCH or not NORM_MEMO or not hasattr(graph, "edits_since"):
+        return
+    fn = getattr(gr.native, "analyze_norms", None)
+    if fn is None or graph.nodes_of_type(("NextIteration", "RefNextIteration")):
+        return
+    m = gr._mirror(graph, None)
+    if m is None or not m.attrs:
+        return  # (a mirror of names, ops and inputs only: no attrs to read)
+    text = fn(m.h, sorted(names))
+    if not text:
+        return
+    key = (graph.version, graph.edits_since(sys.maxsize)[1])
+    memo = getattr(graph, NORM_MEMO_ATTR, None)
+    if memo is None or memo[0] != key:
+        memo = (key, {})
+        setattr(graph, NORM_MEMO_ATTR, memo)
+    known, nodes = memo[1], graph.nodes
+    for item in text.split("\x02"):
+        f = item.split("\x01")
+        name = f[0]
+        node = nodes.get(name)
+        if f[1] == "p" or node is None or name in known:
+            continue
+        if f[1] == "n":
+            res = None
+        else:
+            kind, x, axes, eps, gamma, beta, inner = f[2:9]
+            res = {"kind": "layer_norm" if kind == "l" else "rms_norm", "x": x, "axes": axes, "eps": eps,
+                   "gamma": None if gamma == "\x04" else gamma, "inner": inner.split("\x05"),
+                   "beta": None if beta == "\x04" else beta}
+        if gr.CHECK_NATIVE:
+            gr.CHECKED_NORMS[0] += 1
+            ref = _analyze_norm(graph, node)
+            if ref != res:
+                gr.CHECKED[1].append(([name], res, ref))
+                res = ref
+        known[name] = (node, res)
 
 
 def with_add_readers(graph, names) -> set:

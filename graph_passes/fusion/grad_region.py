@@ -1050,6 +1050,8 @@ def _mirror(graph, pos):
 NATIVE_SHAPES = True
 #: (CHECK_NATIVE) the shape answers compared
 CHECKED_SHAPES = [0]
+#: (CHECK_NATIVE) the layer-norm analyses compared (builtin._native_norms)
+CHECKED_NORMS = [0]
 
 
 class _ShapeAsk:
