@@ -903,7 +903,7 @@ def fix_edges(pp, shapes) -> bool:
             else:
                 ints.append(len(dts))
                 ints.extend(dts)
-    ctrl = [idx[c] for c in g.nodes_of_type("Cast") if any(i[:1] == "^" for i in nodes[idx[c]].input)]
+    ctrl = [idx[c] for c in g.nodes_of_type("Cast") if any(i[:1] == "^" for i in nodes[idx[c]].input[:])]
     ints.append(len(ctrl))
     ints.extend(ctrl)
     blob = painter.fix_edges(out, ints)
