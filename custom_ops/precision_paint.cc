@@ -46,6 +46,12 @@ constexpr int32_t kVersion = 3;
 inline int32_t Base(int32_t dt) { return dt > kRefOffset ? dt - kRefOffset : dt; }
 inline bool IsFloat(int32_t dt) { return dt == kF32 || dt == kHalf || dt == kBf16; }
 inline bool IsLow(int32_t dt) { return dt == kHalf || dt == kBf16; }
+// a float input wanted in `want` reading a float tensor of another dtype
+// (`have` -1: unknown): the edges amp.py _fix_edges casts
+inline bool Mismatch(int32_t want, int32_t have) {
+  const int32_t w = Base(want);
+  return IsFloat(w) && have >= 0 && IsFloat(Base(have)) && Base(have) != w;
+}
 inline uint64_t Bit(int32_t dt) { return (dt >= 0 && dt < 64) ? (uint64_t{1} << dt) : 0; }
 
 // node flags (native.py)
@@ -517,13 +523,9 @@ struct Painter {
       const int32_t m = std::min<int32_t>(len, static_cast<int32_t>(ins.size()));
       for (int32_t k = 0; k < m; ++k) {
         const Ref& r = ins[k];
-        if (r.ctrl) continue;
-        const int32_t w = Base(want[k]);
-        if (!IsFloat(w)) continue;
-        const int32_t have = TensorDtype(r);
-        if (have < 0) continue;
-        const int32_t h = Base(have);
-        if (IsFloat(h) && h != w) Rec(i)[kOMismatch] |= k < 30 ? (1 << k) : (1 << 30);
+        if (!r.ctrl && Mismatch(want[k], TensorDtype(r))) {
+          Rec(i)[kOMismatch] |= k < 30 ? (1 << k) : (1 << 30);
+        }
       }
     }
   }
@@ -711,13 +713,9 @@ class CastPlan {
         if (k < 30 ? !(bits >> k & 1) : !(bits >> 30 & 1)) continue;
         const size_t e = static_cast<size_t>(p_.in_start[i]) + k;
         const Ref& r = p_.in_refs[e];
-        if (r.ctrl) continue;
+        const int32_t have = r.ctrl ? -1 : DtypeOf(r);
+        if (r.ctrl || !Mismatch(want[k], have)) continue;
         const int32_t w = Base(want[k]);
-        if (!IsFloat(w)) continue;
-        const int32_t have = DtypeOf(r);
-        if (have < 0) continue;
-        const int32_t hb = Base(have);
-        if (!IsFloat(hb) || hb == w) continue;
         const std::string_view inp = p_.ref_text[e];
         const size_t re = RootEdge(e);
         const std::string_view root = p_.ref_text[re];
@@ -887,26 +885,19 @@ class CastPlan {
     return rd->ok;
   }
 
-  int32_t InsOf(int32_t i, const int32_t** v) const {
+  // node i's input (side 0) or output (side 1) dtypes now: (values, count; -1 unknown)
+  int32_t DtsOf(int32_t i, int side, const int32_t** v) const {
     if (ov_at_[i] >= 0) {
       const Ov& o = ov_[ov_at_[i]];
-      *v = o.ins.data();
-      return o.nin;
+      *v = side ? o.outs.data() : o.ins.data();
+      return side ? o.nout : o.nin;
     }
-    const Csr& c = p_.dts[var_[i]][0];
+    const Csr& c = p_.dts[var_[i]][side];
     *v = c.At(p_.cls[i]);
     return c.Len(p_.cls[i]);
   }
-  int32_t OutsOf(int32_t i, const int32_t** v) const {
-    if (ov_at_[i] >= 0) {
-      const Ov& o = ov_[ov_at_[i]];
-      *v = o.outs.data();
-      return o.nout;
-    }
-    const Csr& c = p_.dts[var_[i]][1];
-    *v = c.At(p_.cls[i]);
-    return c.Len(p_.cls[i]);
-  }
+  int32_t InsOf(int32_t i, const int32_t** v) const { return DtsOf(i, 0, v); }
+  int32_t OutsOf(int32_t i, const int32_t** v) const { return DtsOf(i, 1, v); }
   // tensor_dtype: the dtype (ref types included) or -1
   int32_t DtypeOf(const Ref& r) const {
     if (r.ctrl || r.src < 0) return -1;

@@ -1221,7 +1221,6 @@ class PrecisionPass(Pass):
         steps = []
         taken = set()  # names given to casts not added yet
         templates = {}
-        cast_op = _NodeDef
         masks = self._mismatch_inputs
         for name in visit:
             node = nodes[name]
@@ -1286,21 +1285,7 @@ class PrecisionPass(Pass):
                                     j += 1
                                 cname = f"{base}_{j}"
                             taken.add(cname)
-                            dev = nodes[src].device
-                            tk = (base_dtype(rdt), w, dev)
-                            tmpl = templates.get(tk)
-                            if tmpl is None:
-                                tmpl = templates[tk] = cast_op(op="Cast", device=dev)
-                                tmpl.attr["SrcT"].type = tk[0]
-                                tmpl.attr["DstT"].type = w
-                                tmpl.attr["Truncate"].b = False
-                            # (a copy of the template, then its name and input: a
-                            # third of the instructions of a new NodeDef whose attr
-                            # map merges the template's)
-                            new = cast_op()
-                            new.CopyFrom(tmpl)
-                            new.name = cname
-                            new.input.append(root)
+                            new = _native.cast_node(templates, base_dtype(rdt), w, nodes[src].device, cname, root)
                             self.casts_inserted += 1
                             self.new_casts.append(cname)
                             if shapes is not None:

@@ -863,6 +863,25 @@ def _refill_memos(pp, paths, names, nodes, cid, infos):
         info_memo[name] = (node.op, infos[c])
 
 
+def cast_node(templates, src_t, dst_t, device, name, root):
+    """A new ``Cast`` NodeDef ``name`` reading ``root``: a copy of the
+    template for (``src_t``, ``dst_t``, ``device``) in ``templates`` (made
+    once), then its name and input: a third of the instructions of a new
+    NodeDef whose attr map merges the template's."""
+    tk = (src_t, dst_t, device)
+    tmpl = templates.get(tk)
+    if tmpl is None:
+        tmpl = templates[tk] = node_def_pb2.NodeDef(op="Cast", device=device)
+        tmpl.attr["SrcT"].type = src_t
+        tmpl.attr["DstT"].type = dst_t
+        tmpl.attr["Truncate"].b = False
+    new = node_def_pb2.NodeDef()
+    new.CopyFrom(tmpl)
+    new.name = name
+    new.input.append(root)
+    return new
+
+
 #: how many casts' plans the C++ painter made (:func:`fix_edges`; for tests)
 CAST_PLANS = [0]
 
@@ -919,23 +938,9 @@ def fix_edges(pp, shapes) -> bool:
     new_names = new_names.split("\x01") if n_new else []
     new_roots = new_roots.split("\x01") if n_new else []
     refs = refs.split("\x01") if n_steps else []
-    made = []
     templates = {}
-    cast_op = node_def_pb2.NodeDef
-    for (si, src_t, dst_t), cname, root in zip(head[3:a].reshape(-1, 3).tolist(), new_names, new_roots):
-        dev = nodes[si].device
-        tk = (src_t, dst_t, dev)
-        tmpl = templates.get(tk)
-        if tmpl is None:
-            tmpl = templates[tk] = cast_op(op="Cast", device=dev)
-            tmpl.attr["SrcT"].type = src_t
-            tmpl.attr["DstT"].type = dst_t
-            tmpl.attr["Truncate"].b = False
-        new = cast_op()
-        new.CopyFrom(tmpl)
-        new.name = cname
-        new.input.append(root)
-        made.append(new)
+    made = [cast_node(templates, src_t, dst_t, nodes[si].device, cname, root)
+            for (si, src_t, dst_t), cname, root in zip(head[3:a].reshape(-1, 3).tolist(), new_names, new_roots)]
     pp.casts_inserted += len(made)
     pp.new_casts.extend(new_names)
     pp._cast_plan = (painter, names, new_names)
