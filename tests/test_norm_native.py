@@ -133,8 +133,13 @@ def test_fusions_equal_with_the_switch(k2, monkeypatch, name):
     outs = {}
     for on in (True, False):
         monkeypatch.setattr(builtin, "NATIVE_NORMS", on)
+        calls = builtin.NATIVE_NORM_CALLS[0]
         out, rep = npu_amp_tf.rewrite_graph(gd, fetches=[f.split(":")[0] for f in fetches],
                                             precision_mode="allow_mix_precision")
-        outs[on] = (out.SerializeToString(deterministic=True), rep.summary.get("fusions"))
+        outs[on] = (out.SerializeToString(deterministic=True), rep.summary.get("fusions"),
+                    builtin.NATIVE_NORM_CALLS[0] - calls)
     assert outs[True][1] and outs[True][1] > 0
+    assert outs[False][2] == 0
+    if name == "bert_like":  # (its norms are the rule's forms: the C++ analysis answered)
+        assert outs[True][2] > 0
     assert_same(outs[True][0], outs[False][0], "the graphs with the C++ analysis and without")
