@@ -1179,9 +1179,8 @@ NPU_AMP_PAINT_EXPORT int NpuAmpPaintDelayPlan(void* h, const int32_t* pos, int64
   std::vector<int32_t> out;
   bool forward = true;
   plan->Delay(pos, &out, &forward);
-  pt->fix_blob.assign(reinterpret_cast<const char*>(&forward), 0);
   const int32_t f = forward ? 1 : 0;
-  pt->fix_blob.append(reinterpret_cast<const char*>(&f), sizeof(f));
+  pt->fix_blob.assign(reinterpret_cast<const char*>(&f), sizeof(f));
   pt->fix_blob.append(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int32_t));
   *data = pt->fix_blob.data();
   *len = pt->fix_blob.size();

@@ -919,17 +919,10 @@ class Graph:
         if self.incremental_sort:
             got = self._kahn_arrays()
             if got is not None:
-                counts, readers, ids = got
-                flags = array("B", bytes(len(counts)))
-                for name in back:
-                    flags[ids[name]] = 1
-                res = fn(len(counts), counts, readers, flags)
-                if res is None:
+                at = self._live_kahn_ids(fn, back, got)
+                if at is None:
                     return None
                 # ids -> names in numpy: no Python int per id (~4x faster at 48k nodes)
-                at = np.asarray(res, np.int32)
-                if len(counts) != len(self.nodes):  # (removed nodes' ids: empty, unread)
-                    at = at[np.frombuffer(self._id_dead, np.uint8)[at] == 0]
                 return np.array(self._id_name, dtype=object)[at].tolist()
         names = list(self.nodes)
         n = len(names)
@@ -958,21 +951,29 @@ class Graph:
         got = self._kahn_arrays()
         if got is None:
             return None
+        at = self._live_kahn_ids(fn, self.nodes_of_type(LOOP_BACK_OPS), got)
+        if at is None or len(at) != len(self.nodes):
+            return None  # (refused, or a cycle: its nodes are not ordered)
+        pos = np.full(len(got[0]), -1, np.int32)
+        pos[at] = np.arange(len(at), dtype=np.int32)
+        return pos
+
+    def _live_kahn_ids(self, fn, back, got):
+        """The live node ids in Kahn's order (an int32 array; cycle nodes
+        left out) from :data:`native_kahn` ``fn`` over ``got`` (what
+        :meth:`_kahn_arrays` returned), ``back`` the loop back-edge sources;
+        None when ``fn`` refuses."""
         counts, readers, ids = got
         flags = array("B", bytes(len(counts)))
-        for name in self.nodes_of_type(LOOP_BACK_OPS):
+        for name in back:
             flags[ids[name]] = 1
         res = fn(len(counts), counts, readers, flags)
         if res is None:
             return None
         at = np.asarray(res, np.int32)
-        if len(counts) != len(self.nodes):
+        if len(counts) != len(self.nodes):  # (removed nodes' ids: empty, unread)
             at = at[np.frombuffer(self._id_dead, np.uint8)[at] == 0]
-        if len(at) != len(self.nodes):
-            return None  # (a cycle: its nodes are not ordered)
-        pos = np.full(len(counts), -1, np.int32)
-        pos[at] = np.arange(len(at), dtype=np.int32)
-        return pos
+        return at
 
     def _forget_id(self, name):
         """Drop a removed node's id (its slot in the sort's arrays empties)."""
