@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 from array import array
+from bisect import bisect_right
 from collections import defaultdict, deque
 from itertools import accumulate, chain, filterfalse, repeat
 from operator import is_not, itemgetter, methodcaller
@@ -1364,7 +1365,7 @@ class Graph:
         entry = self._node_bytes
         kget = keys.__getitem__
         changed = [nodes[kget(k)] for k in np.flatnonzero(order < 0).tolist()]
-        parts = self._joined_entries(changed) if self.joined_patch else None
+        parts = self._joined_entries(changed, names) if self.joined_patch else None
         if parts is None:
             parts = [entry(n, names) for n in changed]
         parts.append(self._tail())
@@ -1373,22 +1374,45 @@ class Graph:
         return GraphPatch(out, b"".join(parts), n)
 
     #: (issue 17) :meth:`_fast_patch` writes the changed nodes' entries as
-    #: one join of their bytes and headers, and looks for colocation entries
-    #: once in the whole payload; False: one :meth:`_node_bytes` per node (the
-    #: reference; the same bytes)
+    #: one join of their bytes and headers, serialising each node once and
+    #: looking for colocation entries in the joined payload; False: one
+    #: :meth:`_node_bytes` per node (the reference; the same bytes)
     joined_patch = True
 
     @staticmethod
-    def _joined_entries(changed):
+    def _joined_entries(changed, names):
         """[the GraphDef ``node`` entries of ``changed``, joined]: what
-        :meth:`_node_bytes` gives per node, when no entry's bytes hold
-        "_class" (no colocation entry to check); else None."""
+        :meth:`_node_bytes` gives per node.  Only a node whose bytes hold
+        "_class" can carry a colocation entry (one naming a node not in
+        ``names`` is dropped, as :meth:`_node_bytes` does); those nodes are
+        found from the hits in the joined payload, and only they are looked
+        at again (a TF1 graph's variables carry ``_class``: the reference
+        serialised every changed node a second time when one did)."""
         bodies = list(map(_serialize_det, changed))
+        heads = list(map(_node_field_header, map(len, bodies)))
         parts = [None] * (2 * len(bodies))
-        parts[0::2] = map(_node_field_header, map(len, bodies))
+        parts[0::2] = heads
         parts[1::2] = bodies
         joined = b"".join(parts)
-        return None if joined.find(b"_class") >= 0 else [joined]
+        at = joined.find(b"_class")
+        if at < 0:
+            return [joined]
+        # each entry's end offset in `joined`: the entry holding a hit is the first ending after it
+        ends = list(accumulate(map(len, parts)))[1::2]
+        fixed = False
+        k = -1
+        while at >= 0:
+            k = bisect_right(ends, at, lo=k + 1)
+            keep = _colocation_kept(changed[k], names)
+            if keep is not None:
+                c = node_def_pb2.NodeDef()
+                c.CopyFrom(changed[k])
+                _drop_colocation(c, keep)
+                b = c.SerializeToString(deterministic=True)
+                parts[2 * k], parts[2 * k + 1] = _node_field_header(len(b)), b
+                fixed = True
+            at = joined.find(b"_class", ends[k])
+        return [b"".join(parts)] if fixed else [joined]
 
     def _base_ranks(self, keys, nb):
         """Per name of ``keys`` (every node, in ``nodes`` order) its index in

@@ -38,7 +38,7 @@ from tensorflow.python.grappler import tf_optimizer
 
 import npu_amp_tf
 from graph_passes import manager, opdef_check, registry
-from graph_passes.graph import Graph, GraphPatch
+from graph_passes.graph import Graph, GraphPatch, _EncodedNames
 from npu_amp_tf import bridge, pipeline
 from test_bridge_17r import _both_indexes
 from test_opdef_precheck import CASES, _add, _gd, _list_min_op, _node, _ph, _touch, plant_fp32_feed, rewritten
@@ -253,6 +253,27 @@ def test_fast_patch_equals_the_reference_after_the_pipeline(k2, name, monkeypatc
     assert fast.order == ref.order and fast.payload == ref.payload and fast.nodes == ref.nodes
 
 
+def test_joined_entries_write_each_colocated_node_as_the_reference_does():
+    """Several changed nodes, some holding "_class" (one naming a node that is gone, one
+    naming live nodes, one only in a name): each entry equals _node_bytes' (the reference),
+    and only the entry naming a gone node changes."""
+    nodes = [_node("Identity", "a", ["x"], T=("type", F32)), _node("Identity", "b_class", ["x"], T=("type", F32)),
+             _node("Identity", "c", ["x"], T=("type", F32)), _node("Identity", "d", ["x"], T=("type", F32)),
+             _node("Identity", "e", ["x"], T=("type", F32))]
+    nodes[0].attr["_class"].list.s.extend([b"loc:@x", b"loc:@gone"])
+    nodes[2].attr["_class"].list.s.extend([b"loc:@x"])
+    nodes[4].attr["_class"].list.s.extend([b"loc:@gone", b"loc:@x", b"other"])
+    names = _EncodedNames({"x", "a", "b_class", "c", "d", "e"})
+    g = Graph()
+    want = b"".join(g._node_bytes(n, names) for n in nodes)
+    plain = b"".join(graph_pb2.GraphDef(node=nodes).SerializeToString(deterministic=True) for _ in [0])
+    assert Graph._joined_entries(nodes, names) == [want]
+    assert want != plain  # (the entries of 'a' and 'e' lost loc:@gone)
+    out = graph_pb2.GraphDef.FromString(want)
+    assert [list(n.attr["_class"].list.s) for n in out.node] == [[b"loc:@x"], [], [b"loc:@x"], [], [b"loc:@x", b"other"]]
+    assert Graph._joined_entries(nodes, _EncodedNames({"x", "gone"})) == [plain]
+
+
 @pytest.mark.parametrize("case", ["removed_and_added_again", "reindexed", "put_in_by_hand", "colocation",
                                   "colocation_on_a_changed_node"])
 def test_fast_patch_equals_the_reference_on_edits(case, monkeypatch):
@@ -289,8 +310,13 @@ def test_fast_patch_equals_the_reference_on_edits(case, monkeypatch):
     assert ref is not None
     assert fast.order == ref.order and fast.payload == ref.payload and fast.nodes == ref.nodes
     if case == "colocation_on_a_changed_node":
-        # the joined entries hold "_class": written node by node, 'add' (gone) dropped
-        assert Graph._joined_entries([build().nodes["i"]]) is None
+        # the joined entries hold "_class": 'i''s entry written again with 'add' (gone) dropped,
+        # an entry whose colocation names live nodes left as serialised
+        g = build()
+        names, with_add = _EncodedNames(set(g.nodes)), _EncodedNames(set(g.nodes) | {"add"})
+        fixed = Graph._joined_entries([g.nodes["i"]], names)[0]
+        assert fixed == g._node_bytes(g.nodes["i"], names) != Graph._joined_entries([g.nodes["i"]], with_add)[0]
+        assert Graph._joined_entries([g.nodes["i"]], with_add)[0] == g._node_bytes(g.nodes["i"], with_add)
         patched = graph_pb2.GraphDef.FromString(fast.payload)
         assert list(next(n for n in patched.node if n.name == "i").attr["_class"].list.s) == [b"loc:@y"]
     if case == "colocation":  # 'i' is unchanged: its entry is dropped by the assembly, not here
