@@ -25,10 +25,9 @@ class Cleanup(Pass):
     def run(self, graph, ctx):
         removed = 0
         changed = True
-        created = getattr(graph, "created", ())
         while changed:
             changed = False
-            for name in [n for n in graph.nodes if n in created]:
+            for name in graph.created_in_order():
                 if name in ctx.protected or graph.consumers(name):
                     continue
                 od = registry.op_def(graph.nodes[name].op)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 from array import array
 from bisect import bisect_right
 from collections import defaultdict, deque
@@ -119,6 +120,17 @@ def _split_bytes(data: bytes, sep: bytes, maxsplit: int) -> list:
         at = k + 1
     out.append(data[at:])
     return out
+
+
+def packed_ints(values, count: int, dtype=np.int64):
+    """The ``count`` ints of ``values`` as a numpy array of ``dtype`` (int32
+    or int64): ``struct.pack`` converts each with one C call (~0.45x the
+    instructions of ``np.fromiter``, which packs each through numpy's generic
+    item assignment; ``array()`` parses each).  Raises as the iteration does
+    (a KeyError of a ``map``), or ``struct.error`` when ``values`` does not
+    hold ``count`` ints that fit."""
+    code = "i" if np.dtype(dtype).itemsize == 4 else "q"
+    return np.frombuffer(struct.pack(f"{count}{code}", *values), dtype)
 
 
 def drop_dangling_colocation(nodes) -> int:
@@ -668,6 +680,25 @@ class Graph:
         does not track its edits): :meth:`changed_nodes` then gives None."""
         self._all_modified = True
 
+    #: (issue 17) :meth:`created_in_order` sorts the live created nodes by
+    #: rank (their graph order) instead of scanning every node; False: the
+    #: scan (the reference; the same list)
+    ranked_created = True
+
+    def created_in_order(self) -> list[str]:
+        """The live nodes of :attr:`created`, in graph order (``nodes``'
+        order).  Ranks are given in increasing order as nodes are put in
+        (see :meth:`_dense_ranks`), so sorting by rank gives graph order; a
+        node put in by hand has no rank: then every node is scanned."""
+        created, nodes = self.created, self.nodes
+        if self.ranked_created:
+            seq = self._seq
+            try:
+                return sorted([n for n in created if n in nodes], key=seq.__getitem__)
+            except KeyError:
+                pass
+        return [n for n in nodes if n in created]
+
     def changed_nodes(self) -> set[str] | None:
         """Nodes that may differ from the graph this object was built from:
         created or edited through its methods or declared with :meth:`touch`;
@@ -1039,9 +1070,9 @@ class Graph:
         dirty.clear()
         names = list(map(id_name.__getitem__, dl))
         lists = list(map(cons.get, names, repeat((), len(dl))))
-        lens = np.fromiter(map(len, lists), np.int64, len(dl))
-        new = np.fromiter(map(ids.get, map(_first, chain.from_iterable(lists)), repeat(-1)),
-                          np.int32, int(lens.sum()))
+        lens = packed_ints(map(len, lists), len(dl))
+        new = packed_ints(map(ids.get, map(_first, chain.from_iterable(lists)), repeat(-1)),
+                          int(lens.sum()), np.int32)
         c = np.frombuffer(bc, np.int32) if nb else np.zeros(0, np.int32)
         r = np.frombuffer(br, np.int32) if len(br) else np.zeros(0, np.int32)
         d = np.array(dl, np.int64)
@@ -1080,7 +1111,7 @@ class Graph:
             er = a[at_e:at_e + e]
         else:
             er = a[at_e:at_e + t][a[at_e + 2 * t:at_e + 2 * t + e]]
-        sn = np.fromiter(map(self._seq.get, srcs, repeat(-1)), np.int64, ns)
+        sn = packed_ints(map(self._seq.get, srcs, repeat(-1)), ns).copy()
         sn[sn >= n0] = -1
         ss = np.zeros(ns + 1, np.int64)
         np.cumsum(sc, out=ss[1:])
@@ -1424,15 +1455,15 @@ class Graph:
         if not getattr(self, "_seq_is_base", False) or len(seq) != n:
             return None
         if list(seq) == keys:  # (the usual case: ``_seq`` holds the nodes in their order)
-            ranks = np.fromiter(seq.values(), np.int64, n)
+            ranks = packed_ints(seq.values(), n)
         else:
-            ranks = np.fromiter(map(seq.get, keys, repeat(-1)), np.int64, n)
+            ranks = packed_ints(map(seq.get, keys, repeat(-1)), n)
             if n and ranks.min() < 0:
                 return None
         special = self.created | self.modified
         mark = np.zeros(self._next_seq + 1, np.bool_)
         if special:
-            mark[np.fromiter(map(seq.get, special, repeat(self._next_seq)), np.int64, len(special))] = True
+            mark[packed_ints(map(seq.get, special, repeat(self._next_seq)), len(special))] = True
         return np.where((ranks < nb) & ~mark[ranks], ranks, -1).astype(np.int32)
 
     #: (issue 17) who built this graph from a serialized one it still holds

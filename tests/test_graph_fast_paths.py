@@ -8,6 +8,9 @@ comparison catches.
   use it;
 * ``Graph.consumers(name, port)`` compares each input with the canonical
   reference before parsing it (``Graph.fast_consumers = False``: parse each);
+* ``Graph.created_in_order`` sorts the created nodes by rank
+  (``Graph.ranked_created = False``: scans every node), the cleanup pass's
+  list;
 * ``pipeline.PROMOTE_SURVIVORS``: after a run the objects it leaves alive
   are moved to the oldest GC generation (no young collection traverses
   them), nothing stays frozen and garbage cycles are still collected;
@@ -34,7 +37,7 @@ from test_fusion_skip import MODES, keras_transformer_block_training_graph
 from test_precision_fast import _strip_times, slim_resnet_graph
 from test_speed_paths import _keras_resnet_training_graph, bert_like_training_graph
 
-SWITCHES = ("batch_remove", "fast_consumers")
+SWITCHES = ("batch_remove", "fast_consumers", "ranked_created")
 
 
 def _real_graphs(k2):
@@ -215,6 +218,28 @@ def test_a_fast_consumers_without_the_parse_is_caught(monkeypatch):
     monkeypatch.setattr(Graph, "consumers", canonical_only)
     fast, ref = _consumers_both(g, "x", 0)
     assert fast != ref and ref == [("r", 0)]
+
+
+def test_created_in_order_is_the_graph_order(monkeypatch):
+    """Created nodes in graph order: one added after others, one removed and added again (it
+    moves last), one removed for good; a node put in by hand (no rank) sends it to the scan."""
+    from test_opdef_precheck import _gd, _node, _ph
+
+    g = Graph(_gd(_ph("x", 1), _node("Identity", "i", ["x"], T=("type", 1))))
+    for name in ("c", "a", "b", "d"):
+        g.new_node("Identity", name, ["x"], attrs={"T": 1})
+    node = g.nodes["a"]
+    g.remove_node("a")
+    g.add_node(node)
+    g.remove_node("d")
+    want = ["c", "b", "a"]
+    for ranked in (True, False):
+        monkeypatch.setattr(Graph, "ranked_created", ranked)
+        assert g.created_in_order() == want == [n for n in g.nodes if n in g.created]
+    g.nodes["by_hand"] = _node("NoOp", "by_hand")
+    g.created.add("by_hand")
+    monkeypatch.setattr(Graph, "ranked_created", True)
+    assert g.created_in_order() == ["c", "b", "a", "by_hand"]
 
 
 def _rewrite(monkeypatch, gd, fetches, fast, kw, calls):

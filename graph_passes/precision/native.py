@@ -51,6 +51,7 @@ for an op of unknown signature) joined by ``\\x01``, nodes joined by
 """
 from __future__ import annotations
 
+import struct
 from array import array
 from itertools import chain, compress, repeat
 from operator import attrgetter, contains, getitem, is_
@@ -59,6 +60,7 @@ import numpy as np
 from tensorflow.core.framework import node_def_pb2
 
 from .. import registry
+from ..graph import packed_ints
 from . import lists as _lists
 from . import planner as _planner
 
@@ -412,11 +414,12 @@ def first_indices(cid) -> list:
 
 
 def _i32(values, count):
-    """``array('i', values)`` (``count`` ints) through numpy: ``array`` built
-    from an iterable converts each item with ``PyArg_Parse`` (~300
-    instructions an int), ``np.fromiter`` in a C loop."""
+    """``array('i', values)`` (``count`` ints) through ``struct.pack``:
+    ``array`` built from an iterable converts each item with ``PyArg_Parse``
+    (~300 instructions an int), ``struct`` with one C call
+    (:func:`graph_passes.graph.packed_ints`)."""
     out = array("i")
-    out.frombytes(np.fromiter(values, np.int32, count).tobytes())
+    out.frombytes(struct.pack(f"{count}i", *values))
     return out
 
 
@@ -977,7 +980,7 @@ def delay_plan(pp):
         return None
     seq = g._seq  # noqa: SLF001 - the ids the sort numbers nodes by
     try:
-        ids = np.fromiter(map(seq.__getitem__, chain(names, new_names)), np.int64, len(g.nodes))
+        ids = packed_ints(map(seq.__getitem__, chain(names, new_names)), len(g.nodes))
     except KeyError:
         return None
     pos = by_id[ids]
