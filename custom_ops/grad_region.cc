@@ -29,6 +29,7 @@
 //   rc = NpuAmpGrMirrorRemove(h, names, len)       \x01-separated names
 //   rc = NpuAmpGrMirrorBefore(h, names, len, reset)  known names of removed nodes
 //   rc = NpuAmpGrMirrorPositions(h, names, len, pos, n, reset)
+//   rc = NpuAmpGrMirrorPositionsBase(h, ranks, nb, names, len, pos, n)
 //   rc = NpuAmpGrSearch(h, request, len, dy_cb, &out, &out_len)
 //   memo = NpuAmpGrShapeMemoNew(); rank = NpuAmpGrShape(h, memo, ref, len, dims, cap)
 //   NpuAmpGrShapeMemoFree(memo); NpuAmpGrMirrorFree(h)
@@ -393,6 +394,10 @@ class Mirror {
     for (string_view n : Split(Keep(names.data(), names.size()), '\x01')) before_.insert(n);
   }
   void SetPos(int32_t id, double p) { nodes_[id].pos = p; }
+  // (issue 17) the ids of the first fresh load's nodes, in the order of its
+  // bytes (NpuAmpGrMirrorPositionsBase: the Python graph's node ids of the
+  // graph as created, Graph._seq, number them so)
+  std::vector<int32_t> base_ids;
 
   // (issue 17) the first load on a helper thread (NpuAmpGrMirrorLoadAsync):
   // the mirror is its until Join(); every entry but New joins first
@@ -441,12 +446,16 @@ bool LoadGraphDef(Mirror* m, const char* bytes, size_t len, bool fresh) {
   npu_amp_tf::GraphViews v;
   v.want_defs = fresh;
   if (!npu_amp_tf::ViewsOfBytes(m->Keep(bytes, len), &v)) return false;
+  const bool first = fresh && m->size() == 0;
+  if (first) m->base_ids.reserve(v.name.size());
   for (size_t i = 0; i < v.name.size(); ++i) {
     const string_view* ins = v.input.data() + v.in_start[i];
     const size_t n_ins = static_cast<size_t>(v.in_start[i + 1] - v.in_start[i]);
     if (!m->Upsert(v.name[i], v.op[i], ins, n_ins, fresh, fresh ? v.def[i] : string_view())) {
+      m->base_ids.clear();
       return false;
     }
+    if (first) m->base_ids.push_back(m->Find(v.name[i]));
   }
   return true;
 }
@@ -2015,6 +2024,49 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositions(void* h, const char* names, size_t
     if (id < 0) return 1;
     m->SetPos(id, pos[i]);
   }
+  return 0;
+}
+
+// (issue 17) Every position anew, as NpuAmpGrMirrorPositions(reset=1) with
+// the positions of every node would set them, for a fresh full order: the
+// nodes of the first fresh load by their index in its bytes (`ranks[k]`,
+// k < nb, the k-th node's position, -1 none), then the nodes `names` (\x01-joined)
+// by name (`pos`, n of them: created since, or created again under a loaded
+// name).  0 ok, 1 not (nb is not the load's node count, a bad name: nothing
+// or part set; the caller sends every position by name).
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositionsBase(void* h, const int32_t* ranks, int64_t nb,
+                                                  const char* names, size_t len, const double* pos,
+                                                  int64_t n) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr || nb < 0 || n < 0) return 1;
+  m->Join();
+  if (static_cast<int64_t>(m->base_ids.size()) != nb || (nb && ranks == nullptr)) return 1;
+  m->ClearPositions();
+  for (int64_t k = 0; k < nb; ++k) {
+    if (ranks[k] >= 0) m->SetPos(m->base_ids[k], static_cast<double>(ranks[k]));
+  }
+  if (n == 0) return 0;
+  std::vector<string_view> v = Split(string_view(names, len), '\x01');
+  if (static_cast<int64_t>(v.size()) != n) return 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t id = m->Intern(v[i]);
+    if (id < 0) return 1;
+    m->SetPos(id, pos[i]);
+  }
+  return 0;
+}
+
+// (issue 17, tests) The positions of the nodes `names` (\x01-joined, n of
+// them) into out[0..n): NaN for none or an unknown name.  0 ok, 1 bad arguments.
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositionsOf(void* h, const char* names, size_t len, double* out,
+                                                int64_t n) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr || n < 0) return 1;
+  m->Join();
+  if (n == 0) return 0;
+  std::vector<string_view> v = Split(string_view(names, len), '\x01');
+  if (static_cast<int64_t>(v.size()) != n) return 1;
+  for (int64_t i = 0; i < n; ++i) out[i] = m->pos(m->Find(v[i]));
   return 0;
 }
 

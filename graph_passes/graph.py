@@ -219,6 +219,9 @@ class Graph:
         self._kblob = None  # the C++ index's edge arrays, until the first sort uses them
         self._kdirty = set()  # ids whose consumer lists changed since then
         self._kdnames = set()  # (the same, by name: resolved to ids at the next sort)
+        #: (issue 17) (the names' order, the node ids in that order) of the last
+        #: native sort (:meth:`topo_ranks`), or None
+        self._topo_ids = None
         adopted = index is not None and self._adopt_index(graph_def, index)
         #: True when the indexes came from ``index`` (C++), not from reindex()
         self.prebuilt_index = adopted
@@ -348,6 +351,7 @@ class Graph:
         self._next_seq = n
         self._has_cycle = cycle == b"1"
         self._topo_cache = (order, bool(n) and self._has_cycle)
+        self._topo_ids = (order, a32[at_o:at_o + n]) if self.numpy_adopt else None
         self._classes = (names, ints[at_o + n:]) if ncls else None
         # (issue 17q) the edge arrays, for the first sort after edits
         self._id_name = list(names)
@@ -858,6 +862,24 @@ class Graph:
             cached = self._topo_cache = (*cached[:2], dict(zip(order, range(len(order)))))
         return cached[2]
 
+    def topo_ranks(self, order=None):
+        """(issue 17) Per node id (``_seq``) its index in :meth:`topo_order`,
+        an int32 array (-1: a removed id), from the node ids the native sort
+        ordered (no name looked up); None when the cached order did not come
+        from it (the Python sort, a cycle) or, with ``order`` given, is not
+        that list (the cache's own, as :meth:`topo_positions` numbers)."""
+        cached = self._topo_cache
+        if cached is None and order is None:
+            self.topo_order()
+            cached = self._topo_cache
+        ids = self._topo_ids
+        if (cached is None or cached[1] or ids is None or ids[0] is not cached[0]
+                or (order is not None and order is not cached[0]) or len(ids[1]) != len(cached[0])):
+            return None
+        ranks = np.full(self._next_seq, -1, np.int32)
+        ranks[ids[1]] = np.arange(len(ids[1]), dtype=np.int32)
+        return ranks
+
     def nodes_of_type(self, ops) -> list[str]:
         """Names of the nodes whose op is in ``ops`` (a type name or a
         collection of them), in graph order; from the op-type index, so the
@@ -955,7 +977,9 @@ class Graph:
                 if at is None:
                     return None
                 # ids -> names in numpy: no Python int per id (~4x faster at 48k nodes)
-                return np.array(self._id_name, dtype=object)[at].tolist()
+                order = np.array(self._id_name, dtype=object)[at].tolist()
+                self._topo_ids = (order, at)
+                return order
         names = list(self.nodes)
         n = len(names)
         lists = list(map(self._consumers.get, names, repeat((), n)))

@@ -486,6 +486,15 @@ class GradRegionLib:
         lib.NpuAmpGrMirrorLoad.restype = c_int
         lib.NpuAmpGrMirrorPositions.argtypes = [c_void_p, c_char_p, c_size_t, c_void_p, ctypes.c_int64, c_int]
         lib.NpuAmpGrMirrorPositions.restype = c_int
+        #: (issue 17) a full order sent by the loaded nodes' indexes (a library built before it: False)
+        self.can_positions_base = all(hasattr(lib, f) for f in ("NpuAmpGrMirrorPositionsBase",
+                                                                 "NpuAmpGrMirrorPositionsOf"))
+        if self.can_positions_base:
+            lib.NpuAmpGrMirrorPositionsBase.argtypes = [c_void_p, c_void_p, ctypes.c_int64, c_char_p, c_size_t,
+                                                        c_void_p, ctypes.c_int64]
+            lib.NpuAmpGrMirrorPositionsBase.restype = c_int
+            lib.NpuAmpGrMirrorPositionsOf.argtypes = [c_void_p, c_char_p, c_size_t, c_void_p, ctypes.c_int64]
+            lib.NpuAmpGrMirrorPositionsOf.restype = c_int
         #: (issue 17) the first load on a C++ helper thread (a library built before it: None)
         self.can_load_async = hasattr(lib, "NpuAmpGrMirrorLoadAsync") and hasattr(lib, "NpuAmpGrMirrorWait")
         if self.can_load_async:
@@ -581,6 +590,32 @@ class GradRegionLib:
         arr = array.array("d", values)
         return self._lib.NpuAmpGrMirrorPositions(h, data, len(data), arr.buffer_info()[0] if len(arr) else None,
                                                  len(arr), int(reset))
+
+    def positions_base(self, h, ranks, names, values) -> int:
+        """Every position anew: the loaded graph's k-th node at ``ranks[k]``
+        (a C-contiguous int32 numpy array, -1 none; as many as the first
+        load's nodes), then ``names`` at ``values`` (floats).  0 ok, else
+        not (send them all by name with :meth:`positions`)."""
+        if not self.can_positions_base:
+            return 1
+        try:
+            data = "\x01".join(names).encode("ascii")
+        except UnicodeEncodeError:
+            return 1
+        arr = array.array("d", values)
+        return self._lib.NpuAmpGrMirrorPositionsBase(
+            h, ranks.ctypes.data if len(ranks) else None, len(ranks), data, len(data),
+            arr.buffer_info()[0] if len(arr) else None, len(arr))
+
+    def positions_of(self, h, names) -> list | None:
+        """(tests) The mirror's positions of ``names`` (NaN: none), or None."""
+        if not self.can_positions_base:
+            return None
+        data = "\x01".join(names).encode("ascii")
+        out = array.array("d", bytes(8 * len(names)))
+        rc = self._lib.NpuAmpGrMirrorPositionsOf(h, data, len(data), out.buffer_info()[0] if len(out) else None,
+                                                 len(names))
+        return None if rc != 0 else out.tolist()
 
     def shape_memo(self):
         """A new memo for :meth:`shape` (free it with :meth:`free_shape_memo`)."""

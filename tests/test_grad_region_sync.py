@@ -12,6 +12,11 @@ reference switches.
   with Python's (the suite's ``CHECK_NATIVE``), every sync sent as text; a
   name holding a separator or a non-ASCII character goes the GraphDef way,
   which the mirror refuses (Python searches, the same graph).
+* ``POSITIONS_BY_INDEX``: a full order's positions go to the mirror by the
+  loaded graph's node indexes (``Graph.topo_ranks``), the nodes created since
+  by name: read back equal to the order's (the suite's ``CHECK_NATIVE``),
+  byte-identical output through grappler, and the reference (every name)
+  when the order is not the native sort's.
 """
 import pytest
 
@@ -172,3 +177,79 @@ def test_a_name_the_text_cannot_carry_ends_in_the_python_search(monkeypatch):
         if native_on:
             assert getattr(graph, gr_._MIRROR_ATTR) is False  # refused: Python searched
     assert regions[0] == regions[1]
+
+
+@pytest.mark.parametrize("name", ["bert_like", "keras_transformer_training"])
+def test_positions_by_index_give_the_same_graph_through_grappler(k2, monkeypatch, name):
+    """Through grappler: the full orders went by index (and, with CHECK_NATIVE, read back
+    equal to the positions Python computed), the output and the report equal the
+    reference's (every position sent by name)."""
+    if gr.native is None or not getattr(gr.native, "can_positions_base", False):
+        pytest.skip("the C++ gradient-region search is not loaded")
+    lib = type(gr.native)
+    by_name = []
+    real = lib.positions
+
+    def positions(self, h, names, values, reset):
+        if reset:
+            by_name.append(len(names))
+        return real(self, h, names, values, reset)
+
+    monkeypatch.setattr(lib, "positions", positions)
+    checked = len(gr.CHECKED[1])
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(gr, "POSITIONS_BY_INDEX", on)
+        sent, read_back = list(gr.POSITIONS_SENT_BY_INDEX), gr.POSITIONS_SENT_BY_INDEX[1]
+        del by_name[:]
+        runs[on] = _through_grappler(k2, name, "allow_mix_precision")
+        if on:
+            assert gr.POSITIONS_SENT_BY_INDEX[0] > sent[0] and not by_name
+            if gr.CHECK_NATIVE:
+                assert gr.POSITIONS_SENT_BY_INDEX[1] > read_back
+        else:
+            assert gr.POSITIONS_SENT_BY_INDEX[0] == sent[0] and by_name
+    assert runs[True] == runs[False]
+    assert len(gr.CHECKED[1]) == checked
+
+
+def test_positions_by_index_cover_created_nodes_and_refuse_a_foreign_order():
+    """A mirror loaded from a graph's bytes: after nodes are removed, created and one
+    created again under a loaded name, the positions by index read back as the full
+    order's; an order the native sort did not make (Graph.topo_ranks None) is not sent
+    by index."""
+    if gr.native is None or not getattr(gr.native, "can_positions_base", False):
+        pytest.skip("the C++ gradient-region search is not loaded")
+    from test_opdef_precheck import _gd, _node, _ph
+
+    gd = _gd(_ph("x", 1), _node("Identity", "a", ["x"], T=("type", 1)), _node("Identity", "b", ["a"], T=("type", 1)),
+             _node("Identity", "c", ["b", "^a"], T=("type", 1)))
+    data = gd.SerializeToString()
+    g = Graph(data)
+    g.source_bytes = data
+    node_b = g.nodes["b"]
+    g.remove_node("c", force=True)
+    g.remove_node("b", force=True)
+    g.new_node("Identity", "d", ["a"], attrs={"T": 1})
+    g.add_node(node_b)  # 'b' again: a loaded name, a new id
+    g.set_input("b", 0, "d")
+    m = gr._Mirror(gr.native, g)
+    assert m.ok and m.attrs
+    pos = gr._positions(g)
+    first = gr.POSITIONS_SENT_BY_INDEX[0]
+    assert m.sync(g, pos)
+    assert m.pos is pos and gr.POSITIONS_SENT_BY_INDEX[0] == first + 1
+    got = gr.native.positions_of(m.h, ["x", "a", "d", "b", "c"])
+    want = [pos["x"], pos["a"], pos["d"], pos["b"]]
+    assert got[:4] == [float(v) for v in want] and got[4] != got[4]  # ('c' removed: none)
+    assert sorted(want) == want  # (x -> a -> d -> b)
+    # the same positions sent by name
+    m2 = gr._Mirror(gr.native, g)
+    sent = gr.POSITIONS_SENT_BY_INDEX[0]
+    setattr(g, gr._FULL_POS_ATTR, None)
+    assert m2.sync(g, pos) and gr.POSITIONS_SENT_BY_INDEX[0] == sent
+    assert gr.native.positions_of(m2.h, ["x", "a", "d", "b"]) == got[:4]
+    g._topo_ids = None  # (an order the native sort did not make)
+    setattr(g, gr._FULL_POS_ATTR, (pos, g._topo_cache[0]))
+    m3 = gr._Mirror(gr.native, g)
+    assert m3.sync(g, pos) and gr.POSITIONS_SENT_BY_INDEX[0] == sent

@@ -121,6 +121,8 @@ from itertools import repeat
 from operator import and_
 from typing import Callable, Iterable
 
+import numpy as np
+
 from .. import registry
 from .. import shapes as _shapes
 from ..graph import Graph, parse_tensor
@@ -415,6 +417,9 @@ def _shape_eq(a, b, partial: bool = False) -> bool:
 _POS_ATTR = "_grad_region_positions"
 #: gap between a node created after the cached order and its latest input
 _EPS = 1e-6
+#: attribute of a Graph holding (the positions dict :func:`_positions` made
+#: from a full sort, that sort's order list) while the dict is unpatched, else None
+_FULL_POS_ATTR = "_grad_region_full_positions"
 
 
 def _positions(graph: Graph) -> dict:
@@ -444,6 +449,7 @@ def _positions(graph: Graph) -> dict:
     if fresh or cached is None or changed is None or cached[1] is not graph._consumers:  # noqa: SLF001
         pos = dict(graph.topo_positions())
         setattr(graph, _POS_ATTR, (pos, graph._consumers, mark))  # noqa: SLF001
+        setattr(graph, _FULL_POS_ATTR, (pos, graph._topo_cache[0]))  # noqa: SLF001
         return pos
     # only the nodes edited since the last call: the ones before were checked
     # then, against positions that have not moved since (only new nodes get one)
@@ -467,6 +473,7 @@ def _positions(graph: Graph) -> dict:
                 continue
             pending.discard(name)
             pos[name] = max((pos[s] for s in srcs if s in pos), default=-1.0) + _EPS
+        setattr(graph, _FULL_POS_ATTR, None)  # (patched: no longer the sort's order)
     for name in changed:
         p = pos[name]
         for inp in nodes[name].input[:]:
@@ -477,6 +484,7 @@ def _positions(graph: Graph) -> dict:
             if all(pos.get(c, p + 1) > p for c, _ in graph._consumers.get(name, ())):
                 continue
         pos = dict(graph.topo_positions())
+        setattr(graph, _FULL_POS_ATTR, (pos, graph._topo_cache[0]))  # noqa: SLF001
         break
     setattr(graph, _POS_ATTR, (pos, graph._consumers, mark))  # noqa: SLF001
     return pos
@@ -870,6 +878,17 @@ def _lean_text(nodes) -> bytes | None:
     return data
 
 
+#: (issue 17) a full order's positions (:func:`_positions` after a sort) go
+#: to the mirror by the loaded graph's node indexes, from the sort's node ids
+#: (``Graph.topo_ranks``; ``NpuAmpGrMirrorPositionsBase``), with only the
+#: nodes created since by name; False: the reference, every node's name and
+#: position (BERT-12: 9k names joined, encoded and looked up, ~1.3 ms).
+#: CHECK_NATIVE reads the positions back and compares them
+POSITIONS_BY_INDEX = True
+#: how many full orders went by index (for tests); (CHECK_NATIVE) how many were read back
+POSITIONS_SENT_BY_INDEX = [0, 0]
+
+
 class _Mirror:
     """The C++ copy of a graph's names, ops and inputs (and the search's
     positions), kept in step through ``Graph.edits_since`` /
@@ -924,6 +943,34 @@ class _Mirror:
         rc = self.lib.upsert_text(self.h, data) if data is not None else None
         return self.lib.load(self.h, _lean_nodes(nodes), False) if rc is None else rc
 
+    def _positions_by_index(self, graph, pos) -> bool:
+        """Send ``pos``, a full order's positions, by index (see
+        :data:`POSITIONS_BY_INDEX`); False (nothing sent) when it cannot."""
+        full = getattr(graph, _FULL_POS_ATTR, None)
+        if (not POSITIONS_BY_INDEX or full is None or full[0] is not pos or not self.attrs
+                or not getattr(self.lib, "can_positions_base", False) or graph.duplicates
+                or not graph._seq_is_base or graph._base_names is None):  # noqa: SLF001
+            return False
+        ranks = graph.topo_ranks(full[1])
+        if ranks is None:
+            return False
+        nb = len(graph._base_names)  # noqa: SLF001 - ids below it: the input's nodes, in order
+        extra = (np.flatnonzero(ranks[nb:] >= 0) + nb).tolist()
+        id_name = graph._id_name  # noqa: SLF001
+        names = [id_name[k] for k in extra]
+        if self.lib.positions_base(self.h, np.ascontiguousarray(ranks[:nb]), names,
+                                   ranks[extra].astype(np.float64).tolist()) != 0:
+            return False
+        POSITIONS_SENT_BY_INDEX[0] += 1
+        if CHECK_NATIVE:
+            POSITIONS_SENT_BY_INDEX[1] += 1
+            got = self.lib.positions_of(self.h, list(pos))
+            if got != [float(v) for v in pos.values()]:
+                diff = [n for n, a, b in zip(pos, got or [], pos.values()) if a != b][:5]
+                CHECKED[1].append((["positions"], diff, None))
+                raise AssertionError(f"the positions sent by index differ from the order's at {diff}")
+        return True
+
     def sync(self, graph, pos) -> bool:
         """Bring the mirror up to ``graph`` and ``pos``; False when it cannot.
         ``pos`` None: the nodes only (the shape walk's); their positions go
@@ -964,7 +1011,8 @@ class _Mirror:
             self.unpos.extend(live)
             return True
         if pos is not self.pos:
-            if lib.positions(h, list(pos), list(pos.values()), True) != 0:
+            if not self._positions_by_index(graph, pos) and lib.positions(h, list(pos), list(pos.values()),
+                                                                          True) != 0:
                 return False
             self.pos = pos
             self.unpos = []
