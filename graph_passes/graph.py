@@ -659,8 +659,10 @@ class Graph:
                 cons[src] = [c for c in lst if c[0] not in gone]
         by_op = self._by_op
         created = self.created
-        forget = self._forget_id
         self._removed_log.extend(gone)
+        # (_forget_id inlined: a removed node's id slot empties)
+        seq_pop, kdirty, id_name, id_dead = self._seq.pop, self._kdirty, self._id_name, self._id_dead
+        nid = len(id_name)
         for name, node in gone.items():
             del nodes[name]
             created.discard(name)
@@ -668,7 +670,12 @@ class Graph:
             ops = by_op.get(node.op)
             if ops is not None:
                 ops.pop(name, None)
-            forget(name)
+            k = seq_pop(name, None)
+            if k is not None:
+                kdirty.add(k)
+                if k < nid:
+                    id_name[k] = None
+                    id_dead[k] = 1
         self._dirty = True
         self._topo_cache = None
         self.version += len(gone)
