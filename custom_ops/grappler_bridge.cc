@@ -279,9 +279,9 @@ bool InferShapesText(const tensorflow::grappler::GrapplerItem& item, std::string
 // ResNet-50 training graph has 63k edges).  Format (decoded by
 // Graph._adopt_index): four ASCII sections ended by '\x03', then int32 arrays
 // (native byte order):
-//   "NPUIDX5" \x02 <node count n> \x02 <1 if a cycle outside loops else 0>
+//   "NPUIDX5+s" \x02 <node count n> \x02 <1 if a cycle outside loops else 0>
 //             \x02 <count of consumed names s> \x02 <count of pairs t> \x03
-//   (or, when fewer than a quarter of the edges share a pair, "NPUIDX4"
+//   (or, when fewer than a quarter of the edges share a pair, "NPUIDX4+s"
 //   without <t>, and the two pair arrays and the E indices below replaced by
 //   int32[E] readers and int32[E] positions, one per edge)
 //   node names, graph order, joined by \x01 \x03
@@ -306,6 +306,8 @@ bool InferShapesText(const tensorflow::grappler::GrapplerItem& item, std::string
 //             graph_passes.registry.signature_key; -1 for an op that is not
 //             registered (a function call).  Classes are numbered in first
 //             appearance order.
+//   int32[s]  per consumed name, its node index, or -1 (issue 17: the sort's
+//             arrays by node id without a name lookup; the magic's "+s")
 // Returns false (nothing written) when Python must build the index itself:
 // duplicate node names, or a byte outside printable ASCII in a name, op or
 // input (Python's str.isdigit accepts non-ASCII digits in a port; control
@@ -672,7 +674,7 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
 
   out->clear();
   out->reserve(static_cast<size_t>(n) * 48 + ns * 48 + (4 * n + 2 * ne + ns) * 4 + 64);
-  out->append(shared ? "NPUIDX5\x02" : "NPUIDX4\x02");
+  out->append(shared ? "NPUIDX5+s\x02" : "NPUIDX4+s\x02");
   out->append(std::to_string(n));
   out->push_back('\x02');
   out->push_back(cycle ? '1' : '0');
@@ -703,6 +705,7 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   }
   AppendInt32s(order, out);
   AppendInt32s(classes, out);
+  AppendInt32s(src_node, out);
   if (keep != nullptr) {
     if (fast) {
       keep->names = std::move(table);

@@ -276,6 +276,10 @@ class Graph:
             fields = head.split(b"\x02")
             # (issue 17m: NPUIDX5 shares the consumers' (reader, position) tuples)
             magic, count, cycle, nsrc, *ntab = fields
+            # (issue 17: "+s", the consumed names' node indexes after the classes)
+            has_src = magic.endswith(b"+s")
+            if has_src:
+                magic = magic[:-2]
             n, ns = int(count), int(nsrc)
             t = int(ntab[0]) if magic == b"NPUIDX5" and len(ntab) == 1 else None
             gnodes = graph_def.node
@@ -305,7 +309,8 @@ class Graph:
             # the edge section: E readers and E positions, or (NPUIDX5) the t
             # distinct (reader, position) pairs and E indices into them
             edge_ints = 2 * e if t is None else 2 * t + e
-            if len(ints) != at + 2 * n + edge_ints + ncls or sum(op_counts) != n:
+            if (len(ints) != at + 2 * n + edge_ints + ncls + (ns if has_src else 0) or sum(op_counts) != n
+                    or (has_src and magic == b"NPUIDX3")):
                 return False
             nget = names.__getitem__
             if self.numpy_adopt:
@@ -352,11 +357,12 @@ class Graph:
         self._has_cycle = cycle == b"1"
         self._topo_cache = (order, bool(n) and self._has_cycle)
         self._topo_ids = (order, a32[at_o:at_o + n]) if self.numpy_adopt else None
-        self._classes = (names, ints[at_o + n:]) if ncls else None
+        self._classes = (names, ints[at_o + n:at_o + n + ncls]) if ncls else None
         # (issue 17q) the edge arrays, for the first sort after edits
         self._id_name = list(names)
         self._id_dead = bytearray(n)
-        self._kblob = (ints, no, ns, at_e, t, e, srcs, n)
+        src_at = at_o + n + ncls if has_src else None
+        self._kblob = (ints, no, ns, at_e, t, e, srcs, n, src_at)
         self._kbase = None
         self._kdirty = set()
         self._kdnames = set()
@@ -1128,6 +1134,12 @@ class Graph:
         self._kbase = (out_c, out_r)
         return out_c, out_r, ids
 
+    #: (issue 17) :meth:`_kbase_from_blob` takes each consumed name's node
+    #: index from the C++ index ("+s") instead of looking every name up in
+    #: ``_seq``; False: the lookups (the reference; the same arrays once the
+    #: marked ids are read again, :meth:`_kahn_arrays`)
+    index_src_nodes = True
+
     def _kbase_from_blob(self):
         """The sort's arrays of the graph as the C++ index saw it (ids
         ``0..n-1``: its node order), regrouped from its per-source edge
@@ -1135,15 +1147,21 @@ class Graph:
         already (``_kdirty`` / ``_kdnames``): a source that is no longer a
         node, or a new node of a removed one's name, has a marked id, so its
         edges here are dropped or replaced."""
-        ints, no, ns, at_e, t, e, srcs, n0 = self._kblob
+        ints, no, ns, at_e, t, e, srcs, n0, src_at = self._kblob
         a = np.frombuffer(ints, np.int32)
         sc = a[no:no + ns]
         if t is None:
             er = a[at_e:at_e + e]
         else:
             er = a[at_e:at_e + t][a[at_e + 2 * t:at_e + 2 * t + e]]
-        sn = packed_ints(map(self._seq.get, srcs, repeat(-1)), ns).copy()
-        sn[sn >= n0] = -1
+        if src_at is not None and self.index_src_nodes:
+            # (issue 17) the index's own node index per consumed name: a name
+            # removed since keeps its old id, which is marked (its segment is
+            # read again), as is a name's new id
+            sn = a[src_at:src_at + ns].astype(np.int64)
+        else:
+            sn = packed_ints(map(self._seq.get, srcs, repeat(-1)), ns).copy()
+            sn[sn >= n0] = -1
         ss = np.zeros(ns + 1, np.int64)
         np.cumsum(sc, out=ss[1:])
         # the slots in node id order (ids are distinct: a scatter, no sort)

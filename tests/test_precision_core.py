@@ -145,11 +145,13 @@ def _without_classes(blob, n):
     position) pairs written out per edge again."""
     from array import array
 
-    if blob.startswith(b"NPUIDX4"):
-        return blob[:-4 * n].replace(b"NPUIDX4", b"NPUIDX3", 1)
     head, names_b, ops_b, srcs_b, binary = blob.split(b"\x03", 4)
-    magic, count, cycle, nsrc, ntab = head.split(b"\x02")
-    assert magic == b"NPUIDX5"
+    fields = head.split(b"\x02")
+    src = 4 * int(fields[3]) if fields[0].endswith(b"+s") else 0  # (the consumed names' node indexes)
+    if blob.startswith(b"NPUIDX4"):
+        return blob[:-(4 * n + src)].replace(fields[0], b"NPUIDX3", 1)
+    magic, count, cycle, nsrc, ntab = fields
+    assert magic.split(b"+")[0] == b"NPUIDX5"
     ints = array("i")
     ints.frombytes(binary)
     no, ns, t = len(ops_b.split(b"\x01")), int(nsrc), int(ntab)
