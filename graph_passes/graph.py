@@ -618,7 +618,7 @@ class Graph:
     #: (the reference: both leave the same nodes, indexes and ``version``)
     batch_remove = True
 
-    def remove_nodes(self, names, force: bool = False):
+    def remove_nodes(self, names, force: bool = False, inputs=None):
         """Remove the nodes named in ``names`` (in order; names already gone
         or repeated are skipped), as ``remove_node(name, force)`` for each
         would: the same nodes, consumers / op-type indexes, ``created`` and
@@ -628,7 +628,8 @@ class Graph:
         removed reader (a fused LayerNorm removes ~80 nodes).
 
         Returns the names the removed nodes read (data and control inputs,
-        each once)."""
+        each once).  ``inputs``: {name: its node's ``input`` as a list} the
+        caller read already (not edited since), for some of ``names``."""
         if not force or not self.batch_remove:
             read = {}
             for name in names:
@@ -653,8 +654,10 @@ class Graph:
         # and the removed nodes' own lists gone
         srcs = {}
         pt = parse_tensor
-        for node in gone.values():
-            for inp in node.input[:]:
+        known = inputs.get if inputs else None
+        for name, node in gone.items():
+            ins = known(name) if known is not None else None
+            for inp in (ins if ins is not None else node.input[:]):
                 srcs[pt(inp)[0]] = None
         self._kdnames.update(srcs)
         for src in srcs:

@@ -171,7 +171,7 @@ def test_a_batch_that_forgets_a_reader_is_caught(real_graphs, monkeypatch):
     label, gd, _ = real_graphs[0]
     orig = Graph.remove_nodes
 
-    def faulty(self, names, force=False):
+    def faulty(self, names, force=False, inputs=None):
         if not self.batch_remove:
             return orig(self, names, force)
         gone = [n for n in dict.fromkeys(names) if n in self.nodes]
@@ -287,10 +287,10 @@ def _rewrite(monkeypatch, gd, fetches, fast, kw, calls):
     monkeypatch.setattr(core, "BATCH_DEAD", fast)
     orig = Graph.remove_nodes
 
-    def counted(self, names, force=False):
+    def counted(self, names, force=False, inputs=None):
         names = list(names)
         calls.append(len(names))
-        return orig(self, names, force)
+        return orig(self, names, force, inputs)
 
     monkeypatch.setattr(Graph, "remove_nodes", counted)
     out, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, **kw)

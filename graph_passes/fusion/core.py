@@ -854,8 +854,11 @@ def _commit(graph: Graph, m: Match, plan, ctx, trail: Trail | None) -> Outcome:
     b, out_map, emitted_names, matched, anchor_cons = plan
     ctrl = []
     upstream = []
+    nodes = graph.nodes
+    read = {}  # name -> its inputs, read once here (Graph.remove_nodes takes them)
     for name in m.matched:
-        for inp in graph.nodes[name].input[:]:
+        ins = read[name] = nodes[name].input[:]
+        for inp in ins:
             src, _, is_ctrl = parse_tensor(inp)
             if is_ctrl:
                 if src not in matched and src not in ctrl and src not in b.region_nodes:
@@ -868,14 +871,16 @@ def _commit(graph: Graph, m: Match, plan, ctx, trail: Trail | None) -> Outcome:
     region = set(b.region_nodes)
     rewires, ctrl_moves, region_ctrl_in = [], [], []
     gone = matched | region | set(b.replaced)
+    cons = graph._consumers  # noqa: SLF001 - read only until the removal below
     for name in b.region_nodes:
-        for inp in graph.nodes[name].input[:]:
+        ins = read[name] = nodes[name].input[:]
+        for inp in ins:
             src, _, is_ctrl = parse_tensor(inp)
             if is_ctrl and src not in gone and src not in region_ctrl_in:
                 region_ctrl_in.append(src)
             elif not is_ctrl and src not in gone:
                 upstream.append(src)
-        for cname, idx in graph.consumers(name):
+        for cname, idx in cons.get(name, ()):
             if cname in gone:
                 continue
             if idx < 0:
@@ -884,7 +889,7 @@ def _commit(graph: Graph, m: Match, plan, ctx, trail: Trail | None) -> Outcome:
                 rewires.append((cname, idx, b.rewired[_canon_ref(graph.nodes[cname].input[idx])]))
     # one batch (Graph.remove_nodes: as remove_node per name, in this order);
     # it returns what the removed nodes read (the trail's removed inputs)
-    read = graph.remove_nodes((*b.region_nodes, *m.matched, *b.replaced), force=True)
+    read = graph.remove_nodes((*b.region_nodes, *m.matched, *b.replaced), force=True, inputs=read)
     if trail is not None:
         trail.removed_inputs.extend(read)
     for n in b.emitted:
