@@ -201,7 +201,7 @@ def match_at(graph: Graph, pat: Pat, anchor: str, protected=frozenset(),
             return None
         if escapes_ok:
             continue
-        for cname, idx in graph.consumers(name):
+        for cname, idx in graph._consumers.get(name, ()):  # noqa: SLF001 - read only
             if cname not in inner:  # inner tensor escapes, or a control edge leaves it
                 return None
     return Match(anchor=anchor, nodes=state[0], tensors=state[1], matched=list(matched))
@@ -451,12 +451,12 @@ def _candidates(graph: Graph, pat: Pat, inner_ok=None, memo=None):
             best = sub
     if best is None:
         return hooked
-    nodes = graph.nodes
+    nodes, cons = graph.nodes, graph._consumers  # noqa: SLF001 - read only
     out = set()
     for name in best:
         if inner_ok is not None and not inner_ok(name):
             continue  # (best holds candidates of an inner position)
-        for r, idx in graph.consumers(name):
+        for r, idx in cons.get(name, ()):
             if idx >= 0 and nodes[r].op in ops:
                 out.add(r)
     return out if hooked is None else out & hooked
@@ -530,8 +530,9 @@ class Changes:
         self.dirty = {n for n in dirty if n in nodes}
         self.dirty_by_op = _by_op(nodes, self.dirty)
         readers = set()
+        cons = graph._consumers  # noqa: SLF001 - read only
         for name in self.dirty:
-            for cname, idx in graph.consumers(name):
+            for cname, idx in cons.get(name, ()):
                 if idx >= 0:
                     readers.add(cname)
         self.readers_by_op = _by_op(nodes, readers)
@@ -540,8 +541,9 @@ class Changes:
     def below(self, k: int) -> set:
         while len(self._below) <= k:
             nxt = set()
+            cons = self.graph._consumers  # noqa: SLF001 - read only
             for f in self._below[-1]:
-                for r, idx in self.graph.consumers(f):
+                for r, idx in cons.get(f, ()):
                     if idx >= 0:
                         nxt.add(r)
             self._below.append(nxt)
@@ -586,7 +588,7 @@ def affected_anchors(graph: Graph, pat: Pat, changes: Changes, reach: int = 0) -
             for up in chain:
                 nxt = set()
                 for f in frontier:
-                    for r, idx in graph.consumers(f):
+                    for r, idx in graph._consumers.get(f, ()):  # noqa: SLF001 - read only
                         if idx >= 0 and (up is None or nodes[r].op in up):
                             nxt.add(r)
                 frontier = nxt

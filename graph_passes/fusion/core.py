@@ -959,10 +959,11 @@ def _unhandled_readers(graph: Graph, b: "Builder", m: Match, matched: set) -> st
     region = set(b.region_nodes)
     gone = matched | region
     replaced = set(b.replaced)
+    cons = graph._consumers  # noqa: SLF001 - read only
     for name in list(m.matched) + b.region_nodes:
         if name == m.anchor:
             continue
-        for cname, idx in graph.consumers(name):
+        for cname, idx in cons.get(name, ()):
             if cname in gone or cname in replaced:
                 continue
             if name in region:
