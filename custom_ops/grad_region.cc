@@ -2009,14 +2009,8 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorBefore(void* h, const char* names, size_t le
   return 0;
 }
 
-// Positions of the nodes named (\x01-separated; NaN: none); `reset` first
-// forgets every position.
-NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositions(void* h, const char* names, size_t len,
-                                              const double* pos, int64_t n, int reset) {
-  auto* m = static_cast<Mirror*>(h);
-  if (m == nullptr) return 1;
-  m->Join();
-  if (reset) m->ClearPositions();
+// The positions `pos` of the n nodes `names` (\x01-joined): 0 ok, 1 not.
+static int SetPositionsByName(Mirror* m, const char* names, size_t len, const double* pos, int64_t n) {
   std::vector<string_view> v = Split(string_view(names, len), '\x01');
   if (static_cast<int64_t>(v.size()) != n) return 1;
   for (int64_t i = 0; i < n; ++i) {
@@ -2025,6 +2019,17 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositions(void* h, const char* names, size_t
     m->SetPos(id, pos[i]);
   }
   return 0;
+}
+
+// Positions of the nodes named (\x01-separated; NaN: none); `reset` first
+// forgets every position.
+NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositions(void* h, const char* names, size_t len,
+                                              const double* pos, int64_t n, int reset) {
+  auto* m = static_cast<Mirror*>(h);
+  if (m == nullptr) return 1;
+  m->Join();
+  if (reset) m->ClearPositions();
+  return SetPositionsByName(m, names, len, pos, n);
 }
 
 // (issue 17) Every position anew, as NpuAmpGrMirrorPositions(reset=1) with
@@ -2045,15 +2050,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositionsBase(void* h, const int32_t* ranks,
   for (int64_t k = 0; k < nb; ++k) {
     if (ranks[k] >= 0) m->SetPos(m->base_ids[k], static_cast<double>(ranks[k]));
   }
-  if (n == 0) return 0;
-  std::vector<string_view> v = Split(string_view(names, len), '\x01');
-  if (static_cast<int64_t>(v.size()) != n) return 1;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t id = m->Intern(v[i]);
-    if (id < 0) return 1;
-    m->SetPos(id, pos[i]);
-  }
-  return 0;
+  return n == 0 ? 0 : SetPositionsByName(m, names, len, pos, n);
 }
 
 // (issue 17, tests) The positions of the nodes `names` (\x01-joined, n of
