@@ -668,10 +668,8 @@ class Graph:
                 cons[src] = [c for c in lst if c[0] not in gone]
         by_op = self._by_op
         created = self.created
+        forget = self._forget_id
         self._removed_log.extend(gone)
-        # (_forget_id inlined: a removed node's id slot empties)
-        seq_pop, kdirty, id_name, id_dead = self._seq.pop, self._kdirty, self._id_name, self._id_dead
-        nid = len(id_name)
         for name, node in gone.items():
             del nodes[name]
             created.discard(name)
@@ -679,12 +677,7 @@ class Graph:
             ops = by_op.get(node.op)
             if ops is not None:
                 ops.pop(name, None)
-            k = seq_pop(name, None)
-            if k is not None:
-                kdirty.add(k)
-                if k < nid:
-                    id_name[k] = None
-                    id_dead[k] = 1
+            forget(name)
         self._dirty = True
         self._topo_cache = None
         self.version += len(gone)
@@ -878,19 +871,16 @@ class Graph:
             cached = self._topo_cache = (*cached[:2], dict(zip(order, range(len(order)))))
         return cached[2]
 
-    def topo_ranks(self, order=None):
-        """(issue 17) Per node id (``_seq``) its index in :meth:`topo_order`,
-        an int32 array (-1: a removed id), from the node ids the native sort
-        ordered (no name looked up); None when the cached order did not come
-        from it (the Python sort, a cycle) or, with ``order`` given, is not
-        that list (the cache's own, as :meth:`topo_positions` numbers)."""
-        cached = self._topo_cache
-        if cached is None and order is None:
-            self.topo_order()
-            cached = self._topo_cache
-        ids = self._topo_ids
-        if (cached is None or cached[1] or ids is None or ids[0] is not cached[0]
-                or (order is not None and order is not cached[0]) or len(ids[1]) != len(cached[0])):
+    def topo_ranks(self, order):
+        """(issue 17) Per node id (``_seq``) its index in the cached
+        :meth:`topo_order` ``order`` (the cache's own list, as
+        :meth:`topo_positions` numbers it), an int32 array (-1: a removed id),
+        from the node ids the native sort ordered (no name looked up); None
+        when the cache no longer holds ``order`` or it did not come from the
+        native sort (the Python sort, a cycle)."""
+        cached, ids = self._topo_cache, self._topo_ids
+        if (cached is None or cached[0] is not order or cached[1] or ids is None or ids[0] is not order
+                or len(ids[1]) != len(order)):
             return None
         ranks = np.full(self._next_seq, -1, np.int32)
         ranks[ids[1]] = np.arange(len(ids[1]), dtype=np.int32)

@@ -8,9 +8,6 @@ comparison catches.
   use it;
 * ``Graph.consumers(name, port)`` compares each input with the canonical
   reference before parsing it (``Graph.fast_consumers = False``: parse each);
-* ``fusion.core._remove_dead`` finds the dead nodes first and removes them
-  in one batch (``core.BATCH_DEAD = False``: one ``remove_node`` as the walk
-  meets each): the same nodes, order, indexes and trail;
 * ``Graph.created_in_order`` sorts the created nodes by rank
   (``Graph.ranked_created = False``: scans every node), the cleanup pass's
   list;
@@ -118,39 +115,6 @@ def test_remove_nodes_equals_one_by_one(real_graphs):
                                       add_first=("made/a", "made/b"))
         assert fast == ref
     assert checked >= 4 * 5
-
-
-def test_remove_dead_in_one_batch_equals_the_walk(real_graphs, monkeypatch):
-    """From seeds that a fusion's upstream list holds (the inputs of removed nodes): the
-    batch removes the same dead nodes in the walk's order, with the same trail and indexes;
-    protected nodes and nodes still read stay."""
-    from graph_passes.fusion import core
-
-    class _Ctx:
-        protected = frozenset()
-
-    removed = 0
-    for label, gd, fetches in real_graphs:
-        rng = random.Random(5)
-        names = [n.name for n in gd.node]
-        for k in range(6):
-            seeds = rng.sample(names, min(len(names), 40))
-            ctx = _Ctx()
-            ctx.protected = frozenset(fetches) | frozenset(rng.sample(names, 5))
-            out = []
-            for batched in (True, False):
-                monkeypatch.setattr(core, "BATCH_DEAD", batched)
-                g = Graph(gd)
-                # the seeds' readers go first (force), as a fusion's commit removes its nodes
-                readers = [c for s_ in seeds[:10] for c, _ in g.consumers(s_)]
-                g.remove_nodes(readers, force=True)
-                mark = len(g._removed_log)
-                trail = core.Trail()
-                core._remove_dead(g, seeds, ctx, trail)
-                out.append((g._removed_log[mark:], trail.removed_inputs, _state(g)))
-            assert out[0] == out[1], f"{label}: seeds {k}"
-            removed += len(out[0][0])
-    assert removed > 0, "no dead node found: the comparison is vacuous"
 
 
 def test_remove_nodes_without_force_is_remove_node(real_graphs):
@@ -279,12 +243,10 @@ def test_created_in_order_is_the_graph_order(monkeypatch):
 
 
 def _rewrite(monkeypatch, gd, fetches, fast, kw, calls):
-    from graph_passes.fusion import core
-
     for flag in SWITCHES:
         monkeypatch.setattr(Graph, flag, fast)
     monkeypatch.setattr(pipeline, "PROMOTE_SURVIVORS", fast)
-    monkeypatch.setattr(core, "BATCH_DEAD", fast)
+
     orig = Graph.remove_nodes
 
     def counted(self, names, force=False, inputs=None):

@@ -977,40 +977,9 @@ def _unhandled_readers(graph: Graph, b: "Builder", m: Match, matched: set) -> st
     return None
 
 
-#: (issue 17) :func:`_remove_dead` finds the dead nodes first and removes
-#: them in one ``Graph.remove_nodes`` batch, in the order the one-by-one walk
-#: removes them (a node is dead once every reader is); False: the reference,
-#: one ``remove_node`` per node as the walk meets it (the same nodes, order,
-#: indexes and trail)
-BATCH_DEAD = True
-
-
 def _remove_dead(graph: Graph, names, ctx, trail: Trail | None = None):
     protected = ctx.protected if ctx is not None else frozenset()
     stack = list(dict.fromkeys(names))
-    if BATCH_DEAD:
-        nodes, cons = graph.nodes, graph._consumers  # noqa: SLF001 - read only
-        gone = {}
-        while stack:
-            name = stack.pop()
-            if name in gone:
-                continue
-            node = nodes.get(name)
-            if node is None or name in protected:
-                continue
-            lst = cons.get(name)
-            if lst and (not gone or any(c[0] not in gone for c in lst)):
-                continue  # (a reader the walk has not removed)
-            if not _removable(node):
-                continue
-            inputs = [parse_tensor(i)[0] for i in node.input[:]]
-            if trail is not None:
-                trail.removed_inputs.extend(inputs)
-            gone[name] = node
-            stack.extend(inputs)
-        if gone:
-            graph.remove_nodes(gone, force=True)
-        return
     while stack:
         name = stack.pop()
         node = graph.nodes.get(name)

@@ -413,13 +413,12 @@ def _shape_eq(a, b, partial: bool = False) -> bool:
 
 
 
-#: attribute of a Graph caching (positions, consumers index) for :func:`_positions`
+#: attribute of a Graph caching (positions, consumers index, edit mark, the
+#: full sort's order list while the positions are that sort's unpatched, else
+#: None) for :func:`_positions`
 _POS_ATTR = "_grad_region_positions"
 #: gap between a node created after the cached order and its latest input
 _EPS = 1e-6
-#: attribute of a Graph holding (the positions dict :func:`_positions` made
-#: from a full sort, that sort's order list) while the dict is unpatched, else None
-_FULL_POS_ATTR = "_grad_region_full_positions"
 
 
 def _positions(graph: Graph) -> dict:
@@ -448,12 +447,11 @@ def _positions(graph: Graph) -> dict:
     changed, mark = graph.edits_since(cached[2] if cached is not None else 0)
     if fresh or cached is None or changed is None or cached[1] is not graph._consumers:  # noqa: SLF001
         pos = dict(graph.topo_positions())
-        setattr(graph, _POS_ATTR, (pos, graph._consumers, mark))  # noqa: SLF001
-        setattr(graph, _FULL_POS_ATTR, (pos, graph._topo_cache[0]))  # noqa: SLF001
+        setattr(graph, _POS_ATTR, (pos, graph._consumers, mark, graph._topo_cache[0]))  # noqa: SLF001
         return pos
     # only the nodes edited since the last call: the ones before were checked
     # then, against positions that have not moved since (only new nodes get one)
-    pos = cached[0]
+    pos, full = cached[0], cached[3]
     nodes = graph.nodes
     changed = [n for n in dict.fromkeys(changed) if n in nodes]
     new = [n for n in changed if n not in pos]
@@ -473,7 +471,7 @@ def _positions(graph: Graph) -> dict:
                 continue
             pending.discard(name)
             pos[name] = max((pos[s] for s in srcs if s in pos), default=-1.0) + _EPS
-        setattr(graph, _FULL_POS_ATTR, None)  # (patched: no longer the sort's order)
+        full = None  # (patched: no longer the sort's order)
     for name in changed:
         p = pos[name]
         for inp in nodes[name].input[:]:
@@ -484,9 +482,9 @@ def _positions(graph: Graph) -> dict:
             if all(pos.get(c, p + 1) > p for c, _ in graph._consumers.get(name, ())):
                 continue
         pos = dict(graph.topo_positions())
-        setattr(graph, _FULL_POS_ATTR, (pos, graph._topo_cache[0]))  # noqa: SLF001
+        full = graph._topo_cache[0]  # noqa: SLF001
         break
-    setattr(graph, _POS_ATTR, (pos, graph._consumers, mark))  # noqa: SLF001
+    setattr(graph, _POS_ATTR, (pos, graph._consumers, mark, full))  # noqa: SLF001
     return pos
 
 
@@ -946,12 +944,12 @@ class _Mirror:
     def _positions_by_index(self, graph, pos) -> bool:
         """Send ``pos``, a full order's positions, by index (see
         :data:`POSITIONS_BY_INDEX`); False (nothing sent) when it cannot."""
-        full = getattr(graph, _FULL_POS_ATTR, None)
-        if (not POSITIONS_BY_INDEX or full is None or full[0] is not pos or not self.attrs
+        cached = getattr(graph, _POS_ATTR, None)
+        if (not POSITIONS_BY_INDEX or cached is None or cached[0] is not pos or cached[3] is None or not self.attrs
                 or not getattr(self.lib, "can_positions_base", False) or graph.duplicates
                 or not graph._seq_is_base or graph._base_names is None):  # noqa: SLF001
             return False
-        ranks = graph.topo_ranks(full[1])
+        ranks = graph.topo_ranks(cached[3])
         if ranks is None:
             return False
         nb = len(graph._base_names)  # noqa: SLF001 - ids below it: the input's nodes, in order

@@ -51,7 +51,6 @@ for an op of unknown signature) joined by ``\\x01``, nodes joined by
 """
 from __future__ import annotations
 
-import struct
 from array import array
 from itertools import chain, compress, repeat
 from operator import attrgetter, contains, getitem, is_
@@ -419,7 +418,7 @@ def _i32(values, count):
     (~300 instructions an int), ``struct`` with one C call
     (:func:`graph_passes.graph.packed_ints`)."""
     out = array("i")
-    out.frombytes(struct.pack(f"{count}i", *values))
+    out.frombytes(packed_ints(values, count, np.int32).tobytes())
     return out
 
 
