@@ -256,6 +256,10 @@ struct InputRef {
   string_view ref;  // as written (in the mirror's arena)
 };
 
+// A per-id table's size for `n` ids: room for the ids later fusions add, so
+// that a table is not copied again for every few ids the mirror gains.
+inline size_t Headroom(size_t n) { return n + n / 8 + 64; }
+
 // Per-id values valid for one generation: Begin() forgets them all in O(1)
 // (a search touches a few hundred of the graph's ids).
 template <typename T>
@@ -265,9 +269,10 @@ struct Stamped {
   uint32_t cur = 0;
   T def{};
   void Begin(size_t n, T d) {
-    if (stamp.size() < n) {
-      stamp.resize(n, 0);
-      val.resize(n);
+    if (stamp.size() < n) {  // (with headroom: the mirror grows by a few ids per fusion)
+      const size_t want = Headroom(n);
+      stamp.resize(want, 0);
+      val.resize(want);
     }
     def = d;
     if (++cur == 0) {
@@ -536,7 +541,7 @@ class Search {
     in_memo_.Begin(n, -1);
     anc_memo_.Begin(n, -1);
     owner_memo_.Begin(n, -2);
-    if (owners_.size() < n) owners_.resize(n);
+    if (owners_.size() < n) owners_.resize(Headroom(n));
   }
 
   // pass A, then pass B; kFound / kRefused / kNoDy

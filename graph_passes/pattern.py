@@ -522,23 +522,49 @@ def _climb_info(pat: Pat):
 class Changes:
     """Nodes a change may have altered, for :func:`affected_anchors`: ``dirty``
     (names of nodes created or edited, or whose readers changed) and their
-    data readers, indexed by op type once for every rule asking."""
+    data readers, each picked by op type from the graph's op index when a
+    rule asks (:meth:`of_type`), so that a rule asking for two op types reads
+    no other node's op."""
 
     def __init__(self, graph: Graph, dirty):
         nodes = graph.nodes
         self.graph = graph
         self.dirty = {n for n in dirty if n in nodes}
-        self.dirty_by_op = _by_op(nodes, self.dirty)
-        readers = set()
-        cons = graph._consumers  # noqa: SLF001 - read only
-        for name in self.dirty:
-            for cname, idx in cons.get(name, ()):
-                if idx >= 0:
-                    readers.add(cname)
-        self.readers_by_op = _by_op(nodes, readers)
-        self._below = [self.dirty, readers]  # nodes k data edges below a dirty node
+        self._readers = None
+        self._below = [self.dirty]  # nodes k data edges below a dirty node
+
+    @property
+    def readers(self) -> set:
+        """The data readers of the dirty nodes."""
+        if self._readers is None:
+            readers = set()
+            cons = self.graph._consumers  # noqa: SLF001 - read only
+            for name in self.dirty:
+                for cname, idx in cons.get(name, ()):
+                    if idx >= 0:
+                        readers.add(cname)
+            self._readers = readers
+        return self._readers
+
+    def of_type(self, names: set, ops) -> list:
+        """The nodes of ``names`` (``dirty`` or ``readers``) whose op is in
+        ``ops`` (None: any op)."""
+        if ops is None:
+            return list(names)
+        by_op = getattr(self.graph, "_by_op", None)
+        if by_op is None:
+            nodes = self.graph.nodes
+            return [n for n in names if nodes[n].op in ops]
+        out = []
+        for op in ops:
+            members = by_op.get(op)
+            if members:
+                out.extend(names.intersection(members))  # (C-level, over the op's nodes)
+        return out
 
     def below(self, k: int) -> set:
+        if len(self._below) == 1:
+            self._below.append(self.readers)
         while len(self._below) <= k:
             nxt = set()
             cons = self.graph._consumers  # noqa: SLF001 - read only
@@ -548,19 +574,6 @@ class Changes:
                         nxt.add(r)
             self._below.append(nxt)
         return self._below[k]
-
-
-def _by_op(nodes, names) -> dict:
-    out: dict = {}
-    for name in names:
-        out.setdefault(nodes[name].op, []).append(name)
-    return out
-
-
-def _pick(by_op: dict, ops) -> list:
-    if ops is None:
-        return [n for names in by_op.values() for n in names]
-    return [n for op in ops for n in by_op.get(op, ())]
 
 
 def affected_anchors(graph: Graph, pat: Pat, changes: Changes, reach: int = 0) -> set:
@@ -578,8 +591,8 @@ def affected_anchors(graph: Graph, pat: Pat, changes: Changes, reach: int = 0) -
     callers match at the anchors returned."""
     root_ops, union, parents = _climb_info(pat)
     nodes = graph.nodes
-    out = set(_pick(changes.dirty_by_op, root_ops))
-    for c in _pick(changes.readers_by_op, union):
+    out = set(changes.of_type(changes.dirty, root_ops))
+    for c in (changes.of_type(changes.readers, union) if union is None or union else ()):
         op = nodes[c].op
         for ops, chain in parents:
             if ops is not None and op not in ops:
@@ -596,7 +609,7 @@ def affected_anchors(graph: Graph, pat: Pat, changes: Changes, reach: int = 0) -
                     break
             out |= frontier
     if reach >= 1:
-        out.update(_pick(changes.readers_by_op, root_ops))
+        out.update(changes.of_type(changes.readers, root_ops))
     for k in range(2, reach + 1):  # any node up to `reach` data edges below a dirty node
         out.update(r for r in changes.below(k) if root_ops is None or nodes[r].op in root_ops)
     if root_ops is not None:
