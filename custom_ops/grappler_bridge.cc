@@ -776,8 +776,21 @@ enum AttrKind : uint8_t { kAttrGenerated = 0, kAttrScalar = 1, kAttrList = 2 };
 
 inline size_t EnumSize(int v) { return wire::VarintSize(static_cast<uint64_t>(static_cast<int64_t>(v))); }
 
+// (issue 17) The message's unknown-field container, read through the
+// protected member every generated message inherits (a pointer to a base
+// member formed in a derived class: no object of this type is made).
+struct MetadataPeek : google::protobuf::MessageLite {
+  static bool MayHaveUnknown(const google::protobuf::MessageLite& m) {
+    return (m.*(&MetadataPeek::_internal_metadata_)).have_unknown_fields();
+  }
+};
+
+// No unknown fields in `m` (its own, not its sub-messages'): without a
+// container there are none, else the reflection says whether it is empty
+// (one GetReflection() per message cost the serialiser ~4 M instructions on
+// a 9k-node graph: the descriptors' call_once behind it).
 bool NoUnknown(const google::protobuf::Message& m) {
-  return m.GetReflection()->GetUnknownFields(m).empty();
+  return !MetadataPeek::MayHaveUnknown(m) || m.GetReflection()->GetUnknownFields(m).empty();
 }
 
 // The payload sizes of a scalar list's packed fields (i, f, b, type) and its total size.
