@@ -549,18 +549,7 @@ class Changes:
     def of_type(self, names: set, ops) -> list:
         """The nodes of ``names`` (``dirty`` or ``readers``) whose op is in
         ``ops`` (None: any op)."""
-        if ops is None:
-            return list(names)
-        by_op = getattr(self.graph, "_by_op", None)
-        if by_op is None:
-            nodes = self.graph.nodes
-            return [n for n in names if nodes[n].op in ops]
-        out = []
-        for op in ops:
-            members = by_op.get(op)
-            if members:
-                out.extend(names.intersection(members))  # (C-level, over the op's nodes)
-        return out
+        return list(names) if ops is None else list(names.intersection(_of_type(self.graph, ops)))
 
     def below(self, k: int) -> set:
         if len(self._below) == 1:
