@@ -77,12 +77,15 @@ def test_counts_repeat_and_resolve_an_exact_ab(capsys):
     assert c["amp"] > 1e6 and c["ours|on"] > c["amp"], out
     # repeatable: the same work counted twice in one process differs only by
     # Python's adaptive interpreter (code objects quicken and specialise after
-    # some calls: the first counted run can still carry some of it); 0.1-0.4%
+    # some calls: the first counted run can still carry some of it); 0.01-0.3%
+    # on a quiet or a loaded host (stop 56: 5 runs each), but one clean-clone CI
+    # run (both lanes side by side) saw 1.3% once: the bound is 2%, which the
+    # A/B below still resolves (the C++ search saves ~11% on this graph)
     spreads = []
     for label, runs in row["runs"].items():
         assert len(runs) == 2, (label, runs)
         spreads.append((max(runs) - min(runs)) / min(runs))
-        assert spreads[-1] < 0.01, (label, runs)
+        assert spreads[-1] < 0.02, (label, runs)
     assert row["identical"], out
     # the A/B resolves: the C++ search counts fewer, by more than twice the
     # largest spread of any configuration (a difference the noise cannot make)
