@@ -31,6 +31,15 @@ Quality rows: Cast nodes added, low-precision share of matrix/conv FLOPs and
 activation MiB from static shapes.  Times are printed, never asserted.
 
     python benchmarks/precision.py [--graphs resnet50,bert,scale] [--repeat 3]
+    python benchmarks/precision.py --graphs bert --prefused --repeat 9   (issue 17: the bound of a
+        layer-norm fusion done before the callback's parse)
+
+``--prefused``: grappler's AMP pass on the graph, against ours on the graph our fusion
+pass leaves inside grappler (every layer norm and its gradient region already fused;
+``fusion_pass.capture``), interleaved; the two outputs of ours (on the graph and on
+the pre-fused graph) are compared node by node.  When they are identical, ours on the
+pre-fused graph is exactly our pipeline less the layer-norm rule's Python work: the
+bound a C++ layer-norm fusion ahead of the Python parse would reach, before its own cost.
     python benchmarks/precision.py --graphs resnet50,bert --stage-ab --repeat 7   (issue 17h A/B)
 """
 from __future__ import annotations
@@ -407,6 +416,92 @@ def ab_stage_paths(name, graph, fetches, repeat):
     return {"graph": name, "ref_s": ref, "fast_s": on}
 
 
+def prefused_input(graph, fetches):
+    """(MetaGraph of the graph our fusion pass leaves inside grappler, the
+    number of its layer-norm ops): ``fusion_pass.capture``'s output bytes,
+    imported into a fresh graph (the fused ops are the plugin's, registered)
+    with the same train-op fetches."""
+    import fusion_pass as fpb  # (benchmarks/: on sys.path as this script's directory)
+
+    cap = fpb.capture("prefused", graph, fetches)
+    gd = graph_pb2.GraphDef.FromString(cap.output)
+    fused = tf.Graph()
+    with fused.as_default():
+        tf.graph_util.import_graph_def(gd, name="")
+    norms = sum(n.op in ("LayerNorm", "RMSNorm") for n in gd.node)
+    return metagraph(fused, [f if isinstance(f, str) else f.name for f in fetches]), norms, len(gd.node)
+
+
+def same_nodes(a, b) -> list:
+    """The names of the nodes that differ between GraphDefs ``a`` and ``b``
+    (by deterministic bytes; node order aside)."""
+    ka = {n.name: n.SerializeToString(deterministic=True) for n in a.node}
+    kb = {n.name: n.SerializeToString(deterministic=True) for n in b.node}
+    return sorted(k for k in ka.keys() | kb.keys() if ka.get(k) != kb.get(k))
+
+
+def prefused_bound(name, graph, fetches, repeat):
+    """Issue 17: grappler's AMP pass on ``graph`` vs ours on the graph our
+    fusion pass leaves (see the module docstring, ``--prefused``), rounds
+    interleaved: AMP, ours, nothing on (each graph), ours on the pre-fused."""
+    from npu_amp_tf import bridge
+
+    mg = metagraph(graph, fetches)
+    mg_pre, norms, n_pre = prefused_input(graph, fetches)
+    print(f"\n== {name}: {len(graph.as_graph_def().node)} nodes; pre-fused by our fusion pass: {n_pre} "
+          f"nodes, {norms} norm ops", flush=True)
+    runs = [("amp", mg, "amp"), ("off", mg, "off"), ("ours", mg, "ours"), ("pre", mg_pre, "ours"),
+            ("pre_off", mg_pre, "off")]
+    cpu = {k: [] for k, _, _ in runs}
+    log = {k: [] for k in ("amp", "ours", "pre")}
+    cb = {"ours": [], "pre": []}
+    outs = {}
+    for _ in range(repeat):
+        for key, m, mode in runs:
+            bridge.clear_reports()
+            t0 = time.process_time()
+            outs[key], logged = _optimize_logged(grappler_config(mode), m)
+            cpu[key].append(time.process_time() - t0)
+            if key in log:
+                got = logged.get(_LOGGED_NAME[mode])
+                log[key].append(None if got is None else got / 1e3)
+            if key in cb:
+                recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
+                if recs and recs[-1].get("cpu_s") is not None:
+                    cb[key].append(recs[-1]["cpu_s"])
+    differ = same_nodes(outs["ours"], outs["pre"])
+    res = {"graph": name, "norms": norms, "identical": not differ,
+           "callback_s": min(cb["ours"], default=None), "prefused_callback_s": min(cb["pre"], default=None)}
+    if differ:
+        print(f"  ours on the pre-fused graph gives another output ({len(differ)} nodes differ, e.g. "
+              f"{differ[:3]}): not a bound of this pipeline")
+    else:
+        print("  ours on the pre-fused graph: the same output graph, node for node")
+
+    def pair(a, b):
+        rs = [x / y for x, y in zip(a, b) if x is not None and y]
+        return statistics.median(rs) if rs else None
+
+    r_ours, r_pre = pair(log["ours"], log["amp"]), pair(log["pre"], log["amp"])
+    if r_ours is not None and r_pre is not None:
+        res.update(paired_log_ratio=r_ours, prefused_paired_log_ratio=r_pre)
+        print(f"  grappler's log, paired (median of each round's ratio to its AMP pass): ours "
+              f"{r_ours:.2f}x, ours on the pre-fused graph {r_pre:.2f}x (goal <= 1.0x); minima: AMP "
+              f"{_ms(min(x for x in log['amp'] if x is not None))}, ours "
+              f"{_ms(min(x for x in log['ours'] if x is not None))}, pre-fused "
+              f"{_ms(min(x for x in log['pre'] if x is not None))}")
+    else:
+        print("  grappler's log: no line read (TF_CPP_MIN_LOG_LEVEL must let INFO through)")
+    t_amp = min(cpu["amp"]) - min(cpu["off"])
+    t_ours = min(cpu["ours"]) - min(cpu["off"])
+    t_pre = min(cpu["pre"]) - min(cpu["pre_off"])
+    res.update(amp_s=t_amp, ours_s=t_ours, prefused_s=t_pre)
+    print(f"  process CPU, differences of minima: AMP {_ms(t_amp)}, ours {_ms(t_ours)}, ours on the pre-fused "
+          f"graph {_ms(t_pre)}; the callback's thread CPU, min of {repeat}: ours "
+          f"{_ms(res['callback_s'] or 0)}, pre-fused {_ms(res['prefused_callback_s'] or 0)}")
+    return res
+
+
 def _ratio(a, b):
     return f"{a / b:.2f}" if b else "n/a"
 
@@ -418,6 +513,9 @@ def main(argv=None):
     ap.add_argument("--bert-layers", type=int, default=12)
     ap.add_argument("--stage-ab", action="store_true",
                     help="only the issue-17h A/B of the stages outside the passes (fast vs reference)")
+    ap.add_argument("--prefused", action="store_true",
+                    help="only grappler's AMP pass vs ours on the graph our fusion pass leaves (issue 17: "
+                         "the bound of a layer-norm fusion done before the callback's parse)")
     args = ap.parse_args(argv)
     from npu_amp_tf import bridge
 
@@ -434,6 +532,17 @@ def main(argv=None):
             elif name == "bert":
                 results.append(ab_stage_paths(f"BERT-base-like ({args.bert_layers} layers) + Adam",
                                               *bert_training_graph(layers=args.bert_layers), args.repeat))
+        return results
+    if args.prefused:
+        for name in args.graphs.split(","):
+            if name == "resnet50":
+                results.append(prefused_bound("ResNet50 + Momentum (training)", *resnet50_training_graph(),
+                                              args.repeat))
+            elif name == "bert":
+                results.append(prefused_bound(f"BERT-base-like ({args.bert_layers} layers) + Adam",
+                                              *bert_training_graph(layers=args.bert_layers), args.repeat))
+            else:
+                ap.error(f"--prefused --graphs: unknown graph '{name}'; accepted: resnet50, bert")
         return results
     for name in args.graphs.split(","):
         if name == "resnet50":
