@@ -60,6 +60,8 @@ printed, never asserted.
     python benchmarks/instructions.py --graphs bert --stages --cold
     python benchmarks/instructions.py --graphs bert --replay fusion --ab graph_passes.fusion.grad_region.STOP_AT_DY
     python benchmarks/instructions.py --graphs bert --runs 1 --keep /tmp/cg
+    python benchmarks/instructions.py --graphs bert --prefused     (ours on the graph our fusion pass
+        leaves, as precision.py --prefused: the bound of a layer-norm fusion before the parse)
     callgrind_annotate --inclusive=yes /tmp/cg/cg.*.2          (the dump of the second counted run)
 """
 from __future__ import annotations
@@ -344,13 +346,18 @@ def _child(args):
             emit(graph=name, nodes=cap.nodes, differ=same, digests=digests, onednn=onednn)
             continue
         mg = pb.metagraph(graph, fetches)
-        modes = [("amp", None, "amp")] + [("ours", val, "ours" + (f"|{arm}" if arm else "")) for val, arm in arms]
+        # (--prefused: ours counted on the graph our fusion pass leaves, built
+        # here uncounted; grappler's AMP pass on the graph itself)
+        mg_ours = pb.prefused_input(graph, fetches)[0] if args.prefused else mg
+        ours_label = "ours-prefused" if args.prefused else "ours"
+        modes = [("amp", None, "amp")] + [("ours", val, ours_label + (f"|{arm}" if arm else "")) for val, arm in arms]
 
         def optimize(mode, val):
             set_arm(val)
             bridge.clear_reports()  # no memo: every run does the full work
             cold()
-            out = pb.tf_optimizer.OptimizeGraph(pb.grappler_config(mode), mg, graph_id=b"bench")
+            out = pb.tf_optimizer.OptimizeGraph(pb.grappler_config(mode), mg_ours if mode == "ours" else mg,
+                                                graph_id=b"bench")
             return hashlib.sha256(out.SerializeToString(deterministic=True)).hexdigest()
 
         for mode, val, _ in modes:
@@ -387,6 +394,9 @@ def main(argv=None):
                     help="empty the engine's memo caches (lru_cache) before every run, as in a first callback")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="copy callgrind's dumps (one per counted run, tagged) to DIR, for callgrind_annotate")
+    ap.add_argument("--prefused", action="store_true",
+                    help="count ours on the graph our fusion pass leaves (precision.py --prefused: the same "
+                         "output), grappler's AMP pass on the graph itself")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for g in args.graphs.split(","):
@@ -394,6 +404,9 @@ def main(argv=None):
             ap.error(f"--graphs: unknown graph '{g}'; accepted: resnet50, bert")
     if args.stages and (args.ab or args.replay):
         ap.error("--stages: splits the end-to-end 'ours' runs; not with --ab or --replay")
+    if args.prefused and (args.stages or args.ab or args.replay):
+        ap.error("--prefused: counts the end-to-end runs of ours on the pre-fused graph; not with --stages, "
+                 "--ab or --replay")
     if args.runs < 1:
         ap.error(f"--runs: {args.runs}; accepted: an integer >= 1")
     if args.child:
@@ -403,6 +416,7 @@ def main(argv=None):
     passthrough += ["--ab", args.ab] if args.ab else []
     passthrough += ["--cold"] if args.cold else []
     passthrough += ["--stages"] if args.stages else []
+    passthrough += ["--prefused"] if args.prefused else []
     with tempfile.TemporaryDirectory(prefix="npu_cg_") as tmp:
         lib = build_marker(tmp)
         toggles = () if args.replay else tuple(TOGGLES.values())

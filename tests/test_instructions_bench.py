@@ -121,3 +121,24 @@ def test_stages_split_ours_at_the_pipelines_timers(capsys):
     assert all(n > 0 for n in row["stages"].values()), row["stages"]
     # a 1-layer BERT-like graph has layer norms to fuse and matmuls to paint: both passes do real work
     assert row["stages"]["pass fusion"] > 1e6 and row["stages"]["pass precision"] > 1e6, out
+
+
+def test_prefused_needs_the_end_to_end_runs(capsys):
+    with pytest.raises(SystemExit):
+        instructions.main(["--graphs", "bert", "--prefused", "--replay", "fusion"])
+    assert "--prefused: counts the end-to-end runs of ours on the pre-fused graph; not with --stages, --ab or " \
+           "--replay" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None or not os.path.exists("/usr/include/valgrind/callgrind.h"),
+                    reason="valgrind (with valgrind/callgrind.h) is not installed")
+def test_prefused_counts_ours_on_the_graph_our_fusion_pass_leaves(capsys):
+    (row,) = instructions.main(["--graphs", "bert", "--bert-layers", "1", "--runs", "1", "--prefused"])
+    out = capsys.readouterr().out
+    c = row["counts"]
+    # grappler's AMP pass on the graph itself, ours on the pre-fused one (and nothing else)
+    assert set(c) == {"amp", "ours-prefused"}, out
+    assert c["amp"] > 1e6 and c["ours-prefused"] > 1e6, out
+    assert "ours-prefused / amp:" in out
+    # the pre-fused input is built the same way in the native and the counted child
+    assert row["native_identical"] and "identical to the native run's" in out, out
