@@ -126,7 +126,7 @@ def test_stages_split_ours_at_the_pipelines_timers(capsys):
 def test_prefused_needs_the_end_to_end_runs(capsys):
     with pytest.raises(SystemExit):
         instructions.main(["--graphs", "bert", "--prefused", "--replay", "fusion"])
-    assert "--prefused: counts the end-to-end runs of ours on the pre-fused graph; not with --stages, --ab or " \
+    assert "--prefused: counts the end-to-end runs of ours on the pre-fused graph; not with --ab or " \
            "--replay" in capsys.readouterr().err
 
 
