@@ -169,30 +169,39 @@ def _optimize_logged(cfg, mg):
     return out, logged
 
 
+def timed_run(mode, mg):
+    """One OptimizeGraph of ``mg`` in ``mode`` with nothing memoised: (its
+    output, process CPU s, the mode's own optimizer's time by grappler's log
+    in s or None, and for 'ours' the plugin's last "rewritten" record or None)."""
+    from npu_amp_tf import bridge
+
+    bridge.clear_reports()  # no memo: every run does the full work
+    t0 = time.process_time()
+    out, log_ms = _optimize_logged(grappler_config(mode), mg)
+    cpu = time.process_time() - t0
+    got = log_ms.get(_LOGGED_NAME[mode]) if mode in _LOGGED_NAME else None
+    recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"] if mode == "ours" else []
+    return out, cpu, None if got is None else got / 1e3, recs[-1] if recs else None
+
+
 def time_modes(mg, modes, repeat, rounds=None):
     """Interleaved OptimizeGraph runs; returns ({mode: min s}, {mode: output},
     our record, {mode: min logged s of the mode's own optimizer}).
     ``rounds``: a dict filled with the per-round lists (``"cpu"``: {mode:
     [process CPU s]}, ``"log"``: {mode: [logged s]}, None where a round's
     log lacked the line), for the paired figures (:func:`paired`)."""
-    from npu_amp_tf import bridge
-
     times = {m: [] for m in modes}
     logged = {m: [] for m in _LOGGED_NAME if m in modes}
     outs, rep = {}, None
     cb_cpu = []  # the callback's thread CPU per run (record "cpu_s")
     for _ in range(repeat):
         for m in modes:
-            bridge.clear_reports()  # no memo: every run does the full work
-            t0 = time.process_time()
-            outs[m], log_ms = _optimize_logged(grappler_config(m), mg)
-            times[m].append(time.process_time() - t0)
+            outs[m], cpu, log_s, rec = timed_run(m, mg)
+            times[m].append(cpu)
             if m in logged:
-                got = log_ms.get(_LOGGED_NAME[m])
-                logged[m].append(None if got is None else got / 1e3)
+                logged[m].append(log_s)
             if m == "ours":
-                recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-                rep = recs[-1] if recs else None
+                rep = rec
                 if rep is not None and rep.get("cpu_s") is not None:
                     cb_cpu.append(rep["cpu_s"])
     if rep is not None and cb_cpu:
@@ -444,8 +453,6 @@ def prefused_bound(name, graph, fetches, repeat):
     """Issue 17: grappler's AMP pass on ``graph`` vs ours on the graph our
     fusion pass leaves (see the module docstring, ``--prefused``), rounds
     interleaved: AMP, ours, nothing on (each graph), ours on the pre-fused."""
-    from npu_amp_tf import bridge
-
     mg = metagraph(graph, fetches)
     mg_pre, norms, n_pre = prefused_input(graph, fetches)
     print(f"\n== {name}: {len(graph.as_graph_def().node)} nodes; pre-fused by our fusion pass: {n_pre} "
@@ -458,17 +465,12 @@ def prefused_bound(name, graph, fetches, repeat):
     outs = {}
     for _ in range(repeat):
         for key, m, mode in runs:
-            bridge.clear_reports()
-            t0 = time.process_time()
-            outs[key], logged = _optimize_logged(grappler_config(mode), m)
-            cpu[key].append(time.process_time() - t0)
+            outs[key], t, log_s, rec = timed_run(mode, m)
+            cpu[key].append(t)
             if key in log:
-                got = logged.get(_LOGGED_NAME[mode])
-                log[key].append(None if got is None else got / 1e3)
-            if key in cb:
-                recs = [r for r in bridge.last_reports() if r["status"] == "rewritten"]
-                if recs and recs[-1].get("cpu_s") is not None:
-                    cb[key].append(recs[-1]["cpu_s"])
+                log[key].append(log_s)
+            if key in cb and rec is not None and rec.get("cpu_s") is not None:
+                cb[key].append(rec["cpu_s"])
     differ = same_nodes(outs["ours"], outs["pre"])
     res = {"graph": name, "norms": norms, "identical": not differ,
            "callback_s": min(cb["ours"], default=None), "prefused_callback_s": min(cb["pre"], default=None)}
