@@ -242,6 +242,11 @@ class _StageTimer:
         return self.real()
 
 
+def _ours_label(args) -> str:
+    """The label of ours' counted runs (before an A/B arm's "|on" / "|off")."""
+    return "ours-prefused" if args.prefused else "ours"
+
+
 def _child(args):
     import ctypes
     import hashlib
@@ -349,8 +354,8 @@ def _child(args):
         # (--prefused: ours counted on the graph our fusion pass leaves, built
         # here uncounted; grappler's AMP pass on the graph itself)
         mg_ours = pb.prefused_input(graph, fetches)[0] if args.prefused else mg
-        ours_label = "ours-prefused" if args.prefused else "ours"
-        modes = [("amp", None, "amp")] + [("ours", val, ours_label + (f"|{arm}" if arm else "")) for val, arm in arms]
+        modes = [("amp", None, "amp")] + [("ours", val, _ours_label(args) + (f"|{arm}" if arm else ""))
+                                         for val, arm in arms]
 
         def optimize(mode, val):
             set_arm(val)
@@ -445,7 +450,7 @@ def main(argv=None):
                 continue
             per.setdefault(label, []).append((r, n))
         stages = dict(sorted(stages.items(), key=lambda kv: first[kv[0]]))  # in the order a run meets them
-        ours_key = "ours-prefused" if args.prefused else "ours"
+        ours_key = _ours_label(args)
         if stages and ours_key in per:
             # the tail after the last stage timer is the "ours" dump: the run's total adds the intervals
             tail = dict(per[ours_key])

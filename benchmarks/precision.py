@@ -221,17 +221,22 @@ def paired(rounds):
     gives one.  Each round runs every mode back to back, so a slow spell of
     the host weighs on both sides of a round's ratio, where the minima of
     each side may come from different rounds."""
-    def med(xs):
-        return statistics.median(xs) if xs else None
-
     log, cpu = rounds.get("log", {}), rounds.get("cpu", {})
-    by_log = [o / a for a, o in zip(log.get("amp", ()), log.get("ours", ()))
-              if a is not None and o is not None and a > 0]
+    by_log = _round_ratios(log.get("ours", ()), log.get("amp", ()))
     by_cpu = []
     for off, a, o in zip(cpu.get("off", ()), cpu.get("amp", ()), cpu.get("ours", ())):
         if a - off > 0 and o - off > 0:
             by_cpu.append((o - off) / (a - off))
-    return med(by_log), med(by_cpu), len(by_log), len(by_cpu)
+    return _median(by_log), _median(by_cpu), len(by_log), len(by_cpu)
+
+
+def _round_ratios(num, den) -> list:
+    """Each round's ``num / den`` (rounds where either is missing, None, or ``den`` is 0 left out)."""
+    return [o / a for o, a in zip(num, den) if a is not None and o is not None and a > 0]
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
 
 
 # ------------------------------------------------------------------ metrics
@@ -480,11 +485,7 @@ def prefused_bound(name, graph, fetches, repeat):
     else:
         print("  ours on the pre-fused graph: the same output graph, node for node")
 
-    def pair(a, b):
-        rs = [x / y for x, y in zip(a, b) if x is not None and y]
-        return statistics.median(rs) if rs else None
-
-    r_ours, r_pre = pair(log["ours"], log["amp"]), pair(log["pre"], log["amp"])
+    r_ours, r_pre = (_median(_round_ratios(log[k], log["amp"])) for k in ("ours", "pre"))
     if r_ours is not None and r_pre is not None:
         res.update(paired_log_ratio=r_ours, prefused_paired_log_ratio=r_pre)
         print(f"  grappler's log, paired (median of each round's ratio to its AMP pass): ours "
@@ -508,6 +509,16 @@ def _ratio(a, b):
     return f"{a / b:.2f}" if b else "n/a"
 
 
+def _named_graph(name, bert_layers):
+    """(label, graph, fetches) of ``--graphs`` entry ``name`` for ``--stage-ab`` and
+    ``--prefused``, or None for a name other than resnet50 / bert."""
+    if name == "resnet50":
+        return ("ResNet50 + Momentum (training)", *resnet50_training_graph())
+    if name == "bert":
+        return (f"BERT-base-like ({bert_layers} layers) + Adam", *bert_training_graph(layers=bert_layers))
+    return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--graphs", default="resnet50,bert,scale")
@@ -528,23 +539,16 @@ def main(argv=None):
     results = []
     if args.stage_ab:
         for name in args.graphs.split(","):
-            if name == "resnet50":
-                results.append(ab_stage_paths("ResNet50 + Momentum (training)",
-                                              *resnet50_training_graph(), args.repeat))
-            elif name == "bert":
-                results.append(ab_stage_paths(f"BERT-base-like ({args.bert_layers} layers) + Adam",
-                                              *bert_training_graph(layers=args.bert_layers), args.repeat))
+            named = _named_graph(name, args.bert_layers)
+            if named is not None:
+                results.append(ab_stage_paths(*named, args.repeat))
         return results
     if args.prefused:
         for name in args.graphs.split(","):
-            if name == "resnet50":
-                results.append(prefused_bound("ResNet50 + Momentum (training)", *resnet50_training_graph(),
-                                              args.repeat))
-            elif name == "bert":
-                results.append(prefused_bound(f"BERT-base-like ({args.bert_layers} layers) + Adam",
-                                              *bert_training_graph(layers=args.bert_layers), args.repeat))
-            else:
+            named = _named_graph(name, args.bert_layers)
+            if named is None:
                 ap.error(f"--prefused --graphs: unknown graph '{name}'; accepted: resnet50, bert")
+            results.append(prefused_bound(*named, args.repeat))
         return results
     for name in args.graphs.split(","):
         if name == "resnet50":

@@ -546,10 +546,10 @@ class Changes:
             self._readers = readers
         return self._readers
 
-    def of_type(self, names: set, ops) -> list:
+    def of_type(self, names: set, ops) -> set:
         """The nodes of ``names`` (``dirty`` or ``readers``) whose op is in
-        ``ops`` (None: any op)."""
-        return list(names) if ops is None else list(names.intersection(_of_type(self.graph, ops)))
+        ``ops`` (None: any op), as a new set."""
+        return set(names) if ops is None else names & _of_type(self.graph, ops)
 
     def below(self, k: int) -> set:
         if len(self._below) == 1:
@@ -580,7 +580,7 @@ def affected_anchors(graph: Graph, pat: Pat, changes: Changes, reach: int = 0) -
     callers match at the anchors returned."""
     root_ops, union, parents = _climb_info(pat)
     nodes = graph.nodes
-    out = set(changes.of_type(changes.dirty, root_ops))
+    out = changes.of_type(changes.dirty, root_ops)
     for c in (changes.of_type(changes.readers, union) if union is None or union else ()):
         op = nodes[c].op
         for ops, chain in parents:
