@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -518,6 +519,8 @@ class Search {
   int64_t max_nodes = 4000;
   bool grad_reads_output = false;
   bool stop_at_dy = true;
+  // (the layer-norm plan) dy's question answered in C++: 1 / 0, or throws Unable
+  std::function<int(const InputRef&)> cand;
 
   // the result
   std::vector<int32_t> region;  // insertion order
@@ -925,7 +928,7 @@ class Search {
       Kind k = Classify(in, &canon);
       if (k == kExt) {
         if (!has_dy && !has_new_dy) {
-          const int r = cb_(in.ref.data(), in.ref.size());
+          const int r = cand ? cand(in) : cb_(in.ref.data(), in.ref.size());
           if (r < 0) throw Unable();
           if (r == 1 && !AfterForward(in.src)) {
             new_dy = IdentityRoot(in.ref);
@@ -1164,6 +1167,8 @@ struct TensorView {
   uint64_t dtype = 0;
   string_view shape, content;
   std::vector<int64_t> int_val, int64_val;
+  std::vector<float> float_val;
+  std::vector<double> double_val;
   explicit TensorView(string_view t) {
     const char* p = t.data();
     const char* end = p + t.size();
@@ -1178,6 +1183,28 @@ struct TensorView {
         if (!ReadBytes(p, end, &shape) || ++shapes > 1) throw Bad();
       } else if (f == 4 && wt == 2) {
         if (!ReadBytes(p, end, &content)) throw Bad();
+      } else if ((f == 5 && (wt == 5 || wt == 2)) || (f == 6 && (wt == 1 || wt == 2))) {
+        // float_val / double_val, one fixed-width value or a packed run of them
+        const size_t w = f == 5 ? 4 : 8;
+        string_view run;
+        if (wt == 2) {
+          if (!ReadBytes(p, end, &run) || run.size() % w) throw Bad();
+        } else {
+          if (static_cast<size_t>(end - p) < w) throw Bad();
+          run = string_view(p, w);
+          p += w;
+        }
+        for (size_t i = 0; i < run.size(); i += w) {
+          if (w == 4) {
+            float v;
+            std::memcpy(&v, run.data() + i, 4);
+            float_val.push_back(v);
+          } else {
+            double v;
+            std::memcpy(&v, run.data() + i, 8);
+            double_val.push_back(v);
+          }
+        }
       } else if ((f == 7 || f == 10) && (wt == 0 || wt == 2)) {
         // int_val (int32) / int64_val, one varint or a packed run of them
         auto read_one = [&](const char*& q, const char* qe) {
@@ -1201,6 +1228,36 @@ struct TensorView {
 };
 
 using Dims = std::vector<int64_t>;
+
+// The TensorShapeProtos of an AttrValue holding a list of shapes
+// (`_output_shapes`, `_handle_shapes`): ListValue.shape = 7, repeated.
+std::vector<string_view> ListShapes(string_view attr) {
+  const string_view list = AttrView(attr).get(1);
+  std::vector<string_view> out;
+  const char* p = list.data();
+  const char* end = p + list.size();
+  while (p < end) {
+    uint64_t tag;
+    if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+    if (tag == ((7 << 3) | 2)) {
+      string_view s;
+      if (!ReadBytes(p, end, &s)) throw Bad();
+      out.push_back(s);
+    } else if (!wire::SkipField(p, end, tag & 7)) {
+      throw Bad();
+    }
+  }
+  return out;
+}
+
+// shapes.static_shapes(node)[port] of a NodeDef's bytes, when it is there
+// with a known rank
+bool OutputShapeAt(string_view def, int64_t port, Dims* out) {
+  string_view a;
+  if (!FindAttr(def, "_output_shapes", &a)) return false;
+  const std::vector<string_view> shapes = ListShapes(a);
+  return port >= 0 && port < static_cast<int64_t>(shapes.size()) && ShapeDims(shapes[port], out);
+}
 
 struct ShapeEntry {
   bool done = false;  // false: in progress
@@ -1406,28 +1463,7 @@ class ShapeWalk {
     const Node& n = *np;
     Dims d;
     string_view a;
-    if (Attr(n, "_output_shapes", &a)) {
-      const AttrView av(a);
-      const string_view list = av.get(1);
-      // ListValue.shape = 7, repeated
-      const char* p = list.data();
-      const char* end = p + list.size();
-      int64_t k = 0;
-      while (p < end) {
-        uint64_t tag;
-        if (!wire::ReadVarint(p, end, &tag)) throw Bad();
-        if (tag == ((7 << 3) | 2)) {
-          string_view s;
-          if (!ReadBytes(p, end, &s)) throw Bad();
-          if (k++ == port) {
-            if (ShapeDims(s, &d)) return Value(d);
-            break;
-          }
-        } else if (!wire::SkipField(p, end, tag & 7)) {
-          throw Bad();
-        }
-      }
-    }
+    if (OutputShapeAt(CleanDef(n), port, &d)) return Value(d);
     const string_view op = n.op;
     if (port != 0) return kNone;
     if (op == "Const") {
@@ -2084,7 +2120,14 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorPositionsOf(void* h, const char* names, size
 // nodes with a control input from outside F and G or a reader outside G.
 // Each is a fact about sets (no consumer order): Python redoes a failed
 // check itself, for its message.
-void FinishHints(const Search& s, const Mirror& m, string* out) {
+struct Finish {
+  bool ok1 = true, ok2 = true;
+  int cycle = 0;
+  std::vector<size_t> order;     // G's indexes sorted by position
+  std::vector<size_t> boundary;  // places in `order` of the nodes to walk
+};
+
+void FinishFacts(const Search& s, const Mirror& m, Finish* fin) {
   bool ok1 = true, ok2 = true;
   for (int32_t f : s.fwd_ids) {
     if (!ok1) break;
@@ -2160,30 +2203,40 @@ void FinishHints(const Search& s, const Mirror& m, string* out) {
       }
     }
   }
-  std::vector<size_t> order(n);
+  std::vector<size_t>& order = fin->order;
+  order.resize(n);
   for (size_t i = 0; i < n; ++i) order[i] = i;
   auto key = [&](size_t i) {
     const double p = m.pos(s.region[i]);
     return std::isnan(p) ? 0.0 : p;
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
-  out->append(ok1 ? "1" : "0");
-  out->push_back('\x02');
-  out->append(ok2 ? "1" : "0");
-  out->push_back('\x02');
-  out->append(std::to_string(cycle));
-  out->push_back('\x02');
+  fin->ok1 = ok1;
+  fin->ok2 = ok2;
+  fin->cycle = cycle;
+  fin->boundary.clear();
   for (size_t k = 0; k < n; ++k) {
+    if (needs[order[k]]) fin->boundary.push_back(k);
+  }
+}
+
+void FinishHints(const Search& s, const Mirror& m, string* out) {
+  Finish fin;
+  FinishFacts(s, m, &fin);
+  out->append(fin.ok1 ? "1" : "0");
+  out->push_back('\x02');
+  out->append(fin.ok2 ? "1" : "0");
+  out->push_back('\x02');
+  out->append(std::to_string(fin.cycle));
+  out->push_back('\x02');
+  for (size_t k = 0; k < fin.order.size(); ++k) {
     if (k) out->push_back(',');
-    out->append(std::to_string(order[k]));
+    out->append(std::to_string(fin.order[k]));
   }
   out->push_back('\x02');
-  bool first = true;
-  for (size_t k = 0; k < n; ++k) {
-    if (!needs[order[k]]) continue;
-    if (!first) out->push_back(',');
-    first = false;
-    out->append(std::to_string(k));
+  for (size_t k = 0; k < fin.boundary.size(); ++k) {
+    if (k) out->push_back(',');
+    out->append(std::to_string(fin.boundary[k]));
   }
 }
 
@@ -2387,5 +2440,564 @@ NPU_AMP_GR_EXPORT int NpuAmpGrAnalyzeNorms(void* h, const char* names, size_t le
   }
   *out = text.data();
   *out_len = text.size();
+  return 0;
+}
+
+// ------------------------------------------------------- the layer-norm plan
+// (issue 17) graph_passes/fusion/builtin.py _norm_facts (with _grad_facts,
+// find_grad_region, its _finish, classify and assign_outputs) over the
+// mirror: the layer-norm rule's decisions at one anchor, the same ones, or
+// nothing (Python decides).  It answers only where every question Python
+// asks has the same answer here: a dtype it reads from an attr it knows the
+// meaning of (a node not edited since the load), a shape ShapeOracle gives
+// by its own rules or by this file's walk (not one it would take from the
+// graph's shape table), constants it decodes as shapes.tensor_value does,
+// and a region whose checks all pass.  Every refusal, every doubt, goes to
+// Python, which words the reason.  Python keeps the emission, the
+// framework's checks and the commit.  grad_region.CHECK_NATIVE (the test
+// suite) decides both ways and compares (graph_passes/fusion/norm_plan.py).
+namespace {
+
+// ops whose one output has the dtype of their attr T (the rest: Python)
+const std::unordered_set<string_view>& TypedByT() {
+  static const std::unordered_set<string_view> ops = {
+      "Mul", "RealDiv", "Div", "DivNoNan", "Neg", "Sub", "Add", "AddV2", "AddN", "Square", "Sqrt",
+      "Rsqrt", "Reciprocal", "Pow", "Maximum", "Minimum", "SquaredDifference", "RsqrtGrad",
+      "SqrtGrad", "ReciprocalGrad", "SoftmaxGrad", "Exp", "Log", "Sum", "Mean", "Prod", "Max", "Min",
+      "Tile", "BroadcastTo", "Reshape", "ExpandDims", "Squeeze", "Identity", "Snapshot",
+      "StopGradient", "PreventGradient", "Transpose", "Fill", "ZerosLike", "OnesLike",
+      "StridedSlice", "Pack", "ConcatV2", "Select", "SelectV2", "BiasAdd", "MatMul",
+      "BatchMatMulV2", "BatchMatMul", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Softplus", "Tanh",
+      "Sigmoid", "Erf", "Erfc", "Softmax", "LogSoftmax", "_FusedMatMul", "TanhGrad", "SigmoidGrad",
+      "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "LeakyReluGrad", "SoftplusGrad", "BiasAddGrad",
+      "Conv2D", "Conv2DBackpropInput", "Abs", "Sign", "Floor", "Round", "Cumsum", "Slice", "Pad",
+      "PadV2", "MirrorPad", "ReverseV2", "Einsum", "ClipByValue", "DepthwiseConv2dNative"};
+  return ops;
+}
+
+// an AttrValue's `type` (field 6) when that is the value it holds, else -1
+int64_t AttrType(string_view a) {
+  const char* p = a.data();
+  const char* end = p + a.size();
+  uint64_t last = 0, val = 0;
+  while (p < end) {
+    uint64_t tag;
+    if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+    const uint64_t f = tag >> 3;
+    if (f == 6 && (tag & 7) == 0) {
+      if (!wire::ReadVarint(p, end, &val)) throw Bad();
+    } else if (!wire::SkipField(p, end, tag & 7)) {
+      throw Bad();
+    }
+    if (f >= 1 && f <= 10) last = f;
+  }
+  return last == 6 ? static_cast<int64_t>(val) : -1;
+}
+
+bool IsFloatType(int64_t dt) { return dt == 1 || dt == 19 || dt == 14; }  // registry.FLOAT_TYPES
+
+std::vector<int64_t> SqueezeLead(std::vector<int64_t> s) {  // builtin._squeeze_lead
+  while (s.size() > 1 && s[0] == 1) s.erase(s.begin());
+  return s;
+}
+
+class NormPlanner {
+ public:
+  NormPlanner(Mirror& m, ShapeMemo& memo) : m_(m), memo_(memo) {}
+
+  std::vector<string> prot;
+  int64_t max_nodes = 4000;
+  bool stop_at_dy = true;
+
+  // true: the plan in *out; false: Python decides
+  bool Plan(string_view anchor_name, string* out) {
+    try {
+      return Run(anchor_name, out);
+    } catch (const Bad&) {
+      if (why.empty()) why = "a question answered only by Python (a shape, dtype or constant)";
+      return false;
+    } catch (const Unable&) {
+      why = "the incoming gradient's candidate: a dtype or shape only Python answers";
+      return false;
+    }
+  }
+
+  // why the plan was left to Python (the source line of the refusal), for debugging
+  string why;
+
+ private:
+  bool Leave(int line) {
+    why = "refused at grad_region.cc:" + std::to_string(line);
+    return false;
+  }
+
+  // graph.tensor_dtype(ref) where this file knows it, else -1
+  int64_t Dtype(string_view ref) const {
+    string_view name;
+    int64_t port;
+    bool ctrl;
+    if (!ParseRef(ref, &name, &port, &ctrl) || ctrl || port != 0) return -1;
+    const int32_t id = m_.Find(name);
+    if (!m_.Alive(id)) return -1;
+    const Node& n = m_.node(id);
+    if (n.dirty || n.def.empty()) return -1;
+    string_view key;
+    if (n.op == "Const" || n.op == "Placeholder" || n.op == "ReadVariableOp") {
+      key = "dtype";
+    } else if (n.op == "Cast") {
+      key = "DstT";
+    } else if (TypedByT().count(n.op)) {
+      key = "T";
+    } else {
+      return -1;
+    }
+    string_view a;
+    if (!FindAttr(n.def, key, &a)) return -1;
+    return AttrType(a);
+  }
+
+  // core.ShapeOracle.shape(ref) where its answer is a list this file can
+  // give; Bad where it is None, or could come from the graph's shape table
+  void Shape(string_view ref, Dims* out, int depth = 0) {
+    string_view name;
+    int64_t port;
+    bool ctrl;
+    if (!ParseRef(ref, &name, &port, &ctrl) || ctrl || depth > 16) throw Bad();
+    const int32_t id = m_.Find(name);
+    if (!m_.Alive(id)) throw Bad();
+    const Node& n = m_.node(id);
+    const string_view def = CleanDef(n);
+    string_view a;
+    if (OutputShapeAt(def, port, out)) return;  // shapes.static_shapes
+    if (n.op == "Const") {
+      if (!FindAttr(def, "value", &a)) throw Bad();
+      const TensorView t(AttrView(a).get(8));
+      ShapeDims(t.shape, out);
+      return;
+    }
+    if ((n.op == "Placeholder" || n.op == "VarHandleOp") && FindAttr(def, "shape", &a)) {
+      if (!ShapeDims(AttrView(a).get(7), out)) throw Bad();  // (unknown rank: None)
+      return;
+    }
+    if (n.op == "ReadVariableOp" && !n.inputs.empty()) {
+      const int32_t h = n.inputs[0].src;
+      if (m_.Alive(h) && FindAttr(CleanDef(m_.node(h)), "_handle_shapes", &a)) {
+        const std::vector<string_view> shapes = ListShapes(a);
+        Dims d;
+        if (shapes.size() == 1 && ShapeDims(shapes[0], &d) && Known(d)) {
+          *out = d;
+          return;
+        }
+      }
+    }
+    if ((n.op == "Identity" || n.op == "ReadVariableOp" || n.op == "Cast" || n.op == "StopGradient") &&
+        !n.inputs.empty()) {
+      Shape(n.inputs[0].ref, out, depth + 1);
+      return;
+    }
+    if (n.op == "Reshape" && n.inputs.size() >= 2) {
+      Dims v;
+      if (ConstIntsAt(m_, n.inputs[1].ref, &v) == kConstInts && Known(v)) {
+        *out = v;
+        return;
+      }
+    }
+    const string key = port == 0 ? string(name) : string(name) + ":" + std::to_string(port);
+    if (ShapeWalk(m_, memo_).Ask(key, out) < 0) throw Bad();  // (none, or gave up: Python)
+  }
+
+  // builtin.const_scalar of a Const written as one float32 / float64 value
+  double Eps(string_view ref) const {
+    string_view name;
+    int64_t port;
+    bool ctrl;
+    if (!ParseRef(ref, &name, &port, &ctrl) || ctrl || port != 0) throw Bad();
+    const int32_t id = m_.Find(name);
+    if (!m_.Alive(id) || m_.node(id).op != "Const") throw Bad();
+    string_view a;
+    if (!FindAttr(CleanDef(m_.node(id)), "value", &a)) throw Bad();
+    const TensorView t(AttrView(a).get(8));
+    Dims shape;
+    ShapeDims(t.shape, &shape);
+    for (int64_t d : shape) {
+      if (d != 1) throw Bad();
+    }
+    double v;
+    if (t.dtype == 1 && t.content.size() == 4) {
+      float f;
+      std::memcpy(&f, t.content.data(), 4);
+      v = f;
+    } else if (t.dtype == 1 && t.content.empty() && t.float_val.size() == 1) {
+      v = t.float_val[0];
+    } else if (t.dtype == 2 && t.content.size() == 8) {
+      std::memcpy(&v, t.content.data(), 8);
+    } else if (t.dtype == 2 && t.content.empty() && t.double_val.size() == 1) {
+      v = t.double_val[0];
+    } else {
+      throw Bad();
+    }
+    return static_cast<double>(static_cast<float>(v));  // (const_eval: as float32)
+  }
+
+  static string Ref(string_view ref) {  // _canon
+    string_view name;
+    int64_t port;
+    bool ctrl;
+    if (!ParseRef(ref, &name, &port, &ctrl)) throw Bad();
+    return Canon(name, port, ctrl);
+  }
+
+  // grad_region._alias_root
+  string AliasRoot(const Stamped<char>& member, string ref) const {
+    for (int seen = 0; seen < 16; ++seen) {
+      string_view name;
+      int64_t port;
+      bool ctrl;
+      if (!ParseRef(ref, &name, &port, &ctrl)) throw Bad();
+      const int32_t id = m_.Find(name);
+      if (!m_.Alive(id) || !member.get(id) || port != 0) return ref;
+      const Node& n = m_.node(id);
+      if (n.op != "Identity" && n.op != "Snapshot" && n.op != "Reshape" && n.op != "StopGradient") {
+        return ref;
+      }
+      const InputRef* src = nullptr;
+      for (const auto& in : n.inputs) {
+        if (!in.ctrl) {
+          src = &in;
+          break;
+        }
+      }
+      if (src == nullptr) throw Bad();  // (Python: IndexError)
+      if (!member.get(src->src)) return ref;
+      ref = Ref(src->ref);
+    }
+    return ref;
+  }
+
+  static void Ints(const Dims& d, string* out) {
+    for (size_t i = 0; i < d.size(); ++i) {
+      if (i) out->push_back(',');
+      out->append(std::to_string(d[i]));
+    }
+  }
+
+  bool Run(string_view anchor_name, string* out) {
+    const int32_t anchor = m_.Find(anchor_name);
+    if (!m_.Alive(anchor) || !m_.ops.set) return Leave(__LINE__);
+    NormAnalyzer an(m_);
+    NormAnalyzer::Result r;
+    if (!an.Analyze(anchor, &r)) return Leave(__LINE__);
+    const bool rms = r.rms;
+    const string x(r.x->ref);
+    const int64_t dt = Dtype(x);
+    if (!IsFloatType(dt)) return Leave(__LINE__);
+    Dims xs;
+    Shape(x, &xs);
+    Dims ax;
+    if (ConstIntsAt(m_, r.axes->ref, &ax) != kConstInts) return Leave(__LINE__);
+    const int64_t rank = static_cast<int64_t>(xs.size());
+    if (rank == 0) return Leave(__LINE__);
+    std::vector<int64_t> axes;
+    for (int64_t v : ax) axes.push_back(((v % rank) + rank) % rank);
+    std::sort(axes.begin(), axes.end());
+    axes.erase(std::unique(axes.begin(), axes.end()), axes.end());
+    if (axes.empty()) return Leave(__LINE__);
+    const int64_t k = static_cast<int64_t>(axes.size());
+    for (int64_t i = 0; i < k; ++i) {
+      if (axes[i] != rank - k + i) return Leave(__LINE__);
+    }
+    const Dims norm(xs.end() - k, xs.end());
+    for (int64_t d : norm) {
+      if (d <= 0) return Leave(__LINE__);
+    }
+    const double eps = Eps(r.eps->ref);
+    if (!(eps >= 0)) return Leave(__LINE__);
+    auto param = [&](const InputRef* ref) {
+      if (ref == nullptr) return;
+      if (Dtype(ref->ref) != dt) throw Bad();
+      Dims ps;
+      Shape(ref->ref, &ps);
+      while (ps.size() > norm.size() && ps[0] == 1) ps.erase(ps.begin());
+      if (ps != norm) throw Bad();
+    };
+    param(r.gamma);
+    if (!rms) {
+      param(r.beta);
+    } else if (r.beta != nullptr) {
+      return Leave(__LINE__);
+    }
+    std::vector<int32_t> inner;
+    std::unordered_set<int32_t> inner_set;
+    for (int32_t id : r.inner) {
+      if (inner_set.insert(id).second) inner.push_back(id);
+    }
+    inner_set.insert(anchor);
+    for (int32_t id : inner) {
+      if (id == anchor) continue;
+      for (const string& p : prot) {
+        if (m_.name(id) == p) return Leave(__LINE__);
+      }
+    }
+    // the plan: kind, x, gamma, beta, dtype, eps, the normalised dims, the inner nodes
+    out->clear();
+    out->append(rms ? "r" : "l");
+    for (const InputRef* ref : {r.x, r.gamma, r.beta}) {
+      out->push_back('\x03');
+      if (ref == nullptr) {
+        out->push_back('\x04');
+      } else {
+        out->append(ref->ref);
+      }
+    }
+    char eps_text[40];
+    std::snprintf(eps_text, sizeof eps_text, "%.17g", eps);
+    out->append("\x03" + std::to_string(dt) + "\x03" + eps_text + "\x03");
+    Ints(norm, out);
+    out->push_back('\x03');
+    for (size_t i = 0; i < inner.size(); ++i) {
+      if (i) out->push_back('\x02');
+      out->append(m_.name(inner[i]));
+    }
+    bool escaping = false;
+    for (int32_t id : inner_set) {
+      if (id == anchor) continue;
+      for (const auto& c : m_.consumers(id)) {
+        if (!inner_set.count(c.first)) escaping = true;
+      }
+    }
+    if (!escaping) {
+      out->append("\x03" "0");
+      return true;
+    }
+    return Grad(anchor, r, x, dt, xs, norm, inner_set, out);
+  }
+
+  bool Grad(int32_t anchor, const NormAnalyzer::Result& r, const string& x, int64_t dt, const Dims& xs,
+            const Dims& gs, const std::unordered_set<int32_t>& inner_set, string* out) {
+    for (int64_t d : xs) {
+      if (d <= 0) return Leave(__LINE__);
+    }
+    if (SqueezeLead(xs) == SqueezeLead(gs)) return Leave(__LINE__);
+    const bool has_gamma = r.gamma != nullptr;
+    const bool has_beta = r.beta != nullptr && !r.rms;
+    // find_grad_region(inner, [anchor], [x, gamma, beta], dy_shape=xs)
+    Dims y_shape;
+    Shape(m_.name(anchor), &y_shape);
+    if (!Known(y_shape)) y_shape = xs;
+    Search s(m_, nullptr);
+    for (int32_t id : inner_set) s.fwd_sorted.emplace_back(m_.name(id));
+    std::sort(s.fwd_sorted.begin(), s.fwd_sorted.end());
+    s.ins.insert(Ref(x));
+    if (has_gamma) s.ins.insert(Ref(r.gamma->ref));
+    if (has_beta) s.ins.insert(Ref(r.beta->ref));
+    {  // grad_region._common_scope
+      std::vector<std::vector<string_view>> parts;
+      for (const string& f : s.fwd_sorted) {
+        std::vector<string_view> p = Split(f, '/');
+        p.pop_back();
+        parts.push_back(std::move(p));
+      }
+      size_t common = 0;
+      while (true) {
+        bool same = true;
+        for (const auto& p : parts) {
+          if (p.size() <= common || p[common] != parts[0][common]) {
+            same = false;
+            break;
+          }
+        }
+        if (!same) break;
+        ++common;
+      }
+      for (size_t i = 0; i < common; ++i) {
+        s.fscope.append(parts[0][i]);
+        s.fscope.push_back('/');
+      }
+    }
+    s.max_nodes = max_nodes;
+    s.grad_reads_output = false;
+    s.stop_at_dy = stop_at_dy;
+    s.Begin(static_cast<size_t>(m_.size()));
+    std::vector<int32_t> fwd_ids;
+    for (const string& f : s.fwd_sorted) {
+      fwd_ids.push_back(m_.Find(f));
+      s.fwd.set(fwd_ids.back(), 1);
+    }
+    for (const string& p : prot) {
+      const int32_t id = m_.Find(p);
+      if (id >= 0) s.prot.set(id, 1);
+    }
+    s.out_node.set(anchor, 1);
+    s.fwd_ids = std::move(fwd_ids);
+    s.outs = {{anchor, 0}};
+    s.cand = [&](const InputRef& in) -> int {
+      const int64_t d = Dtype(in.ref);
+      if (d < 0) throw Unable();
+      if (!IsFloatType(d)) return 0;
+      Dims sh;
+      try {
+        Shape(in.ref, &sh);
+      } catch (const Bad&) {
+        throw Unable();
+      }
+      return sh == y_shape && Known(sh) ? 1 : 0;
+    };
+    if (s.Run() != kFound) return Leave(__LINE__);
+    Finish fin;
+    FinishFacts(s, m_, &fin);
+    if (!fin.ok1 || !fin.ok2 || fin.cycle == 2) return Leave(__LINE__);
+    // _boundary: the tensors read outside G, in G's order
+    std::vector<string> refs;
+    std::unordered_map<string, std::vector<int32_t>> readers;
+    std::unordered_map<string, int32_t> ref_node;
+    for (size_t k : fin.boundary) {
+      const int32_t id = s.region[fin.order[k]];
+      string node_ref;
+      for (const auto& c : m_.consumers(id)) {
+        if (s.in_region.get(c.first) || c.second < 0) continue;
+        const string ref = Canon(m_.name(id), m_.node(c.first).inputs[c.second].port, false);
+        if (!node_ref.empty() && node_ref != ref) return Leave(__LINE__);  // (two ports: Python's consumer order)
+        node_ref = ref;
+        auto it = readers.find(ref);
+        if (it == readers.end()) {
+          refs.push_back(ref);
+          ref_node[ref] = id;
+          it = readers.emplace(ref, std::vector<int32_t>()).first;
+        }
+        it->second.push_back(c.first);
+      }
+    }
+    // classify, then assign_outputs(summed=("dx",))
+    std::vector<std::pair<string, std::vector<string>>> roles;
+    std::unordered_map<string, Dims> shapes;
+    for (const string& ref : refs) {
+      const int32_t id = ref_node[ref];
+      if (Dtype(ref) != dt || !s.dy_dep.get(id)) return Leave(__LINE__);
+      Dims sh;
+      Shape(ref, &sh);
+      if (!Known(sh)) return Leave(__LINE__);
+      const bool fwd = s.fwd_dep.get(id);
+      string role;
+      if (sh == xs && fwd) {
+        role = "dx";
+      } else if (SqueezeLead(sh) == SqueezeLead(gs)) {
+        if (fwd && has_gamma) {
+          role = "dgamma";
+        } else if (!fwd && has_beta) {
+          role = "dbeta";
+        } else {
+          return Leave(__LINE__);
+        }
+      } else {
+        return Leave(__LINE__);
+      }
+      shapes[ref] = sh;
+      auto it = std::find_if(roles.begin(), roles.end(), [&](const auto& e) { return e.first == role; });
+      if (it == roles.end()) {
+        roles.emplace_back(role, std::vector<string>{ref});
+      } else {
+        it->second.push_back(ref);
+      }
+    }
+    bool has_dx = false;
+    std::vector<string> aggregators;
+    for (const auto& [role, rr] : roles) {
+      string agg;
+      if (role == "dx") has_dx = true;
+      if (role == "dx" && rr.size() > 1) {
+        std::unordered_set<int32_t> aggs;
+        for (const string& ref : rr) {
+          for (int32_t c : readers[ref]) aggs.insert(c);
+        }
+        if (aggs.size() != 1) return Leave(__LINE__);
+        const int32_t a = *aggs.begin();
+        if (!m_.ops.aggregation.count(m_.node(a).op)) return Leave(__LINE__);
+        std::vector<string> ins;
+        for (const auto& in : m_.node(a).inputs) {
+          if (!in.ctrl) ins.push_back(Ref(in.ref));
+        }
+        for (const string& ref : rr) {
+          if (std::count(ins.begin(), ins.end(), ref) != 1) return Leave(__LINE__);
+        }
+        agg = string(m_.name(a));
+      } else if (rr.size() > 1) {
+        const string root = AliasRoot(s.in_region, rr[0]);
+        for (const string& ref : rr) {
+          if (AliasRoot(s.in_region, ref) != root) return Leave(__LINE__);
+        }
+      }
+      aggregators.push_back(agg);
+    }
+    if (!has_dx || Dtype(s.dy) != dt) return Leave(__LINE__);
+    // the gradient: G in order, dy, x's shape, the terms, the shapes of the refs rewired
+    out->append("\x03" "1\x03");
+    for (size_t k = 0; k < fin.order.size(); ++k) {
+      if (k) out->push_back('\x02');
+      out->append(m_.name(s.region[fin.order[k]]));
+    }
+    out->append("\x03" + s.dy + "\x03");
+    Ints(xs, out);
+    out->push_back('\x03');
+    for (size_t i = 0; i < roles.size(); ++i) {
+      if (i) out->push_back('\x02');
+      out->append(roles[i].first + "\x01" + (aggregators[i].empty() ? string("\x04") : aggregators[i]));
+      for (const string& ref : roles[i].second) out->append("\x01" + ref);
+    }
+    out->push_back('\x03');
+    bool first = true;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      if (!aggregators[i].empty()) continue;
+      for (const string& ref : roles[i].second) {
+        if (!first) out->push_back('\x02');
+        first = false;
+        out->append(ref + "\x01");
+        Ints(shapes[ref], out);
+      }
+    }
+    return true;
+  }
+
+  Mirror& m_;
+  ShapeMemo& memo_;
+};
+
+}  // namespace
+
+// (issue 17) the layer-norm rule's plan at one anchor (NormPlanner).
+// `request`: sections separated by \x03: the anchor; the protected names
+// (\x02-joined); max_nodes; stop_at_dy ("0" / "1").  `memo`: the
+// ShapeOracle's walk memo (NpuAmpGrShapeMemoNew).  Returns 0 with the plan
+// in *out (valid until the next call on this thread), 1 when Python decides
+// (with why in *out, for debugging), -1 bad arguments.  The mirror must be synced, with positions.
+NPU_AMP_GR_EXPORT int NpuAmpGrNormPlan(void* h, void* memo, const char* request, size_t len,
+                                       const char** out, size_t* out_len) {
+  thread_local string buf;
+  auto* m = static_cast<Mirror*>(h);
+  auto* mm = static_cast<ShapeMemo*>(memo);
+  if (m == nullptr || mm == nullptr || request == nullptr || out == nullptr || out_len == nullptr) return -1;
+  m->Join();
+  *out = nullptr;
+  *out_len = 0;
+  std::vector<string_view> sec = Split(string_view(request, len), '\x03');
+  if (sec.size() != 4) return -1;
+  try {
+    NormPlanner p(*m, *mm);
+    for (string_view n : Split(sec[1], '\x02')) {
+      if (!n.empty()) p.prot.emplace_back(n);
+    }
+    p.max_nodes = std::atoll(string(sec[2]).c_str());
+    p.stop_at_dy = sec[3] == "1";
+    buf.clear();
+    if (!p.Plan(sec[0], &buf)) {
+      buf = p.why;  // (why Python decides)
+      *out = buf.data();
+      *out_len = buf.size();
+      return 1;
+    }
+  } catch (...) {  // (bad_alloc)
+    return 1;
+  }
+  *out = buf.data();
+  *out_len = buf.size();
   return 0;
 }

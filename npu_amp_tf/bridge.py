@@ -528,7 +528,25 @@ class GradRegionLib:
             lib.NpuAmpGrAnalyzeNorms.argtypes = [c_void_p, c_char_p, c_size_t, ctypes.POINTER(c_void_p),
                                                  ctypes.POINTER(c_size_t)]
             lib.NpuAmpGrAnalyzeNorms.restype = c_int
+        #: (issue 17) the layer-norm rule's whole decision over the mirror (a library built before it: False)
+        self.can_norm_plan = hasattr(lib, "NpuAmpGrNormPlan")
+        if self.can_norm_plan:
+            lib.NpuAmpGrNormPlan.argtypes = [c_void_p, c_void_p, c_char_p, c_size_t, ctypes.POINTER(c_void_p),
+                                             ctypes.POINTER(c_size_t)]
+            lib.NpuAmpGrNormPlan.restype = c_int
         self._lib = lib
+
+    def norm_plan(self, h, memo, request: bytes):
+        """``NpuAmpGrNormPlan``: (True, the plan's text), or (False, why
+        Python decides: a refusal's source line or the question only Python
+        answers), or None (the library has no planner, bad arguments)."""
+        if not self.can_norm_plan:
+            return None
+        out, size = ctypes.c_void_p(), ctypes.c_size_t()
+        rc = self._lib.NpuAmpGrNormPlan(h, memo, request, len(request), ctypes.byref(out), ctypes.byref(size))
+        if rc not in (0, 1):
+            return None
+        return rc == 0, ctypes.string_at(out, size.value).decode("ascii") if size.value else ""
 
     def analyze_norms(self, h, names):
         """``NpuAmpGrAnalyzeNorms`` at the nodes ``names`` (and their

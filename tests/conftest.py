@@ -65,6 +65,13 @@ def pytest_terminal_summary(terminalreporter):
         for fwd, a, b in gr.CHECKED[1][:5]:
             terminalreporter.write_line(f"C++ and Python gradient-region searches (or finishes) differ for "
                                         f"{fwd[:3]}...:\n  C++:    {a!r}\n  Python: {b!r}")
+    np_ = sys.modules.get("graph_passes.fusion.norm_plan")
+    if np_ is not None and np_.CHECKED_PLANS[1]:
+        terminalreporter.write_line(f"layer-norm plans made in C++ and compared with Python's: "
+                                    f"{np_.CHECKED_PLANS[1]}; differing: {len(np_.CHECKED_PLANS[2])}")
+        for anchor, a, b in np_.CHECKED_PLANS[2][:5]:
+            terminalreporter.write_line(f"the C++ and Python layer-norm plans differ at '{anchor}':\n"
+                                        f"  C++:    {a!r}\n  Python: {b!r}")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -73,7 +80,8 @@ def pytest_sessionfinish(session, exitstatus):
     import sys
 
     gr = sys.modules.get("graph_passes.fusion.grad_region")
-    if gr is not None and gr.CHECKED[1]:
+    np_ = sys.modules.get("graph_passes.fusion.norm_plan")
+    if (gr is not None and gr.CHECKED[1]) or (np_ is not None and np_.CHECKED_PLANS[2]):
         session.exitstatus = 1  # (pytest_terminal_summary prints them)
 
 

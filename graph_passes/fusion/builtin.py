@@ -855,20 +855,34 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
         dy -> [Mul, Sum, Reshape, RsqrtGrad, Tile, ...] ─ dx1 ┐    dy -> LayerNormGrad ─ dx ┐
                                                           dx2 ┼ AddN       dgamma, dbeta   ├ AddN
                                             d_residual ───────┘           d_residual ─────┘
-    """
-    from .grad_region import GradRegionRefused, assign_outputs, find_grad_region
 
-    if not b.escaping_readers():
-        return
+    Two halves: :func:`_grad_facts` decides (and refuses), :func:`_emit_norm_grad` emits."""
+    inner = set(b.match.matched) | set(b.absorbed)
+    real = [t for t, r in ((gamma, has_gamma), (beta, has_beta)) if r and t is not None]
+    facts = _grad_facts(m, b, kind, x, real, gshape, inner, has_gamma, has_beta)
+    if facts is not None:
+        _emit_norm_grad(m, b, kind, x, gamma, facts)
+
+
+def _grad_facts(m, b, kind, x, params, gshape, inner, has_gamma, has_beta):
+    """The decisions of :func:`_norm_backward` (Skip with the reason when it
+    refuses), without touching the builder: None when no reader outside the
+    forward region reads its inner tensors (nothing to replace), else a
+    :class:`norm_plan.GradFacts`.  ``params``: gamma / beta as the graph has
+    them (absent ones left out); ``inner``: the forward region's nodes."""
+    from .grad_region import GradRegionRefused, assign_outputs, find_grad_region
+    from .norm_plan import GradFacts
+
     g = b.graph
+    if not any(c not in inner for name in inner if name != m.anchor for c, _ in g.consumers(name)):
+        return None
     dt = b.dtype(x)
     xs, gs = b.shape(x), list(gshape) if gshape is not None else None
     b.require(xs is not None and min(xs, default=0) > 0 and gs is not None,
               "not fused: the backward pass reads the norm's inner tensors and x's shape is not static")
     b.require(_squeeze_lead(xs) != _squeeze_lead(gs),
               f"not fused: x {xs} has one normalised row, so dx and dgamma cannot be told apart by shape")
-    inner = set(b.match.matched) | set(b.absorbed)
-    inputs = [t for t, real in ((x, True), (gamma, has_gamma), (beta, has_beta)) if real and t is not None]
+    inputs = [x] + list(params)
     protected = b.ctx.protected if b.ctx is not None else frozenset()
     try:
         region = find_grad_region(g, inner, [tensor_name(m.anchor, 0)], inputs, shapes=b.shapes,
@@ -896,27 +910,35 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
     b.require("dx" in terms, "not fused: the backward pass reads the norm's inner tensors, but no "
                              "gradient with respect to x leaves it")
     b.require(b.dtype(region.dy) == dt, "the incoming gradient's dtype differs from the input's")
+    shapes = {ref: list(b.shape(ref)) for term in terms.values() if term.aggregator is None for ref in term.refs}
+    return GradFacts(list(region.nodes), region.dy, terms, shapes, list(xs), gs)
+
+
+def _emit_norm_grad(m, b, kind, x, gamma, facts):
+    """Emit the gradient op :func:`_grad_facts` decided on (``gamma``: the
+    fused op's gamma input, a node emitted for an absent one included)."""
+    dt = b.dtype(x)
     op = "LayerNormGrad" if kind == "layer_norm" else "RMSNormGrad"
     gname = f"{m.anchor}/{op}"
     stats = [tensor_name(m.anchor, 1)] + ([tensor_name(m.anchor, 2)] if kind == "layer_norm" else [])
-    b.emit(op, gname, [region.dy, x, gamma] + stats, {"T": ("type", dt)})
+    b.emit(op, gname, [facts.dy, x, gamma] + stats, {"T": ("type", dt)})
     ports = {"dx": 0, "dgamma": 1, "dbeta": 2}
-    want_shape = {"dx": list(xs), "dgamma": list(gs), "dbeta": list(gs)}
+    want_shape = {"dx": facts.xs, "dgamma": facts.gs, "dbeta": facts.gs}
     rewire = {}
-    for role, term in terms.items():
+    for role, term in facts.terms.items():
         src = tensor_name(gname, ports[role])
         if term.aggregator is not None:
-            reemit_aggregator(b, g, term, src, dt)
+            reemit_aggregator(b, b.graph, term, src, dt)
             continue
         for k, ref in enumerate(term.refs):
-            sh = list(b.shape(ref))
+            sh = facts.shapes[ref]
             if sh == want_shape[role]:
                 rewire[ref] = src
                 continue
             shp = b.const_node(f"{gname}/{role}_shape_{k}", np.asarray(sh, np.int32), registry.types_pb2.DT_INT32)
             rewire[ref] = b.emit("Reshape", f"{gname}/{role}_{k}", [src, shp],
                                  {"T": ("type", dt), "Tshape": ("type", registry.types_pb2.DT_INT32)})
-    b.region(region.nodes, rewire, gname)
+    b.region(facts.nodes, rewire, gname)
 
 
 def reemit_aggregator(b, g, term, src, dt):
@@ -1311,6 +1333,33 @@ _norm_predicate.candidates = _norm_candidates
 
 
 def _build_norm(m, b):
+    """The layer-norm rule's build: :func:`_norm_facts` decides (in C++ with
+    :data:`norm_plan.NATIVE_PLAN`, else or when C++ leaves it, in Python),
+    :func:`_emit_norm` emits."""
+    from . import norm_plan
+
+    facts = norm_plan.native_facts(m, b)
+    if facts is None or norm_plan.checking():
+        try:
+            ref = _norm_facts(m, b)
+        except Skip as exc:
+            if facts is not None:
+                norm_plan.differ(m.anchor, facts, f"Skip({exc})")
+            raise
+        if facts is not None:
+            norm_plan.CHECKED_PLANS[1] += 1
+            if facts != ref:
+                norm_plan.differ(m.anchor, facts, ref)
+        facts = ref
+    _emit_norm(m, b, facts)
+
+
+def _norm_facts(m, b):
+    """The layer-norm rule's decisions at ``m.anchor`` (Skip with the reason
+    when it refuses), without touching the builder: a :class:`norm_plan.NormFacts`.
+    The Python reference of the C++ plan (``norm_plan.native_facts``)."""
+    from .norm_plan import NormFacts
+
     res = analyze_norm(b.graph, b.anchor)
     b.require(res is not None, "the norm subgraph changed")
     x = res["x"]
@@ -1330,9 +1379,9 @@ def _build_norm(m, b):
     eps = const_scalar(b, res["eps"])
     b.require(eps is not None and eps >= 0, "the variance epsilon is not a constant >= 0")
 
-    def param(ref, what, fill):
+    def param(ref, what):
         if ref is None:
-            return b.const_node(f"{m.anchor}/{what}", np.full(norm, fill), dt)
+            return None
         b.require(b.dtype(ref) == dt, f"{what} dtype differs from the input")
         ps = b.shape(ref)
         b.require(ps is not None, f"{what} shape unknown")
@@ -1342,20 +1391,38 @@ def _build_norm(m, b):
         b.require(core == norm, f"{what} of shape {ps} does not cover the normalised dims {norm}")
         return ref
 
-    gamma = param(res["gamma"], "gamma", 1.0)
-    inner = list(dict.fromkeys(res["inner"]))
-    if res["kind"] == "layer_norm":
-        beta = param(res["beta"], "beta", 0.0)
-        b.absorb(inner, escapes_ok=True)
-        b.emit("LayerNorm", m.anchor, [x, gamma, beta], {"T": ("type", dt), "epsilon": float(eps)})
-        _norm_backward(m, b, "layer_norm", x, gamma, beta, norm,
-                       has_gamma=res["gamma"] is not None, has_beta=res["beta"] is not None)
+    kind = res["kind"]
+    gamma = param(res["gamma"], "gamma")
+    if kind == "layer_norm":
+        beta = param(res["beta"], "beta")
     else:
         b.require(res["beta"] is None, "RMSNorm takes no beta")
-        b.absorb(inner, escapes_ok=True)
-        b.emit("RMSNorm", m.anchor, [x, gamma], {"T": ("type", dt), "epsilon": float(eps)})
-        _norm_backward(m, b, "rms_norm", x, gamma, None, norm, has_gamma=res["gamma"] is not None,
-                       has_beta=False)
+        beta = None
+    inner = list(dict.fromkeys(res["inner"]))
+    protected = b.ctx.protected if b.ctx is not None else frozenset()
+    for name in inner:  # (Builder.absorb's refusal, before it absorbs)
+        if name != m.anchor and name in protected:
+            raise Skip(f"not fused: '{name}' is fetched or preserved")
+    grad = _grad_facts(m, b, kind, x, [p for p in (gamma, beta) if p is not None], norm,
+                       set(m.matched) | set(b.absorbed) | set(inner), gamma is not None,
+                       beta is not None and kind == "layer_norm")
+    return NormFacts(kind, x, gamma, beta, dt, float(eps), norm, inner, grad)
+
+
+def _emit_norm(m, b, f):
+    """Emit what :func:`_norm_facts` decided: LayerNorm / RMSNorm under the
+    anchor's name (gamma of ones, beta of zeros for absent ones), and its
+    gradient op in place of the backward region (:func:`_emit_norm_grad`)."""
+    gamma = f.gamma if f.gamma is not None else b.const_node(f"{m.anchor}/gamma", np.full(f.norm, 1.0), f.dt)
+    if f.kind == "layer_norm":
+        beta = f.beta if f.beta is not None else b.const_node(f"{m.anchor}/beta", np.full(f.norm, 0.0), f.dt)
+    b.absorb(f.inner, escapes_ok=True)
+    if f.kind == "layer_norm":
+        b.emit("LayerNorm", m.anchor, [f.x, gamma, beta], {"T": ("type", f.dt), "epsilon": f.eps})
+    else:
+        b.emit("RMSNorm", m.anchor, [f.x, gamma], {"T": ("type", f.dt), "epsilon": f.eps})
+    if f.grad is not None:
+        _emit_norm_grad(m, b, f.kind, f.x, gamma, f.grad)
 
 
 # ------------------------------------------------------------- attention, any form

@@ -1,0 +1,192 @@
+"""Issue 17: the layer-norm rule's decisions made in C++ (custom_ops/grad_region.cc
+``NormPlanner``, ``graph_passes.fusion.norm_plan``): its checks, the backward
+region's search and finish, and the roles of the tensors leaving the region,
+over the gradient-region search's mirror, with Python's emission and commit.
+
+The C++ plan must be the Python reference's decisions exactly, or none (then
+Python decides and words the reason).  Here, on real training graphs and on
+one of each norm form written as raw ops (each with its gradient):
+
+* the rewritten graphs and reports are identical with the planner on and off;
+* the planner answered where it should (a count of its plans against the
+  fusions made) and left the refusals to Python, whose reasons the report keeps;
+* every plan was compared with the reference (the suite's ``CHECK_NATIVE``),
+  and a planted difference in a plan is caught.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import npu_amp_tf
+from graph_passes.fusion import grad_region as gr
+from graph_passes.fusion import norm_plan
+from npu_amp_tf import bridge
+from test_precision_native import _graph
+
+from conftest import assert_same
+
+
+@pytest.fixture(autouse=True)
+def _library():
+    bridge.register()
+    assert gr.native is not None and gr.native.can_norm_plan
+
+
+def forms_training_graph(eps_const=True, fetch_mean=False):
+    """One norm of each raw form on x = inp @ w [4, 16] (so dx is needed),
+    gamma / beta variables, the gradient through an SGD step: moments,
+    reduce_variance with a RealDiv by Sqrt, RMSNorm with and without gamma,
+    and a Pow-2 variance (a form the C++ analysis leaves to Python).
+    ``eps_const`` False: the moments form's epsilon is fed (no constant);
+    ``fetch_mean``: its mean is fetched too."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(1)
+        inp = tf.compat.v1.placeholder(tf.float32, [4, 8], name="inp")
+        feeds = []
+        eps = tf.constant(1e-5, name="eps")
+        eps_fed = eps if eps_const else tf.compat.v1.placeholder_with_default(1e-5, [], name="eps_fed")
+        outs, extra = [], []
+        for scope in ("moments_ln", "variance_ln", "rms", "rms_plain", "pow_ln"):
+            with tf.compat.v1.variable_scope(scope):
+                w = tf.compat.v1.get_variable("w", [8, 16])
+                gamma = tf.compat.v1.get_variable("gamma", [16], initializer=tf.compat.v1.ones_initializer())
+                beta = tf.compat.v1.get_variable("beta", [16], initializer=tf.compat.v1.zeros_initializer())
+                x = tf.matmul(inp, w)
+                if scope == "moments_ln":
+                    mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+                    y = (x - mean) * tf.math.rsqrt(var + eps_fed) * gamma + beta
+                    if fetch_mean:
+                        extra.append(tf.identity(mean, name="mean_out"))
+                elif scope == "variance_ln":
+                    m = tf.reduce_mean(x, -1, keepdims=True)
+                    v = tf.reduce_mean(tf.square(x - m), -1, keepdims=True)
+                    y = gamma * (x - m) / tf.sqrt(v + eps) + beta
+                elif scope == "rms":
+                    y = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), -1, keepdims=True) + eps) * gamma
+                elif scope == "rms_plain":
+                    y = x * tf.math.rsqrt(tf.reduce_mean(x * x, -1, keepdims=True) + eps)
+                else:
+                    m5 = tf.reduce_mean(x, -1, keepdims=True)
+                    v5 = tf.reduce_mean(tf.pow(x - m5, 2.0), -1, keepdims=True)
+                    y = (x - m5) * tf.math.rsqrt(v5 + eps) * gamma + beta
+                outs.append(tf.reduce_sum(tf.tanh(y)))
+        loss = tf.add_n(outs, name="loss")
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    fetches = ["loss", "train"] + [e.op.name for e in extra]
+    return g.as_graph_def(), fetches, feeds
+
+
+def _rewrite(gd, fetches, on, monkeypatch):
+    monkeypatch.setattr(norm_plan, "NATIVE_PLAN", on)
+    planned, compared = norm_plan.CHECKED_PLANS[0], norm_plan.CHECKED_PLANS[1]
+    out, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, precision_mode="allow_mix_precision")
+    return (out.SerializeToString(deterministic=True), rep, norm_plan.CHECKED_PLANS[0] - planned,
+            norm_plan.CHECKED_PLANS[1] - compared)
+
+
+def _decisions(rep, rule="layer_norm"):
+    return {k: v for k, v in rep.decisions.items() if v.get("fusion") == rule or v.get("fusion_skipped") == rule}
+
+
+@pytest.mark.parametrize("name", ["bert_like", "keras_transformer_training"])
+def test_real_graphs_same_with_the_planner(k2, monkeypatch, name):
+    gd, fetches = _graph(name, k2)
+    fetches = [f.split(":")[0] for f in fetches]
+    on = _rewrite(gd, fetches, True, monkeypatch)
+    off = _rewrite(gd, fetches, False, monkeypatch)
+    assert_same(on[0], off[0], "the graphs with the C++ plan and without")
+    assert on[1].decisions == off[1].decisions and on[1].summary.get("fusions") == off[1].summary.get("fusions")
+    assert off[2] == 0
+    fused = [k for k, v in on[1].decisions.items() if v.get("fusion") == "layer_norm"]
+    if name == "bert_like":  # 1 + 2 per layer, all of the rule's forms, each with its gradient region
+        assert len(fused) == 5 and all(on[1].decisions[k].get("fused_gradient_nodes") for k in fused)
+        assert on[2] == 5 and on[3] == (5 if gr.CHECK_NATIVE else 0)
+    else:  # (Keras 2's layer is a FusedBatchNorm form: another rule's, never planned here)
+        assert on[2] == len(fused)
+
+
+def test_each_form_planned_or_left(monkeypatch):
+    gd, fetches, _ = forms_training_graph()
+    on = _rewrite(gd, fetches, True, monkeypatch)
+    off = _rewrite(gd, fetches, False, monkeypatch)
+    assert_same(on[0], off[0], "the graphs with the C++ plan and without")
+    assert on[1].decisions == off[1].decisions
+    decided = _decisions(on[1])
+    # four forms fused, each with its backward region replaced
+    fused = {k: v for k, v in decided.items() if v.get("fusion")}
+    assert {k.split("/")[0] for k in fused} == {"moments_ln", "variance_ln", "rms", "rms_plain"}, decided
+    assert all(v.get("fused_gradient_nodes") for v in fused.values())
+    # the Pow-2 variance: left to Python (its analysis), which refuses it (Pow's gradient reads
+    # the forward's x - mean through a Greater, no gradient op) and says so
+    skipped = {k: v for k, v in decided.items() if v.get("fusion_skipped")}
+    assert [k.split("/")[0] for k in skipped] == ["pow_ln"]
+    assert "Greater" in next(iter(skipped.values()))["fusion_reason"]
+    out = tf.compat.v1.GraphDef.FromString(on[0])
+    ops = [n.op for n in out.node]
+    assert ops.count("LayerNormGrad") == 2 and ops.count("RMSNormGrad") == 2
+    # C++ planned the four forms its analysis covers
+    assert on[2] == 4
+    if gr.CHECK_NATIVE:
+        assert on[3] == 4
+
+
+def test_refusals_are_left_to_python(monkeypatch):
+    for kw, reason in (({"eps_const": False}, "the variance epsilon is not a constant >= 0"),
+                       ({"fetch_mean": True}, "is fetched or preserved")):
+        gd, fetches, _ = forms_training_graph(**kw)
+        on = _rewrite(gd, fetches, True, monkeypatch)
+        off = _rewrite(gd, fetches, False, monkeypatch)
+        assert_same(on[0], off[0], "the graphs with the C++ plan and without")
+        assert on[1].decisions == off[1].decisions
+        skipped = {k: v for k, v in _decisions(on[1]).items() if v.get("fusion_skipped")}
+        assert sorted(k.split("/")[0] for k in skipped) == ["moments_ln", "pow_ln"], skipped
+        assert reason in next(v for k, v in skipped.items() if k.startswith("moments_ln/"))["fusion_reason"]
+        assert on[2] == 3  # the other three C++ forms planned; the refused one left to Python
+
+
+def test_fused_forms_compute_the_same(monkeypatch):
+    """The rewritten graph (the plans' emission) against the original, in FP32."""
+    gd, fetches, _ = forms_training_graph()
+    monkeypatch.setattr(norm_plan, "NATIVE_PLAN", True)
+    out, _ = npu_amp_tf.rewrite_graph(gd, fetches=fetches, precision_mode="must_keep_origin_dtype")
+    assert sum(n.op in ("LayerNorm", "RMSNorm") for n in out.node) == 4
+    feed = np.random.RandomState(0).standard_normal([4, 8]).astype(np.float32)
+    vals = []
+    for graph_def in (gd, out):
+        g = tf.Graph()
+        with g.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+            with tf.compat.v1.Session(graph=g) as s:
+                s.run([op for op in g.get_operations() if op.type in ("Assign", "AssignVariableOp")])  # (seeded)
+                loss0 = s.run("loss:0", {"inp:0": feed})
+                s.run("train", {"inp:0": feed})
+                loss1 = s.run("loss:0", {"inp:0": feed})
+        vals.append((loss0, loss1))
+    # the same initial values (the same initializers' seeds), one SGD step through each
+    # backward: float32 sums of 16-wide rows, ~1e-6 relative
+    np.testing.assert_allclose(vals[1], vals[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_planted_difference_is_caught(monkeypatch):
+    if not gr.CHECK_NATIVE:
+        pytest.skip("the comparison runs with grad_region.CHECK_NATIVE (the suite's default)")
+    gd, fetches, _ = forms_training_graph()
+    real = norm_plan._parse
+
+    def off_by_one(text):
+        facts = real(text)
+        if facts.grad is not None:
+            facts.grad.nodes = facts.grad.nodes[1:]
+        return facts
+
+    monkeypatch.setattr(norm_plan, "_parse", off_by_one)
+    before = len(norm_plan.CHECKED_PLANS[2])
+    try:
+        with pytest.raises(Exception):
+            npu_amp_tf.rewrite_graph(gd, fetches=fetches, precision_mode="allow_mix_precision",
+                                     fail_on_error=True)
+    finally:
+        caught = norm_plan.CHECKED_PLANS[2][before:]
+        del norm_plan.CHECKED_PLANS[2][before:]
+    assert caught and caught[0][1].grad.nodes != caught[0][2].grad.nodes
