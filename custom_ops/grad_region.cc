@@ -2511,8 +2511,50 @@ class NormPlanner {
 
   // true: the plan in *out; false: Python decides
   bool Plan(string_view anchor_name, string* out) {
+    return Guarded([&] { return Run(anchor_name, out); });
+  }
+
+  // _grad_facts alone (a norm another rule matched: its forward region
+  // `inner`, gamma / beta as the graph has them in `params`): "0" (no reader
+  // outside the forward region) or "1\x03" and Grad's text in *out; false:
+  // Python decides
+  bool GradPlan(string_view anchor_name, const std::vector<string_view>& inner, const string& x,
+                const std::vector<string>& params, bool has_gamma, bool has_beta, const Dims& gs,
+                string* out) {
+    return Guarded([&] {
+      const int32_t anchor = m_.Find(anchor_name);
+      if (!m_.Alive(anchor) || !m_.ops.set) return Leave(__LINE__);
+      std::unordered_set<int32_t> inner_set{anchor};
+      for (string_view n : inner) {
+        const int32_t id = m_.Find(n);
+        if (!m_.Alive(id)) return Leave(__LINE__);
+        inner_set.insert(id);
+      }
+      bool escaping = false;
+      for (int32_t id : inner_set) {
+        if (id == anchor) continue;
+        for (const auto& c : m_.consumers(id)) {
+          if (!inner_set.count(c.first)) escaping = true;
+        }
+      }
+      out->clear();
+      if (!escaping) {
+        out->append("0");
+        return true;
+      }
+      const int64_t dt = Dtype(x);
+      if (dt < 0) return Leave(__LINE__);
+      Dims xs;
+      Shape(x, &xs);
+      out->append("1\x03");
+      return Grad(anchor, x, params, has_gamma, has_beta, dt, xs, gs, inner_set, out);
+    });
+  }
+
+  template <typename F>
+  bool Guarded(F&& f) {
     try {
-      return Run(anchor_name, out);
+      return f();
     } catch (const Bad&) {
       if (why.empty()) why = "a question answered only by Python (a shape, dtype or constant)";
       return false;
@@ -2769,17 +2811,24 @@ class NormPlanner {
       out->append("\x03" "0");
       return true;
     }
-    return Grad(anchor, r, x, dt, xs, norm, inner_set, out);
+    std::vector<string> params;
+    if (r.gamma != nullptr) params.emplace_back(r.gamma->ref);
+    if (r.beta != nullptr && !rms) params.emplace_back(r.beta->ref);
+    out->append("\x03" "1\x03");
+    return Grad(anchor, x, params, r.gamma != nullptr, r.beta != nullptr && !rms, dt, xs, norm, inner_set,
+                out);
   }
 
-  bool Grad(int32_t anchor, const NormAnalyzer::Result& r, const string& x, int64_t dt, const Dims& xs,
-            const Dims& gs, const std::unordered_set<int32_t>& inner_set, string* out) {
+ public:
+  // _grad_facts (the region's part) at `anchor` with forward region `inner_set`:
+  // appends "nodes\x03dy\x03xs\x03terms\x03shapes" to *out, or false
+  bool Grad(int32_t anchor, const string& x, const std::vector<string>& params, bool has_gamma,
+            bool has_beta, int64_t dt, const Dims& xs, const Dims& gs,
+            const std::unordered_set<int32_t>& inner_set, string* out) {
     for (int64_t d : xs) {
       if (d <= 0) return Leave(__LINE__);
     }
     if (SqueezeLead(xs) == SqueezeLead(gs)) return Leave(__LINE__);
-    const bool has_gamma = r.gamma != nullptr;
-    const bool has_beta = r.beta != nullptr && !r.rms;
     // find_grad_region(inner, [anchor], [x, gamma, beta], dy_shape=xs)
     Dims y_shape;
     Shape(m_.name(anchor), &y_shape);
@@ -2788,8 +2837,7 @@ class NormPlanner {
     for (int32_t id : inner_set) s.fwd_sorted.emplace_back(m_.name(id));
     std::sort(s.fwd_sorted.begin(), s.fwd_sorted.end());
     s.ins.insert(Ref(x));
-    if (has_gamma) s.ins.insert(Ref(r.gamma->ref));
-    if (has_beta) s.ins.insert(Ref(r.beta->ref));
+    for (const string& p : params) s.ins.insert(Ref(p));
     {  // grad_region._common_scope
       std::vector<std::vector<string_view>> parts;
       for (const string& f : s.fwd_sorted) {
@@ -2930,7 +2978,6 @@ class NormPlanner {
     }
     if (!has_dx || Dtype(s.dy) != dt) return Leave(__LINE__);
     // the gradient: G in order, dy, x's shape, the terms, the shapes of the refs rewired
-    out->append("\x03" "1\x03");
     for (size_t k = 0; k < fin.order.size(); ++k) {
       if (k) out->push_back('\x02');
       out->append(m_.name(s.region[fin.order[k]]));
@@ -3000,4 +3047,51 @@ NPU_AMP_GR_EXPORT int NpuAmpGrNormPlan(void* h, void* memo, const char* request,
   *out = buf.data();
   *out_len = buf.size();
   return 0;
+}
+
+// (issue 17) the backward half of a norm another rule matched
+// (NormPlanner::GradPlan, builtin._grad_facts).  `request`: sections
+// separated by \x03: the anchor; the forward region's names (\x02-joined); x;
+// gamma / beta as the graph has them (\x02-joined, absent ones left out);
+// has_gamma, has_beta ("0" / "1"); the normalised dims (comma-separated);
+// the protected names (\x02-joined); max_nodes; stop_at_dy.  Returns as
+// NpuAmpGrNormPlan.
+NPU_AMP_GR_EXPORT int NpuAmpGrNormGradPlan(void* h, void* memo, const char* request, size_t len,
+                                           const char** out, size_t* out_len) {
+  thread_local string buf;
+  auto* m = static_cast<Mirror*>(h);
+  auto* mm = static_cast<ShapeMemo*>(memo);
+  if (m == nullptr || mm == nullptr || request == nullptr || out == nullptr || out_len == nullptr) return -1;
+  m->Join();
+  *out = nullptr;
+  *out_len = 0;
+  std::vector<string_view> sec = Split(string_view(request, len), '\x03');
+  if (sec.size() != 10) return -1;
+  bool ok;
+  try {
+    NormPlanner p(*m, *mm);
+    std::vector<string_view> inner = Split(sec[1], '\x02');
+    std::vector<string> params;
+    for (string_view v : Split(sec[3], '\x02')) {
+      if (!v.empty()) params.emplace_back(v);
+    }
+    Dims gs;
+    for (string_view v : Split(sec[6], ',')) {
+      if (v.empty()) continue;
+      gs.push_back(std::atoll(string(v).c_str()));
+    }
+    for (string_view n : Split(sec[7], '\x02')) {
+      if (!n.empty()) p.prot.emplace_back(n);
+    }
+    p.max_nodes = std::atoll(string(sec[8]).c_str());
+    p.stop_at_dy = sec[9] == "1";
+    buf.clear();
+    ok = p.GradPlan(sec[0], inner, string(sec[2]), params, sec[4] == "1", sec[5] == "1", gs, &buf);
+    if (!ok) buf = p.why;
+  } catch (...) {  // (bad_alloc)
+    return 1;
+  }
+  *out = buf.data();
+  *out_len = buf.size();
+  return ok ? 0 : 1;
 }

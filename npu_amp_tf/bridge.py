@@ -534,16 +534,22 @@ class GradRegionLib:
             lib.NpuAmpGrNormPlan.argtypes = [c_void_p, c_void_p, c_char_p, c_size_t, ctypes.POINTER(c_void_p),
                                              ctypes.POINTER(c_size_t)]
             lib.NpuAmpGrNormPlan.restype = c_int
+        self.can_norm_grad_plan = hasattr(lib, "NpuAmpGrNormGradPlan")
+        if self.can_norm_grad_plan:
+            lib.NpuAmpGrNormGradPlan.argtypes = lib.NpuAmpGrNormPlan.argtypes
+            lib.NpuAmpGrNormGradPlan.restype = c_int
         self._lib = lib
 
-    def norm_plan(self, h, memo, request: bytes):
-        """``NpuAmpGrNormPlan``: (True, the plan's text), or (False, why
-        Python decides: a refusal's source line or the question only Python
-        answers), or None (the library has no planner, bad arguments)."""
-        if not self.can_norm_plan:
+    def norm_plan(self, h, memo, request: bytes, grad_only: bool = False):
+        """``NpuAmpGrNormPlan`` (``grad_only``: ``NpuAmpGrNormGradPlan``):
+        (True, the plan's text), or (False, why Python decides: a refusal's
+        source line or the question only Python answers), or None (the
+        library has no planner, bad arguments)."""
+        if not (self.can_norm_grad_plan if grad_only else self.can_norm_plan):
             return None
+        fn = self._lib.NpuAmpGrNormGradPlan if grad_only else self._lib.NpuAmpGrNormPlan
         out, size = ctypes.c_void_p(), ctypes.c_size_t()
-        rc = self._lib.NpuAmpGrNormPlan(h, memo, request, len(request), ctypes.byref(out), ctypes.byref(size))
+        rc = fn(h, memo, request, len(request), ctypes.byref(out), ctypes.byref(size))
         if rc not in (0, 1):
             return None
         return rc == 0, ctypes.string_at(out, size.value).decode("ascii") if size.value else ""

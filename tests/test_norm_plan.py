@@ -11,7 +11,10 @@ one of each norm form written as raw ops (each with its gradient):
 * the planner answered where it should (a count of its plans against the
   fusions made) and left the refusals to Python, whose reasons the report keeps;
 * every plan was compared with the reference (the suite's ``CHECK_NATIVE``),
-  and a planted difference in a plan is caught.
+  and a planted difference in a plan is caught;
+* the rules that match a norm by a pattern (``tf.nn.moments`` +
+  ``batch_normalization``, Keras 3's ``LayerNormalization``) have their
+  backward half decided in C++ too.
 """
 import numpy as np
 import pytest
@@ -190,3 +193,70 @@ def test_a_planted_difference_is_caught(monkeypatch):
         caught = norm_plan.CHECKED_PLANS[2][before:]
         del norm_plan.CHECKED_PLANS[2][before:]
     assert caught and caught[0][1].grad.nodes != caught[0][2].grad.nodes
+
+
+def moments_training_graph(layers=3):
+    """``tf.nn.moments`` + ``tf.nn.batch_normalization`` norms (BERT's TF1
+    form: the ``layer_norm_moments`` rule, whose backward half the C++
+    planner decides, ``norm_plan.grad_facts``), stacked, with an SGD step."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(2)
+        h = tf.compat.v1.placeholder(tf.float32, [4, 8], name="inp")
+        for i in range(layers):
+            with tf.compat.v1.variable_scope(f"ln{i}"):
+                w = tf.compat.v1.get_variable("w", [8, 8])
+                gamma = tf.compat.v1.get_variable("gamma", [8], initializer=tf.compat.v1.ones_initializer())
+                beta = tf.compat.v1.get_variable("beta", [8], initializer=tf.compat.v1.zeros_initializer())
+                x = tf.matmul(h, w)
+                mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+                h = tf.tanh(tf.nn.batch_normalization(x, mean, var, beta, gamma, 1e-5))
+        loss = tf.reduce_sum(h, name="loss")
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g.as_graph_def(), ["loss", "train"]
+
+
+def keras3_training_graph():
+    """A Keras 3 model's training step (``tf.function``, GradientTape, SGD)
+    with two ``LayerNormalization`` layers: the ``layer_norm_keras3`` rule,
+    variables read through the function's resource ``_Arg`` s."""
+    import keras
+
+    model = keras.Sequential([keras.Input((6, 16)), keras.layers.Dense(16), keras.layers.LayerNormalization(),
+                              keras.layers.Dense(16), keras.layers.LayerNormalization(), keras.layers.Dense(4)])
+    opt = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    cf = step.get_concrete_function(tf.TensorSpec([2, 6, 16]), tf.TensorSpec([2, 6, 4]))
+    return cf.graph.as_graph_def(), [o.op.name for o in cf.outputs]
+
+
+@pytest.mark.parametrize("name", ["moments", "keras3"])
+def test_other_rules_backward_planned(monkeypatch, name):
+    if name == "keras3":
+        keras = pytest.importorskip("keras")
+        if int(keras.__version__.split(".")[0]) < 3:
+            pytest.skip(f"Keras {keras.__version__}: its LayerNormalization is the FusedBatchNorm form")
+        gd, fetches = keras3_training_graph()
+        rule, n = "layer_norm_keras3", 2
+    else:
+        gd, fetches = moments_training_graph()
+        rule, n = "layer_norm_moments", 3
+    on = _rewrite(gd, fetches, True, monkeypatch)
+    off = _rewrite(gd, fetches, False, monkeypatch)
+    assert_same(on[0], off[0], "the graphs with the C++ plan and without")
+    assert on[1].decisions == off[1].decisions
+    fused = {k: v for k, v in _decisions(on[1], rule).items() if v.get("fusion")}
+    assert len(fused) == n and all(v.get("fused_gradient_nodes") for v in fused.values()), fused
+    out = tf.compat.v1.GraphDef.FromString(on[0])
+    assert sum(nd.op == "LayerNormGrad" for nd in out.node) == n
+    # every backward half decided in C++ (and compared with Python's under the suite's CHECK_NATIVE)
+    assert on[2] == n and off[2] == 0
+    if gr.CHECK_NATIVE:
+        assert on[3] == n

@@ -857,9 +857,11 @@ def _norm_backward(m, b, kind, x, gamma, beta, gshape, has_gamma=True, has_beta=
                                             d_residual ───────┘           d_residual ─────┘
 
     Two halves: :func:`_grad_facts` decides (and refuses), :func:`_emit_norm_grad` emits."""
+    from . import norm_plan
+
     inner = set(b.match.matched) | set(b.absorbed)
     real = [t for t, r in ((gamma, has_gamma), (beta, has_beta)) if r and t is not None]
-    facts = _grad_facts(m, b, kind, x, real, gshape, inner, has_gamma, has_beta)
+    facts = norm_plan.grad_facts(m, b, kind, x, real, gshape, inner, has_gamma, has_beta)
     if facts is not None:
         _emit_norm_grad(m, b, kind, x, gamma, facts)
 

@@ -14,6 +14,14 @@ in Python, so a C++ plan and a Python one emit the same nodes.
     facts = native_facts(m, b)      # NormFacts, or None: Python decides
     facts = builtin._norm_facts(m, b)   # the reference (Skip with the reason)
 
+The rules that match a norm by a pattern (``layer_norm_moments``, the Keras
+forms) decide only its backward half (``builtin._norm_backward``): that half
+too comes from the planner where it answers (``NpuAmpGrNormGradPlan``,
+:func:`grad_facts`), else from ``builtin._grad_facts``.  The planner never
+answers once the graph's shape table has been inferred (the oracle then asks
+the table, which C++ does not hold): on a Keras 2 graph a rule before it
+usually has.
+
 :data:`NATIVE_PLAN` False: Python decides every anchor (the reference).
 With ``grad_region.CHECK_NATIVE`` (the test suite) both decide and any
 difference fails the run (:data:`CHECKED_PLANS`).
@@ -81,9 +89,9 @@ def checking() -> bool:
     return gr.CHECK_NATIVE
 
 
-def native_facts(m, b) -> NormFacts | None:
-    """The C++ planner's :class:`NormFacts` at ``m.anchor``, or None (Python
-    decides: the planner is off or cannot run here, or it left the anchor)."""
+def _prepared(b):
+    """(the library, the synced mirror, the oracle's C++ walk) for a plan
+    over ``b.graph``, or None (Python decides)."""
     from .. import shapes as _shapes
     from . import grad_region as gr
 
@@ -104,13 +112,25 @@ def native_facts(m, b) -> NormFacts | None:
     mirror = gr._mirror(g, pos)  # noqa: SLF001
     if mirror is None or not mirror.attrs:
         return None
+    return lib, mirror, ask
+
+
+def _ask(b, fields, grad_only=False):
+    """The planner's answer text for the request ``fields`` (the protected
+    names, the search's bound and flag appended), or None (Python decides)."""
+    from . import grad_region as gr
+
+    ready = _prepared(b)
+    if ready is None:
+        return None
+    lib, mirror, ask = ready
     protected = b.ctx.protected if b.ctx is not None else ()
     try:
-        request = "\x03".join((m.anchor, "\x02".join(protected), str(int(gr.MAX_NODES)),
+        request = "\x03".join((*fields, "\x02".join(protected), str(int(gr.MAX_NODES)),
                                str(int(bool(gr.STOP_AT_DY))))).encode("ascii")
     except UnicodeEncodeError:
         return None
-    answer = lib.norm_plan(mirror.h, ask.memo, request)
+    answer = lib.norm_plan(mirror.h, ask.memo, request, grad_only)
     if answer is None:
         return None
     planned, text = answer
@@ -119,28 +139,69 @@ def native_facts(m, b) -> NormFacts | None:
             LEFT[text] = LEFT.get(text, 0) + 1
         return None
     CHECKED_PLANS[0] += 1
-    return _parse(text)
+    return text
+
+
+def native_facts(m, b) -> NormFacts | None:
+    """The C++ planner's :class:`NormFacts` at ``m.anchor`` (the layer-norm
+    rule), or None (Python decides: the planner is off or cannot run here,
+    or it left the anchor)."""
+    text = _ask(b, (m.anchor,))
+    return None if text is None else _parse(text)
+
+
+def grad_facts(m, b, kind, x, params, gshape, inner, has_gamma, has_beta):
+    """``builtin._grad_facts`` (a norm any rule matched: its backward half),
+    from the C++ planner where it answers (``NpuAmpGrNormGradPlan``), else
+    from Python; under CHECK_NATIVE from both, compared."""
+    from .builtin import Skip, _grad_facts
+
+    native = None
+    if gshape is not None and len(params) == int(has_gamma) + int(has_beta):
+        text = _ask(b, (m.anchor, "\x02".join(sorted(inner)), x, "\x02".join(params), str(int(has_gamma)),
+                        str(int(has_beta)), ",".join(str(int(d)) for d in gshape)), grad_only=True)
+        if text is not None:
+            sec = text.split("\x03")
+            native = (None if sec[0] == "0" else _parse_grad(sec[1:], gshape),)
+    if native is not None and not checking():
+        return native[0]
+    try:
+        ref = _grad_facts(m, b, kind, x, params, gshape, inner, has_gamma, has_beta)
+    except Skip as exc:
+        if native is not None:
+            differ(m.anchor, native[0], f"Skip({exc})")
+        raise
+    if native is not None:
+        CHECKED_PLANS[1] += 1
+        if (native[0] is None) != (ref is None) or (ref is not None and native[0].key() != ref.key()):
+            differ(m.anchor, native[0], ref)
+    return ref
 
 
 def _parse(text: str) -> NormFacts:
-    from .grad_region import Term
-
     sec = text.split("\x03")
     kind, x, gamma, beta, dt, eps, norm, inner, has_grad = sec[:9]
     facts = NormFacts("layer_norm" if kind == "l" else "rms_norm", x, None if gamma == "\x04" else gamma,
                       None if beta == "\x04" else beta, int(dt), float(eps), _ints(norm), inner.split("\x02"))
     if has_grad == "1":
-        nodes, dy, xs, terms_s, shapes_s = sec[9:14]
-        terms = {}
-        for item in terms_s.split("\x02"):
-            role, agg, *refs = item.split("\x01")
-            terms[role] = Term(role, refs, None if agg == "\x04" else agg)
-        shapes = {}
-        for item in shapes_s.split("\x02") if shapes_s else ():
-            ref, dims = item.split("\x01")
-            shapes[ref] = _ints(dims)
-        facts.grad = GradFacts(nodes.split("\x02"), dy, terms, shapes, _ints(xs), list(facts.norm))
+        facts.grad = _parse_grad(sec[9:14], facts.norm)
     return facts
+
+
+def _parse_grad(sec, gs) -> GradFacts:
+    """The planner's region text: nodes, dy, x's shape, the terms, the shapes."""
+    from .grad_region import Term
+
+    nodes, dy, xs, terms_s, shapes_s = sec[:5]
+    terms = {}
+    for item in terms_s.split("\x02"):
+        role, agg, *refs = item.split("\x01")
+        terms[role] = Term(role, refs, None if agg == "\x04" else agg)
+    shapes = {}
+    for item in shapes_s.split("\x02") if shapes_s else ():
+        ref, dims = item.split("\x01")
+        shapes[ref] = _ints(dims)
+    return GradFacts(nodes.split("\x02"), dy, terms, shapes, _ints(xs), list(gs))
 
 
 def _ints(text: str) -> list:
