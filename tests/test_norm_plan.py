@@ -80,12 +80,35 @@ def forms_training_graph(eps_const=True, fetch_mean=False):
     return g.as_graph_def(), fetches, feeds
 
 
-def _rewrite(gd, fetches, on, monkeypatch):
+def _rewrite(gd, fetches, on, monkeypatch, check=None):
+    """(the rewritten graph's bytes, the report, plans made in C++, plans
+    compared with Python's).  ``check`` False: the C++ plans are emitted as
+    they are, not compared (and replaced by the reference's) first."""
     monkeypatch.setattr(norm_plan, "NATIVE_PLAN", on)
+    if check is not None:
+        monkeypatch.setattr(gr, "CHECK_NATIVE", check)
     planned, compared = norm_plan.CHECKED_PLANS[0], norm_plan.CHECKED_PLANS[1]
     out, rep = npu_amp_tf.rewrite_graph(gd, fetches=fetches, precision_mode="allow_mix_precision")
     return (out.SerializeToString(deterministic=True), rep, norm_plan.CHECKED_PLANS[0] - planned,
             norm_plan.CHECKED_PLANS[1] - compared)
+
+
+@pytest.mark.parametrize("graph", ["forms", "moments", "bert_like"])
+def test_cpp_plans_emitted_unchecked(k2, monkeypatch, graph):
+    """The C++ plans emitted as they are (no comparison replacing them by
+    the reference's): the same graph and report as Python's plans."""
+    if graph == "forms":
+        gd, fetches, _ = forms_training_graph()
+    elif graph == "moments":
+        gd, fetches = moments_training_graph()
+    else:
+        gd, fetches = _graph("bert_like", k2)
+        fetches = [f.split(":")[0] for f in fetches]
+    cpp = _rewrite(gd, fetches, True, monkeypatch, check=False)
+    ref = _rewrite(gd, fetches, False, monkeypatch, check=False)
+    assert cpp[2] == {"forms": 4, "moments": 3, "bert_like": 5}[graph] and cpp[3] == 0 and ref[2] == 0
+    assert_same(cpp[0], ref[0], "the graphs from C++ plans and from Python's")
+    assert cpp[1].decisions == ref[1].decisions
 
 
 def _decisions(rep, rule="layer_norm"):
