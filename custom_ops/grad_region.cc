@@ -3008,16 +3008,14 @@ class NormPlanner {
   ShapeMemo& memo_;
 };
 
-}  // namespace
-
-// (issue 17) the layer-norm rule's plan at one anchor (NormPlanner).
-// `request`: sections separated by \x03: the anchor; the protected names
-// (\x02-joined); max_nodes; stop_at_dy ("0" / "1").  `memo`: the
-// ShapeOracle's walk memo (NpuAmpGrShapeMemoNew).  Returns 0 with the plan
-// in *out (valid until the next call on this thread), 1 when Python decides
-// (with why in *out, for debugging), -1 bad arguments.  The mirror must be synced, with positions.
-NPU_AMP_GR_EXPORT int NpuAmpGrNormPlan(void* h, void* memo, const char* request, size_t len,
-                                       const char** out, size_t* out_len) {
+// The two plan entries' frame: the arguments checked, the request split into
+// `sections` (its last three: the protected names, \x02-joined; max_nodes;
+// stop_at_dy "0" / "1"), `plan(planner, sections, &text)` run; its text, or
+// why Python decides, in *out (valid until the entry's next call on this
+// thread).  0 planned, 1 Python decides, -1 bad arguments.
+template <typename F>
+int PlanEntry(void* h, void* memo, const char* request, size_t len, size_t sections, F&& plan,
+              const char** out, size_t* out_len) {
   thread_local string buf;
   auto* m = static_cast<Mirror*>(h);
   auto* mm = static_cast<ShapeMemo*>(memo);
@@ -3025,28 +3023,42 @@ NPU_AMP_GR_EXPORT int NpuAmpGrNormPlan(void* h, void* memo, const char* request,
   m->Join();
   *out = nullptr;
   *out_len = 0;
-  std::vector<string_view> sec = Split(string_view(request, len), '\x03');
-  if (sec.size() != 4) return -1;
+  const std::vector<string_view> sec = Split(string_view(request, len), '\x03');
+  if (sec.size() != sections) return -1;
+  bool ok;
   try {
     NormPlanner p(*m, *mm);
-    for (string_view n : Split(sec[1], '\x02')) {
+    for (string_view n : Split(sec[sections - 3], '\x02')) {
       if (!n.empty()) p.prot.emplace_back(n);
     }
-    p.max_nodes = std::atoll(string(sec[2]).c_str());
-    p.stop_at_dy = sec[3] == "1";
+    p.max_nodes = std::atoll(string(sec[sections - 2]).c_str());
+    p.stop_at_dy = sec[sections - 1] == "1";
     buf.clear();
-    if (!p.Plan(sec[0], &buf)) {
-      buf = p.why;  // (why Python decides)
-      *out = buf.data();
-      *out_len = buf.size();
-      return 1;
-    }
+    ok = plan(p, sec, &buf);
+    if (!ok) buf = p.why;
   } catch (...) {  // (bad_alloc)
     return 1;
   }
   *out = buf.data();
   *out_len = buf.size();
-  return 0;
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+// (issue 17) the layer-norm rule's plan at one anchor (NormPlanner::Plan).
+// `request`: sections separated by \x03: the anchor; the protected names
+// (\x02-joined); max_nodes; stop_at_dy ("0" / "1").  `memo`: the
+// ShapeOracle's walk memo (NpuAmpGrShapeMemoNew).  Returns 0 with the plan
+// in *out (valid until the next call on this thread), 1 when Python decides
+// (with why in *out, for debugging), -1 bad arguments.  The mirror must be
+// synced, with positions.
+NPU_AMP_GR_EXPORT int NpuAmpGrNormPlan(void* h, void* memo, const char* request, size_t len,
+                                       const char** out, size_t* out_len) {
+  return PlanEntry(
+      h, memo, request, len, 4,
+      [](NormPlanner& p, const std::vector<string_view>& sec, string* text) { return p.Plan(sec[0], text); },
+      out, out_len);
 }
 
 // (issue 17) the backward half of a norm another rule matched
@@ -3058,40 +3070,19 @@ NPU_AMP_GR_EXPORT int NpuAmpGrNormPlan(void* h, void* memo, const char* request,
 // NpuAmpGrNormPlan.
 NPU_AMP_GR_EXPORT int NpuAmpGrNormGradPlan(void* h, void* memo, const char* request, size_t len,
                                            const char** out, size_t* out_len) {
-  thread_local string buf;
-  auto* m = static_cast<Mirror*>(h);
-  auto* mm = static_cast<ShapeMemo*>(memo);
-  if (m == nullptr || mm == nullptr || request == nullptr || out == nullptr || out_len == nullptr) return -1;
-  m->Join();
-  *out = nullptr;
-  *out_len = 0;
-  std::vector<string_view> sec = Split(string_view(request, len), '\x03');
-  if (sec.size() != 10) return -1;
-  bool ok;
-  try {
-    NormPlanner p(*m, *mm);
-    std::vector<string_view> inner = Split(sec[1], '\x02');
-    std::vector<string> params;
-    for (string_view v : Split(sec[3], '\x02')) {
-      if (!v.empty()) params.emplace_back(v);
-    }
-    Dims gs;
-    for (string_view v : Split(sec[6], ',')) {
-      if (v.empty()) continue;
-      gs.push_back(std::atoll(string(v).c_str()));
-    }
-    for (string_view n : Split(sec[7], '\x02')) {
-      if (!n.empty()) p.prot.emplace_back(n);
-    }
-    p.max_nodes = std::atoll(string(sec[8]).c_str());
-    p.stop_at_dy = sec[9] == "1";
-    buf.clear();
-    ok = p.GradPlan(sec[0], inner, string(sec[2]), params, sec[4] == "1", sec[5] == "1", gs, &buf);
-    if (!ok) buf = p.why;
-  } catch (...) {  // (bad_alloc)
-    return 1;
-  }
-  *out = buf.data();
-  *out_len = buf.size();
-  return ok ? 0 : 1;
+  return PlanEntry(
+      h, memo, request, len, 10,
+      [](NormPlanner& p, const std::vector<string_view>& sec, string* text) {
+        std::vector<string> params;
+        for (string_view v : Split(sec[3], '\x02')) {
+          if (!v.empty()) params.emplace_back(v);
+        }
+        Dims gs;
+        for (string_view v : Split(sec[6], ',')) {
+          if (!v.empty()) gs.push_back(std::atoll(string(v).c_str()));
+        }
+        return p.GradPlan(sec[0], Split(sec[1], '\x02'), string(sec[2]), params, sec[4] == "1", sec[5] == "1",
+                          gs, text);
+      },
+      out, out_len);
 }
