@@ -69,6 +69,10 @@ def pytest_terminal_summary(terminalreporter):
     if np_ is not None and np_.CHECKED_PLANS[1]:
         terminalreporter.write_line(f"layer-norm plans made in C++ and compared with Python's: "
                                     f"{np_.CHECKED_PLANS[1]}; differing: {len(np_.CHECKED_PLANS[2])}")
+        if np_.LEFT:  # (where the planner left anchors to Python, most frequent first)
+            top = sorted(np_.LEFT.items(), key=lambda kv: -kv[1])[:5]
+            terminalreporter.write_line("anchors the layer-norm planner left to Python, by why: " +
+                                        "; ".join(f"{n}x {why or '?'}" for why, n in top))
         for anchor, a, b in np_.CHECKED_PLANS[2][:5]:
             terminalreporter.write_line(f"the C++ and Python layer-norm plans differ at '{anchor}':\n"
                                         f"  C++:    {a!r}\n  Python: {b!r}")
