@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 
-from .. import registry
 from ..graph import parse_tensor, tensor_name
 from ..pattern import Pat
 
