@@ -283,3 +283,36 @@ def test_other_rules_backward_planned(monkeypatch, name):
     assert on[2] == n and off[2] == 0
     if gr.CHECK_NATIVE:
         assert on[3] == n
+
+
+def test_bad_requests_never_crash():
+    """Malformed or stale requests to the planner's entries get an answer
+    (Python decides, bad arguments, or an answer to the question as asked),
+    never a crash: an unknown anchor, a node that is no norm, too few
+    sections, names that are not nodes, dims that are not numbers."""
+    from graph_passes.graph import Graph
+
+    gd, _, _ = forms_training_graph()
+    data = gd.SerializeToString()
+    graph = Graph(gd, index=bridge.graph_index(gd, data), copy=True)
+    graph.source_bytes = data
+    pos = gr._positions(graph)
+    m = gr._mirror(graph, pos)
+    assert m is not None and m.attrs
+    memo = gr.native.shape_memo()
+    try:
+        lib = gr.native
+        for req, grad in ((b"no_such_node\x03\x034000\x031", False), (b"inp\x03\x034000\x031", False),
+                          (b"moments_ln/add_1", False), (b"", False),
+                          (b"moments_ln/add_1\x03nope\x03x\x03\x031\x031\x0316\x03\x034000\x031", True),
+                          (b"moments_ln/add_1\x03moments_ln/mul_1\x03moments_ln/MatMul\x03\x030\x030\x03"
+                           b"a,b\x03\x03-5\x031", True)):
+            answer = lib.norm_plan(m.h, memo, req, grad)
+            assert answer is None or (isinstance(answer[0], bool) and isinstance(answer[1], str)), (req, answer)
+            if not grad:  # (no anchor, no norm, or no request: Python decides, or bad arguments)
+                assert answer is None or answer[0] is False, (req, answer)
+        # and a well-formed request at a real anchor plans it
+        planned, text = lib.norm_plan(m.h, memo, b"moments_ln/add_1\x03\x034000\x031")
+        assert planned and text.split("\x03")[1] == "moments_ln/MatMul"
+    finally:
+        gr.native.free_shape_memo(memo)
