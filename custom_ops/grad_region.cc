@@ -32,7 +32,14 @@
 //   rc = NpuAmpGrMirrorPositionsBase(h, ranks, nb, names, len, pos, n)
 //   rc = NpuAmpGrSearch(h, request, len, dy_cb, &out, &out_len)
 //   memo = NpuAmpGrShapeMemoNew(); rank = NpuAmpGrShape(h, memo, ref, len, dims, cap)
+//   rc = NpuAmpGrAnalyzeNorms(h, names, len, &out, &out_len)
+//   rc = NpuAmpGrNormPlan(h, memo, request, len, &out, &out_len)       the layer-norm
+//   rc = NpuAmpGrNormGradPlan(h, memo, request, len, &out, &out_len)   rule's decisions
 //   NpuAmpGrShapeMemoFree(memo); NpuAmpGrMirrorFree(h)
+//
+// (stop 57) The layer-norm rule's whole decision at an anchor, the checks
+// after the growth included, is made here too (NormPlanner, at the end of
+// this file): see its comment.
 
 #include <algorithm>
 #include <cmath>
