@@ -876,7 +876,7 @@ def _grad_facts(m, b, kind, x, params, gshape, inner, has_gamma, has_beta):
     from .norm_plan import GradFacts
 
     g = b.graph
-    if not any(c not in inner for name in inner if name != m.anchor for c, _ in g.consumers(name)):
+    if not b.escaping_readers(inner):
         return None
     dt = b.dtype(x)
     xs, gs = b.shape(x), list(gshape) if gshape is not None else None
@@ -1340,20 +1340,7 @@ def _build_norm(m, b):
     :func:`_emit_norm` emits."""
     from . import norm_plan
 
-    facts = norm_plan.native_facts(m, b)
-    if facts is None or norm_plan.checking():
-        try:
-            ref = _norm_facts(m, b)
-        except Skip as exc:
-            if facts is not None:
-                norm_plan.differ(m.anchor, facts, f"Skip({exc})")
-            raise
-        if facts is not None:
-            norm_plan.CHECKED_PLANS[1] += 1
-            if facts != ref:
-                norm_plan.differ(m.anchor, facts, ref)
-        facts = ref
-    _emit_norm(m, b, facts)
+    _emit_norm(m, b, norm_plan.decided(m.anchor, norm_plan.native_facts(m, b), lambda: _norm_facts(m, b)))
 
 
 def _norm_facts(m, b):
@@ -1401,10 +1388,7 @@ def _norm_facts(m, b):
         b.require(res["beta"] is None, "RMSNorm takes no beta")
         beta = None
     inner = list(dict.fromkeys(res["inner"]))
-    protected = b.ctx.protected if b.ctx is not None else frozenset()
-    for name in inner:  # (Builder.absorb's refusal, before it absorbs)
-        if name != m.anchor and name in protected:
-            raise Skip(f"not fused: '{name}' is fetched or preserved")
+    b.check_absorb(inner, escapes_ok=True)
     grad = _grad_facts(m, b, kind, x, [p for p in (gamma, beta) if p is not None], norm,
                        set(m.matched) | set(b.absorbed) | set(inner), gamma is not None,
                        beta is not None and kind == "layer_norm")

@@ -387,6 +387,13 @@ class Builder:
         ("not fused: 'x' is fetched", "... is also read by 'y'").
         ``escapes_ok``: readers outside the match are allowed here; the build
         must then remove them with :meth:`region` (else the match is refused)."""
+        self.check_absorb(names, escapes_ok)
+        for name in names:
+            if name not in self.absorbed and name not in self.match.matched:
+                self.absorbed.append(name)
+
+    def check_absorb(self, names, escapes_ok: bool = False):
+        """:meth:`absorb`'s refusal (Skip with the reason), without absorbing."""
         inner = set(self.match.matched) | set(self.absorbed) | set(names)
         protected = self.ctx.protected if self.ctx is not None else frozenset()
         for name in names:
@@ -401,9 +408,6 @@ class Builder:
                     raise Skip(f"not fused: '{name}' has a control consumer '{cname}'")
                 if cname not in inner:
                     raise Skip(f"not fused: '{name}' is also read by '{cname}'")
-        for name in names:
-            if name not in self.absorbed and name not in self.match.matched:
-                self.absorbed.append(name)
 
     def replace(self, name: str, control_ok: bool = False):
         """Declare that the build re-emits node ``name`` (outside the pattern,
@@ -426,10 +430,11 @@ class Builder:
         if name not in self.replaced:
             self.replaced.append(name)
 
-    def escaping_readers(self) -> list[tuple[str, str]]:
+    def escaping_readers(self, inner=None) -> list[tuple[str, str]]:
         """(inner node, reader) pairs: readers outside the match (absorbed
-        nodes included) of the match's inner nodes (the anchor excluded)."""
-        inner = set(self.match.matched) | set(self.absorbed)
+        nodes included) of the match's inner nodes (the anchor excluded).
+        ``inner``: those nodes given (a build deciding before it absorbs)."""
+        inner = set(self.match.matched) | set(self.absorbed) if inner is None else inner
         out = []
         for name in inner:
             if name == self.match.anchor:

@@ -11,7 +11,7 @@ every refusal and every doubt is left to Python, which words the reason.
 The emission, the framework's checks (``core._plan_one``) and the commit stay
 in Python, so a C++ plan and a Python one emit the same nodes.
 
-    facts = native_facts(m, b)      # NormFacts, or None: Python decides
+    facts = native_facts(m, b)      # (NormFacts,), or None: Python decides
     facts = builtin._norm_facts(m, b)   # the reference (Skip with the reason)
 
 The rules that match a norm by a pattern (``layer_norm_moments``, the Keras
@@ -77,16 +77,34 @@ class NormFacts:
 
     def key(self):
         return (self.kind, self.x, self.gamma, self.beta, self.dt, self.eps, self.norm, self.inner,
-                None if self.grad is None else self.grad.key())
-
-    def __eq__(self, other):
-        return isinstance(other, NormFacts) and self.key() == other.key()
+                _key(self.grad))
 
 
-def checking() -> bool:
+def _key(facts):
+    return None if facts is None else facts.key()
+
+
+def decided(anchor, native, reference):
+    """The facts to emit: ``native`` (the C++ planner's, as a 1-tuple: its
+    facts may be None; or None: it did not answer), else ``reference()``
+    (Python's, Skip with the reason when it refuses).  Under CHECK_NATIVE
+    both, compared (:func:`differ` on any difference), and the reference's."""
     from . import grad_region as gr
+    from .core import Skip
 
-    return gr.CHECK_NATIVE
+    if native is not None and not gr.CHECK_NATIVE:
+        return native[0]
+    try:
+        ref = reference()
+    except Skip as exc:
+        if native is not None:
+            differ(anchor, native[0], f"Skip({exc})")
+        raise
+    if native is not None:
+        CHECKED_PLANS[1] += 1
+        if _key(native[0]) != _key(ref):
+            differ(anchor, native[0], ref)
+    return ref
 
 
 def _prepared(b):
@@ -142,19 +160,19 @@ def _ask(b, fields, grad_only=False):
     return text
 
 
-def native_facts(m, b) -> NormFacts | None:
+def native_facts(m, b):
     """The C++ planner's :class:`NormFacts` at ``m.anchor`` (the layer-norm
-    rule), or None (Python decides: the planner is off or cannot run here,
-    or it left the anchor)."""
+    rule) as a 1-tuple, or None (Python decides: the planner is off or
+    cannot run here, or it left the anchor)."""
     text = _ask(b, (m.anchor,))
-    return None if text is None else _parse(text)
+    return None if text is None else (_parse(text),)
 
 
 def grad_facts(m, b, kind, x, params, gshape, inner, has_gamma, has_beta):
     """``builtin._grad_facts`` (a norm any rule matched: its backward half),
     from the C++ planner where it answers (``NpuAmpGrNormGradPlan``), else
     from Python; under CHECK_NATIVE from both, compared."""
-    from .builtin import Skip, _grad_facts
+    from .builtin import _grad_facts
 
     native = None
     if gshape is not None and len(params) == int(has_gamma) + int(has_beta):
@@ -163,19 +181,8 @@ def grad_facts(m, b, kind, x, params, gshape, inner, has_gamma, has_beta):
         if text is not None:
             sec = text.split("\x03")
             native = (None if sec[0] == "0" else _parse_grad(sec[1:], gshape),)
-    if native is not None and not checking():
-        return native[0]
-    try:
-        ref = _grad_facts(m, b, kind, x, params, gshape, inner, has_gamma, has_beta)
-    except Skip as exc:
-        if native is not None:
-            differ(m.anchor, native[0], f"Skip({exc})")
-        raise
-    if native is not None:
-        CHECKED_PLANS[1] += 1
-        if (native[0] is None) != (ref is None) or (ref is not None and native[0].key() != ref.key()):
-            differ(m.anchor, native[0], ref)
-    return ref
+    return decided(m.anchor, native,
+                   lambda: _grad_facts(m, b, kind, x, params, gshape, inner, has_gamma, has_beta))
 
 
 def _parse(text: str) -> NormFacts:
