@@ -42,6 +42,7 @@
 // this file): see its comment.
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -407,6 +408,86 @@ class Mirror {
     for (string_view n : Split(Keep(names.data(), names.size()), '\x01')) before_.insert(n);
   }
   void SetPos(int32_t id, double p) { nodes_[id].pos = p; }
+
+  // (issue 17, NormFuser) edits with graph_passes.graph.Graph's own index
+  // rules, so that the consumer lists keep the order Python's would have
+  // (Upsert re-appends every input of an edited node; Python moves only the
+  // input edited).  Graph.remove_nodes: each removed node's entries filtered
+  // out of its sources' lists, its own list dropped.
+  void PyRemove(int32_t id) {
+    Node& n = nodes_[id];
+    if (!n.alive) return;
+    Unlink(id);
+    consumers_[id].clear();
+    n.alive = false;
+    n.dirty = true;
+    n.def = string_view();
+    n.inputs.clear();
+    n.op = string_view();
+  }
+  // Graph.add_node: `name` (not alive) with `op`, `inputs` and its NodeDef
+  // bytes `def` (views of Keep() buffers); its entries appended to its
+  // sources' lists.  -1 when a name is not printable.
+  int32_t PyAdd(string_view name, string_view op, const std::vector<string_view>& inputs,
+                string_view def) {
+    const int32_t id = Intern(name, /*stable=*/true);
+    if (id < 0 || nodes_[id].alive || !Printable(op)) return -1;
+    std::vector<InputRef> ins;
+    ins.reserve(inputs.size());
+    for (string_view ref : inputs) {
+      string_view src;
+      int64_t port;
+      bool ctrl;
+      if (!ParseRef(ref, &src, &port, &ctrl)) return -1;
+      const int32_t sid = Intern(src, /*stable=*/true);
+      if (sid < 0) return -1;
+      ins.push_back(InputRef{sid, port, ctrl, ref});
+    }
+    Node& n = nodes_[id];
+    n.op = op;
+    n.inputs = std::move(ins);
+    n.alive = true;
+    n.def = def;
+    n.dirty = false;  // (its attrs are `def`'s: this file wrote them)
+    for (size_t i = 0; i < n.inputs.size(); ++i) {
+      consumers_[n.inputs[i].src].emplace_back(id, n.inputs[i].ctrl ? -1 : static_cast<int32_t>(i));
+    }
+    return id;
+  }
+  // Graph.set_input: input i of `id` becomes `ref` (a Keep() view): its entry
+  // leaves the old source's list and is appended to the new one's.  The
+  // NodeDef bytes keep the attrs (the inputs are `inputs`).
+  bool PySetInput(int32_t id, size_t i, string_view ref) {
+    string_view src;
+    int64_t port;
+    bool ctrl;
+    if (i >= nodes_[id].inputs.size() || !ParseRef(ref, &src, &port, &ctrl)) return false;
+    const int32_t sid = Intern(src, /*stable=*/true);  // (may grow nodes_: no reference before)
+    if (sid < 0) return false;
+    Node& n = nodes_[id];
+    const InputRef old = n.inputs[i];
+    auto& lst = consumers_[old.src];
+    const std::pair<int32_t, int32_t> key(id, old.ctrl ? -1 : static_cast<int32_t>(i));
+    auto it = std::find(lst.begin(), lst.end(), key);
+    if (it != lst.end()) lst.erase(it);
+    n.inputs[i] = InputRef{sid, port, ctrl, ref};
+    consumers_[sid].emplace_back(id, ctrl ? -1 : static_cast<int32_t>(i));
+    return true;
+  }
+  // Graph.add_control_input (the caller checked "^src" is not there yet)
+  bool PyAddControl(int32_t id, string_view ref) {
+    string_view src;
+    int64_t port;
+    bool ctrl;
+    if (!ParseRef(ref, &src, &port, &ctrl) || !ctrl) return false;
+    const int32_t sid = Intern(src, /*stable=*/true);
+    if (sid < 0) return false;
+    nodes_[id].inputs.push_back(InputRef{sid, -1, true, ref});
+    consumers_[sid].emplace_back(id, -1);
+    return true;
+  }
+  // a list to repair (core._commit's index repair of kept readers)
+  std::vector<std::pair<int32_t, int32_t>>& py_consumers(int32_t id) { return consumers_[id]; }
   // (issue 17) the ids of the first fresh load's nodes, in the order of its
   // bytes (NpuAmpGrMirrorPositionsBase: the Python graph's node ids of the
   // graph as created, Graph._seq, number them so)
@@ -3092,4 +3173,1023 @@ NPU_AMP_GR_EXPORT int NpuAmpGrNormGradPlan(void* h, void* memo, const char* requ
                           gs, text);
       },
       out, out_len);
+}
+
+// ------------------------------------------- the layer-norm fusion, whole
+// (issue 17) graph_passes/fusion's `layer_norm` rule run over a mirror loaded
+// fresh from a graph's bytes, before Python parses the graph: its anchors
+// (builtin._norm_candidates, _norm_predicate, pattern.find_matches in
+// topological order), then per anchor what core.apply_rule does (the re-match
+// after a change, _plan_one: the plan NormPlanner makes, the emission of
+// builtin._emit_norm / _emit_norm_grad / reemit_aggregator, the framework's
+// checks; core._commit and _remove_dead), with Graph's index rules for every
+// edit (Mirror::Py*) and grad_region._positions' positions.  The first
+// anchor it cannot decide as Python would ends the run there: everything
+// fused before it is kept, the rest is Python's (the rule runs again in the
+// fusion pass).  The result: the graph's bytes with the fusions applied, in
+// the node order Python's Graph would have (the nodes not removed in their
+// order, then the created ones in the order they were last added), and per
+// output node its index in the input (-1: created, or an input node edited).
+namespace {
+
+void PutVarint(string* o, uint64_t v) {
+  while (v >= 0x80) {
+    o->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  o->push_back(static_cast<char>(v));
+}
+void PutKey(string* o, int field, int wt) { PutVarint(o, (static_cast<uint64_t>(field) << 3) | wt); }
+void PutLen(string* o, int field, string_view s) {
+  PutKey(o, field, 2);
+  PutVarint(o, s.size());
+  o->append(s);
+}
+
+// AttrValue bytes: type (6), i (3), f (4), tensor (8); a oneof: written even
+// when 0, as protobuf does for a set oneof field
+string AttrOfType(int64_t dt) {
+  string a;
+  PutKey(&a, 6, 0);
+  PutVarint(&a, static_cast<uint64_t>(dt));
+  return a;
+}
+string AttrOfInt(int64_t v) {
+  string a;
+  PutKey(&a, 3, 0);
+  PutVarint(&a, static_cast<uint64_t>(v));
+  return a;
+}
+string AttrOfFloat(float f) {
+  string a;
+  PutKey(&a, 4, 5);
+  char b[4];
+  std::memcpy(b, &f, 4);
+  a.append(b, 4);
+  return a;
+}
+// tf.make_tensor_proto of a numeric array: dtype, shape, tensor_content
+string AttrOfTensor(int64_t dt, const Dims& shape, const string& content) {
+  string t, sh;
+  PutKey(&t, 1, 0);
+  PutVarint(&t, static_cast<uint64_t>(dt));
+  for (int64_t d : shape) {
+    string dim;
+    PutKey(&dim, 1, 0);
+    PutVarint(&dim, static_cast<uint64_t>(d));
+    PutLen(&sh, 2, dim);
+  }
+  PutLen(&t, 2, sh);
+  if (!content.empty()) PutLen(&t, 4, content);
+  string a;
+  PutLen(&a, 8, t);
+  return a;
+}
+
+// the device (field 4) of NodeDef bytes
+string_view DeviceOf(string_view def) {
+  const char* p = def.data();
+  const char* end = p + def.size();
+  string_view dev;
+  while (p < end) {
+    uint64_t tag;
+    if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+    if (tag == ((4 << 3) | 2)) {
+      if (!ReadBytes(p, end, &dev)) throw Bad();
+    } else if (!wire::SkipField(p, end, tag & 7)) {
+      throw Bad();
+    }
+  }
+  return dev;
+}
+
+// NodeDef bytes `def` with its inputs (field 3) replaced by `inputs`
+string WithInputs(string_view def, const std::vector<InputRef>& inputs) {
+  string o;
+  o.reserve(def.size() + 64);
+  const char* p = def.data();
+  const char* end = p + def.size();
+  bool written = false;
+  auto put_inputs = [&] {
+    for (const auto& in : inputs) PutLen(&o, 3, in.ref);
+    written = true;
+  };
+  while (p < end) {
+    const char* at = p;
+    uint64_t tag;
+    if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+    if (!wire::SkipField(p, end, tag & 7)) throw Bad();
+    const uint64_t f = tag >> 3;
+    if (f == 3) continue;
+    if (f > 3 && !written) put_inputs();
+    o.append(at, static_cast<size_t>(p - at));
+  }
+  if (!written) put_inputs();
+  return o;
+}
+
+// registry.device_type_named
+string DeviceType(string_view dev, const string& dflt) {
+  while (!dev.empty() && (dev.back() == ' ' || dev.back() == '\t' || dev.back() == '\n' || dev.back() == '\r' ||
+                          dev.back() == '\f' || dev.back() == '\v')) {
+    dev.remove_suffix(1);
+  }
+  size_t i = dev.size();
+  while (i > 0 && IsDigit(dev[i - 1])) --i;
+  if (i == dev.size() || i == 0 || dev[i - 1] != ':') return dflt;
+  size_t j = i - 1;
+  auto word = [](char c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == '_'; };
+  size_t k = j;
+  while (k > 0 && word(dev[k - 1])) --k;
+  if (k == j || k == 0) return dflt;
+  if (dev[k - 1] != '/' && !(k >= 8 && dev.substr(k - 8, 8) == "/device:")) return dflt;
+  string t(dev.substr(k, j - k));  // (after "/device:" or "/": the regex's one match, at the end)
+  for (char& c : t) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (t == "GPU" || t == "XLA_GPU") return "GPU";
+  if (t == "CPU" || t == "XLA_CPU") return "CPU";
+  return t;
+}
+
+class NormFuser {
+ public:
+  NormFuser(Mirror& m, ShapeMemo& memo) : m_(m), memo_(memo) {}
+
+  // the request
+  std::vector<string> prot;
+  std::unordered_set<string> prot_set;
+  int64_t max_nodes = 4000;
+  bool stop_at_dy = true;
+  string default_type = "CPU";
+  std::unordered_set<string> kernels;  // "devtype\x01op\x01dt" that may be emitted
+  std::unordered_set<string> keep_ops;  // core._KEEP_OPS
+  bool (*removable_op)(string_view op) = nullptr;  // registered and not stateful
+  std::unordered_set<string> refuse_ops;  // ops a pass before fusion edits (unfuse.FUSED_OPS)
+
+  // the result
+  string why;     // why the run ended before the last anchor (empty: it did not)
+  int fused = 0;
+  string report;  // per fusion: anchor \x01 fused nodes (\x02) \x01 gradient nodes (\x02); \x03-joined
+  std::vector<int32_t> removed_base;  // the input's nodes removed (ids)
+
+  // 0: the run ended (fused may be 0), -1: it could not start
+  int Run() {
+    if (!m_.ops.set) return Stop("the op sets are not loaded"), -1;
+    const size_t n0 = m_.base_ids.size();
+    base_index_.assign(static_cast<size_t>(m_.size()), -1);
+    for (size_t i = 0; i < n0; ++i) base_index_[m_.base_ids[i]] = static_cast<int32_t>(i);
+    for (size_t i = 0; i < n0; ++i) {
+      const int32_t id = m_.base_ids[i];
+      const string_view op = m_.node(id).op;
+      if (op == "NextIteration" || op == "RefNextIteration") return Stop("a loop (NextIteration)"), -1;
+      if (refuse_ops.count(string(op))) return Stop("a '" + string(op) + "' node, which the unfuse pass may split"), -1;
+      Order(id);
+    }
+    for (size_t i = 0; i < n0; ++i) {
+      if (OtherNormRuleMayMatch(m_.base_ids[i])) {
+        return Stop("'" + string(m_.name(m_.base_ids[i])) + "' may be a norm another norm rule matches"), -1;
+      }
+    }
+    if (!FullPositions()) return Stop("a cycle"), -1;
+    std::vector<int32_t> matches;
+    try {
+      matches = Matches();
+    } catch (const Bad&) {
+      return Stop("a candidate's analysis is Python's"), 0;
+    } catch (const Unable&) {
+      return Stop("a candidate's analysis is Python's"), 0;
+    }
+    bool changed = false;
+    for (int32_t a : matches) {
+      try {
+        if (changed) {
+          if (!m_.Alive(a)) continue;
+          if (!Predicate(a)) continue;
+        }
+        if (!Fuse(a)) return 0;
+      } catch (const Bad&) {
+        return Stop("at '" + string(m_.name(a)) + "': a question only Python answers"), 0;
+      } catch (const Unable&) {
+        return Stop("at '" + string(m_.name(a)) + "': a question only Python answers"), 0;
+      }
+      changed = true;
+    }
+    return 0;
+  }
+
+  // the graph's bytes after the run: `input` (the bytes the mirror was
+  // loaded from) with the fusions applied; `map`: per output node its index
+  // in `input`, or -1 (created, or edited); `touched`: the names of those
+  bool Write(string_view input, string* out, std::vector<int32_t>* map, string* touched) {
+    out->clear();
+    map->clear();
+    touched->clear();
+    out->reserve(input.size() + 4096);
+    for (size_t i = 0; i < order_.size(); ++i) {
+      const int32_t id = order_[i];
+      if (!m_.Alive(id) || slot_[id] != static_cast<int32_t>(i)) continue;
+      const Node& n = m_.node(id);
+      const int32_t base = id < static_cast<int32_t>(base_index_.size()) ? base_index_[id] : -1;
+      auto it = emitted_.find(id);
+      string def;
+      if (it != emitted_.end()) {
+        def = NodeBytes(it->second, n.inputs);
+      } else if (edited_.count(id)) {
+        def = WithInputs(n.def, n.inputs);
+      } else {
+        PutLen(out, 1, n.def);
+        map->push_back(base);
+        continue;
+      }
+      PutLen(out, 1, def);
+      map->push_back(-1);
+      if (!touched->empty()) touched->push_back('\x02');
+      touched->append(m_.name(id));
+    }
+    // the GraphDef's other fields (library, versions), as they were
+    const char* p = input.data();
+    const char* end = p + input.size();
+    while (p < end) {
+      const char* at = p;
+      uint64_t tag;
+      if (!wire::ReadVarint(p, end, &tag) || !wire::SkipField(p, end, tag & 7)) return false;
+      if ((tag >> 3) != 1) out->append(at, static_cast<size_t>(p - at));
+    }
+    return true;
+  }
+
+ private:
+  struct Emitted {
+    string op, device;
+    std::vector<std::pair<string, string>> attrs;  // key -> AttrValue bytes, sorted by key
+  };
+
+  static string NodeBytes(string_view name, const Emitted& e, const std::vector<string>& inputs) {
+    string o;
+    PutLen(&o, 1, name);
+    PutLen(&o, 2, e.op);
+    for (const string& in : inputs) PutLen(&o, 3, in);
+    if (!e.device.empty()) PutLen(&o, 4, e.device);
+    for (const auto& [k, v] : e.attrs) {
+      string entry;
+      PutLen(&entry, 1, k);
+      PutLen(&entry, 2, v);
+      PutLen(&o, 5, entry);
+    }
+    return o;
+  }
+  string NodeBytes(const std::pair<string, Emitted>& rec, const std::vector<InputRef>& inputs) const {
+    std::vector<string> ins;
+    for (const auto& in : inputs) ins.emplace_back(in.ref);
+    return NodeBytes(rec.first, rec.second, ins);
+  }
+
+  bool Stop(const string& reason) {
+    if (why.empty()) why = reason;
+    return false;
+  }
+
+  // Python's dict order of the graph's nodes: `id` added (again) at the end
+  void Order(int32_t id) {
+    if (slot_.size() <= static_cast<size_t>(id)) slot_.resize(Headroom(static_cast<size_t>(id) + 1), -1);
+    slot_[id] = static_cast<int32_t>(order_.size());
+    order_.push_back(id);
+  }
+  bool Live(int32_t id, size_t i) const { return m_.Alive(id) && slot_[id] == static_cast<int32_t>(i); }
+
+  void SetPos(int32_t id, double p) {
+    if (has_pos_.size() <= static_cast<size_t>(id)) {
+      has_pos_.resize(Headroom(static_cast<size_t>(id) + 1), 0);
+      pos_.resize(has_pos_.size(), 0.0);
+    }
+    has_pos_[id] = 1;
+    pos_[id] = p;
+    m_.SetPos(id, p);
+  }
+  bool HasPos(int32_t id) const { return id < static_cast<int32_t>(has_pos_.size()) && has_pos_[id]; }
+
+  // Graph.topo_order (Kahn, FIFO, the nodes without inputs first in graph
+  // order, readers in consumer-list order) numbered: grad_region._positions'
+  // full sort; false on a cycle
+  bool FullPositions() {
+    std::vector<int32_t> live;
+    for (size_t i = 0; i < order_.size(); ++i) {
+      if (Live(order_[i], i)) live.push_back(order_[i]);
+    }
+    std::vector<int32_t> indeg(static_cast<size_t>(m_.size()), 0);
+    for (int32_t u : live) {
+      for (const auto& c : m_.consumers(u)) {
+        if (m_.Alive(c.first)) ++indeg[c.first];
+      }
+    }
+    std::deque<int32_t> ready;
+    for (int32_t u : live) {
+      if (indeg[u] == 0) ready.push_back(u);
+    }
+    std::fill(has_pos_.begin(), has_pos_.end(), 0);  // (Python's dict is replaced whole)
+    size_t k = 0;
+    while (!ready.empty()) {
+      const int32_t u = ready.front();
+      ready.pop_front();
+      SetPos(u, static_cast<double>(k++));
+      for (const auto& c : m_.consumers(u)) {
+        if (!m_.Alive(c.first)) continue;
+        if (--indeg[c.first] == 0) ready.push_back(c.first);
+      }
+    }
+    log_.clear();
+    return k == live.size();
+  }
+
+  // grad_region._positions' patch for the nodes created or edited since the
+  // last call (log_); false when it would fall back to a sort that fails
+  bool PatchPositions() {
+    if (log_.empty()) return true;
+    std::vector<int32_t> changed;
+    {
+      std::unordered_set<int32_t> seen;
+      for (int32_t id : log_) {
+        if (seen.insert(id).second && m_.Alive(id)) changed.push_back(id);
+      }
+    }
+    log_.clear();
+    std::vector<int32_t> fresh;
+    for (int32_t id : changed) {
+      if (!HasPos(id)) fresh.push_back(id);
+    }
+    if (!fresh.empty()) {
+      std::sort(fresh.begin(), fresh.end(), [&](int32_t a, int32_t b) { return m_.name(a) < m_.name(b); });
+      std::unordered_set<int32_t> pending(fresh.begin(), fresh.end()), opened;
+      std::vector<std::pair<int32_t, bool>> stack;
+      for (auto it = fresh.rbegin(); it != fresh.rend(); ++it) stack.emplace_back(*it, false);
+      while (!stack.empty()) {
+        const auto [id, expanded] = stack.back();
+        stack.pop_back();
+        if (!pending.count(id) || (!expanded && opened.count(id))) continue;
+        const Node& n = m_.node(id);
+        if (!expanded) {
+          opened.insert(id);
+          stack.emplace_back(id, true);
+          for (const auto& in : n.inputs) {
+            if (pending.count(in.src)) stack.emplace_back(in.src, false);
+          }
+          continue;
+        }
+        pending.erase(id);
+        double p = -1.0;
+        bool any = false;
+        for (const auto& in : n.inputs) {
+          if (HasPos(in.src)) {
+            p = any ? std::max(p, pos_[in.src]) : pos_[in.src];
+            any = true;
+          }
+        }
+        SetPos(id, (any ? p : -1.0) + 1e-6);
+      }
+      if (!pending.empty()) return FullPositions();  // (a cycle among created nodes)
+    }
+    for (int32_t id : changed) {
+      const double p = pos_[id];
+      bool ok = true;
+      for (const auto& in : m_.node(id).inputs) {
+        if (HasPos(in.src) && pos_[in.src] >= p) ok = false;
+      }
+      for (const auto& c : m_.consumers(id)) {
+        if (HasPos(c.first) && !(pos_[c.first] > p)) ok = false;
+      }
+      if (!ok) return FullPositions();
+    }
+    return true;
+  }
+
+  const Node& N(int32_t id) const { return m_.node(id); }
+  bool OpIs(int32_t id, std::initializer_list<string_view> ops) const {
+    const string_view op = N(id).op;
+    for (string_view o : ops) {
+      if (op == o) return true;
+    }
+    return false;
+  }
+
+  // The norm rules registered before `layer_norm` (builtin.register_norms:
+  // layer_norm_moments, layer_norm_keras3, layer_norm_keras2) could match at
+  // Add `id`: a necessary condition of each pattern (_ln_moments_pat: Add(Mul,
+  // Sub(beta, Mul)); _ln_keras3_pat: Add(Mul, Add(Mul(Neg, .), beta)) or
+  // Add(AddN(.., Mul(Neg, .)), beta); _ln_keras2_pat: Add(Mul(Reshape(
+  // FusedBatchNormV3), gamma), beta)).  Where none holds anywhere, those
+  // rules match nothing and `layer_norm` runs first on the graph as it is.
+  bool OtherNormRuleMayMatch(int32_t id) const {
+    if (!OpIs(id, {"Add", "AddV2"})) return false;
+    std::vector<int32_t> data;
+    for (const auto& in : N(id).inputs) {
+      if (!in.ctrl) data.push_back(m_.Alive(in.src) ? in.src : -1);
+    }
+    if (data.size() != 2) return false;
+    auto is = [&](int32_t n, std::initializer_list<string_view> ops) { return n >= 0 && OpIs(n, ops); };
+    auto reads = [&](int32_t n, std::initializer_list<string_view> ops) {
+      if (n < 0) return false;
+      for (const auto& in : N(n).inputs) {
+        if (!in.ctrl && m_.Alive(in.src) && OpIs(in.src, ops)) return true;
+      }
+      return false;
+    };
+    auto mul_of_neg = [&](int32_t n) { return is(n, {"Mul"}) && reads(n, {"Neg"}); };
+    for (int k = 0; k < 2; ++k) {
+      const int32_t p = data[k], q = data[1 - k];
+      if (is(p, {"Mul"}) && is(q, {"Sub"}) && reads(q, {"Mul"})) return true;
+      if (is(p, {"Mul"}) && is(q, {"Add", "AddV2"})) {
+        for (const auto& in : N(q).inputs) {
+          if (!in.ctrl && m_.Alive(in.src) && mul_of_neg(in.src)) return true;
+        }
+      }
+      if (is(p, {"AddN"})) {
+        for (const auto& in : N(p).inputs) {
+          if (!in.ctrl && m_.Alive(in.src) && mul_of_neg(in.src)) return true;
+        }
+      }
+      if (is(p, {"Mul"})) {
+        for (const auto& in : N(p).inputs) {
+          if (!in.ctrl && m_.Alive(in.src) && is(in.src, {"Reshape"}) && reads(in.src, {"FusedBatchNormV3"})) {
+            return true;
+          }
+        }
+      }
+    }
+    return false;
+  }
+
+  // _analyze_norm at `id` (NormAnalyzer; Bad: Python's)
+  bool Analyze(int32_t id, NormAnalyzer::Result* r) const {
+    NormAnalyzer an(m_);
+    return an.Analyze(id, r);
+  }
+
+  // builtin._would_extend
+  bool WouldExtend(int32_t id) const {
+    const auto cons = m_.consumers(id);  // (a copy: the analysis below reads the mirror only)
+    for (const auto& [c, idx] : cons) {
+      if (idx < 0 || !OpIs(c, {"Add", "AddV2", "Mul"})) continue;
+      for (const auto& [o, oi] : cons) {
+        (void)oi;
+        if (o != c && !IsAutodiff(m_.name(o))) return false;
+      }
+      NormAnalyzer::Result r;
+      if (Analyze(c, &r) && !(r.rms && r.beta != nullptr)) {
+        for (int32_t n : r.inner) {
+          if (n == id) return true;
+        }
+      }
+    }
+    return false;
+  }
+
+  // builtin._norm_predicate (the rule's op set first: pattern._candidate)
+  bool Predicate(int32_t id) const {
+    if (!OpIs(id, {"Add", "AddV2", "Mul", "RealDiv"})) return false;
+    if (IsAutodiff(m_.name(id))) return false;
+    NormAnalyzer::Result r;
+    if (!Analyze(id, &r) || (r.rms && r.beta != nullptr)) return false;
+    return !WouldExtend(id);
+  }
+
+  // builtin._norm_candidates, sorted by position, through find_matches
+  std::vector<int32_t> Matches() {
+    std::unordered_set<int32_t> level, roots;
+    for (size_t i = 0; i < order_.size(); ++i) {
+      const int32_t id = order_[i];
+      if (!Live(id, i) || !OpIs(id, {"Rsqrt", "Sqrt"})) continue;
+      for (const auto& [c, idx] : m_.consumers(id)) {
+        if (idx >= 0 && OpIs(c, {"Mul", "RealDiv"})) level.insert(c);
+      }
+    }
+    roots = level;
+    for (int k = 0; k < 3; ++k) {
+      std::unordered_set<int32_t> nxt;
+      for (int32_t id : level) {
+        for (const auto& [c, idx] : m_.consumers(id)) {
+          if (idx >= 0 && !roots.count(c) && OpIs(c, {"Mul", "RealDiv"})) nxt.insert(c);
+        }
+      }
+      roots.insert(nxt.begin(), nxt.end());
+      level = std::move(nxt);
+    }
+    std::unordered_set<int32_t> cand = roots;
+    for (int32_t id : roots) {
+      for (const auto& [c, idx] : m_.consumers(id)) {
+        if (idx >= 0 && OpIs(c, {"Add", "AddV2"})) cand.insert(c);
+      }
+    }
+    std::vector<int32_t> anchors(cand.begin(), cand.end());
+    std::sort(anchors.begin(), anchors.end(), [&](int32_t a, int32_t b) { return pos_[a] < pos_[b]; });
+    std::vector<int32_t> out;
+    for (int32_t a : anchors) {
+      if (Predicate(a)) out.push_back(a);  // (matched: the anchor alone; none overlaps)
+    }
+    return out;
+  }
+
+  static string Tensor(const string& node, int port) {
+    return port == 0 ? node : node + ":" + std::to_string(port);
+  }
+
+  struct Term {
+    string role, agg;
+    std::vector<string> refs;
+  };
+
+  // core._plan_one and _commit at anchor `a` (false: the run ends, why set)
+  bool Fuse(int32_t a) {
+    const string anchor(m_.name(a));
+    if (prot_set.count(anchor)) return Stop("at '" + anchor + "': the anchor is fetched or preserved");
+    if (!PatchPositions()) return Stop("at '" + anchor + "': a cycle");
+    NormPlanner planner(m_, memo_);
+    planner.prot = prot;
+    planner.max_nodes = max_nodes;
+    planner.stop_at_dy = stop_at_dy;
+    string text;
+    if (!planner.Plan(anchor, &text)) return Stop("at '" + anchor + "': " + planner.why);
+    // the plan (norm_plan._parse)
+    const std::vector<string_view> sec = Split(text, '\x03');
+    if (sec.size() < 9) return Stop("at '" + anchor + "': a malformed plan");
+    const bool ln = sec[0] == "l";
+    const string x(sec[1]);
+    const string gamma = sec[2] == "\x04" ? string() : string(sec[2]);
+    const string beta = sec[3] == "\x04" ? string() : string(sec[3]);
+    const int64_t dt = std::atoll(string(sec[4]).c_str());
+    const float eps = static_cast<float>(std::strtod(string(sec[5]).c_str(), nullptr));
+    Dims norm;
+    for (string_view v : Split(sec[6], ',')) {
+      if (!v.empty()) norm.push_back(std::atoll(string(v).c_str()));
+    }
+    std::vector<string> inner;
+    for (string_view v : Split(sec[7], '\x02')) inner.emplace_back(v);
+    const bool has_grad = sec[8] == "1";
+    if (has_grad && sec.size() < 14) return Stop("at '" + anchor + "': a malformed plan");
+    const string dev(DeviceOf(CleanDef(N(a))));
+    const string type = DeviceType(dev, default_type);
+    // the emission
+    std::vector<std::pair<string, Emitted>> emitted;
+    std::vector<std::vector<string>> emitted_in;
+    auto emit = [&](const string& op, const string& name, std::vector<string> ins,
+                    std::vector<std::pair<string, string>> attrs, const string& device) {
+      std::sort(attrs.begin(), attrs.end());
+      emitted.emplace_back(name, Emitted{op, device, std::move(attrs)});
+      emitted_in.push_back(std::move(ins));
+      return name;
+    };
+    auto filled = [&](const Dims& shape, int64_t dtype, double v) {
+      int64_t count = 1;
+      for (int64_t d : shape) count *= d;
+      string content;
+      for (int64_t i = 0; i < count; ++i) {
+        if (dtype == 1) {
+          const float f = static_cast<float>(v);
+          content.append(reinterpret_cast<const char*>(&f), 4);
+        } else if (dtype == 19) {  // (1.0 / 0.0 in IEEE half)
+          const uint16_t h = v == 1.0 ? 0x3c00 : 0;
+          content.append(reinterpret_cast<const char*>(&h), 2);
+        } else if (dtype == 14) {  // (bfloat16: the high half of the float)
+          const uint16_t h = v == 1.0 ? 0x3f80 : 0;
+          content.append(reinterpret_cast<const char*>(&h), 2);
+        } else if (dtype == 3) {
+          const int32_t iv = static_cast<int32_t>(v);
+          content.append(reinterpret_cast<const char*>(&iv), 4);
+        } else {
+          throw Bad();
+        }
+      }
+      return content;
+    };
+    auto const_node = [&](const string& name, const Dims& shape, int64_t dtype, const string& content) {
+      return emit("Const", name, {}, {{"dtype", AttrOfType(dtype)}, {"value", AttrOfTensor(dtype, shape, content)}},
+                  dev);
+    };
+    if (!(v_ok(dt))) return Stop("at '" + anchor + "': dtype");
+    const string g_ref = !gamma.empty() ? gamma : const_node(anchor + "/gamma", norm, dt, filled(norm, dt, 1.0));
+    string b_ref;
+    if (ln) b_ref = !beta.empty() ? beta : const_node(anchor + "/beta", norm, dt, filled(norm, dt, 0.0));
+    // b.absorb(inner, escapes_ok=True)
+    std::vector<string> matched = {anchor};
+    for (const string& nm : inner) {
+      if (nm != anchor && prot_set.count(nm)) return Stop("at '" + anchor + "': '" + nm + "' is fetched or preserved");
+    }
+    for (const string& nm : inner) {
+      if (std::find(matched.begin(), matched.end(), nm) == matched.end()) matched.push_back(nm);
+    }
+    if (ln) {
+      emit("LayerNorm", anchor, {x, g_ref, b_ref}, {{"T", AttrOfType(dt)}, {"epsilon", AttrOfFloat(eps)}}, dev);
+    } else {
+      emit("RMSNorm", anchor, {x, g_ref}, {{"T", AttrOfType(dt)}, {"epsilon", AttrOfFloat(eps)}}, dev);
+    }
+    std::vector<string> region, replaced;
+    std::unordered_map<string, string> rewired;
+    string region_target;
+    if (has_grad) {
+      std::vector<string> nodes;
+      for (string_view v : Split(sec[9], '\x02')) nodes.emplace_back(v);
+      const string dy(sec[10]);
+      Dims xs;
+      for (string_view v : Split(sec[11], ',')) {
+        if (!v.empty()) xs.push_back(std::atoll(string(v).c_str()));
+      }
+      std::vector<Term> terms;
+      for (string_view item : Split(sec[12], '\x02')) {
+        const std::vector<string_view> f = Split(item, '\x01');
+        if (f.size() < 2) return Stop("at '" + anchor + "': a malformed plan");
+        Term t{string(f[0]), f[1] == "\x04" ? string() : string(f[1]), {}};
+        for (size_t k = 2; k < f.size(); ++k) t.refs.emplace_back(f[k]);
+        terms.push_back(std::move(t));
+      }
+      std::unordered_map<string, Dims> shapes;
+      if (!sec[13].empty()) {
+        for (string_view item : Split(sec[13], '\x02')) {
+          const std::vector<string_view> f = Split(item, '\x01');
+          if (f.size() != 2) return Stop("at '" + anchor + "': a malformed plan");
+          Dims d;
+          for (string_view v : Split(f[1], ',')) {
+            if (!v.empty()) d.push_back(std::atoll(string(v).c_str()));
+          }
+          shapes[string(f[0])] = d;
+        }
+      }
+      const string op = ln ? "LayerNormGrad" : "RMSNormGrad";
+      const string gname = anchor + "/" + op;
+      std::vector<string> gin = {dy, x, g_ref, Tensor(anchor, 1)};
+      if (ln) gin.push_back(Tensor(anchor, 2));
+      emit(op, gname, gin, {{"T", AttrOfType(dt)}}, dev);
+      for (const Term& t : terms) {
+        const int port = t.role == "dx" ? 0 : (t.role == "dgamma" ? 1 : 2);
+        const string src = Tensor(gname, port);
+        if (!t.agg.empty()) {  // reemit_aggregator
+          const int32_t g = m_.Find(t.agg);
+          if (!m_.Alive(g)) return Stop("at '" + anchor + "': the aggregator is gone");
+          if (prot_set.count(t.agg)) return Stop("at '" + anchor + "': '" + t.agg + "' is fetched or preserved");
+          if (std::find(replaced.begin(), replaced.end(), t.agg) == replaced.end()) replaced.push_back(t.agg);
+          std::vector<string> rest, rest_ctrl;
+          for (const auto& in : N(g).inputs) {
+            if (in.ctrl) {
+              rest_ctrl.emplace_back(in.ref);
+              continue;
+            }
+            const string c = Canon(m_.name(in.src), in.port, false);
+            if (std::find(t.refs.begin(), t.refs.end(), c) == t.refs.end()) rest.emplace_back(in.ref);
+          }
+          const string adev(DeviceOf(CleanDef(N(g))));
+          std::vector<string> ins = {src};
+          ins.insert(ins.end(), rest.begin(), rest.end());
+          ins.insert(ins.end(), rest_ctrl.begin(), rest_ctrl.end());
+          const string agg_op(N(g).op);
+          if (rest.empty()) {
+            emit("Identity", t.agg, ins, {{"T", AttrOfType(dt)}}, adev);
+          } else if (agg_op == "AddN") {
+            emit("AddN", t.agg, ins,
+                 {{"T", AttrOfType(dt)}, {"N", AttrOfInt(1 + static_cast<int64_t>(rest.size()))}}, adev);
+          } else {
+            emit(agg_op, t.agg, ins, {{"T", AttrOfType(dt)}}, adev);
+          }
+          continue;
+        }
+        const Dims& want = t.role == "dx" ? xs : norm;
+        for (size_t k = 0; k < t.refs.size(); ++k) {
+          auto it = shapes.find(t.refs[k]);
+          if (it == shapes.end()) return Stop("at '" + anchor + "': a malformed plan");
+          if (it->second == want) {
+            rewired[t.refs[k]] = src;
+            continue;
+          }
+          std::string content;
+          for (int64_t d : it->second) {
+            const int32_t v = static_cast<int32_t>(d);
+            content.append(reinterpret_cast<const char*>(&v), 4);
+          }
+          const string shp = const_node(gname + "/" + t.role + "_shape_" + std::to_string(k),
+                                        Dims{static_cast<int64_t>(it->second.size())}, 3, content);
+          rewired[t.refs[k]] = emit("Reshape", gname + "/" + t.role + "_" + std::to_string(k), {src, shp},
+                                    {{"T", AttrOfType(dt)}, {"Tshape", AttrOfType(3)}}, dev);
+        }
+      }
+      for (const string& nm : nodes) {
+        if (prot_set.count(nm)) return Stop("at '" + anchor + "': '" + nm + "' is fetched or preserved");
+        if (std::find(region.begin(), region.end(), nm) == region.end()) region.push_back(nm);
+      }
+      region_target = gname;
+    }
+    // _plan_one's checks
+    std::unordered_set<string> matched_set(matched.begin(), matched.end()),
+        region_set(region.begin(), region.end()), replaced_set(replaced.begin(), replaced.end()),
+        emitted_names;
+    for (const auto& e : emitted) emitted_names.insert(e.first);
+    for (const auto& e : emitted) {
+      const int32_t id = m_.Find(e.first);
+      if (m_.Alive(id) && !matched_set.count(e.first) && !replaced_set.count(e.first)) {
+        return Stop("at '" + anchor + "': emitted node name '" + e.first + "' is already taken");
+      }
+    }
+    const auto anchor_cons = m_.consumers(a);
+    for (const auto& [c, idx] : anchor_cons) {
+      if (idx >= 0 && N(c).inputs[idx].port != 0) return Stop("at '" + anchor + "': an output of the anchor besides 0 is read");
+    }
+    std::vector<int32_t> matched_ids, region_ids, replaced_ids;
+    for (const string& nm : matched) matched_ids.push_back(m_.Find(nm));
+    for (const string& nm : region) region_ids.push_back(m_.Find(nm));
+    for (const string& nm : replaced) replaced_ids.push_back(m_.Find(nm));
+    for (int32_t id : matched_ids) {
+      if (!m_.Alive(id)) return Stop("at '" + anchor + "': a matched node is gone");
+    }
+    for (int32_t id : region_ids) {
+      if (!m_.Alive(id)) return Stop("at '" + anchor + "': a region node is gone");
+    }
+    auto in_set = [&](int32_t id, const std::unordered_set<string>& s) { return s.count(string(m_.name(id))) != 0; };
+    {  // _unhandled_readers
+      std::vector<int32_t> names(matched_ids.begin(), matched_ids.end());
+      names.insert(names.end(), region_ids.begin(), region_ids.end());
+      for (int32_t id : names) {
+        if (id == a) continue;
+        const bool in_region = in_set(id, region_set);
+        for (const auto& [c, idx] : m_.consumers(id)) {
+          if (in_set(c, matched_set) || in_set(c, region_set) || in_set(c, replaced_set)) continue;
+          if (in_region) {
+            if (idx < 0 && !region_target.empty()) continue;
+            if (idx >= 0) {
+              const InputRef& in = N(c).inputs[idx];
+              if (rewired.count(Canon(m_.name(in.src), in.port, in.ctrl))) continue;
+            }
+          }
+          return Stop("at '" + anchor + "': '" + string(m_.name(id)) + "' is also read by '" + string(m_.name(c)) + "'");
+        }
+      }
+      if (!region.empty() && !emitted_names.count(region_target)) return Stop("at '" + anchor + "': the region's target");
+    }
+    for (const auto& e : emitted) {  // _kernel_problems (the table Python made)
+      if (e.second.op == "Const") continue;
+      if (!kernels.count(type + "\x01" + e.second.op + "\x01" + std::to_string(dt))) {
+        return Stop("at '" + anchor + "': no kernel known for " + e.second.op + " on " + type);
+      }
+    }
+    // core._commit
+    std::vector<int32_t> ctrl, upstream;
+    auto has = [](const std::vector<int32_t>& v, int32_t id) { return std::find(v.begin(), v.end(), id) != v.end(); };
+    for (int32_t id : matched_ids) {
+      for (const auto& in : N(id).inputs) {
+        if (in.ctrl) {
+          if (!in_set(in.src, matched_set) && !has(ctrl, in.src) && !in_set(in.src, region_set)) ctrl.push_back(in.src);
+        } else if (!in_set(in.src, matched_set)) {
+          upstream.push_back(in.src);
+        }
+      }
+    }
+    std::vector<std::pair<int32_t, std::vector<std::pair<int32_t, int32_t>>>> kept;
+    for (int32_t r : replaced_ids) {
+      std::vector<std::pair<int32_t, int32_t>> cs;
+      for (const auto& c : m_.consumers(r)) {
+        if (!in_set(c.first, matched_set)) cs.push_back(c);
+      }
+      kept.emplace_back(r, std::move(cs));
+    }
+    auto gone = [&](int32_t id) {
+      return in_set(id, matched_set) || in_set(id, region_set) || in_set(id, replaced_set);
+    };
+    std::vector<std::tuple<int32_t, int32_t, string>> rewires;
+    std::vector<std::pair<int32_t, int32_t>> ctrl_moves;
+    std::vector<int32_t> region_ctrl_in;
+    for (int32_t id : region_ids) {
+      for (const auto& in : N(id).inputs) {
+        if (in.ctrl && !gone(in.src) && !has(region_ctrl_in, in.src)) {
+          region_ctrl_in.push_back(in.src);
+        } else if (!in.ctrl && !gone(in.src)) {
+          upstream.push_back(in.src);
+        }
+      }
+      for (const auto& [c, idx] : m_.consumers(id)) {
+        if (gone(c)) continue;
+        if (idx < 0) {
+          ctrl_moves.emplace_back(c, id);
+        } else {
+          const InputRef& in = N(c).inputs[idx];
+          auto it = rewired.find(Canon(m_.name(in.src), in.port, in.ctrl));
+          if (it == rewired.end()) return Stop("at '" + anchor + "': an unrewired reader");
+          rewires.emplace_back(c, idx, it->second);
+        }
+      }
+    }
+    {  // _move_control_input's other branch edits by hand and re-indexes: Python's
+      std::unordered_set<int32_t> movers;
+      for (const auto& [c, old] : ctrl_moves) {
+        (void)old;
+        if (!movers.insert(c).second) return Stop("at '" + anchor + "': two control edges move onto one node");
+      }
+    }
+    // --- from here on the mirror is edited: nothing below refuses
+    std::vector<int32_t> removal(region_ids);
+    removal.insert(removal.end(), matched_ids.begin(), matched_ids.end());
+    removal.insert(removal.end(), replaced_ids.begin(), replaced_ids.end());
+    for (int32_t id : removal) Remove(id);
+    std::vector<int32_t> emitted_ids;
+    for (size_t i = 0; i < emitted.size(); ++i) {
+      const string& nm = emitted[i].first;
+      const string_view stable_name = m_.Keep(nm.data(), nm.size());
+      std::vector<string_view> ins;
+      for (const string& r : emitted_in[i]) ins.push_back(m_.Keep(r.data(), r.size()));
+      const string def = NodeBytes(nm, emitted[i].second, emitted_in[i]);
+      const string_view kept_def = m_.Keep(def.data(), def.size());
+      const string_view op = m_.Keep(emitted[i].second.op.data(), emitted[i].second.op.size());
+      const int32_t id = m_.PyAdd(stable_name, op, ins, kept_def);
+      if (id < 0) throw Bad();  // (printable names and ops only: checked by the emission's sources)
+      emitted_[id] = emitted[i];
+      edited_.erase(id);
+      Order(id);
+      log_.push_back(id);
+      emitted_ids.push_back(id);
+    }
+    for (auto& [r, cs] : kept) {
+      auto& index = m_.py_consumers(r);
+      for (const auto& c : cs) {
+        if (m_.Alive(c.first) && std::find(index.begin(), index.end(), c) == index.end()) index.push_back(c);
+      }
+    }
+    for (const auto& c : anchor_cons) {  // keep_name: the replacement inherits the readers
+      if (m_.Alive(c.first)) m_.py_consumers(a).push_back(c);
+    }
+    for (const auto& [c, idx] : anchor_cons) {
+      if (!m_.Alive(c) || idx < 0) continue;
+      if (N(c).inputs[idx].ref != anchor) SetInput(c, static_cast<size_t>(idx), anchor);
+    }
+    for (int32_t c : ctrl) {
+      if (m_.Alive(c) && c != a) AddControl(a, c);
+    }
+    for (const auto& [c, idx, ref] : rewires) {
+      if (m_.Alive(c)) SetInput(c, static_cast<size_t>(idx), ref);
+    }
+    const int32_t rt = region_target.empty() ? -1 : m_.Find(region_target);
+    for (const auto& [c, old] : ctrl_moves) {
+      if (!m_.Alive(c)) continue;
+      const string want = "^" + string(m_.name(old));
+      const auto& ins = N(c).inputs;
+      for (size_t i = 0; i < ins.size(); ++i) {
+        if (ins[i].ref == want) {
+          SetInput(c, i, "^" + region_target);
+          break;
+        }
+      }
+    }
+    for (int32_t c : region_ctrl_in) {
+      if (m_.Alive(c) && c != rt) AddControl(rt, c);
+    }
+    RemoveDead(upstream);
+    // the report: fusion, fused_nodes, fused_gradient_nodes
+    if (!report.empty()) report.push_back('\x03');
+    report.append(anchor + "\x01");
+    for (size_t i = 0; i < matched.size(); ++i) report.append((i ? "\x02" : "") + matched[i]);
+    report.push_back('\x01');
+    for (size_t i = 0; i < region.size(); ++i) report.append((i ? "\x02" : "") + region[i]);
+    ++fused;
+    return true;
+  }
+
+  static bool v_ok(int64_t dt) { return IsFloatType(dt); }
+
+  void Remove(int32_t id) {
+    if (!m_.Alive(id)) return;
+    m_.PyRemove(id);
+    emitted_.erase(id);
+    edited_.erase(id);
+    if (id < static_cast<int32_t>(base_index_.size()) && base_index_[id] >= 0) {
+      removed_base.push_back(id);
+      m_.AddBefore(m_.name(id), false);
+    }
+  }
+  void SetInput(int32_t id, size_t i, const string& ref) {
+    if (N(id).inputs[i].ref == ref) return;
+    m_.PySetInput(id, i, m_.Keep(ref.data(), ref.size()));
+    if (!emitted_.count(id)) edited_.insert(id);
+    log_.push_back(id);
+  }
+  void AddControl(int32_t id, int32_t src) {
+    const string ref = "^" + string(m_.name(src));
+    for (const auto& in : N(id).inputs) {
+      if (in.ref == ref) return;
+    }
+    m_.PyAddControl(id, m_.Keep(ref.data(), ref.size()));
+    if (!emitted_.count(id)) edited_.insert(id);
+    log_.push_back(id);
+  }
+  // core._remove_dead
+  void RemoveDead(const std::vector<int32_t>& names) {
+    std::vector<int32_t> stack;
+    {
+      std::unordered_set<int32_t> seen;
+      for (int32_t id : names) {
+        if (seen.insert(id).second) stack.push_back(id);
+      }
+    }
+    while (!stack.empty()) {
+      const int32_t id = stack.back();
+      stack.pop_back();
+      if (!m_.Alive(id) || prot_set.count(string(m_.name(id))) || !m_.consumers(id).empty()) continue;
+      const string_view op = N(id).op;
+      const bool removable =
+          op == "ReadVariableOp" || (!keep_ops.count(string(op)) && removable_op != nullptr && removable_op(op));
+      if (!removable) continue;
+      std::vector<int32_t> ins;
+      for (const auto& in : N(id).inputs) ins.push_back(in.src);
+      Remove(id);
+      stack.insert(stack.end(), ins.begin(), ins.end());
+    }
+  }
+
+  Mirror& m_;
+  ShapeMemo& memo_;
+  std::vector<int32_t> order_, slot_, base_index_;
+  std::vector<char> has_pos_;
+  std::vector<double> pos_;
+  std::vector<int32_t> log_;  // Graph's edit log since the last positions
+  std::unordered_map<int32_t, std::pair<string, Emitted>> emitted_;  // created: name, record
+  std::unordered_set<int32_t> edited_;  // the input's nodes edited
+};
+
+}  // namespace
+
+// (issue 17) The registry's answer for core._removable: 1 when `op` is
+// registered and not stateful (custom_ops/grappler_bridge.cc, which has the
+// op registry).
+extern "C" int NpuAmpOpRemovable(const char* op, size_t len);
+
+namespace {
+bool RemovableOp(string_view op) { return NpuAmpOpRemovable(op.data(), op.size()) == 1; }
+}  // namespace
+
+// (issue 17) The `layer_norm` rule over the graph `graph` (the bytes the
+// fresh mirror `h` was loaded from, with its op sets): NormFuser.
+// `request`: sections separated by \x03: the protected names (\x02-joined);
+// max_nodes; stop_at_dy ("0" / "1"); the default device type; the kernels
+// that may be emitted ("type\x01op\x01dtype", \x02-joined); core._KEEP_OPS
+// (\x02-joined); the ops whose presence refuses the run (unfuse.FUSED_OPS).  Writes *text: "fused\x03why\x03report\x03..." as
+// sections: the fusions made, why the run ended early ("" when it did not),
+// the touched names (\x02), the input's nodes removed (\x02), then the
+// report's entries (each anchor \x01 fused nodes \x01 gradient nodes), and
+// *out / *map: the graph's bytes after the fusions and per output node its
+// index in `graph` or -1 (valid until the next call on this thread).  0 ran
+// (fused may be 0), 1 could not run (why in *text), -1 bad arguments.  The
+// mirror is edited: free it after.
+NPU_AMP_GR_EXPORT int NpuAmpGrFuseNorms(void* h, void* memo, const char* graph, size_t graph_len,
+                                        const char* request, size_t len, const char** text,
+                                        size_t* text_len, const char** out, size_t* out_len,
+                                        const int32_t** map, size_t* map_len) {
+  thread_local string t_buf, g_buf;
+  thread_local std::vector<int32_t> m_buf;
+  auto* m = static_cast<Mirror*>(h);
+  auto* mm = static_cast<ShapeMemo*>(memo);
+  if (m == nullptr || mm == nullptr || request == nullptr || text == nullptr || out == nullptr ||
+      map == nullptr || (graph_len && graph == nullptr)) {
+    return -1;
+  }
+  m->Join();
+  *text = *out = nullptr;
+  *map = nullptr;
+  *text_len = *out_len = *map_len = 0;
+  const std::vector<string_view> sec = Split(string_view(request, len), '\x03');
+  if (sec.size() != 7) return -1;
+  int rc;
+  try {
+    NormFuser f(*m, *mm);
+    for (string_view n : Split(sec[0], '\x02')) {
+      if (!n.empty()) f.prot.emplace_back(n), f.prot_set.emplace(n);
+    }
+    f.max_nodes = std::atoll(string(sec[1]).c_str());
+    f.stop_at_dy = sec[2] == "1";
+    f.default_type = string(sec[3]);
+    for (string_view k : Split(sec[4], '\x02')) {
+      if (!k.empty()) f.kernels.emplace(k);
+    }
+    for (string_view k : Split(sec[5], '\x02')) {
+      if (!k.empty()) f.keep_ops.emplace(k);
+    }
+    for (string_view k : Split(sec[6], '\x02')) {
+      if (!k.empty()) f.refuse_ops.emplace(k);
+    }
+    f.removable_op = RemovableOp;
+    rc = f.Run() < 0 ? 1 : 0;
+    string touched;
+    g_buf.clear();
+    m_buf.clear();
+    if (rc == 0 && f.fused > 0 && !f.Write(string_view(graph, graph_len), &g_buf, &m_buf, &touched)) {
+      rc = 1;
+      f.why = "the input bytes are not a GraphDef";
+    }
+    string removed;
+    for (size_t i = 0; i < f.removed_base.size(); ++i) {
+      if (i) removed.push_back('\x02');
+      removed.append(m->name(f.removed_base[i]));
+    }
+    t_buf = std::to_string(rc == 0 ? f.fused : 0) + "\x03" + f.why + "\x03" + touched + "\x03" + removed +
+            "\x03" + f.report;
+  } catch (...) {  // (bad_alloc; a Bad in the output)
+    return 1;
+  }
+  *text = t_buf.data();
+  *text_len = t_buf.size();
+  *out = g_buf.data();
+  *out_len = g_buf.size();
+  *map = m_buf.data();
+  *map_len = m_buf.size();
+  return rc;
 }

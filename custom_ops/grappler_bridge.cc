@@ -208,7 +208,42 @@ struct Sink {
   void JoinIndex() {
     if (index_thread.joinable()) index_thread.join();
   }
-  ~Sink() { JoinIndex(); }
+  // (issue 17) the layer-norm fusions made before the parse
+  // (NpuAmpSinkUsePrefused): the item's graph holds the fused graph (its
+  // nodes moved, not copied) and graph_bytes views prefused_bytes; the
+  // item's own nodes in their order, until the call ends: RestorePrefused
+  // puts them back (the graph is handed back unchanged), CommitPrefused frees
+  // those the fused graph does not hold (it replaced the item's graph)
+  std::string prefused_bytes;
+  tensorflow::GraphDef* prefused_graph = nullptr;
+  std::vector<tensorflow::NodeDef*> prefused_orig;
+  std::vector<char> prefused_kept;  // per original node: the fused graph holds it
+  void RestorePrefused() {
+    if (prefused_graph == nullptr) return;
+    auto* nodes = prefused_graph->mutable_node();
+    const int n = nodes->size();
+    std::vector<tensorflow::NodeDef*> cur(static_cast<size_t>(n));
+    if (n) nodes->ExtractSubrange(0, n, cur.data());
+    std::unordered_set<tensorflow::NodeDef*> orig(prefused_orig.begin(), prefused_orig.end());
+    for (tensorflow::NodeDef* p : cur) {
+      if (!orig.count(p)) delete p;
+    }
+    for (tensorflow::NodeDef* p : prefused_orig) nodes->AddAllocated(p);
+    prefused_orig.clear();
+    prefused_graph = nullptr;
+  }
+  void CommitPrefused() {
+    if (prefused_graph == nullptr) return;
+    for (size_t k = 0; k < prefused_orig.size(); ++k) {
+      if (!prefused_kept[k]) delete prefused_orig[k];
+    }
+    prefused_orig.clear();
+    prefused_graph = nullptr;
+  }
+  ~Sink() {
+    JoinIndex();
+    RestorePrefused();  // (a path that neither restored nor committed: the item as it came)
+  }
 };
 
 // Sink flags (issue 17r), set by Python (bridge.MOVE_ITEM_NODES,
@@ -1402,6 +1437,18 @@ NPU_AMP_EXPORT void NpuAmpWriteError(void* sink, const char* msg, size_t len) {
 
 NPU_AMP_EXPORT int NpuAmpBridgeAbiVersion() { return kBridgeAbiVersion; }
 
+// (issue 17) graph_passes/fusion/core.py _removable's registry question for
+// the layer-norm fusion before the parse (grad_region.cc NormFuser): 1 when
+// `op` is registered and not stateful, else 0.
+NPU_AMP_EXPORT int NpuAmpOpRemovable(const char* op, size_t len) {
+  if (op == nullptr) return 0;
+  const tensorflow::OpDef* od = nullptr;
+  if (!tensorflow::OpRegistry::Global()->LookUpOpDef(std::string(op, len), &od).ok() || od == nullptr) {
+    return 0;
+  }
+  return od->is_stateful() ? 0 : 1;
+}
+
 // How many times grappler called NpuAmpOptimizer::Optimize in this process.
 NPU_AMP_EXPORT uint64_t NpuAmpOptimizeCount() { return g_optimize_calls.load(); }
 
@@ -1508,6 +1555,86 @@ static int StartIndexThread(Sink* s, int flags) {
   } catch (...) {  // std::system_error: no thread; built when asked
     return 1;
   }
+  return 0;
+}
+
+// (issue 17) The layer-norm fusions made before the parse
+// (graph_passes/fusion/prefuse.py, custom_ops/grad_region.cc NormFuser) put
+// into the item (only valid inside the callback): `data` is the item's
+// bytes with the fusions applied, `map` per node of `data` the index of the
+// item node it is (unchanged), or -1 (created, or edited: parsed from
+// `data`).  The item's graph then holds exactly `data`'s graph (the item's
+// nodes moved into it, in their new order), the sink's bytes are `data`, and
+// the item's index is built again from them, so that every item-based step
+// after (the index, the paint strings, the OpDef pre-check, the patch's
+// assembly, the shapes) sees the graph Python parses.  Optimize puts the
+// item's own nodes back on every path that hands the graph back unchanged.
+// 0 done, 1 refused (nothing changed: Python parses the item's own bytes).
+NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t len, const int32_t* map,
+                                         size_t n) {
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || s->item == nullptr || s->prefused_graph != nullptr || data == nullptr ||
+      (n && map == nullptr)) {
+    return 1;
+  }
+  s->JoinIndex();
+  auto* graph = const_cast<tensorflow::GraphDef*>(&s->item->graph);
+  const int n0 = graph->node_size();
+  try {
+    // the node records of `data`, in order
+    std::vector<std::string_view> recs;
+    recs.reserve(n);
+    const char* p = data;
+    const char* end = data + len;
+    while (p < end) {
+      uint64_t tag, size;
+      if (!npu_amp_tf::ReadVarint(p, end, &tag)) return 1;
+      if (tag == ((1 << 3) | 2)) {
+        if (!npu_amp_tf::ReadVarint(p, end, &size) || size > static_cast<uint64_t>(end - p)) return 1;
+        recs.emplace_back(p, size);
+        p += size;
+      } else if (!npu_amp_tf::SkipField(p, end, tag & 7)) {
+        return 1;
+      }
+    }
+    if (recs.size() != n) return 1;
+    std::vector<char> kept(static_cast<size_t>(n0), 0);
+    std::vector<std::unique_ptr<tensorflow::NodeDef>> fresh(n);
+    GraphViews views;
+    if (!ViewsOfBytes(std::string_view(data, len), &views) || views.name.size() != n) return 1;
+    for (size_t i = 0; i < n; ++i) {
+      const int32_t k = map[i];
+      if (k >= 0) {
+        if (k >= n0 || kept[k]++ || graph->node(k).name() != views.name[i]) return 1;
+        continue;
+      }
+      fresh[i] = std::make_unique<tensorflow::NodeDef>();
+      if (!fresh[i]->ParseFromArray(recs[i].data(), static_cast<int>(recs[i].size()))) return 1;
+    }
+    // (nothing below fails but bad_alloc)
+    s->prefused_bytes.assign(data, len);
+    std::vector<tensorflow::NodeDef*> orig(static_cast<size_t>(n0));
+    auto* nodes = graph->mutable_node();
+    if (n0) nodes->ExtractSubrange(0, n0, orig.data());
+    s->prefused_orig = std::move(orig);
+    s->prefused_kept = std::move(kept);
+    s->prefused_graph = graph;
+    for (size_t i = 0; i < n; ++i) {
+      nodes->AddAllocated(map[i] >= 0 ? s->prefused_orig[map[i]] : fresh[i].release());
+    }
+  } catch (...) {  // (bad_alloc: the item as it came, if it was taken apart)
+    s->RestorePrefused();
+    return 1;
+  }
+  s->graph_bytes = s->prefused_bytes;
+  // the index, views and shapes of the item as it came are no longer its
+  s->index_rc = -1;
+  s->index.clear();
+  s->kept = npu_amp_tf::BaseIndex();
+  s->views.reset();
+  s->has_shapes = false;
+  s->shapes.clear();
+  StartIndexThread(s, s->flags);  // (as the callback's entry did; else built when asked)
   return 0;
 }
 
@@ -1938,10 +2065,12 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     g_step_ns[kStepCallback].store(t_callback - t_context);
 
     if (rc == 1 || rc == 3) {
+      sink.RestorePrefused();
       if (rc == 1) Remember(fp_in);
       return errors::Aborted("NpuAmpOptimizer left graph '", item.id, "' unchanged");
     }
     if (rc != 0 || sink.has_error || !(sink.has_result || sink.has_patch)) {
+      sink.RestorePrefused();
       return errors::Internal("NpuAmpOptimizer failed on graph '", item.id, "': ",
                               sink.has_error ? sink.error
                                              : std::string("the Python bridge returned no graph"));
@@ -1963,13 +2092,16 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
                                           optimized_graph, &why, movable)
                     : AssemblePatch(item.graph, sink.patch_order, sink.patch, optimized_graph,
                                     &why))) {
+        sink.RestorePrefused();
         return errors::Internal("NpuAmpOptimizer: the Python bridge returned a patch that does "
                                 "not fit graph '", item.id, "': ", why);
       }
     } else if (!optimized_graph->ParseFromString(sink.result)) {
+      sink.RestorePrefused();
       return errors::Internal("NpuAmpOptimizer: the Python bridge returned bytes that do not "
                               "parse as a GraphDef for graph '", item.id, "'");
     }
+    sink.CommitPrefused();  // (grappler replaces the item's graph with ours)
     const int64_t t_assemble = ThreadCpuNs();
     g_step_ns[kStepAssemble].store(t_assemble - t_callback);
     // mark our output: grappler's next iteration hands it back

@@ -175,6 +175,10 @@ def library():
             if hasattr(lib, "NpuAmpItemIndexStart"):  # (issue 17)
                 lib.NpuAmpItemIndexStart.argtypes = [ctypes.c_void_p]
                 lib.NpuAmpItemIndexStart.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpSinkUsePrefused"):  # (issue 17)
+                lib.NpuAmpSinkUsePrefused.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                      ctypes.c_void_p, ctypes.c_size_t]
+                lib.NpuAmpSinkUsePrefused.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpItemHasDevice"):  # (issue 17)
                 lib.NpuAmpItemHasDevice.argtypes = [ctypes.c_void_p]
                 lib.NpuAmpItemHasDevice.restype = ctypes.c_int
@@ -538,7 +542,50 @@ class GradRegionLib:
         if self.can_norm_grad_plan:
             lib.NpuAmpGrNormGradPlan.argtypes = lib.NpuAmpGrNormPlan.argtypes
             lib.NpuAmpGrNormGradPlan.restype = c_int
+        #: (issue 17) the layer-norm rule's whole run before the parse (a library built before it: False)
+        self.can_fuse_norms = hasattr(lib, "NpuAmpGrFuseNorms")
+        if self.can_fuse_norms:
+            lib.NpuAmpGrFuseNorms.argtypes = [c_void_p, c_void_p, c_char_p, c_size_t, c_char_p, c_size_t,
+                                              ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t),
+                                              ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t),
+                                              ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t)]
+            lib.NpuAmpGrFuseNorms.restype = c_int
         self._lib = lib
+
+    def fuse_norms(self, graph: bytes, ops: bytes, request: bytes):
+        """``NpuAmpGrFuseNorms`` on a mirror loaded fresh from ``graph`` with
+        the op sets ``ops``: (rc, text, the graph's bytes after the fusions,
+        array('i') of each output node's index in ``graph`` or -1), rc 0 ran,
+        1 could not run (why in the text); or None (no such call, or the
+        mirror refused the graph)."""
+        if not self.can_fuse_norms:
+            return None
+        lib = self._lib
+        h = lib.NpuAmpGrMirrorNew()
+        if not h:
+            return None
+        memo = lib.NpuAmpGrShapeMemoNew() if self.can_shape else None
+        try:
+            if not memo or lib.NpuAmpGrMirrorOps(h, ops, len(ops)) != 0 or \
+                    lib.NpuAmpGrMirrorLoad(h, graph, len(graph), 1) != 0:
+                return None
+            text, tlen = ctypes.c_void_p(), ctypes.c_size_t()
+            out, olen = ctypes.c_void_p(), ctypes.c_size_t()
+            mp, mlen = ctypes.c_void_p(), ctypes.c_size_t()
+            rc = lib.NpuAmpGrFuseNorms(h, memo, graph, len(graph), request, len(request), ctypes.byref(text),
+                                       ctypes.byref(tlen), ctypes.byref(out), ctypes.byref(olen),
+                                       ctypes.byref(mp), ctypes.byref(mlen))
+            if rc not in (0, 1):
+                return None
+            index = array.array("i")
+            if mlen.value:
+                index.frombytes(ctypes.string_at(mp, 4 * mlen.value))
+            return (rc, ctypes.string_at(text, tlen.value).decode("ascii") if tlen.value else "",
+                    ctypes.string_at(out, olen.value) if olen.value else b"", index)
+        finally:
+            if memo:
+                lib.NpuAmpGrShapeMemoFree(memo)
+            lib.NpuAmpGrMirrorFree(h)
 
     def norm_plan(self, h, memo, request: bytes, grad_only: bool = False):
         """``NpuAmpGrNormPlan`` (``grad_only``: ``NpuAmpGrNormGradPlan``):
@@ -853,6 +900,7 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                digest=digest,
                                base_inputs=lambda *a: item_paint_strings(live[0], *a),
                                has_op=lambda op: item_has_op(live[0], op),
+                               prefuse=lambda pre: item_use_prefused(live[0], pre),
                                has_attr=lambda a: item_has_attr(live[0], a),
                                has_device=lambda: item_has_device(live[0]))
         finally:
@@ -940,6 +988,28 @@ def early_index_counts():
     started, discarded = ctypes.c_uint64(), ctypes.c_uint64()
     fn(ctypes.byref(started), ctypes.byref(discarded))
     return started.value, discarded.value
+
+
+def item_use_prefused(sink, pre) -> bool:
+    """(issue 17) Put the layer-norm fusions made before the parse
+    (``graph_passes.fusion.prefuse.Prefused``) into the item grappler holds
+    (``NpuAmpSinkUsePrefused``), so that its index, paint strings, OpDef
+    pre-check and the patch's assembly see the graph Python parses: True
+    done, False (nothing changed) without the call or when it refuses."""
+    fn = getattr(_lib, "NpuAmpSinkUsePrefused", None) if _lib is not None else None
+    if fn is None or sink is None or not USE_PREFUSED:
+        return False
+    index = pre.index
+    if len(index) and index.itemsize != 4:
+        return False
+    ptr = index.buffer_info()[0] if len(index) else None
+    return fn(sink, pre.data, len(pre.data), ptr, len(index)) == 0
+
+
+#: (issue 17) the grappler callback hands the layer-norm fusions made before
+#: the parse to the item (:func:`item_use_prefused`); False: the callback
+#: does not use them (the pipeline then parses the item's own bytes)
+USE_PREFUSED = True
 
 
 def item_fingerprint(sink, size: int):
@@ -1089,7 +1159,7 @@ def parse_options(config_bytes: bytes):
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
            item_id: str = "graph", shapes=None, index=None, patch: bool = False,
            opdef_precheck="auto", digest=None, base_inputs=None, has_op=None, has_attr=None,
-           has_device=None):
+           has_device=None, prefuse=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
@@ -1172,7 +1242,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
             graph_bytes if own else gd, options, fetches=fetches, preserve=preserve, devices=devices,
             graph_name=item_id, shapes=shapes, index=index, patch=patch,
             opdef_precheck=opdef_precheck, base_inputs=base_inputs, source_has_attr=has_attr,
-            source_has_device=has_device)
+            source_has_device=has_device, prefuse=prefuse)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)

@@ -112,7 +112,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
                         devices=(), include_functions: bool = True, graph_name: str | None = None,
                         shapes=None, index="auto", patch: bool = False, opdef_precheck="auto",
-                        base_inputs=None, source_has_attr=None, source_has_device=None):
+                        base_inputs=None, source_has_attr=None, source_has_device=None, prefuse=None):
     """:func:`optimize`, with the rewritten graph as its deterministic
     serialization (what the grappler bridge hands back), written straight
     from the indexed graph (``Graph.serialize``) instead of through a copied
@@ -140,11 +140,18 @@ def optimize_serialized(graph_def, options: Options | None = None, fetches=(), p
     was serialized from), or None.  ``source_has_attr``: ``Graph.source_has_attr``
     of the main graph (the bridge's :func:`npu_amp_tf.bridge.item_has_attr`
     on that item), or None; ``source_has_device`` likewise
-    ``Graph.source_has_device`` (:func:`npu_amp_tf.bridge.item_has_device`)."""
+    ``Graph.source_has_device`` (:func:`npu_amp_tf.bridge.item_has_device`).
+
+    ``prefuse`` (issue 17, bytes only): None, the layer-norm rule's first
+    run made in C++ on the bytes when it can be
+    (:mod:`graph_passes.fusion.prefuse`); False, never; a callable
+    ``prefuse(pre) -> bool``, asked whether to use a run's result (the
+    grappler bridge applies it to the item it holds first)."""
     return _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                      shapes, index, serialized="patch" if patch else True,
                      opdef_precheck=opdef_precheck, base_inputs=base_inputs,
-                     source_has_attr=source_has_attr, source_has_device=source_has_device)
+                     source_has_attr=source_has_attr, source_has_device=source_has_device,
+                     prefuse=prefuse)
 
 
 def _optimize(*args, **kwargs):
@@ -184,23 +191,12 @@ PROMOTE_SURVIVORS = True
 
 def _optimize_run(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                   shapes, index, serialized, opdef_precheck=None, base_inputs=None,
-                  source_has_attr=None, source_has_device=None):
+                  source_has_attr=None, source_has_device=None, prefuse=None):
     options = options if options is not None else Options.from_kwargs()
     data = None
     own = False  # (issue 17r) graph_def is this run's own parse: rewritten in place
     if isinstance(graph_def, (bytes, bytearray)):
         data = bytes(graph_def)
-        gd = graph_pb2.GraphDef()
-        gd.ParseFromString(data)
-        graph_def = gd
-        own = OWN_PARSE
-    # the input graph as it came: with `own`, parsed again only when a path
-    # below needs it (a failure, an OpDef problem, a GE dump)
-    original = _Reparsed(data) if own else (lambda: graph_def)
-    if isinstance(index, str) and index == "auto":  # offline: the C++ index, when the library is loaded
-        from .bridge import graph_index
-
-        index = functools.partial(graph_index, graph_def, data)
     report = Report()
     report.graph_name = graph_name
     report.options = options.rewrite_params()
@@ -219,6 +215,34 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
     names = pass_names(options)
     for mod, err in _import_failures.items():
         report.warn(f"pass module {mod} failed to import and did not run: {err}")
+    ctx = _manager.PassContext(options, fetches, preserve, devices, report)
+    # (issue 17) the layer-norm rule's first run made in C++ on the bytes
+    # (graph_passes/fusion/prefuse.py); ``prefuse(pre)``: the caller's say
+    # on using it (the grappler bridge applies it to the item it holds)
+    pre = None
+    if data is not None and prefuse is not False and "fusion" in names:
+        from graph_passes.fusion import prefuse as _prefuse
+
+        pre = _prefuse.run(data, ctx, names)
+        if pre is not None and callable(prefuse) and not prefuse(pre):
+            pre = None
+        stages["prefuse"] = cpu() - c0
+        c0 = cpu()
+    ctx.prefused = pre
+    source = pre.data if pre is not None else data  # the bytes the graph is parsed from
+    if data is not None:
+        gd = graph_pb2.GraphDef()
+        gd.ParseFromString(source)
+        graph_def = gd
+        own = OWN_PARSE
+    # the input graph as it came: with `own` (or when `source` is not it),
+    # parsed again only when a path below needs it (a failure, an OpDef
+    # problem, a GE dump)
+    original = _Reparsed(data) if own or pre is not None else (lambda: graph_def)
+    if isinstance(index, str) and index == "auto":  # offline: the C++ index, when the library is loaded
+        from .bridge import graph_index
+
+        index = functools.partial(graph_index, graph_def, source)
     try:
         graph = Graph(graph_def, index=index, copy=not own)
         if base_inputs is not None:
@@ -229,15 +253,14 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
             graph.source_has_device = source_has_device
         # the graph as created (the gradient-region search's C++ mirror): the
         # bytes it was parsed from, or the caller's GraphDef (Graph copied it)
-        graph.source_bytes = data if data is not None else (None if own else graph_def.SerializeToString)
+        graph.source_bytes = source if source is not None else (None if own else graph_def.SerializeToString)
         stages["graph"] = cpu() - c0
         if shapes is None:
             from .bridge import graph_shape_source
 
-            shapes = graph_shape_source(graph_def) if not own else graph_shape_source(None, data)
+            shapes = graph_shape_source(graph_def) if not own else graph_shape_source(None, source)
         if shapes is not None:
             _shapes.attach(graph, _timed(shapes, report))
-        ctx = _manager.PassContext(options, fetches, preserve, devices, report)
         ctx.native_paint = native_paint_entry()
         mgr = _manager.PassManager(names, validate=options.validate_graph)
         c0 = cpu()
@@ -247,6 +270,10 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
             c0 = cpu()
             _optimize_functions(graph, mgr, options, devices, report)
             stages["functions"] = cpu() - c0
+        if pre is not None:  # the nodes the C++ run created or edited: the passes' own from here
+            live = [n for n in pre.touched if n in graph.nodes]
+            if live:
+                graph.touch(*live)
         summarize(graph, report)
         c0 = cpu()
         dump = options.ge.get("enable_dump") or options.ge.get("enable_dump_debug")
@@ -263,7 +290,7 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         changed = None if options.validate_graph else graph.changed_nodes()
         dev = ctx.default_device_type()
         problems = _opdef_check.new_problems(original, graph, dev, changed,
-                                             _precheck(opdef_precheck, out, data, dev))
+                                             _precheck(opdef_precheck, out, source, dev))
         stages["opdef_check"] = cpu() - c0
         if problems:
             _opdef_failure(problems, "main graph", options, report)

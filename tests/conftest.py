@@ -76,6 +76,17 @@ def pytest_terminal_summary(terminalreporter):
         for anchor, a, b in np_.CHECKED_PLANS[2][:5]:
             terminalreporter.write_line(f"the C++ and Python layer-norm plans differ at '{anchor}':\n"
                                         f"  C++:    {a!r}\n  Python: {b!r}")
+    pf = sys.modules.get("graph_passes.fusion.prefuse")
+    if pf is not None and (pf.CHECKED[0] or pf.LEFT):
+        terminalreporter.write_line(f"layer-norm fusions made in C++ before the parse: {pf.CHECKED[1]} in "
+                                    f"{pf.CHECKED[0]} graphs; runs compared with the Python rule's: "
+                                    f"{pf.CHECKED[2]}; differing: {len(pf.CHECKED[3])}")
+        if pf.LEFT:
+            top = sorted(pf.LEFT.items(), key=lambda kv: -kv[1])[:6]
+            terminalreporter.write_line("runs before the parse that ended early or did not run, by why: " +
+                                        "; ".join(f"{n}x {why or '?'}" for why, n in top))
+        for problems in pf.CHECKED[3][:5]:
+            terminalreporter.write_line(f"the C++ layer-norm fusion before the parse differs: {problems}")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -85,7 +96,9 @@ def pytest_sessionfinish(session, exitstatus):
 
     gr = sys.modules.get("graph_passes.fusion.grad_region")
     np_ = sys.modules.get("graph_passes.fusion.norm_plan")
-    if (gr is not None and gr.CHECKED[1]) or (np_ is not None and np_.CHECKED_PLANS[2]):
+    pf = sys.modules.get("graph_passes.fusion.prefuse")
+    if ((gr is not None and gr.CHECKED[1]) or (np_ is not None and np_.CHECKED_PLANS[2])
+            or (pf is not None and pf.CHECKED[3])):
         session.exitstatus = 1  # (pytest_terminal_summary prints them)
 
 

@@ -11,6 +11,7 @@ from .core import (RULES, Builder, FusionRule, FusionRuleError, Skip, fusion_rul
                    register_fusion_rule, unregister_fusion_rule)
 
 if not any(r.builtin for r in RULES.values()):
+    _builtin.register_norms()  # (first: see register_norms)
     _cleanups.register()
     _builtin.register()
 

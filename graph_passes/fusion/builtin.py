@@ -1828,6 +1828,24 @@ def _build_filter_grad_1x1(m, b):
     _emit_filter_matmul(b, x, dy, dt, fs, "Input")
 
 
+def register_norms():
+    """The layer-norm rules, registered before every other rule (issue 17):
+    they run first in each sweep, so that the ``layer_norm`` rule's run on a
+    graph the three pattern rules find nothing in is the one the grappler
+    bridge can make in C++ before Python parses the graph
+    (:mod:`graph_passes.fusion.prefuse`)."""
+    reg = lambda *a, **kw: register_fusion_rule(*a, _builtin=True, **kw)  # noqa: E731
+    reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments, escapes=True, searches_gradient=True,
+        reason="10 elementwise/reduction ops become one fp32-accumulating kernel")
+    reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments, escapes=True, searches_gradient=True,
+        reason="Keras 3 LayerNormalization becomes one kernel")
+    reg("layer_norm_keras2", _ln_keras2_pat(), _build_ln_keras2, escapes=True, searches_gradient=True,
+        reason="Keras 2 LayerNormalization (reshape + FusedBatchNormV3) becomes one kernel")
+    reg("layer_norm", Pat(_ADDS + ("Mul", "RealDiv"), predicate=_norm_predicate), _build_norm, searches_gradient=True,
+        reason="LayerNorm/RMSNorm written as plain ops (raw, reduce_mean, moments, sqrt/div, "
+               "reduce_variance) becomes one fp32-accumulating kernel")
+
+
 def register():
     reg = lambda *a, **kw: register_fusion_rule(*a, _builtin=True, **kw)  # noqa: E731
     reg("bn_fold", _bn_fold_pat(), _build_bn_fold, graph_level=3,
@@ -1867,15 +1885,6 @@ def register():
     __import__(__package__ + ".bf16_elementwise", fromlist=["register"]).register(reg)  # its own file (18f)
     __import__(__package__ + ".bf16_transformer", fromlist=["register"]).register(reg)  # its own file (18g)
     __import__(__package__ + ".bf16_apply", fromlist=["register"]).register(reg)  # its own file (18j)
-    reg("layer_norm_moments", _ln_moments_pat(), _build_ln_moments, escapes=True, searches_gradient=True,
-        reason="10 elementwise/reduction ops become one fp32-accumulating kernel")
-    reg("layer_norm_keras3", _ln_keras3_pat(), _build_ln_moments, escapes=True, searches_gradient=True,
-        reason="Keras 3 LayerNormalization becomes one kernel")
-    reg("layer_norm_keras2", _ln_keras2_pat(), _build_ln_keras2, escapes=True, searches_gradient=True,
-        reason="Keras 2 LayerNormalization (reshape + FusedBatchNormV3) becomes one kernel")
-    reg("layer_norm", Pat(_ADDS + ("Mul", "RealDiv"), predicate=_norm_predicate), _build_norm, searches_gradient=True,
-        reason="LayerNorm/RMSNorm written as plain ops (raw, reduce_mean, moments, sqrt/div, "
-               "reduce_variance) becomes one fp32-accumulating kernel")
     from .batch_norm import register as register_batch_norm  # its own file; imports this one
 
     register_batch_norm(reg)

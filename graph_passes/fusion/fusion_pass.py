@@ -47,6 +47,7 @@ from .cleanups import merge_duplicate_casts
 from .core import (CONST_MEMO_ATTR, RULES, ShapeOracle, Trail, apply_rule, policy_reason, quiet_at,
                    rule_off)
 from .builtin import _FUSED_KERNEL_MEMO_ATTR, NORM_MEMO_ATTR
+from . import prefuse
 from .grad_region import mark_original_names, preload
 
 #: safety bound on sweeps: this many per node of the input graph (a fix-point is
@@ -104,9 +105,13 @@ class FusionPass(Pass):
         if level <= 0:
             return stats
         rules = [r for r in RULES.values() if r.graph_level <= level]
+        # (issue 17) the layer-norm rule's first run made in C++ before the
+        # parse (prefuse.py): its fusions reported as the rule's own
+        pre = getattr(ctx, "prefused", None) if ctx is not None else None
+        prefuse.record(graph, ctx, pre, stats)
         # the gradient-region search names autodiff's ops after forward nodes,
         # some of which earlier fusions remove (grad_region.attributed_forward)
-        mark_original_names(graph)
+        mark_original_names(graph, pre.removed if pre is not None else ())
         _preload_mirror(graph, rules, ctx)
         bound = max(MIN_SWEEP_BOUND, MAX_SWEEPS_PER_NODE * len(graph.nodes))
         # rule -> (graph.version, edit mark, removal mark, no overlap dropped)

@@ -362,11 +362,14 @@ ORIGINAL_NAMES_ATTR = "_names_before_fusion"
 ORIGINAL_MARK_ATTR = "_removal_mark_before_fusion"
 
 
-def mark_original_names(graph):
+def mark_original_names(graph, removed=()):
     """Record the names ``graph`` has now (:data:`ORIGINAL_NAMES_ATTR`) and
     the removal log's mark (:data:`ORIGINAL_MARK_ATTR`): the names of both
-    gone since are the removed ones among them (:meth:`_Mirror.sync`)."""
-    names = frozenset(graph.nodes)
+    gone since are the removed ones among them (:meth:`_Mirror.sync`).
+    ``removed``: names of the graph as the fusion pass would have received
+    it that are gone already (``prefuse.Prefused.removed``: the layer-norm
+    fusions made before the parse)."""
+    names = frozenset(graph.nodes).union(removed) if removed else frozenset(graph.nodes)
     setattr(graph, ORIGINAL_NAMES_ATTR, names)
     marks = graph.edit_marks()
     setattr(graph, ORIGINAL_MARK_ATTR, (names, marks[1]) if marks is not None else None)
