@@ -3350,14 +3350,16 @@ class NormFuser {
       }
     }
     if (!FullPositions()) return Stop("a cycle"), -1;
-    std::vector<int32_t> matches;
-    try {
-      matches = Matches();
-    } catch (const Bad&) {
-      return Stop("a candidate's analysis is Python's"), 0;
-    } catch (const Unable&) {
-      return Stop("a candidate's analysis is Python's"), 0;
-    }
+    const std::vector<int32_t> matches = Matches();  // (up to a candidate Python decides: why set)
+    const string matches_why = why;  // (a stop at an anchor before that candidate comes first)
+    why.clear();
+    struct Last {
+      string& why;
+      const string& later;
+      ~Last() {
+        if (why.empty()) why = later;
+      }
+    } last{why, matches_why};
     bool changed = false;
     for (int32_t a : matches) {
       try {
@@ -3379,6 +3381,69 @@ class NormFuser {
   // the graph's bytes after the run: `input` (the bytes the mirror was
   // loaded from) with the fusions applied; `map`: per output node its index
   // in `input`, or -1 (created, or edited); `touched`: the names of those
+  // graph.py _colocation_kept / _drop_colocation: `def` with its `_class`
+  // entries "loc:@X" naming a node that is gone left out (the attr dropped
+  // when none is left); false when it names none (nothing to write)
+  bool DropColocation(string_view def, string* out) const {
+    if (def.find("_class") == string_view::npos) return false;
+    string_view a;
+    if (!FindAttr(def, "_class", &a)) return false;
+    const AttrView v(a);
+    const string_view list = v.get(1);
+    std::vector<string_view> vals;
+    bool dangling = false;
+    const char* p = list.data();
+    const char* end = p + list.size();
+    while (p < end) {
+      uint64_t tag;
+      if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+      if (tag == ((2 << 3) | 2)) {
+        string_view sv;
+        if (!ReadBytes(p, end, &sv)) throw Bad();
+        if (sv.substr(0, 5) == "loc:@" && !m_.Alive(m_.Find(sv.substr(5)))) {
+          dangling = true;
+          continue;
+        }
+        vals.push_back(sv);
+      } else if (!wire::SkipField(p, end, tag & 7)) {
+        throw Bad();
+      } else {
+        throw Bad();  // (a list of other kinds: as Python, written again from `s` only)
+      }
+    }
+    if (!dangling) return false;
+    out->clear();
+    p = def.data();
+    end = p + def.size();
+    while (p < end) {  // every field but the `_class` map entry
+      const char* at = p;
+      uint64_t tag;
+      if (!wire::ReadVarint(p, end, &tag)) throw Bad();
+      if (tag == ((5 << 3) | 2)) {
+        string_view entry;
+        if (!ReadBytes(p, end, &entry)) throw Bad();
+        const char* q = entry.data();
+        const char* qe = q + entry.size();
+        uint64_t t;
+        string_view k;
+        if (wire::ReadVarint(q, qe, &t) && t == ((1 << 3) | 2) && ReadBytes(q, qe, &k) && k == "_class") continue;
+        out->append(at, static_cast<size_t>(p - at));
+        continue;
+      }
+      if (!wire::SkipField(p, end, tag & 7)) throw Bad();
+      out->append(at, static_cast<size_t>(p - at));
+    }
+    if (!vals.empty()) {
+      string l, av, entry;
+      for (string_view sv : vals) PutLen(&l, 2, sv);
+      PutLen(&av, 1, l);
+      PutLen(&entry, 1, "_class");
+      PutLen(&entry, 2, av);
+      PutLen(out, 5, entry);
+    }
+    return true;
+  }
+
   bool Write(string_view input, string* out, std::vector<int32_t>* map, string* touched) {
     out->clear();
     map->clear();
@@ -3395,7 +3460,9 @@ class NormFuser {
         def = NodeBytes(it->second, n.inputs);
       } else if (edited_.count(id)) {
         def = WithInputs(n.def, n.inputs);
-      } else {
+        string fixed;
+        if (DropColocation(def, &fixed)) def = std::move(fixed);
+      } else if (!DropColocation(n.def, &def)) {
         PutLen(out, 1, n.def);
         map->push_back(base);
         continue;
@@ -3682,7 +3749,15 @@ class NormFuser {
     std::sort(anchors.begin(), anchors.end(), [&](int32_t a, int32_t b) { return pos_[a] < pos_[b]; });
     std::vector<int32_t> out;
     for (int32_t a : anchors) {
-      if (Predicate(a)) out.push_back(a);  // (matched: the anchor alone; none overlaps)
+      try {
+        if (Predicate(a)) out.push_back(a);  // (matched: the anchor alone; none overlaps)
+      } catch (const Bad&) {  // (Python decides this one: the run ends before it)
+        Stop("at '" + string(m_.name(a)) + "': a candidate's analysis is Python's");
+        break;
+      } catch (const Unable&) {
+        Stop("at '" + string(m_.name(a)) + "': a candidate's analysis is Python's");
+        break;
+      }
     }
     return out;
   }

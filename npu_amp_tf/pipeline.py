@@ -220,12 +220,17 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
     # (graph_passes/fusion/prefuse.py); ``prefuse(pre)``: the caller's say
     # on using it (the grappler bridge applies it to the item it holds)
     pre = None
-    if data is not None and prefuse is not False and "fusion" in names:
+    if prefuse is not False and "fusion" in names:
         from graph_passes.fusion import prefuse as _prefuse
 
-        pre = _prefuse.run(data, ctx, names)
+        raw = data
+        if raw is None and _prefuse.refusal(ctx, names) is None and _prefuse.may_have_norms(graph_def):
+            raw = graph_def.SerializeToString()  # (a GraphDef given: its bytes, for the C++ run)
+        pre = _prefuse.run(raw, ctx, names) if raw is not None else None
         if pre is not None and callable(prefuse) and not prefuse(pre):
             pre = None
+        if pre is not None and data is None:
+            data = raw  # (the input as it came, from here: bytes)
         stages["prefuse"] = cpu() - c0
         c0 = cpu()
     ctx.prefused = pre

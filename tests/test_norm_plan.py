@@ -22,7 +22,7 @@ import tensorflow as tf
 
 import npu_amp_tf
 from graph_passes.fusion import grad_region as gr
-from graph_passes.fusion import norm_plan
+from graph_passes.fusion import norm_plan, prefuse
 from npu_amp_tf import bridge
 from test_precision_native import _graph
 
@@ -85,6 +85,9 @@ def _rewrite(gd, fetches, on, monkeypatch, check=None):
     compared with Python's).  ``check`` False: the C++ plans are emitted as
     they are, not compared (and replaced by the reference's) first."""
     monkeypatch.setattr(norm_plan, "NATIVE_PLAN", on)
+    # (the rule's own run, in the fusion pass: not the one made in C++ before the parse,
+    # tests/test_prefuse.py, which would leave it no norm to plan)
+    monkeypatch.setattr(prefuse, "PREFUSE", False)
     if check is not None:
         monkeypatch.setattr(gr, "CHECK_NATIVE", check)
     planned, compared = norm_plan.CHECKED_PLANS[0], norm_plan.CHECKED_PLANS[1]

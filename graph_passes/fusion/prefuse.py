@@ -149,11 +149,23 @@ def _kernels(dev_types) -> tuple:
     return tuple(out)
 
 
+#: the ops a norm's inverse standard deviation is read from (builtin._norm_candidates)
+_INV_STD_OPS = ("Rsqrt", "Sqrt")
+
+
+def may_have_norms(graph_def) -> bool:
+    """Whether a GraphDef has an op the rule's candidates start from (a
+    graph without one is not serialised for the C++ run)."""
+    return any(n.op in _INV_STD_OPS for n in graph_def.node)
+
+
 def run(data: bytes, ctx, pass_names) -> Prefused | None:
     """The C++ run over ``data`` (a serialized GraphDef), or None: it cannot
     run here (:func:`refusal`), or fused nothing."""
     from . import grad_region as gr
 
+    if data.find(b"sqrt") < 0 and data.find(b"Sqrt") < 0:  # (no Rsqrt / Sqrt op: no candidate)
+        return None
     why = refusal(ctx, pass_names)
     req = request(ctx) if why is None else None
     if req is None:
@@ -248,7 +260,8 @@ def compare(data: bytes, pre: Prefused, ctx):
     want = {n.name: n for n in graph.to_graph_def().node}
     got_gd = graph_pb2.GraphDef()
     got_gd.ParseFromString(pre.data)
-    got = {n.name: n for n in got_gd.node}
+    # (as Python writes a graph: colocation with a removed node dropped, Graph._drop_colocation)
+    got = {n.name: n for n in Graph(got_gd).to_graph_def().node}
     problems = []
     if set(want) != set(got):
         problems.append(f"nodes only in C++: {sorted(set(got) - set(want))[:5]}, "
@@ -284,8 +297,9 @@ def _apply_until(graph, rule, ctx, stop: str):
     protected = ctx.protected
     shapes = ShapeOracle(graph)
     changed = False
+    pos = dict(graph.topo_positions())  # (the order find_matches visits the anchors in)
     for m in find_matches(graph, rule.pattern, protected, escapes_ok=rule.escapes):
-        if m.anchor == stop:
+        if pos.get(m.anchor, -1) >= pos.get(stop, -1):
             return
         if changed:
             if m.anchor not in graph.nodes:
