@@ -66,6 +66,8 @@ class Captured:
         self.fetches = set(ctx.fetches)
         self.preserve = set(ctx.preserve)
         self.devices = tuple(ctx.devices)
+        #: (issue 17) the layer-norm fusions made before the parse, which the pass reports as its own
+        self.prefused = getattr(ctx, "prefused", None)
         self.callback_cpu_s = None
         self.nodes = 0
         #: the graph the fusion pass left inside grappler (a replay must give the same bytes)
@@ -85,6 +87,7 @@ class Captured:
         if src is not None:
             _shapes.attach(graph, src)
         ctx = _manager.PassContext(options or self.options, self.fetches, self.preserve, self.devices)
+        ctx.prefused = self.prefused
         return graph, ctx
 
 

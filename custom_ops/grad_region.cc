@@ -408,6 +408,8 @@ class Mirror {
     for (string_view n : Split(Keep(names.data(), names.size()), '\x01')) before_.insert(n);
   }
   void SetPos(int32_t id, double p) { nodes_[id].pos = p; }
+  // AddBefore of one name that views the mirror's own buffers (no copy)
+  void AddBeforeName(string_view name) { before_.insert(name); }
 
   // (issue 17, NormFuser) edits with graph_passes.graph.Graph's own index
   // rules, so that the consumer lists keep the order Python's would have
@@ -3973,15 +3975,18 @@ class NormFuser {
     for (int32_t id : region_ids) {
       if (!m_.Alive(id)) return Stop("at '" + anchor + "': a region node is gone");
     }
-    auto in_set = [&](int32_t id, const std::unordered_set<string>& s) { return s.count(string(m_.name(id))) != 0; };
+    const std::unordered_set<int32_t> matched_idset(matched_ids.begin(), matched_ids.end()),
+        region_idset(region_ids.begin(), region_ids.end()), replaced_idset(replaced_ids.begin(), replaced_ids.end());
+    // (a name's id: the mirror interns each name once)
+    auto in_set = [&](int32_t id, const std::unordered_set<int32_t>& s) { return s.count(id) != 0; };
     {  // _unhandled_readers
       std::vector<int32_t> names(matched_ids.begin(), matched_ids.end());
       names.insert(names.end(), region_ids.begin(), region_ids.end());
       for (int32_t id : names) {
         if (id == a) continue;
-        const bool in_region = in_set(id, region_set);
+        const bool in_region = in_set(id, region_idset);
         for (const auto& [c, idx] : m_.consumers(id)) {
-          if (in_set(c, matched_set) || in_set(c, region_set) || in_set(c, replaced_set)) continue;
+          if (in_set(c, matched_idset) || in_set(c, region_idset) || in_set(c, replaced_idset)) continue;
           if (in_region) {
             if (idx < 0 && !region_target.empty()) continue;
             if (idx >= 0) {
@@ -4006,8 +4011,8 @@ class NormFuser {
     for (int32_t id : matched_ids) {
       for (const auto& in : N(id).inputs) {
         if (in.ctrl) {
-          if (!in_set(in.src, matched_set) && !has(ctrl, in.src) && !in_set(in.src, region_set)) ctrl.push_back(in.src);
-        } else if (!in_set(in.src, matched_set)) {
+          if (!in_set(in.src, matched_idset) && !has(ctrl, in.src) && !in_set(in.src, region_idset)) ctrl.push_back(in.src);
+        } else if (!in_set(in.src, matched_idset)) {
           upstream.push_back(in.src);
         }
       }
@@ -4016,12 +4021,12 @@ class NormFuser {
     for (int32_t r : replaced_ids) {
       std::vector<std::pair<int32_t, int32_t>> cs;
       for (const auto& c : m_.consumers(r)) {
-        if (!in_set(c.first, matched_set)) cs.push_back(c);
+        if (!in_set(c.first, matched_idset)) cs.push_back(c);
       }
       kept.emplace_back(r, std::move(cs));
     }
     auto gone = [&](int32_t id) {
-      return in_set(id, matched_set) || in_set(id, region_set) || in_set(id, replaced_set);
+      return in_set(id, matched_idset) || in_set(id, region_idset) || in_set(id, replaced_idset);
     };
     std::vector<std::tuple<int32_t, int32_t, string>> rewires;
     std::vector<std::pair<int32_t, int32_t>> ctrl_moves;
@@ -4129,7 +4134,7 @@ class NormFuser {
     edited_.erase(id);
     if (id < static_cast<int32_t>(base_index_.size()) && base_index_[id] >= 0) {
       removed_base.push_back(id);
-      m_.AddBefore(m_.name(id), false);
+      m_.AddBeforeName(m_.name(id));
     }
   }
   void SetInput(int32_t id, size_t i, const string& ref) {
@@ -4267,4 +4272,33 @@ NPU_AMP_GR_EXPORT int NpuAmpGrFuseNorms(void* h, void* memo, const char* graph, 
   *map = m_buf.data();
   *map_len = m_buf.size();
   return rc;
+}
+
+// (issue 17) Whether the layer-norm rule's run could find a candidate in the
+// serialized GraphDef `graph` (builtin._norm_candidates' first step: an
+// Rsqrt / Sqrt read as a data input by a Mul / RealDiv), read from its bytes
+// without building a mirror: 1 yes, 0 no, -1 not a GraphDef's bytes.
+NPU_AMP_GR_EXPORT int NpuAmpGrNormCandidates(const char* graph, size_t len) {
+  if (len && graph == nullptr) return -1;
+  try {
+    npu_amp_tf::GraphViews v;
+    if (!npu_amp_tf::ViewsOfBytes(string_view(graph, len), &v)) return -1;
+    std::unordered_set<string_view> inv;
+    for (size_t i = 0; i < v.name.size(); ++i) {
+      if (v.op[i] == "Rsqrt" || v.op[i] == "Sqrt") inv.insert(v.name[i]);
+    }
+    if (inv.empty()) return 0;
+    for (size_t i = 0; i < v.name.size(); ++i) {
+      if (v.op[i] != "Mul" && v.op[i] != "RealDiv") continue;
+      for (int64_t k = v.in_start[i]; k < v.in_start[i + 1]; ++k) {
+        string_view name;
+        int64_t port;
+        bool ctrl;
+        if (ParseRef(v.input[k], &name, &port, &ctrl) && !ctrl && inv.count(name)) return 1;
+      }
+    }
+    return 0;
+  } catch (...) {  // (bad_alloc)
+    return -1;
+  }
 }

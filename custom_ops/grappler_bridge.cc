@@ -1472,7 +1472,22 @@ NPU_AMP_EXPORT int NpuAmpItemShapes(void* sink, const char** data, size_t* len) 
   }
   if (!s->has_shapes) {
     s->has_shapes = true;
-    if (!InferShapesText(*s->item, &s->shapes)) {
+    bool ok;
+    if (s->prefused_graph != nullptr) {
+      // (issue 17) the item as it came, not the fused graph it holds now
+      // (NpuAmpSinkUsePrefused): the passes' shape table is the input's, as
+      // when the fusion pass makes the fusions (copied: inference is lazy and
+      // costs more than the copy)
+      tensorflow::grappler::GrapplerItem original(*s->item);
+      auto* nodes = original.graph.mutable_node();
+      nodes->Clear();
+      nodes->Reserve(static_cast<int>(s->prefused_orig.size()));
+      for (const tensorflow::NodeDef* p : s->prefused_orig) *nodes->Add() = *p;
+      ok = InferShapesText(original, &s->shapes);
+    } else {
+      ok = InferShapesText(*s->item, &s->shapes);
+    }
+    if (!ok) {
       s->shapes = "grappler shape inference failed: " + s->shapes;
       s->item = nullptr;  // remember the failure as the message
     }

@@ -543,14 +543,26 @@ class GradRegionLib:
             lib.NpuAmpGrNormGradPlan.argtypes = lib.NpuAmpGrNormPlan.argtypes
             lib.NpuAmpGrNormGradPlan.restype = c_int
         #: (issue 17) the layer-norm rule's whole run before the parse (a library built before it: False)
-        self.can_fuse_norms = hasattr(lib, "NpuAmpGrFuseNorms")
+        self.can_fuse_norms = hasattr(lib, "NpuAmpGrFuseNorms") and hasattr(lib, "NpuAmpGrNormCandidates")
         if self.can_fuse_norms:
+            lib.NpuAmpGrNormCandidates.argtypes = [c_char_p, c_size_t]
+            lib.NpuAmpGrNormCandidates.restype = c_int
             lib.NpuAmpGrFuseNorms.argtypes = [c_void_p, c_void_p, c_char_p, c_size_t, c_char_p, c_size_t,
                                               ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t),
                                               ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t),
                                               ctypes.POINTER(c_void_p), ctypes.POINTER(c_size_t)]
             lib.NpuAmpGrFuseNorms.restype = c_int
         self._lib = lib
+
+    def norm_candidates(self, graph: bytes):
+        """``NpuAmpGrNormCandidates``: whether the layer-norm rule could
+        find a candidate in ``graph`` (an Rsqrt / Sqrt a Mul / RealDiv
+        reads), read from the bytes without building a mirror: True / False,
+        or None (not a GraphDef's bytes, or no such call)."""
+        if not self.can_fuse_norms:
+            return None
+        rc = self._lib.NpuAmpGrNormCandidates(graph, len(graph))
+        return None if rc < 0 else rc == 1
 
     def fuse_norms(self, graph: bytes, ops: bytes, request: bytes):
         """``NpuAmpGrFuseNorms`` on a mirror loaded fresh from ``graph`` with
@@ -878,9 +890,15 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         if getattr(_tls, "active", False):
             return RC_NOT_NOW  # a pass itself ran a TF function: do not recurse
         _tls.active = True
+        # (issue 17) an item the layer-norm fusion before the parse may change
+        # gets its index built after it (NpuAmpSinkUsePrefused starts it), not
+        # now and not early on the next call: one of the item as it came
+        # would be thrown away
+        graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
+        later = _may_prefuse(graph_bytes)
         if hasattr(_lib, "NpuAmpSinkFlags"):
-            _lib.NpuAmpSinkFlags(sink, _sink_flags())
-        if INDEX_IN_BACKGROUND and hasattr(_lib, "NpuAmpItemIndexStart"):
+            _lib.NpuAmpSinkFlags(sink, _sink_flags(early=not later))
+        if INDEX_IN_BACKGROUND and not later and hasattr(_lib, "NpuAmpItemIndexStart"):
             _lib.NpuAmpItemIndexStart(sink)  # (0 started; else built when asked)
         shapes = item_shape_source(sink)
         digest = item_fingerprint(sink, glen) if SHARED_FINGERPRINT else None
@@ -890,7 +908,6 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         # freed memory)
         live = [sink]
         try:
-            graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
                                _split(devices), (item_id or b"").decode("utf-8", "replace"),
@@ -971,12 +988,24 @@ INDEX_IN_BACKGROUND = True
 EARLY_INDEX = True
 
 
-def _sink_flags() -> int:
+def _sink_flags(early: bool = True) -> int:
     """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES /
-    FAST_INDEX / PRECHECK_FROM_INDEX / EARLY_INDEX (with INDEX_IN_BACKGROUND)."""
+    FAST_INDEX / PRECHECK_FROM_INDEX / EARLY_INDEX (with INDEX_IN_BACKGROUND;
+    ``early`` False: not for the next item either)."""
     return ((1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
             | (4 if FAST_INDEX else 0) | (8 if PRECHECK_FROM_INDEX else 0)
-            | (16 if EARLY_INDEX and INDEX_IN_BACKGROUND else 0))
+            | (16 if early and EARLY_INDEX and INDEX_IN_BACKGROUND else 0))
+
+
+def _may_prefuse(graph_bytes: bytes) -> bool:
+    """Whether the layer-norm fusion before the parse may change this item
+    (``graph_passes.fusion.prefuse``: on, put into the item, and a candidate
+    in the bytes)."""
+    from graph_passes.fusion import grad_region as gr
+    from graph_passes.fusion import prefuse
+
+    lib = gr.native
+    return bool(prefuse.PREFUSE and USE_PREFUSED and lib is not None and prefuse.has_candidates(graph_bytes))
 
 
 def early_index_counts():

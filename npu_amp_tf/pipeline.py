@@ -220,7 +220,9 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
     # (graph_passes/fusion/prefuse.py); ``prefuse(pre)``: the caller's say
     # on using it (the grappler bridge applies it to the item it holds)
     pre = None
-    if prefuse is not False and "fusion" in names:
+    # (a patch's base is the caller's graph: the bridge's item takes the
+    # fusions in, `prefuse(pre)`; an offline caller's graph does not)
+    if prefuse is not False and "fusion" in names and (serialized != "patch" or callable(prefuse)):
         from graph_passes.fusion import prefuse as _prefuse
 
         raw = data
@@ -263,7 +265,10 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         if shapes is None:
             from .bridge import graph_shape_source
 
-            shapes = graph_shape_source(graph_def) if not own else graph_shape_source(None, source)
+            # (the graph as it came, also after the layer-norm fusions made before the parse:
+            # the passes' shape table is the input's, as when the fusion pass makes them)
+            shapes = (graph_shape_source(None, data) if pre is not None else
+                      graph_shape_source(graph_def) if not own else graph_shape_source(None, source))
         if shapes is not None:
             _shapes.attach(graph, _timed(shapes, report))
         ctx.native_paint = native_paint_entry()

@@ -21,6 +21,16 @@ pytestmark = pytest.mark.skipif(
     not hasattr(bridge.library(), "NpuAmpEarlyIndexCounts"), reason="library without the early index")
 
 
+@pytest.fixture(autouse=True)
+def _no_prefuse(monkeypatch):
+    """The early index of the item as it came: an item the layer-norm
+    fusion before the parse changes gets its index after it instead
+    (tests/test_prefuse.py)."""
+    from graph_passes.fusion import prefuse
+
+    monkeypatch.setattr(prefuse, "PREFUSE", False)
+
+
 def _run(cfg, mg, monkeypatch, **switches):
     for name, value in switches.items():
         monkeypatch.setattr(bridge, name, value)

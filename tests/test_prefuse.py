@@ -197,6 +197,48 @@ def test_through_grappler_same_with_and_without(monkeypatch):
     assert sum(n.op == "LayerNormGrad" for n in outs[True][0].values()) == 5
 
 
+def test_no_index_of_the_item_as_it_came(monkeypatch):
+    """An item the C++ run changes gets its index built after the run (the
+    index of the item as it came would be thrown away): none started before
+    the callback on the next call, and the same output as without the run."""
+    g, fetches = _bert_graph()
+    mg = _metagraph(g, fetches)
+    monkeypatch.setattr(prefuse, "PREFUSE", True)
+    outs = []
+    for k in range(3):  # (the first call's flags say whether the second's starts early)
+        bridge.clear_reports()
+        before = bridge.early_index_counts()
+        outs.append(tf_optimizer.OptimizeGraph(_config(), mg, graph_id=b"prefuse_index"))
+        after = bridge.early_index_counts()
+        if k:
+            assert after[0] == before[0]  # (no early index of the item as it came)
+    assert outs[0].SerializeToString(deterministic=True) == outs[1].SerializeToString(deterministic=True)
+    monkeypatch.setattr(prefuse, "PREFUSE", False)
+    bridge.clear_reports()
+    ref = tf_optimizer.OptimizeGraph(_config(), mg, graph_id=b"prefuse_index")
+    assert {n.name: n for n in ref.node} == {n.name: n for n in outs[1].node}
+
+
+def test_candidates_read_from_the_bytes():
+    """The pre-check that spares a graph without a candidate the mirror's
+    load: an Rsqrt / Sqrt read by a Mul / RealDiv, and nothing else."""
+    def graph(build):
+        g = tf.Graph()
+        with g.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [4, 8], name="x")
+            build(x)
+        return g.as_graph_def().SerializeToString()
+
+    lib = gr.native
+    assert lib.norm_candidates(graph(lambda x: tf.math.rsqrt(x) * x)) is True
+    assert lib.norm_candidates(graph(lambda x: x / tf.sqrt(x))) is True
+    # (Adam's update: sqrt(v) + eps is read by the Add, not by the division)
+    assert lib.norm_candidates(graph(lambda x: x / (tf.sqrt(x) + 1e-7))) is False
+    assert lib.norm_candidates(graph(lambda x: tf.nn.relu(x))) is False
+    assert lib.norm_candidates(b"\x0a\x05junk") is None
+    assert prefuse.has_candidates(graph(lambda x: tf.nn.relu(x))) is False
+
+
 def test_item_restored_when_python_leaves_the_graph(monkeypatch):
     """The pipeline fails after the C++ run (a bug in a pass, fail_on_error
     off): grappler's item is handed back as it came, its own nodes in their

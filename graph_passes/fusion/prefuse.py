@@ -155,8 +155,30 @@ _INV_STD_OPS = ("Rsqrt", "Sqrt")
 
 def may_have_norms(graph_def) -> bool:
     """Whether a GraphDef has an op the rule's candidates start from (a
-    graph without one is not serialised for the C++ run)."""
+    GraphDef without one is not serialised for the C++ run)."""
     return any(n.op in _INV_STD_OPS for n in graph_def.node)
+
+
+#: (the bytes last asked about and the answer: the grappler callback asks before the pipeline)
+_CANDIDATES = [None, None]
+
+
+def has_candidates(data: bytes) -> bool:
+    """Whether the rule could find a candidate in the serialized graph
+    ``data`` (an Rsqrt / Sqrt a Mul / RealDiv reads; C++, from the bytes,
+    no mirror built; the bytes are not searched when they hold neither op's
+    name)."""
+    from . import grad_region as gr
+
+    if _CANDIDATES[0] is data:
+        return _CANDIDATES[1]
+    if data.find(b"sqrt") < 0 and data.find(b"Sqrt") < 0:
+        found = False
+    else:
+        lib = gr.native
+        found = lib is not None and getattr(lib, "can_fuse_norms", False) and lib.norm_candidates(data) is True
+    _CANDIDATES[0], _CANDIDATES[1] = data, found
+    return found
 
 
 def run(data: bytes, ctx, pass_names) -> Prefused | None:
@@ -164,7 +186,9 @@ def run(data: bytes, ctx, pass_names) -> Prefused | None:
     run here (:func:`refusal`), or fused nothing."""
     from . import grad_region as gr
 
-    if data.find(b"sqrt") < 0 and data.find(b"Sqrt") < 0:  # (no Rsqrt / Sqrt op: no candidate)
+    found = has_candidates(data)
+    _CANDIDATES[0] = _CANDIDATES[1] = None  # (not kept past its run: the bytes may be large)
+    if not found:  # (no mirror loaded for a graph without a candidate)
         return None
     why = refusal(ctx, pass_names)
     req = request(ctx) if why is None else None
