@@ -1246,9 +1246,23 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
         cached = _memo.get(key)
         if cached is not None:
             _memo.move_to_end(key)
+    # (issue 17) a patch of the item with the layer-norm fusions made before
+    # the parse put into it: the cached one fits only once they are put into
+    # this item too (else the pipeline runs again)
+    if cached is not None and cached[2] is not None and not (callable(prefuse) and prefuse(cached[2])):
+        cached = None
     if cached is not None:
-        code, out = cached
+        code, out, _ = cached
         return _finish(entry, "cached", t0, None, out=out or None, code=code)
+    applied = []
+    if callable(prefuse):
+        use = prefuse
+
+        def prefuse(pre):  # noqa: F811 - the caller's, remembering what it took
+            ok = use(pre)
+            if ok:
+                applied.append(pre)
+            return ok
 
     from . import pipeline
 
@@ -1314,13 +1328,15 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     _write_report_file(options, item_id, rep)
     # (the rewritten graph is serialized inside the pipeline: Graph.serialize)
     entry["bridge_s"] = parse_s
-    _remember(key, RC_OK, out)
+    _remember(key, RC_OK, out, applied[0] if applied and not isinstance(out, bytes) else None)
     return _finish(entry, "rewritten", t0, None, out=out, nodes=nodes)
 
 
-def _remember(key, code, out):
+def _remember(key, code, out, prefused=None):
+    """``prefused``: the fusions made before the parse that ``out`` (a
+    patch) is based on, to put into the item again on a hit."""
     with _lock:
-        _memo[key] = (code, out)
+        _memo[key] = (code, out, prefused)
         while len(_memo) > _MEMO_MAX:
             _memo.popitem(last=False)
 

@@ -197,6 +197,23 @@ def test_through_grappler_same_with_and_without(monkeypatch):
     assert sum(n.op == "LayerNormGrad" for n in outs[True][0].values()) == 5
 
 
+def test_a_graph_handed_again_is_answered_from_the_memo(monkeypatch):
+    """The same graph handed to grappler again (a second session on it): the
+    memo's patch is based on the item with the fusions put into it, so they
+    are put into this item too, and the output is the first one."""
+    g, fetches = _bert_graph()
+    mg = _metagraph(g, fetches)
+    monkeypatch.setattr(prefuse, "PREFUSE", True)
+    bridge.clear_reports()
+    before = prefuse.CHECKED[1]
+    first = tf_optimizer.OptimizeGraph(_config(), mg, graph_id=b"prefuse_memo")
+    again = tf_optimizer.OptimizeGraph(_config(), mg, graph_id=b"prefuse_memo")
+    assert prefuse.CHECKED[1] - before == 5  # (one run: the second call is the memo's)
+    assert [r["status"] for r in bridge.last_reports()] == ["rewritten", "cached"]
+    assert again.SerializeToString(deterministic=True) == first.SerializeToString(deterministic=True)
+    assert sum(n.op == "LayerNormGrad" for n in again.node) == 5
+
+
 def test_no_index_of_the_item_as_it_came(monkeypatch):
     """An item the C++ run changes gets its index built after the run (the
     index of the item as it came would be thrown away): none started before
