@@ -1584,9 +1584,10 @@ static int StartIndexThread(Sink* s, int flags) {
 // after (the index, the paint strings, the OpDef pre-check, the patch's
 // assembly, the shapes) sees the graph Python parses.  Optimize puts the
 // item's own nodes back on every path that hands the graph back unchanged.
+// `start_index`: build the new index on a helper thread now (else when asked).
 // 0 done, 1 refused (nothing changed: Python parses the item's own bytes).
 NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t len, const int32_t* map,
-                                         size_t n) {
+                                         size_t n, int start_index) {
   auto* s = static_cast<Sink*>(sink);
   if (s == nullptr || s->item == nullptr || s->prefused_graph != nullptr || data == nullptr ||
       (n && map == nullptr)) {
@@ -1649,7 +1650,8 @@ NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t le
   s->views.reset();
   s->has_shapes = false;
   s->shapes.clear();
-  StartIndexThread(s, s->flags);  // (as the callback's entry did; else built when asked)
+  // (bridge.INDEX_IN_BACKGROUND, as the callback's entry would have; else built when asked)
+  if (start_index) StartIndexThread(s, s->flags);
   return 0;
 }
 

@@ -177,7 +177,7 @@ def library():
                 lib.NpuAmpItemIndexStart.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpSinkUsePrefused"):  # (issue 17)
                 lib.NpuAmpSinkUsePrefused.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
-                                                      ctypes.c_void_p, ctypes.c_size_t]
+                                                      ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                 lib.NpuAmpSinkUsePrefused.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpItemHasDevice"):  # (issue 17)
                 lib.NpuAmpItemHasDevice.argtypes = [ctypes.c_void_p]
@@ -1032,7 +1032,7 @@ def item_use_prefused(sink, pre) -> bool:
     if len(index) and index.itemsize != 4:
         return False
     ptr = index.buffer_info()[0] if len(index) else None
-    return fn(sink, pre.data, len(pre.data), ptr, len(index)) == 0
+    return fn(sink, pre.data, len(pre.data), ptr, len(index), int(bool(INDEX_IN_BACKGROUND))) == 0
 
 
 #: (issue 17) the grappler callback hands the layer-norm fusions made before

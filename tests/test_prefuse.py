@@ -176,10 +176,13 @@ def _bert_graph(layers=2):
     return bert_training_graph(layers=layers, hidden=32, heads=2, seq=8, batch=2, vocab=50, ffn=64)
 
 
-def test_through_grappler_same_with_and_without(monkeypatch):
+@pytest.mark.parametrize("background", [True, False])
+def test_through_grappler_same_with_and_without(monkeypatch, background):
     """Inside grappler (the bridge puts the C++ run's graph into the item:
     the index, paint strings, OpDef pre-check and the patch's assembly then
-    read it): the same output graph as the Python rule's."""
+    read it): the same output graph as the Python rule's, with the item's
+    index built on a helper thread after the run or when asked."""
+    monkeypatch.setattr(bridge, "INDEX_IN_BACKGROUND", background)
     g, fetches = _bert_graph()
     mg = _metagraph(g, fetches)
     outs = {}
