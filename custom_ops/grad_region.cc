@@ -3840,7 +3840,7 @@ class NormFuser {
       return emit("Const", name, {}, {{"dtype", AttrOfType(dtype)}, {"value", AttrOfTensor(dtype, shape, content)}},
                   dev);
     };
-    if (!(v_ok(dt))) return Stop("at '" + anchor + "': dtype");
+    if (!IsFloatType(dt)) return Stop("at '" + anchor + "': dtype");
     const string g_ref = !gamma.empty() ? gamma : const_node(anchor + "/gamma", norm, dt, filled(norm, dt, 1.0));
     string b_ref;
     if (ln) b_ref = !beta.empty() ? beta : const_node(anchor + "/beta", norm, dt, filled(norm, dt, 0.0));
@@ -4124,8 +4124,6 @@ class NormFuser {
     ++fused;
     return true;
   }
-
-  static bool v_ok(int64_t dt) { return IsFloatType(dt); }
 
   void Remove(int32_t id) {
     if (!m_.Alive(id)) return;

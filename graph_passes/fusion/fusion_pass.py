@@ -108,7 +108,7 @@ class FusionPass(Pass):
         # (issue 17) the layer-norm rule's first run made in C++ before the
         # parse (prefuse.py): its fusions reported as the rule's own
         pre = getattr(ctx, "prefused", None) if ctx is not None else None
-        prefuse.record(graph, ctx, pre, stats)
+        prefuse.record(ctx, pre, stats)
         # the gradient-region search names autodiff's ops after forward nodes,
         # some of which earlier fusions remove (grad_region.attributed_forward)
         mark_original_names(graph, pre.removed if pre is not None else ())

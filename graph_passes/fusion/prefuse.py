@@ -235,7 +235,7 @@ def _left(why: str):
         LEFT[why] = LEFT.get(why, 0) + 1
 
 
-def record(graph, ctx, pre: Prefused, stats: dict):
+def record(ctx, pre: Prefused, stats: dict):
     """The fusion pass's share: ``pre``'s fusions reported as the rule's own
     (``core.apply_rule``'s entries and count)."""
     if pre is None or not pre.fused:
