@@ -50,6 +50,7 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <memory_resource>
 #include <queue>
 #include <string>
 #include <string_view>
@@ -297,9 +298,15 @@ struct Stamped {
   }
 };
 
+// (issue 17) a node's inputs and a name's readers live in the mirror's pool
+// (Mirror::pool_): a bump allocation each, freed with the mirror at once
+using InputList = std::pmr::vector<InputRef>;
+using ReaderList = std::pmr::vector<std::pair<int32_t, int32_t>>;
+
 struct Node {
+  explicit Node(std::pmr::memory_resource* r) : inputs(r) {}
   string_view op;  // (in the mirror's buffers)
-  std::vector<InputRef> inputs;
+  InputList inputs;
   bool alive = false;
   double pos = kNoPos;
   // (the shape walk) the NodeDef bytes of the fresh load, while no upsert or
@@ -324,15 +331,15 @@ class Mirror {
     }
     names_.push_back(name);
     ids_.Insert(name);  // (the table's ids are its insertion order: id)
-    nodes_.emplace_back();
-    consumers_.emplace_back();
+    nodes_.emplace_back(&pool_);
+    consumers_.emplace_back(&pool_);
     return id;
   }
 
   bool Alive(int32_t id) const { return id >= 0 && nodes_[id].alive; }
   const Node& node(int32_t id) const { return nodes_[id]; }
   string_view name(int32_t id) const { return names_[id]; }
-  const std::vector<std::pair<int32_t, int32_t>>& consumers(int32_t id) const {
+  const ReaderList& consumers(int32_t id) const {
     return consumers_[id];
   }
   double pos(int32_t id) const { return id >= 0 ? nodes_[id].pos : kNoPos; }
@@ -360,8 +367,9 @@ class Mirror {
 
   // the node `name` now has `op` and `inputs` (created, or edited in place);
   // every view is into a buffer of Keep()
+  // (`link` false: the readers' entries are left to LinkLoaded, a fresh load's)
   bool Upsert(string_view name, string_view op, const string_view* inputs, size_t n_inputs,
-              bool fresh, string_view def = string_view()) {
+              bool fresh, string_view def = string_view(), bool link = true) {
     if (!Printable(op)) return false;
     const int32_t id = Intern(name, /*stable=*/true);
     if (id < 0) return false;
@@ -369,7 +377,7 @@ class Mirror {
       if (fresh) return false;  // a name twice in the bytes
       Unlink(id);
     }
-    std::vector<InputRef> ins;
+    InputList ins(&pool_);
     ins.reserve(n_inputs);
     for (size_t i = 0; i < n_inputs; ++i) {
       string_view ref = inputs[i], src;
@@ -387,10 +395,21 @@ class Mirror {
     n.alive = true;
     n.def = fresh ? def : string_view();
     n.dirty = n.dirty || !fresh;
-    for (size_t i = 0; i < n.inputs.size(); ++i) {
-      consumers_[n.inputs[i].src].emplace_back(id, n.inputs[i].ctrl ? -1 : static_cast<int32_t>(i));
-    }
+    if (link) Link(id);
     return true;
+  }
+
+  // (issue 17) the readers' entries of the nodes `ids` upserted without them,
+  // in the order Upsert would have appended them, each list grown once
+  void LinkLoaded(const std::vector<int32_t>& ids) {
+    std::vector<int32_t> more(consumers_.size(), 0);
+    for (int32_t id : ids) {
+      for (const InputRef& in : nodes_[id].inputs) ++more[in.src];
+    }
+    for (size_t s = 0; s < more.size(); ++s) {
+      if (more[s]) consumers_[s].reserve(consumers_[s].size() + static_cast<size_t>(more[s]));
+    }
+    for (int32_t id : ids) Link(id);
   }
 
   void Reserve(size_t n) {
@@ -434,7 +453,7 @@ class Mirror {
                 string_view def) {
     const int32_t id = Intern(name, /*stable=*/true);
     if (id < 0 || nodes_[id].alive || !Printable(op)) return -1;
-    std::vector<InputRef> ins;
+    InputList ins(&pool_);
     ins.reserve(inputs.size());
     for (string_view ref : inputs) {
       string_view src;
@@ -489,7 +508,7 @@ class Mirror {
     return true;
   }
   // a list to repair (core._commit's index repair of kept readers)
-  std::vector<std::pair<int32_t, int32_t>>& py_consumers(int32_t id) { return consumers_[id]; }
+  ReaderList& py_consumers(int32_t id) { return consumers_[id]; }
   // (issue 17) the ids of the first fresh load's nodes, in the order of its
   // bytes (NpuAmpGrMirrorPositionsBase: the Python graph's node ids of the
   // graph as created, Graph._seq, number them so)
@@ -508,6 +527,13 @@ class Mirror {
   }
 
  private:
+  void Link(int32_t id) {
+    const InputList& ins = nodes_[id].inputs;
+    for (size_t i = 0; i < ins.size(); ++i) {
+      consumers_[ins[i].src].emplace_back(id, ins[i].ctrl ? -1 : static_cast<int32_t>(i));
+    }
+  }
+
   void Unlink(int32_t id) {
     for (const auto& in : nodes_[id].inputs) {
       auto& v = consumers_[in.src];
@@ -516,11 +542,13 @@ class Mirror {
     }
   }
 
+  // (declared before every member that allocates from it: destroyed after them)
+  std::pmr::monotonic_buffer_resource pool_{1 << 16};
   std::deque<string> buffers_;  // (a deque: every view stays valid)
   std::vector<string_view> names_;
   npu_amp_tf::NameTable ids_;
   std::vector<Node> nodes_;
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> consumers_;
+  std::vector<ReaderList> consumers_;
   struct ViewHash {
     size_t operator()(string_view s) const { return npu_amp_tf::NameTable::Hash(s); }
   };
@@ -543,16 +571,21 @@ bool LoadGraphDef(Mirror* m, const char* bytes, size_t len, bool fresh) {
   v.want_defs = fresh;
   if (!npu_amp_tf::ViewsOfBytes(m->Keep(bytes, len), &v)) return false;
   const bool first = fresh && m->size() == 0;
-  if (first) m->base_ids.reserve(v.name.size());
+  // (a fresh load links the readers after every node is in: each list grown once)
+  std::vector<int32_t> ids;
+  if (fresh) ids.reserve(v.name.size());
   for (size_t i = 0; i < v.name.size(); ++i) {
     const string_view* ins = v.input.data() + v.in_start[i];
     const size_t n_ins = static_cast<size_t>(v.in_start[i + 1] - v.in_start[i]);
-    if (!m->Upsert(v.name[i], v.op[i], ins, n_ins, fresh, fresh ? v.def[i] : string_view())) {
+    if (!m->Upsert(v.name[i], v.op[i], ins, n_ins, fresh, fresh ? v.def[i] : string_view(),
+                   /*link=*/!fresh)) {
       m->base_ids.clear();
       return false;
     }
-    if (first) m->base_ids.push_back(m->Find(v.name[i]));
+    if (fresh) ids.push_back(m->Find(v.name[i]));
   }
+  if (fresh) m->LinkLoaded(ids);
+  if (first) m->base_ids = std::move(ids);
   return true;
 }
 
@@ -3266,7 +3299,7 @@ string_view DeviceOf(string_view def) {
 }
 
 // NodeDef bytes `def` with its inputs (field 3) replaced by `inputs`
-string WithInputs(string_view def, const std::vector<InputRef>& inputs) {
+string WithInputs(string_view def, const InputList& inputs) {
   string o;
   o.reserve(def.size() + 64);
   const char* p = def.data();
@@ -3506,7 +3539,7 @@ class NormFuser {
     }
     return o;
   }
-  string NodeBytes(const std::pair<string, Emitted>& rec, const std::vector<InputRef>& inputs) const {
+  string NodeBytes(const std::pair<string, Emitted>& rec, const InputList& inputs) const {
     std::vector<string> ins;
     for (const auto& in : inputs) ins.emplace_back(in.ref);
     return NodeBytes(rec.first, rec.second, ins);
@@ -4279,21 +4312,56 @@ NPU_AMP_GR_EXPORT int NpuAmpGrFuseNorms(void* h, void* memo, const char* graph, 
 NPU_AMP_GR_EXPORT int NpuAmpGrNormCandidates(const char* graph, size_t len) {
   if (len && graph == nullptr) return -1;
   try {
-    npu_amp_tf::GraphViews v;
-    if (!npu_amp_tf::ViewsOfBytes(string_view(graph, len), &v)) return -1;
+    // (one read of the bytes, ViewsOfBytes' rules: a node's last name and op
+    // count, its inputs append; only a Mul's / RealDiv's inputs are kept)
     std::unordered_set<string_view> inv;
-    for (size_t i = 0; i < v.name.size(); ++i) {
-      if (v.op[i] == "Rsqrt" || v.op[i] == "Sqrt") inv.insert(v.name[i]);
+    std::vector<string_view> read;  // the Muls' and RealDivs' inputs
+    std::vector<string_view> ins;
+    const char* p = graph;
+    const char* end = graph + len;
+    while (p < end) {
+      uint64_t tag;
+      if (!wire::ReadVarint(p, end, &tag)) return -1;
+      if (tag != ((1 << 3) | 2)) {
+        if ((tag >> 3) == 1 || !wire::SkipField(p, end, tag & 7)) return -1;
+        continue;
+      }
+      string_view def;
+      if (!ReadBytes(p, end, &def)) return -1;
+      const char* q = def.data();
+      const char* qe = q + def.size();
+      string_view name, op;
+      ins.clear();
+      while (q < qe) {
+        uint64_t t;
+        if (!wire::ReadVarint(q, qe, &t)) return -1;
+        const uint64_t field = t >> 3;
+        if (field >= 1 && field <= 3) {
+          string_view str;
+          if ((t & 7) != 2 || !ReadBytes(q, qe, &str)) return -1;
+          if (field == 1) {
+            name = str;
+          } else if (field == 2) {
+            op = str;
+          } else {
+            ins.push_back(str);
+          }
+        } else if (!wire::SkipField(q, qe, t & 7)) {
+          return -1;
+        }
+      }
+      if (op == "Rsqrt" || op == "Sqrt") {
+        inv.insert(name);
+      } else if (op == "Mul" || op == "RealDiv") {
+        read.insert(read.end(), ins.begin(), ins.end());
+      }
     }
     if (inv.empty()) return 0;
-    for (size_t i = 0; i < v.name.size(); ++i) {
-      if (v.op[i] != "Mul" && v.op[i] != "RealDiv") continue;
-      for (int64_t k = v.in_start[i]; k < v.in_start[i + 1]; ++k) {
-        string_view name;
-        int64_t port;
-        bool ctrl;
-        if (ParseRef(v.input[k], &name, &port, &ctrl) && !ctrl && inv.count(name)) return 1;
-      }
+    for (string_view ref : read) {
+      string_view name;
+      int64_t port;
+      bool ctrl;
+      if (ParseRef(ref, &name, &port, &ctrl) && !ctrl && inv.count(name)) return 1;
     }
     return 0;
   } catch (...) {  // (bad_alloc)

@@ -215,6 +215,9 @@ struct Sink {
   // puts them back (the graph is handed back unchanged), CommitPrefused frees
   // those the fused graph does not hold (it replaced the item's graph)
   std::string prefused_bytes;
+  // the views of prefused_bytes NpuAmpSinkUsePrefused read, for the index
+  // built next (BuildItemIndex takes them: the bytes are not read again)
+  std::shared_ptr<GraphViews> prefused_views;
   tensorflow::GraphDef* prefused_graph = nullptr;
   std::vector<tensorflow::NodeDef*> prefused_orig;
   std::vector<char> prefused_kept;  // per original node: the fused graph holds it
@@ -1524,12 +1527,16 @@ NPU_AMP_EXPORT int NpuAmpGraphShapes(const char* graph, size_t graph_len, const 
 // Builds the item's index into s->index (and s->kept, s->views): 0, or 1.
 static int BuildItemIndex(Sink* s, int flags) {
   const int64_t t0 = ThreadCpuNs();
-  auto held = std::make_shared<GraphViews>();
-  GraphViews& views = *held;
-  if (!(flags & kFlagIndexFromBytes) || !ViewsOfBytes(s->graph_bytes, &views)) {
-    views = GraphViews();
-    ViewsOfGraph(s->item->graph, &views);
+  std::shared_ptr<GraphViews> held = std::move(s->prefused_views);
+  s->prefused_views.reset();
+  if (held == nullptr || !(flags & kFlagIndexFromBytes)) {
+    held = std::make_shared<GraphViews>();
+    if (!(flags & kFlagIndexFromBytes) || !ViewsOfBytes(s->graph_bytes, held.get())) {
+      *held = GraphViews();
+      ViewsOfGraph(s->item->graph, held.get());
+    }
   }
+  GraphViews& views = *held;
   const bool ok = GraphIndexText(s->item->graph, views, &s->index, (flags & kFlagFastIndex) != 0,
                                  (flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr);
   if (static_cast<int64_t>(views.name.size()) == s->item->graph.node_size()) s->views = std::move(held);
@@ -1586,6 +1593,15 @@ static int StartIndexThread(Sink* s, int flags) {
 // item's own nodes back on every path that hands the graph back unchanged.
 // `start_index`: build the new index on a helper thread now (else when asked).
 // 0 done, 1 refused (nothing changed: Python parses the item's own bytes).
+// `v`'s views of the bytes at `from` made views of the same bytes copied to `to`
+static void RebaseViews(GraphViews* v, const char* from, const char* to) {
+  for (auto* sec : {&v->name, &v->op, &v->input, &v->def}) {
+    for (std::string_view& x : *sec) {
+      if (x.data() != nullptr) x = std::string_view(to + (x.data() - from), x.size());
+    }
+  }
+}
+
 NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t len, const int32_t* map,
                                          size_t n, int start_index) {
   auto* s = static_cast<Sink*>(sink);
@@ -1616,7 +1632,8 @@ NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t le
     if (recs.size() != n) return 1;
     std::vector<char> kept(static_cast<size_t>(n0), 0);
     std::vector<std::unique_ptr<tensorflow::NodeDef>> fresh(n);
-    GraphViews views;
+    auto held = std::make_shared<GraphViews>();
+    GraphViews& views = *held;
     if (!ViewsOfBytes(std::string_view(data, len), &views) || views.name.size() != n) return 1;
     for (size_t i = 0; i < n; ++i) {
       const int32_t k = map[i];
@@ -1629,6 +1646,8 @@ NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t le
     }
     // (nothing below fails but bad_alloc)
     s->prefused_bytes.assign(data, len);
+    RebaseViews(&views, data, s->prefused_bytes.data());  // (for the index: of prefused_bytes)
+    s->prefused_views = std::move(held);
     std::vector<tensorflow::NodeDef*> orig(static_cast<size_t>(n0));
     auto* nodes = graph->mutable_node();
     if (n0) nodes->ExtractSubrange(0, n0, orig.data());
@@ -1639,6 +1658,7 @@ NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t le
       nodes->AddAllocated(map[i] >= 0 ? s->prefused_orig[map[i]] : fresh[i].release());
     }
   } catch (...) {  // (bad_alloc: the item as it came, if it was taken apart)
+    s->prefused_views.reset();
     s->RestorePrefused();
     return 1;
   }
@@ -2077,6 +2097,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     sink.graph_bytes = std::string_view();
     sink.kept = npu_amp_tf::BaseIndex();  // (its views are of graph_bytes)
     sink.views.reset();                     // (the same)
+    sink.prefused_views.reset();            // (the same, of the fused bytes: no index built)
     graph_bytes.Free();
     const int64_t t_callback = ThreadCpuNs();
     g_step_ns[kStepCallback].store(t_callback - t_context);

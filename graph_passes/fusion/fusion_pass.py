@@ -112,13 +112,18 @@ class FusionPass(Pass):
         # the gradient-region search names autodiff's ops after forward nodes,
         # some of which earlier fusions remove (grad_region.attributed_forward)
         mark_original_names(graph, pre.removed if pre is not None else ())
-        _preload_mirror(graph, rules, ctx)
+        # (issue 17) a run before the parse that reached its last anchor was
+        # the rule's whole first run on this graph: run again now it would
+        # fuse and report nothing (CHECK_NATIVE checks that of every run), so
+        # the rule starts idle, as after a run that changed nothing
+        done = prefuse.finished_rules(pre)
+        _preload_mirror(graph, rules, ctx, done)
         bound = max(MIN_SWEEP_BOUND, MAX_SWEEPS_PER_NODE * len(graph.nodes))
         # rule -> (graph.version, edit mark, removal mark, no overlap dropped)
         # after a run of it that changed nothing: while no other rule changes
         # the graph, running it again would find the same matches, fuse none and
         # report nothing new (skips are reported once)
-        idle: dict = {}
+        idle: dict = {name: (graph.version, _edit_mark(graph), 0, False) for name in done}
         trail = Trail()
         dirty_cache: dict = {}
         for sweep in range(bound):
@@ -186,14 +191,15 @@ class FusionPass(Pass):
         return quiet_at(graph, rule, ctx, self._shapes(graph), stats, sorted(anchors), trail)
 
 
-def _preload_mirror(graph, rules, ctx) -> bool:
+def _preload_mirror(graph, rules, ctx, idle=()) -> bool:
     """Start loading the gradient-region search's C++ mirror of the graph
     (``grad_region.preload``) when a rule that searches gradient regions
-    (:attr:`FusionRule.searches_gradient`), not turned off by its policy,
-    has anchor candidates: the load then overlaps the rules before it."""
+    (:attr:`FusionRule.searches_gradient`), not turned off by its policy nor
+    starting idle (``idle``: names), has anchor candidates: the load then
+    overlaps the rules before it."""
     protected = ctx.protected if ctx is not None else frozenset()
     for rule in rules:
-        if not rule.searches_gradient:
+        if not rule.searches_gradient or rule.name in idle:
             continue
         if policy_reason(graph, rule, ctx):
             continue
