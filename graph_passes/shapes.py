@@ -216,6 +216,10 @@ class ShapeTable:
     #: per-table cache of :func:`graph_passes.precision.stats.input_dependent`
     #: (False: not computed yet; None: the graph has no input op)
     _dependent = False
+    #: (issue 17) the ``ask`` of :func:`local_shape` the walks before any
+    #: inference use, set by the pass that has one for a while (the
+    #: precision pass: ``prefuse.Prefused.shape_asker``), else None
+    ask = None
 
     def __init__(self, graph, source=None):
         # weakly: the graph holds its table (:func:`attach`), and a cycle
@@ -296,7 +300,7 @@ class ShapeTable:
             # producers' when there is one (the same answer, see local_shape)
             node = self._graph.nodes.get(src)
             if node is not None and static_shapes(node) is None:
-                sh = local_shape(self._graph, ref, self._local_memo)
+                sh = local_shape(self._graph, ref, self._local_memo, self.ask)
                 if sh is not None:
                     return sh
         outs = self.node_shapes(src)

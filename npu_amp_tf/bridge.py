@@ -526,6 +526,12 @@ class GradRegionLib:
             lib.NpuAmpGrShape.argtypes = [c_void_p, c_void_p, c_char_p, c_size_t,
                                           ctypes.POINTER(ctypes.c_int64), c_int]
             lib.NpuAmpGrShape.restype = c_int
+        #: (issue 17) a memo's answers read without a mirror (a library built before it: False)
+        self.can_memo_get = self.can_shape and hasattr(lib, "NpuAmpGrShapeMemoGet")
+        if self.can_memo_get:
+            lib.NpuAmpGrShapeMemoGet.argtypes = [c_void_p, c_char_p, c_size_t, ctypes.POINTER(ctypes.c_int64),
+                                                 c_int]
+            lib.NpuAmpGrShapeMemoGet.restype = c_int
         #: (issue 17) the layer-norm rule's analysis over the mirror (a library built before it: False)
         self.can_analyze_norms = hasattr(lib, "NpuAmpGrAnalyzeNorms")
         if self.can_analyze_norms:
@@ -564,19 +570,25 @@ class GradRegionLib:
         rc = self._lib.NpuAmpGrNormCandidates(graph, len(graph))
         return None if rc < 0 else rc == 1
 
-    def fuse_norms(self, graph: bytes, ops: bytes, request: bytes):
+    def fuse_norms(self, graph: bytes, ops: bytes, request: bytes, memo=None, mirror=None):
         """``NpuAmpGrFuseNorms`` on a mirror loaded fresh from ``graph`` with
         the op sets ``ops``: (rc, text, the graph's bytes after the fusions,
         array('i') of each output node's index in ``graph`` or -1), rc 0 ran,
         1 could not run (why in the text); or None (no such call, or the
-        mirror refused the graph)."""
+        mirror refused the graph).  ``memo``: the shape walks' memo
+        (:meth:`shape_memo`, the caller's: its answers outlive the call);
+        None: one made and freed here.  ``mirror``: an empty mirror
+        (:meth:`new`, the caller's, who frees it: after the call it holds the
+        fused graph); None: one made and freed here."""
         if not self.can_fuse_norms:
             return None
         lib = self._lib
-        h = lib.NpuAmpGrMirrorNew()
+        h = mirror if mirror else lib.NpuAmpGrMirrorNew()
         if not h:
             return None
-        memo = lib.NpuAmpGrShapeMemoNew() if self.can_shape else None
+        own = memo is None
+        if own:
+            memo = lib.NpuAmpGrShapeMemoNew() if self.can_shape else None
         try:
             if not memo or lib.NpuAmpGrMirrorOps(h, ops, len(ops)) != 0 or \
                     lib.NpuAmpGrMirrorLoad(h, graph, len(graph), 1) != 0:
@@ -595,9 +607,10 @@ class GradRegionLib:
             return (rc, ctypes.string_at(text, tlen.value).decode("ascii") if tlen.value else "",
                     ctypes.string_at(out, olen.value) if olen.value else b"", index)
         finally:
-            if memo:
+            if memo and own:
                 lib.NpuAmpGrShapeMemoFree(memo)
-            lib.NpuAmpGrMirrorFree(h)
+            if not mirror:
+                lib.NpuAmpGrMirrorFree(h)
 
     def norm_plan(self, h, memo, request: bytes, grad_only: bool = False):
         """``NpuAmpGrNormPlan`` (``grad_only``: ``NpuAmpGrNormGradPlan``):
@@ -712,6 +725,18 @@ class GradRegionLib:
 
     def shape_buffer(self):
         return (ctypes.c_int64 * self.SHAPE_CAP)()
+
+    def memo_shape(self, memo, ref: str, buf):
+        """The fully known shape of tensor ``ref`` the walks with ``memo``
+        found (a list), or None (no such answer; ``NpuAmpGrShapeMemoGet``)."""
+        if not self.can_memo_get:
+            return None
+        try:
+            data = ref.encode("ascii")
+        except UnicodeEncodeError:
+            return None
+        r = self._lib.NpuAmpGrShapeMemoGet(memo, data, len(data), buf, self.SHAPE_CAP)
+        return buf[:r] if r >= 0 else None
 
     def shape(self, h, memo, ref: str, buf):
         """(True, the fully known shape of tensor ``ref`` as a list, or None)

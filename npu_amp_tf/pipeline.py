@@ -281,6 +281,7 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
             _optimize_functions(graph, mgr, options, devices, report)
             stages["functions"] = cpu() - c0
         if pre is not None:  # the nodes the C++ run created or edited: the passes' own from here
+            pre.shapes = None  # (its mirror and walks, for the passes' shape lookups: freed now)
             live = [n for n in pre.touched if n in graph.nodes]
             if live:
                 graph.touch(*live)

@@ -80,7 +80,9 @@ def pytest_terminal_summary(terminalreporter):
     if pf is not None and (pf.CHECKED[0] or pf.LEFT):
         terminalreporter.write_line(f"layer-norm fusions made in C++ before the parse: {pf.CHECKED[1]} in "
                                     f"{pf.CHECKED[0]} graphs; runs compared with the Python rule's: "
-                                    f"{pf.CHECKED[2]}; differing: {len(pf.CHECKED[3])}")
+                                    f"{pf.CHECKED[2]}; differing: {len(pf.CHECKED[3])}; the passes' shape "
+                                    f"lookups answered from its walks and compared with Python's: "
+                                    f"{pf.CHECKED_SHAPES[0]}")
         if pf.LEFT:
             top = sorted(pf.LEFT.items(), key=lambda kv: -kv[1])[:6]
             terminalreporter.write_line("runs before the parse that ended early or did not run, by why: " +

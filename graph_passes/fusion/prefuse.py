@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 #: (issue 17) the layer-norm rule runs in C++ before the parse; False: the reference
 PREFUSE = True
@@ -68,6 +69,79 @@ class Prefused:
     removed: list
     #: per fusion: (anchor, fused nodes, gradient nodes), the report's entries
     entries: list
+    #: the shapes the run's C++ walks found (:class:`WalkedShapes`), or None
+    shapes: object = None
+
+    def shape_asker(self, graph):
+        """An ``ask`` of ``shapes.local_shape`` over ``graph`` (the graph
+        parsed from :attr:`data`, as the passes after the fusion pass hold
+        it) from the run's walks (:data:`SHAPES_AFTER`), or None."""
+        if not SHAPES_AFTER or self.shapes is None:
+            return None
+        return _WalkedAsk(self.shapes, graph, self.touched)
+
+
+#: (issue 17) the passes after the fusion pass ask the shapes the run's C++
+#: walks found (:meth:`Prefused.shape_asker`; BERT-12: the precision pass's
+#: FP32 copies' sizes, otherwise walked again in Python); False: the
+#: reference, Python walks them
+SHAPES_AFTER = True
+#: (CHECK_NATIVE) the walked shapes asked and compared with Python's walk
+CHECKED_SHAPES = [0]
+
+
+class WalkedShapes:
+    """The run's mirror (the fused graph) and its shape walks' memo, kept
+    for the walks the passes after it make (freed with this object)."""
+
+    def __init__(self, lib):
+        self.lib, self.memo, self.h = lib, lib.shape_memo(), lib.new()
+        self.buf = lib.shape_buffer()
+        weakref.finalize(self, _free_walked, lib, self.memo, self.h)
+
+
+def _free_walked(lib, memo, h):
+    if memo:
+        lib.free_shape_memo(memo)
+    if h:
+        lib.free(h)
+
+
+class _WalkedAsk:
+    """``ask`` of :func:`graph_passes.shapes.local_shape`: a tensor's fully
+    known shape as the run's walks found it, for a node the run neither
+    created nor edited and no pass created since (a node a pass rewired
+    keeps its output's shape: casts are inserted, fusions replace what
+    feeds it with what has the same shape); else ``UNANSWERED``.  Under
+    ``CHECK_NATIVE`` each answer is compared with Python's walk."""
+
+    def __init__(self, walked, graph, touched):
+        from . import grad_region as gr
+
+        self.walked, self.graph = walked, graph
+        self.touched = frozenset(touched)
+        self.reference = {} if gr.CHECK_NATIVE else None
+
+    def __call__(self, ref):
+        from ..graph import parse_tensor
+        from ..shapes import UNANSWERED, local_shape
+
+        g = self.graph
+        src = parse_tensor(ref)[0]
+        if src in self.touched or src in g.created or src not in g.nodes:
+            return UNANSWERED
+        w = self.walked
+        ok, got = w.lib.shape(w.h, w.memo, ref, w.buf)
+        if not ok or got is None:  # (gave up, or no fully known shape: Python walks it)
+            return UNANSWERED
+        if self.reference is not None:
+            CHECKED_SHAPES[0] += 1
+            want = local_shape(g, ref, self.reference)
+            if want != got:
+                CHECKED[3].append([f"shape of {ref!r}: the run's walk {got!r}, Python's {want!r}"])
+                raise AssertionError(f"the shape the run before the parse walked for {ref!r} differs from "
+                                     f"Python's walk: C++ {got!r}, Python {want!r}")
+        return got
 
 
 def refusal(ctx, pass_names) -> str | None:
@@ -194,7 +268,10 @@ def run(data: bytes, ctx, pass_names) -> Prefused | None:
     req = request(ctx) if why is None else None
     if req is None:
         return None
-    res = gr.native.fuse_norms(data, gr._op_sets(), req)  # noqa: SLF001 - the search's op sets
+    lib = gr.native
+    walked = WalkedShapes(lib) if SHAPES_AFTER and getattr(lib, "can_shape", False) else None
+    res = lib.fuse_norms(data, gr._op_sets(), req, walked.memo if walked is not None else None,  # noqa: SLF001
+                         walked.h if walked is not None else None)
     if res is None:
         _left("the mirror refused the graph")
         return None
@@ -213,7 +290,7 @@ def run(data: bytes, ctx, pass_names) -> Prefused | None:
         anchor, nodes, region = item.split("\x01")
         entries.append((anchor, nodes.split("\x02") if nodes else [], region.split("\x02") if region else []))
     pre = Prefused(out, index, fused, sec[1], sec[2].split("\x02") if sec[2] else [],
-                   sec[3].split("\x02") if sec[3] else [], entries)
+                   sec[3].split("\x02") if sec[3] else [], entries, walked)
     CHECKED[0] += 1
     CHECKED[1] += fused
     if gr.CHECK_NATIVE:

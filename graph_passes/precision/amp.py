@@ -298,6 +298,9 @@ class PrecisionPass(Pass):
         self.decisions = {}
 
         shapes = _stats.ShapeTable(graph)
+        # (issue 17) the shapes the layer-norm run before the parse walked, for this run's lookups
+        pre = getattr(ctx, "prefused", None)
+        shapes.ask = pre.shape_asker(graph) if pre is not None else None
         # the shape-based figures are deferred (computed when the report is
         # read): keep the graph as it is now for their "before" half
         order = self.g.topo_order()
@@ -336,6 +339,7 @@ class PrecisionPass(Pass):
             for name, node in graph.nodes.items():
                 if self.info(node).attrs:
                     self._record(node, "keep", "precision_mode=must_keep_origin_dtype: no change")
+        shapes.ask = None  # (the run's lookups only: later passes and the report walk in Python)
         graph.touch(*self.touched)  # re-typed in place: the OpDef guard checks them
         return self._finish(shapes, before, changed)
 
