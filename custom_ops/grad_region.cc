@@ -2483,35 +2483,6 @@ NPU_AMP_GR_EXPORT void* NpuAmpGrShapeMemoNew() { return new ShapeMemo(); }
 
 NPU_AMP_GR_EXPORT void NpuAmpGrShapeMemoFree(void* p) { delete static_cast<ShapeMemo*>(p); }
 
-// (issue 17) The memo's answer for `ref` without a walk (no mirror needed):
-// the rank of its fully known shape with the dims in out[0..rank), -1 when
-// the memo has no such answer (none, an unknown shape, or more than `cap`
-// dims).  A port-0 ref is looked up as written and in its other spelling
-// ("x" / "x:0").  For a memo kept after its mirror is gone (prefuse.py).
-NPU_AMP_GR_EXPORT int NpuAmpGrShapeMemoGet(void* memo, const char* ref, size_t len, int64_t* out,
-                                           int cap) {
-  auto* mm = static_cast<ShapeMemo*>(memo);
-  if (mm == nullptr || ref == nullptr) return -1;
-  try {
-    const string key(ref, len);
-    auto it = mm->map.find(key);
-    if (it == mm->map.end()) {
-      if (key.size() > 2 && key.compare(key.size() - 2, 2, ":0") == 0) {
-        it = mm->map.find(key.substr(0, key.size() - 2));
-      } else if (key.find(':') == string::npos) {
-        it = mm->map.find(key + ":0");
-      }
-    }
-    if (it == mm->map.end() || !it->second.done || !it->second.known) return -1;
-    const Dims& d = it->second.dims;
-    if (static_cast<int64_t>(d.size()) > cap) return -1;
-    std::copy(d.begin(), d.end(), out);
-    return static_cast<int>(d.size());
-  } catch (...) {  // (bad_alloc)
-    return -1;
-  }
-}
-
 NPU_AMP_GR_EXPORT int NpuAmpGrShape(void* h, void* memo, const char* ref, size_t len, int64_t* out,
                                     int cap) {
   auto* m = static_cast<Mirror*>(h);

@@ -526,12 +526,6 @@ class GradRegionLib:
             lib.NpuAmpGrShape.argtypes = [c_void_p, c_void_p, c_char_p, c_size_t,
                                           ctypes.POINTER(ctypes.c_int64), c_int]
             lib.NpuAmpGrShape.restype = c_int
-        #: (issue 17) a memo's answers read without a mirror (a library built before it: False)
-        self.can_memo_get = self.can_shape and hasattr(lib, "NpuAmpGrShapeMemoGet")
-        if self.can_memo_get:
-            lib.NpuAmpGrShapeMemoGet.argtypes = [c_void_p, c_char_p, c_size_t, ctypes.POINTER(ctypes.c_int64),
-                                                 c_int]
-            lib.NpuAmpGrShapeMemoGet.restype = c_int
         #: (issue 17) the layer-norm rule's analysis over the mirror (a library built before it: False)
         self.can_analyze_norms = hasattr(lib, "NpuAmpGrAnalyzeNorms")
         if self.can_analyze_norms:
@@ -725,18 +719,6 @@ class GradRegionLib:
 
     def shape_buffer(self):
         return (ctypes.c_int64 * self.SHAPE_CAP)()
-
-    def memo_shape(self, memo, ref: str, buf):
-        """The fully known shape of tensor ``ref`` the walks with ``memo``
-        found (a list), or None (no such answer; ``NpuAmpGrShapeMemoGet``)."""
-        if not self.can_memo_get:
-            return None
-        try:
-            data = ref.encode("ascii")
-        except UnicodeEncodeError:
-            return None
-        r = self._lib.NpuAmpGrShapeMemoGet(memo, data, len(data), buf, self.SHAPE_CAP)
-        return buf[:r] if r >= 0 else None
 
     def shape(self, h, memo, ref: str, buf):
         """(True, the fully known shape of tensor ``ref`` as a list, or None)
