@@ -35,7 +35,6 @@ Python rule's on the same graph (:data:`CHECKED`).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 
@@ -52,25 +51,55 @@ CHECKED = [0, 0, 0, []]
 LEFT = {}
 
 
-@dataclasses.dataclass
 class Prefused:
-    """What the C++ run did to a graph's bytes."""
-    #: the graph's bytes after the fusions
-    data: bytes
-    #: per node of ``data``, its index in the input bytes; -1: created, or edited
-    index: object
-    #: the fusions made
-    fused: int
-    #: why the run ended before its last anchor ("" when it did not)
-    why: str
-    #: the nodes created or edited (Python serialises and checks them as its passes' own)
-    touched: list
-    #: the input's nodes removed
-    removed: list
-    #: per fusion: (anchor, fused nodes, gradient nodes), the report's entries
-    entries: list
-    #: the shapes the run's C++ walks found (:class:`WalkedShapes`), or None
-    shapes: object = None
+    """What the C++ run did to a graph's bytes.  The name lists are split
+    from the run's text when first read (the grappler callback hands the
+    bytes to the item, and starts its index, before any is needed)."""
+
+    def __init__(self, data: bytes, index, fused: int, why: str, touched: str, removed: str,
+                 entries: str, shapes=None):
+        #: the graph's bytes after the fusions
+        self.data = data
+        #: per node of ``data``, its index in the input bytes; -1: created, or edited
+        self.index = index
+        #: the fusions made
+        self.fused = fused
+        #: why the run ended before its last anchor ("" when it did not)
+        self.why = why
+        self._text = [touched, removed, entries]
+        self._lists = [None, None, None]
+        #: the shapes the run's C++ walks found (:class:`WalkedShapes`), or None
+        self.shapes = shapes
+
+    def _list(self, k):
+        got = self._lists[k]
+        if got is None:
+            text = self._text[k]
+            if k < 2:
+                got = text.split("\x02") if text else []
+            else:
+                got = []
+                for item in text.split("\x03") if text else ():
+                    anchor, nodes, region = item.split("\x01")
+                    got.append((anchor, nodes.split("\x02") if nodes else [],
+                                region.split("\x02") if region else []))
+            self._lists[k] = got
+        return got
+
+    @property
+    def touched(self) -> list:
+        """The nodes created or edited (Python serialises and checks them as its passes' own)."""
+        return self._list(0)
+
+    @property
+    def removed(self) -> list:
+        """The input's nodes removed."""
+        return self._list(1)
+
+    @property
+    def entries(self) -> list:
+        """Per fusion: (anchor, fused nodes, gradient nodes), the report's entries."""
+        return self._list(2)
 
     def shape_asker(self, graph):
         """An ``ask`` of ``shapes.local_shape`` over ``graph`` (the graph
@@ -285,12 +314,7 @@ def run(data: bytes, ctx, pass_names) -> Prefused | None:
         _left(_why_key(sec[1]))
     if fused == 0:
         return None
-    entries = []
-    for item in sec[4].split("\x03") if sec[4] else ():
-        anchor, nodes, region = item.split("\x01")
-        entries.append((anchor, nodes.split("\x02") if nodes else [], region.split("\x02") if region else []))
-    pre = Prefused(out, index, fused, sec[1], sec[2].split("\x02") if sec[2] else [],
-                   sec[3].split("\x02") if sec[3] else [], entries, walked)
+    pre = Prefused(out, index, fused, sec[1], sec[2], sec[3], sec[4], walked)
     CHECKED[0] += 1
     CHECKED[1] += fused
     if gr.CHECK_NATIVE:
