@@ -4313,10 +4313,13 @@ NPU_AMP_GR_EXPORT int NpuAmpGrNormCandidates(const char* graph, size_t len) {
   if (len && graph == nullptr) return -1;
   try {
     // (one read of the bytes, ViewsOfBytes' rules: a node's last name and op
-    // count, its inputs append; only a Mul's / RealDiv's inputs are kept)
+    // count, its inputs append; only a Mul's / RealDiv's inputs are kept:
+    // the op is written before the inputs, so another node's are skipped,
+    // and all of a node's are kept only if they come before its op)
     std::unordered_set<string_view> inv;
     std::vector<string_view> read;  // the Muls' and RealDivs' inputs
     std::vector<string_view> ins;
+    auto product = [](string_view op) { return op == "Mul" || op == "RealDiv"; };
     const char* p = graph;
     const char* end = graph + len;
     while (p < end) {
@@ -4343,7 +4346,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrNormCandidates(const char* graph, size_t len) {
             name = str;
           } else if (field == 2) {
             op = str;
-          } else {
+          } else if (op.empty() || product(op)) {
             ins.push_back(str);
           }
         } else if (!wire::SkipField(q, qe, t & 7)) {
@@ -4352,7 +4355,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrNormCandidates(const char* graph, size_t len) {
       }
       if (op == "Rsqrt" || op == "Sqrt") {
         inv.insert(name);
-      } else if (op == "Mul" || op == "RealDiv") {
+      } else if (product(op)) {
         read.insert(read.end(), ins.begin(), ins.end());
       }
     }
