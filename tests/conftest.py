@@ -82,7 +82,8 @@ def pytest_terminal_summary(terminalreporter):
                                     f"{pf.CHECKED[0]} graphs; runs compared with the Python rule's: "
                                     f"{pf.CHECKED[2]}; differing: {len(pf.CHECKED[3])}; the passes' shape "
                                     f"lookups answered from its walks and compared with Python's: "
-                                    f"{pf.CHECKED_SHAPES[0]}")
+                                    f"{pf.CHECKED_SHAPES[0]}; runs to their last anchor after which the "
+                                    f"rule run again found nothing: {pf.CHECKED_IDLE[0]}")
         if pf.LEFT:
             top = sorted(pf.LEFT.items(), key=lambda kv: -kv[1])[:6]
             terminalreporter.write_line("runs before the parse that ended early or did not run, by why: " +

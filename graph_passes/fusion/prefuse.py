@@ -117,6 +117,9 @@ class Prefused:
 SHAPES_AFTER = True
 #: (CHECK_NATIVE) the walked shapes asked and compared with Python's walk
 CHECKED_SHAPES = [0]
+#: (CHECK_NATIVE) the runs that reached their last anchor, after which the
+#: Python rule was run a second time and found nothing (:func:`finished_rules`)
+CHECKED_IDLE = [0]
 
 
 class WalkedShapes:
@@ -398,6 +401,7 @@ def compare(data: bytes, pre: Prefused, ctx):
                 stats = {}
                 n = apply_rule(graph, rule, ref_ctx, ShapeOracle(graph), stats, Trail())
                 again = (n, stats.get("skipped"), repr(ref_ctx.report.decisions) == before)
+                CHECKED_IDLE[0] += 1
         else:
             _apply_until(graph, rule, ref_ctx, stop)
     finally:
