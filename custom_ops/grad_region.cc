@@ -4313,9 +4313,12 @@ NPU_AMP_GR_EXPORT int NpuAmpGrNormCandidates(const char* graph, size_t len) {
   if (len && graph == nullptr) return -1;
   try {
     // (one read of the bytes, ViewsOfBytes' rules: a node's last name and op
-    // count, its inputs append; only a Mul's / RealDiv's inputs are kept:
-    // the op is written before the inputs, so another node's are skipped,
-    // and all of a node's are kept only if they come before its op)
+    // count, its inputs append; only a Mul's / RealDiv's inputs are kept.
+    // A serializer writes the fields in order, name, op, inputs: the rest of
+    // a node whose op is none of the four is not read, and all of a node's
+    // inputs are kept only if they come before its op.  A pre-check: bytes
+    // written otherwise can only cost a run that finds nothing, or leave the
+    // rule to Python)
     std::unordered_set<string_view> inv;
     std::vector<string_view> read;  // the Muls' and RealDivs' inputs
     std::vector<string_view> ins;
@@ -4346,6 +4349,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrNormCandidates(const char* graph, size_t len) {
             name = str;
           } else if (field == 2) {
             op = str;
+            if (!product(op) && op != "Rsqrt" && op != "Sqrt") break;  // (nothing more to read)
           } else if (op.empty() || product(op)) {
             ins.push_back(str);
           }
