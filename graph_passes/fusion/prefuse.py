@@ -38,6 +38,8 @@ from __future__ import annotations
 import functools
 import weakref
 
+from ..graph import parse_tensor
+
 #: (issue 17) the layer-norm rule runs in C++ before the parse; False: the reference
 PREFUSE = True
 #: the norm rules, in the order they must run first (builtin.register_norms)
@@ -155,7 +157,6 @@ class _WalkedAsk:
         self.reference = {} if gr.CHECK_NATIVE else None
 
     def __call__(self, ref):
-        from ..graph import parse_tensor
         from ..shapes import UNANSWERED, local_shape
 
         g = self.graph
