@@ -314,6 +314,9 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         report.warn(msg, node=exc.node, pass_name=exc.pass_name)
         report.raw_summary["failed_pass"] = exc.pass_name
         out, nodes = _original(original(), serialized), len(original().node)
+    finally:
+        if pre is not None:
+            pre.shapes = None  # (the run's mirror and walks: not kept past the passes, on any path)
     if options.ge.get("enable_dump") or options.ge.get("enable_dump_debug"):
         report.summary["ge_dump"] = _ge_dump(original(), out, report, options, graph_name)
     report.raw_summary["pipeline"] = names
