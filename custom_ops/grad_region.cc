@@ -470,9 +470,7 @@ class Mirror {
     n.alive = true;
     n.def = def;
     n.dirty = false;  // (its attrs are `def`'s: this file wrote them)
-    for (size_t i = 0; i < n.inputs.size(); ++i) {
-      consumers_[n.inputs[i].src].emplace_back(id, n.inputs[i].ctrl ? -1 : static_cast<int32_t>(i));
-    }
+    Link(id);
     return id;
   }
   // Graph.set_input: input i of `id` becomes `ref` (a Keep() view): its entry
