@@ -179,7 +179,10 @@ struct Sink {
   // by AssemblePatch when the patch written is the same
   tensorflow::GraphDef checked;
   std::string checked_bytes;
-  std::vector<int32_t> checked_order;
+  std::vector<int32_t> checked_order;  // (as written: compared with patch_order)
+  // (issue 17) checked_order with its record nodes' entries -1, as `checked`
+  // holds them made (npu_amp_tf::ParsePatch)
+  std::vector<int32_t> checked_full;
   bool has_checked = false;
   // (issue 17r) NpuAmpSinkFlags: kFlagMoveItemNodes, kFlagIndexFromBytes;
   // and the item's serialized bytes (valid while the callback runs)
@@ -1257,8 +1260,9 @@ bool AssembleParsedPatch(const tensorflow::GraphDef& base, const std::vector<int
     return v.size() >= kLoc.size() && std::string_view(v).substr(0, kLoc.size()) == kLoc &&
            names.count(std::string_view(v).substr(kLoc.size())) == 0;
   };
+  // (every node: a node made from patch records is the base node's; the
+  // payload's come with the rule applied, and it changes nothing twice)
   for (size_t k = 0; k < order.size(); ++k) {
-    if (order[k] < 0) continue;
     auto* attrs = out->mutable_node(static_cast<int>(k))->mutable_attr();
     auto it = attrs->find("_class");
     if (it == attrs->end()) continue;
@@ -1282,11 +1286,12 @@ bool AssembleParsedPatch(const tensorflow::GraphDef& base, const std::vector<int
 bool AssemblePatch(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
                    const std::string& patch_bytes, tensorflow::GraphDef* out, std::string* error) {
   tensorflow::GraphDef patch;
-  if (!patch.ParseFromString(patch_bytes)) {
-    *error = "the patch does not parse as a GraphDef";
+  std::vector<int32_t> full;
+  if (!npu_amp_tf::ParsePatch(base, order.data(), order.size(), patch_bytes.data(),
+                              patch_bytes.size(), &patch, &full, error)) {
     return false;
   }
-  return AssembleParsedPatch(base, order, patch, out, error);
+  return AssembleParsedPatch(base, full, patch, out, error);
 }
 
 std::string JoinLines(const std::vector<std::string>& items) {
@@ -1306,6 +1311,10 @@ std::string JoinLines(const std::vector<std::string>& items) {
 NPU_AMP_EXPORT void NpuAmpSetCallback(NpuAmpCallbackFn cb) { g_callback.store(cb); }
 
 NPU_AMP_EXPORT int NpuAmpHasCallback() { return g_callback.load() != nullptr; }
+
+// (issue 17) The patch records' format this library reads (npu_amp_tf::
+// ParsePatch): Python sends records only when it is the one it writes.
+NPU_AMP_EXPORT int NpuAmpPatchRecordsVersion() { return npu_amp_tf::kPatchRecordsVersion; }
 
 NPU_AMP_EXPORT void NpuAmpWriteResult(void* sink, const char* data, size_t len) {
   auto* s = static_cast<Sink*>(sink);
@@ -1752,20 +1761,23 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
     ~Timer() { g_step_ns[kStepPrecheck].fetch_add(ThreadCpuNs() - t0); }
   } timer;
   s->has_checked = false;
-  s->checked.Clear();
-  if (!s->checked.ParseFromArray(data, static_cast<int>(len))) return npu_amp_tf::kPrecheckUnable;
+  std::string why;
+  if (!npu_amp_tf::ParsePatch(s->item->graph, order, n, data, len, &s->checked, &s->checked_full,
+                              &why)) {
+    return npu_amp_tf::kPrecheckUnable;
+  }
   s->checked_order.assign(order, order + n);
   s->checked_bytes.assign(data, len);
   s->has_checked = true;
   if ((s->flags & kFlagPrecheckFromIndex) && s->kept.valid) {
     // (issue 17u) the item index's names and consumers: the same answer
-    return npu_amp_tf::OpdefPrecheckIndexed(s->item->graph, s->kept, s->checked_order, s->checked,
+    return npu_amp_tf::OpdefPrecheckIndexed(s->item->graph, s->kept, s->checked_full, s->checked,
                                             std::string_view(broken, broken_len),
                                             std::string_view(device ? device : "CPU"));
   }
   std::vector<const tensorflow::NodeDef*> nodes;
   std::vector<char> changed;
-  if (!npu_amp_tf::PatchNodes(s->item->graph, s->checked_order, s->checked, &nodes, &changed)) {
+  if (!npu_amp_tf::PatchNodes(s->item->graph, s->checked_full, s->checked, &nodes, &changed)) {
     return npu_amp_tf::kPrecheckUnable;
   }
   return npu_amp_tf::OpdefPrecheck(nodes, changed, s->checked.library(),
@@ -1788,8 +1800,10 @@ NPU_AMP_EXPORT int NpuAmpGraphOpdefPrecheckFlags(const char* graph, size_t graph
                                     broken_len, device);
   }
   tensorflow::GraphDef base, delta;
+  std::vector<int32_t> full;
+  std::string why;
   if (!base.ParseFromArray(graph, static_cast<int>(graph_len)) ||
-      !delta.ParseFromArray(patch, static_cast<int>(patch_len))) {
+      !npu_amp_tf::ParsePatch(base, order, n, patch, patch_len, &delta, &full, &why)) {
     return npu_amp_tf::kPrecheckUnable;
   }
   GraphViews views;
@@ -1800,7 +1814,7 @@ NPU_AMP_EXPORT int NpuAmpGraphOpdefPrecheckFlags(const char* graph, size_t graph
     return NpuAmpGraphOpdefPrecheck(graph, graph_len, order, n, patch, patch_len, broken,
                                     broken_len, device);
   }
-  return npu_amp_tf::OpdefPrecheckIndexed(base, kept, std::vector<int32_t>(order, order + n), delta,
+  return npu_amp_tf::OpdefPrecheckIndexed(base, kept, full, delta,
                                           std::string_view(broken, broken_len),
                                           std::string_view(device ? device : "CPU"));
 }
@@ -2126,7 +2140,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
       // before replacing the item's graph with ours.
       GraphDef* movable =
           (sink.flags & kFlagMoveItemNodes) ? const_cast<GraphDef*>(&item.graph) : nullptr;
-      if (!(checked ? AssembleParsedPatch(item.graph, sink.patch_order, sink.checked,
+      if (!(checked ? AssembleParsedPatch(item.graph, sink.checked_full, sink.checked,
                                           optimized_graph, &why, movable)
                     : AssemblePatch(item.graph, sink.patch_order, sink.patch, optimized_graph,
                                     &why))) {

@@ -43,6 +43,8 @@
 
 #include "opdef_precheck.h"
 
+#include <memory>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
@@ -52,6 +54,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "graph_views.h"  // ReadVarint
+#include "tensorflow/core/framework/attr_value.pb.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_def.pb.h"
 #include "tensorflow/core/framework/types.pb.h"
@@ -577,6 +581,177 @@ int OpdefPrecheckIndexed(const tensorflow::GraphDef& base, const BaseIndex& inde
   return checker.Run();
 }
 
+namespace {
+
+// Reads the records' little-endian int32s and strings (ParsePatch).
+struct RecordReader {
+  const char* p;
+  const char* end;
+  bool ok = true;
+  int32_t Int() {
+    int32_t v = 0;
+    if (end - p < 4) {
+      ok = false;
+      return 0;
+    }
+    std::memcpy(&v, p, 4);
+    p += 4;
+    return v;
+  }
+  std::string_view Str() {
+    const int32_t len = Int();
+    if (!ok || len < 0 || len > end - p) {
+      ok = false;
+      return {};
+    }
+    std::string_view out(p, static_cast<size_t>(len));
+    p += len;
+    return out;
+  }
+};
+
+bool Refuse(std::string* why, const char* what) {
+  *why = std::string("the patch's records ") + what;
+  return false;
+}
+
+// The records of `rec` applied (see ParsePatch): *patch holds the payload's
+// nodes; *order the entries given.
+bool ApplyRecords(const tensorflow::GraphDef& base, std::string_view rec,
+                  tensorflow::GraphDef* patch, std::vector<int32_t>* order, std::string* why) {
+  const int nb = base.node_size();
+  std::vector<int32_t> slot_of(static_cast<size_t>(nb), -1);
+  for (size_t k = 0; k < order->size(); ++k) {
+    const int32_t v = (*order)[k];
+    if (v >= -1) continue;
+    const int64_t b = -2 - static_cast<int64_t>(v);
+    if (b >= nb || slot_of[b] >= 0) {
+      *why = "the patch names a node the graph does not have, or one twice";
+      return false;
+    }
+    slot_of[b] = static_cast<int32_t>(k);
+  }
+  // the payload's nodes and the record nodes, in output order
+  auto* nodes = patch->mutable_node();
+  const int n_payload = nodes->size();
+  std::vector<std::unique_ptr<tensorflow::NodeDef>> owned(order->size());
+  {
+    std::vector<tensorflow::NodeDef*> fresh(static_cast<size_t>(n_payload));
+    if (n_payload) nodes->ExtractSubrange(0, n_payload, fresh.data());
+    int next = 0;
+    for (size_t k = 0; k < order->size(); ++k) {
+      const int32_t v = (*order)[k];
+      if (v == -1) {
+        if (next >= n_payload) {
+          *why = "the patch holds fewer nodes than its order needs";
+          return false;
+        }
+        owned[k].reset(fresh[next++]);
+      } else if (v < -1) {
+        owned[k] = std::make_unique<tensorflow::NodeDef>(base.node(static_cast<int>(-2 - int64_t{v})));
+      }
+    }
+    if (next != n_payload) {
+      for (int i = next; i < n_payload; ++i) delete fresh[i];
+      *why = "the patch holds more nodes than its order uses";
+      return false;
+    }
+  }
+  RecordReader r{rec.data(), rec.data() + rec.size()};
+  if (r.Int() != kPatchRecordsVersion || !r.ok) return Refuse(why, "are of another version");
+  const int32_t groups = r.Int();
+  for (int32_t g = 0; r.ok && g < groups; ++g) {
+    const int32_t m = r.Int();
+    if (!r.ok || m < 0 || m > (r.end - r.p) / 4) return Refuse(why, "do not parse");
+    const char* members = r.p;
+    r.p += 4 * static_cast<size_t>(m);
+    const int32_t attrs = r.Int();
+    for (int32_t a = 0; r.ok && a < attrs; ++a) {
+      const std::string_view name = r.Str();
+      const std::string_view value = r.Str();
+      tensorflow::AttrValue av;
+      if (!r.ok || !av.ParseFromArray(value.data(), static_cast<int>(value.size()))) {
+        return Refuse(why, "do not parse");
+      }
+      const std::string key(name);
+      for (int32_t i = 0; i < m; ++i) {
+        int32_t b;
+        std::memcpy(&b, members + 4 * static_cast<size_t>(i), 4);
+        if (b < 0) return Refuse(why, "name a node the graph does not have");
+        if (b >= nb || slot_of[b] < 0) continue;  // (created, removed, or sent whole)
+        (*owned[slot_of[b]]->mutable_attr())[key] = av;
+      }
+    }
+  }
+  const int32_t edits = r.Int();
+  if (!r.ok || edits < 0 || edits > (r.end - r.p) / 8) return Refuse(why, "do not parse");
+  const char* at_node = r.p;
+  const char* at_index = r.p + 4 * static_cast<size_t>(edits);
+  r.p += 8 * static_cast<size_t>(edits);
+  const std::string_view refs = r.Str();
+  if (!r.ok || r.p != r.end) return Refuse(why, "do not parse");
+  size_t from = 0;
+  for (int32_t e = 0; e < edits; ++e) {
+    size_t to = refs.find('\x01', from);
+    if (to == std::string_view::npos) to = refs.size();
+    if (e + 1 < edits && to == refs.size()) return Refuse(why, "hold fewer inputs than edits");
+    const std::string_view ref = refs.substr(from, to - from);
+    from = to + 1;
+    int32_t b, index;
+    std::memcpy(&b, at_node + 4 * static_cast<size_t>(e), 4);
+    std::memcpy(&index, at_index + 4 * static_cast<size_t>(e), 4);
+    if (b < 0) return Refuse(why, "name a node the graph does not have");
+    if (b >= nb || slot_of[b] < 0) continue;
+    tensorflow::NodeDef* node = owned[slot_of[b]].get();
+    if (index < 0 || index >= node->input_size()) return Refuse(why, "name an input a node does not have");
+    node->set_input(index, std::string(ref));
+  }
+  if (edits > 0 ? from != refs.size() + 1 : !refs.empty()) return Refuse(why, "hold more inputs than edits");
+  nodes->Reserve(static_cast<int>(order->size()));
+  for (size_t k = 0; k < order->size(); ++k) {
+    if ((*order)[k] >= 0) continue;
+    (*order)[k] = -1;
+    nodes->AddAllocated(owned[k].release());
+  }
+  return true;
+}
+
+}  // namespace
+
+bool ParsePatch(const tensorflow::GraphDef& base, const int32_t* order, size_t n,
+                const char* data, size_t len, tensorflow::GraphDef* patch,
+                std::vector<int32_t>* order_out, std::string* why) {
+  order_out->assign(order, order + n);
+  const char* p = data;
+  const char* end = data + len;
+  std::string_view rec;
+  bool has_rec = false;
+  {
+    const char* q = p;
+    uint64_t tag, size;
+    if (ReadVarint(q, end, &tag) && tag == ((uint64_t{kPatchRecordsField} << 3) | 2)) {
+      if (!ReadVarint(q, end, &size) || size > static_cast<uint64_t>(end - q)) {
+        return Refuse(why, "do not parse");
+      }
+      rec = std::string_view(q, static_cast<size_t>(size));
+      has_rec = true;
+      p = q + size;
+    }
+  }
+  patch->Clear();
+  if (!patch->ParseFromArray(p, static_cast<int>(end - p))) {
+    *why = "the patch does not parse as a GraphDef";
+    return false;
+  }
+  if (!has_rec) {
+    for (const int32_t v : *order_out) {
+      if (v < -1) return Refuse(why, "are missing: the order names a record node");
+    }
+    return true;
+  }
+  return ApplyRecords(base, rec, patch, order_out, why);
+}
+
 }  // namespace npu_amp_tf
 
 // The pre-check offline (rewrite_graph with a patch; tests): `graph` the
@@ -587,14 +762,15 @@ NPU_AMP_EXPORT int NpuAmpGraphOpdefPrecheck(const char* graph, size_t graph_len,
                                             size_t patch_len, const char* broken,
                                             size_t broken_len, const char* device) {
   tensorflow::GraphDef base, delta;
+  std::vector<int32_t> full;
+  std::string why;
   if (!base.ParseFromArray(graph, static_cast<int>(graph_len)) ||
-      !delta.ParseFromArray(patch, static_cast<int>(patch_len))) {
+      !npu_amp_tf::ParsePatch(base, order, n, patch, patch_len, &delta, &full, &why)) {
     return npu_amp_tf::kPrecheckUnable;
   }
   std::vector<const tensorflow::NodeDef*> nodes;
   std::vector<char> changed;
-  if (!npu_amp_tf::PatchNodes(base, std::vector<int32_t>(order, order + n), delta, &nodes,
-                              &changed)) {
+  if (!npu_amp_tf::PatchNodes(base, full, delta, &nodes, &changed)) {
     return npu_amp_tf::kPrecheckUnable;
   }
   return npu_amp_tf::OpdefPrecheck(nodes, changed, delta.library(),

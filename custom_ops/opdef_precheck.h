@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
@@ -27,6 +28,25 @@ constexpr int kPrecheckUnable = 2;   // cannot tell (bad input, a byte it cannot
 bool PatchNodes(const tensorflow::GraphDef& base, const std::vector<int32_t>& order,
                 const tensorflow::GraphDef& patch,
                 std::vector<const tensorflow::NodeDef*>* nodes, std::vector<char>* changed);
+
+// (issue 17) A patch's payload (graph_passes.graph.Graph.serialize_patch)
+// may begin with a records field (kPatchRecordsField, length-delimited): the
+// nodes a pass only re-typed or re-wired are sent as their edits, not as
+// NodeDefs.  Their order entries are -2 - (their index in `base`); the
+// records hold, in order, groups of (those indices, [(type attr name,
+// serialized AttrValue)]) and input edits (index in `base`, input position,
+// new input).  ParsePatch parses `data` into *patch with those nodes made
+// (a copy of the base node, the edits applied) and put in their output
+// places, so that *order (the order given, their entries now -1) and *patch
+// are a patch without records: what PatchNodes, OpdefPrecheckIndexed and the
+// bridge's AssembleParsedPatch read.  An edit naming a node that is no
+// record node (created, removed, or sent whole) is skipped.  False (message
+// in *why) when the bytes do not parse or do not fit `base`.
+constexpr uint32_t kPatchRecordsField = 2047;
+constexpr int32_t kPatchRecordsVersion = 1;
+bool ParsePatch(const tensorflow::GraphDef& base, const int32_t* order, size_t n,
+                const char* data, size_t len, tensorflow::GraphDef* patch,
+                std::vector<int32_t>* order_out, std::string* why);
 
 // kPrecheckClean only when graph_passes.opdef_check.changed_problems(after,
 // changed, default_device) is empty for the graph of `nodes` (library:

@@ -250,6 +250,14 @@ class Graph:
         #: order (see :meth:`removed_since`)
         self._removed_log: list[str] = []
         self._all_modified = False
+        # (issue 17, :attr:`patch_records`) the nodes whose every edit since
+        # the input is recorded (:meth:`note_retyped`, :meth:`add_and_rewire`),
+        # the records in order, and the modified nodes edited otherwise
+        # (:meth:`touch`, :meth:`set_input`, ...): sent whole
+        self._rec: set[str] = set()
+        self._rec_attrs: list = []
+        self._rec_inputs: list = []
+        self._full: set[str] = set()
         if not adopted:
             self.reindex()
         self._dirty = False
@@ -687,6 +695,19 @@ class Graph:
         """Declare nodes edited in place (attrs) outside this object's methods."""
         self.modified.update(names)
         self._edit_log.extend(names)
+        self._full.update(names)
+
+    def note_retyped(self, names, items):
+        """Declare nodes ``names`` edited in place by setting each type attr
+        of ``items`` (``[(attr, serialized AttrValue)]``, the same for every
+        node) and nothing else: :meth:`touch`'s bookkeeping, and (issue 17)
+        the edit kept as a record, so that :meth:`serialize_patch` may send
+        these nodes as their edits (:attr:`patch_records`).  A node also
+        touched, or edited by another method, is sent whole."""
+        self.modified.update(names)
+        self._edit_log.extend(names)
+        self._rec.update(names)
+        self._rec_attrs.append((names, items))
 
     def touch_all(self):
         """Declare that any node may have been edited in place (a pass that
@@ -759,6 +780,7 @@ class Graph:
             ops.pop(name, None)
         node.op = op
         self.modified.add(name)
+        self._full.add(name)
         self._edit_log.append(name)
         ops = self._by_op.get(op)
         if ops is None:
@@ -774,6 +796,7 @@ class Graph:
         if old == new_ref:
             return
         self.modified.add(node_name)
+        self._full.add(node_name)
         self._edit_log.append(node_name)
         osrc, _, octrl = parse_tensor(old)
         lst = self._consumers.get(osrc)
@@ -819,6 +842,7 @@ class Graph:
         if ref in node.input[:]:
             return
         self.modified.add(node_name)
+        self._full.add(node_name)
         self._edit_log.append(node_name)
         node.input.append(ref)
         self._consumers[src].append((node_name, -1))
@@ -1437,14 +1461,70 @@ class Graph:
         names = _EncodedNames(nodes)
         entry = self._node_bytes
         kget = keys.__getitem__
-        changed = [nodes[kget(k)] for k in np.flatnonzero(order < 0).tolist()]
+        head = self._records(order, keys, len(base)) if self.patch_records else None
+        changed = [nodes[kget(k)] for k in np.flatnonzero(order == -1).tolist()]
         parts = self._joined_entries(changed, names) if self.joined_patch else None
         if parts is None:
             parts = [entry(n, names) for n in changed]
+        if head is not None:
+            parts.insert(0, head)
         parts.append(self._tail())
         out = array("i")
         out.frombytes(order.tobytes())
         return GraphPatch(out, b"".join(parts), n)
+
+    #: (issue 17) :meth:`serialize_patch` sends the nodes whose every edit is
+    #: recorded (re-typed through :meth:`note_retyped`, re-wired through
+    #: :meth:`add_and_rewire`) as those edits on the input's NodeDef instead
+    #: of serialized whole: a records field first in the payload, their order
+    #: entries -2 - (input index) (read by custom_ops/opdef_precheck.cc
+    #: ``ParsePatch``).  Off by default: whoever reads the patch turns it on
+    #: (the grappler bridge, when its library reads the records' format)
+    patch_records = False
+    #: the records' format (``kPatchRecordsVersion``) and field number (``kPatchRecordsField``)
+    RECORDS_VERSION = 1
+    RECORDS_FIELD = 2047
+
+    def _records(self, order, keys, nb):
+        """The records field (bytes) of the record nodes, their entries of
+        ``order`` (:meth:`_base_ranks`' array of the nodes ``keys``, updated in place) set to
+        -2 - (input index); None when there is none."""
+        rec = self._rec
+        if not rec:
+            return None
+        nodes, seq = self.nodes, self._seq
+        live = [n for n in (rec & self.modified) - self._full - self.created if n in nodes]
+        if not live:
+            return None
+        ranks = packed_ints(map(seq.__getitem__, live), len(live), np.int32)
+        if (ranks >= nb).any():  # (a rank past the input's: not an input node)
+            return None
+        mark = np.zeros(self._next_seq + 1, np.bool_)
+        mark[ranks] = True
+        at = np.flatnonzero(order == -1)
+        base = packed_ints(map(seq.__getitem__, map(keys.__getitem__, at.tolist())), len(at))
+        hit = mark[base] if len(at) else np.zeros(0, np.bool_)
+        order[at[hit]] = -2 - base[hit]
+        big = 2 ** 31 - 1  # (a name no longer in the graph: a rank the reader skips)
+        pack = struct.pack
+        parts = [pack("<ii", self.RECORDS_VERSION, len(self._rec_attrs))]
+        for names, items in self._rec_attrs:
+            r = packed_ints(map(seq.get, names, repeat(big)), len(names), np.int32)
+            parts.append(pack("<i", len(names)))
+            parts.append(r.astype("<i4").tobytes())
+            parts.append(pack("<i", len(items)))
+            for a, v in items:
+                ab = a.encode()
+                parts.append(pack("<i", len(ab)) + ab + pack("<i", len(v)) + v)
+        edits = self._rec_inputs
+        k = len(edits)
+        cons = packed_ints(map(seq.get, map(itemgetter(0), edits), repeat(big)), k, np.int32)
+        idx = packed_ints(map(itemgetter(1), edits), k, np.int32)
+        refs = "\x01".join(map(itemgetter(2), edits)).encode()
+        parts += [pack("<i", k), cons.astype("<i4").tobytes(), idx.astype("<i4").tobytes(),
+                  pack("<i", len(refs)), refs]
+        body = b"".join(parts)
+        return _varint((self.RECORDS_FIELD << 3) | 2) + _varint(len(body)) + body
 
     #: (issue 17) :meth:`_fast_patch` writes the changed nodes' entries as
     #: one join of their bytes and headers, serialising each node once and
@@ -1605,6 +1685,7 @@ class Graph:
         # indexes read once; a step set_input would repair (an index out of
         # sync) or a name taken goes through the methods themselves
         nodes, elog, created, modified = self.nodes, self._edit_log, self.created, self.modified
+        rec_add, rec_in = self._rec.add, self._rec_inputs.append  # (issue 17: patch records)
         state = None
         bumps = 0  # (version bumps not written yet: written once, at the end or before a method runs)
         k = self._next_seq
@@ -1656,6 +1737,8 @@ class Graph:
                     continue
                 modified.add(consumer)
                 elog.append(consumer)
+                rec_add(consumer)
+                rec_in((consumer, index, ref))
                 marked.add(osrc)
                 cnode.input[index] = ref
                 nsrc, _, nctrl = parse_tensor(ref)

@@ -1096,6 +1096,17 @@ def _patch_fn():
     return getattr(_lib, "NpuAmpWritePatch", None) if _lib is not None else None
 
 
+def patch_records_version() -> int:
+    """The patch records' format the library reads (``NpuAmpPatchRecordsVersion``;
+    ``graph_passes.graph.Graph.patch_records``), 0 when it reads none."""
+    try:
+        lib = library()
+    except Exception:  # noqa: BLE001 - no library: the patch is read by nobody here
+        return 0
+    fn = getattr(lib, "NpuAmpPatchRecordsVersion", None)
+    return int(fn()) if fn is not None else 0
+
+
 def assemble_patch(graph_bytes: bytes, patch) -> bytes | None:
     """The C++ side's assembly of ``patch`` (a :class:`graph_passes.graph.GraphPatch`)
     on the graph ``graph_bytes``, as deterministic bytes (tests compare it

@@ -288,7 +288,13 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         summarize(graph, report)
         c0 = cpu()
         dump = options.ge.get("enable_dump") or options.ge.get("enable_dump_debug")
-        out = graph.serialize_patch() if serialized == "patch" and not dump else None
+        if serialized == "patch" and not dump:
+            graph.patch_records = PATCH_RECORDS and _records_readable()
+            out = graph.serialize_patch()
+            if out is not None and _grad_region_checks() and len(out.order) and min(out.order) < -1:
+                _check_records(source if source is not None else graph_def.SerializeToString(), out, graph)
+        else:
+            out = None
         if out is None:
             out = graph.serialize() if serialized else graph.to_graph_def()
         nodes = len(graph.nodes)
@@ -330,6 +336,44 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
 
 
 _paint_entry = None  # (issue 17l) the ctypes painting entry point once set up; False: none
+
+
+#: (issue 17) a patch sends the nodes a pass only re-typed or re-wired as
+#: those edits (``Graph.patch_records``) when the bridge's library reads them;
+#: False: every changed node serialized whole (the reference; the same output)
+PATCH_RECORDS = True
+#: [patches with records assembled and compared with the whole graph's bytes
+#: (under grad_region.CHECK_NATIVE, the test suite), differing]
+CHECKED_RECORDS = [0, []]
+
+
+def _records_readable() -> bool:
+    from .bridge import patch_records_version
+
+    return patch_records_version() == Graph.RECORDS_VERSION
+
+
+def _grad_region_checks() -> bool:
+    from graph_passes.fusion import grad_region
+
+    return grad_region.CHECK_NATIVE
+
+
+def _check_records(source, patch, graph):
+    """(CHECK_NATIVE) ``patch``, records and all, assembled on ``source``
+    (the bytes of the graph the patch is of) gives ``graph.serialize()``'s
+    bytes."""
+    from .bridge import assemble_patch
+
+    CHECKED_RECORDS[0] += 1
+    want = graph.serialize()
+    try:
+        got = graph_pb2.GraphDef.FromString(assemble_patch(source, patch))
+        same = got.SerializeToString(deterministic=True) == want
+    except ValueError as exc:
+        got, same = str(exc), False
+    if not same and len(CHECKED_RECORDS[1]) < 16:
+        CHECKED_RECORDS[1].append(graph.name if hasattr(graph, "name") else len(want))
 
 
 def native_paint_entry():

@@ -92,6 +92,12 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"the C++ layer-norm fusion before the parse differs: {problems}")
 
 
+    pl = sys.modules.get("npu_amp_tf.pipeline")
+    if pl is not None and pl.CHECKED_RECORDS[0]:
+        terminalreporter.write_line(f"patches with records assembled and compared with the whole graph: "
+                                    f"{pl.CHECKED_RECORDS[0]}; differing: {len(pl.CHECKED_RECORDS[1])}")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """A C++ gradient-region search that differed from Python's fails the
     run, even where a pass's error handling kept the test from seeing it."""

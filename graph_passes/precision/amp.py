@@ -290,6 +290,9 @@ class PrecisionPass(Pass):
         self._cast_plan = None
         #: the nodes _adapt_casts and _convert_consts re-typed, in order
         self._late = []
+        # (issue 17) the native result's re-typings as (names, [(attr, AttrValue bytes)])
+        # per batch (precision/native.py _apply_bulk), declared to the graph as records
+        self._retyped = []
         self.casts_inserted = 0
         self.copy_reads = 0
         self._contested = set()  # painted low although an FP32 producer voted against
@@ -340,7 +343,19 @@ class PrecisionPass(Pass):
                 if self.info(node).attrs:
                     self._record(node, "keep", "precision_mode=must_keep_origin_dtype: no change")
         shapes.ask = None  # (the run's lookups only: later passes and the report walk in Python)
-        graph.touch(*self.touched)  # re-typed in place: the OpDef guard checks them
+        touched = self.touched
+        if self._retyped:
+            # (issue 17) the batches' nodes no step re-typed since (``_late``)
+            # declared as re-typed by their records (Graph.note_retyped)
+            late, recorded = set(self._late), set()
+            for names, items in self._retyped:
+                names = [n for n in names if n not in late] if late else names
+                if names:
+                    graph.note_retyped(names, items)
+                    recorded.update(names)
+            touched = touched - recorded
+            self._retyped = []
+        graph.touch(*touched)  # re-typed in place: the OpDef guard checks them
         return self._finish(shapes, before, changed)
 
     def _native_entry(self):

@@ -51,12 +51,13 @@ for an op of unknown signature) joined by ``\\x01``, nodes joined by
 """
 from __future__ import annotations
 
+import functools
 from array import array
 from itertools import chain, compress, repeat
 from operator import attrgetter, contains, getitem, is_
 
 import numpy as np
-from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.framework import attr_value_pb2, node_def_pb2
 
 from .. import registry
 from ..graph import packed_ints
@@ -757,9 +758,14 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops, cop
         groups.setdefault((c, path, cop[c] if ops is None else ops[i]), []).append(i)
     g = pp.g
     dts, info_memo = pp._dts, pp._info
+    follow = registry.LIST_ATTRS_FOLLOW
     for (c, path, op), members in groups.items():
         gnodes, gnames = list(map(nodes.__getitem__, members)), list(map(names.__getitem__, members))
         pp._retype_all(gnodes, gnames, op, infos[c].attrs, path)
+        if op not in follow:
+            # (issue 17) each attr now holds exactly the path's last dtype
+            # (registry.retype_all sets its type): the batch's patch record
+            pp._retyped.append((gnames, _type_attrs(infos[c].attrs, path[-1])))
         if GROUP_MEMOS:
             # (_refill_memos per batch: its nodes end with equal signatures)
             ins, outs = g.input_dtypes(gnodes[0]), g.output_dtypes(gnodes[0])
@@ -797,6 +803,17 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops, cop
                            [None if inf is None else inf.fixed for inf in infos],
                            [None if x is None else x[1] for x in lsts], cur_c.copy(), low_name, special)
     return changed
+
+
+@functools.lru_cache(maxsize=256)
+def _type_attr_bytes(dt: int) -> bytes:
+    return attr_value_pb2.AttrValue(type=dt).SerializeToString()
+
+
+def _type_attrs(attrs, dt):
+    """[(attr, the serialized AttrValue ``type: dt``)] of ``attrs``."""
+    v = _type_attr_bytes(dt)
+    return [(a, v) for a in attrs]
 
 
 class _Entries:
