@@ -659,29 +659,43 @@ bool ApplyRecords(const tensorflow::GraphDef& base, std::string_view rec,
   }
   RecordReader r{rec.data(), rec.data() + rec.size()};
   if (r.Int() != kPatchRecordsVersion || !r.ok) return Refuse(why, "are of another version");
-  const int32_t groups = r.Int();
-  for (int32_t g = 0; r.ok && g < groups; ++g) {
-    const int32_t m = r.Int();
-    if (!r.ok || m < 0 || m > (r.end - r.p) / 4) return Refuse(why, "do not parse");
-    const char* members = r.p;
-    r.p += 4 * static_cast<size_t>(m);
+  // the distinct attr sets: [(name, AttrValue)]
+  const int32_t n_sets = r.Int();
+  if (!r.ok || n_sets < 0 || n_sets > (r.end - r.p) / 4) return Refuse(why, "do not parse");
+  std::vector<std::vector<std::pair<std::string, tensorflow::AttrValue>>> sets(static_cast<size_t>(n_sets));
+  for (auto& set : sets) {
     const int32_t attrs = r.Int();
-    for (int32_t a = 0; r.ok && a < attrs; ++a) {
-      const std::string_view name = r.Str();
+    if (!r.ok || attrs < 0 || attrs > (r.end - r.p) / 8) return Refuse(why, "do not parse");
+    set.resize(static_cast<size_t>(attrs));
+    for (auto& [name, av] : set) {
+      name = std::string(r.Str());
       const std::string_view value = r.Str();
-      tensorflow::AttrValue av;
       if (!r.ok || !av.ParseFromArray(value.data(), static_cast<int>(value.size()))) {
         return Refuse(why, "do not parse");
       }
-      const std::string key(name);
-      for (int32_t i = 0; i < m; ++i) {
-        int32_t b;
-        std::memcpy(&b, members + 4 * static_cast<size_t>(i), 4);
-        if (b < 0) return Refuse(why, "name a node the graph does not have");
-        if (b >= nb || slot_of[b] < 0) continue;  // (created, removed, or sent whole)
-        (*owned[slot_of[b]]->mutable_attr())[key] = av;
-      }
     }
+  }
+  // the groups: per group its member count and its set, then every member
+  const int32_t groups = r.Int();
+  if (!r.ok || groups < 0 || groups > (r.end - r.p) / 8) return Refuse(why, "do not parse");
+  const char* counts = r.p;
+  const char* set_ids = r.p + 4 * static_cast<size_t>(groups);
+  r.p += 8 * static_cast<size_t>(groups);
+  for (int32_t g = 0; g < groups; ++g) {
+    int32_t m, id;
+    std::memcpy(&m, counts + 4 * static_cast<size_t>(g), 4);
+    std::memcpy(&id, set_ids + 4 * static_cast<size_t>(g), 4);
+    if (m < 0 || m > (r.end - r.p) / 4 || id < 0 || id >= n_sets) return Refuse(why, "do not parse");
+    const auto& set = sets[static_cast<size_t>(id)];
+    for (int32_t i = 0; i < m; ++i) {
+      int32_t b;
+      std::memcpy(&b, r.p + 4 * static_cast<size_t>(i), 4);
+      if (b < 0) return Refuse(why, "name a node the graph does not have");
+      if (b >= nb || slot_of[b] < 0) continue;  // (created, removed, or sent whole)
+      auto* attr = owned[slot_of[b]]->mutable_attr();
+      for (const auto& [name, av] : set) (*attr)[name] = av;
+    }
+    r.p += 4 * static_cast<size_t>(m);
   }
   const int32_t edits = r.Int();
   if (!r.ok || edits < 0 || edits > (r.end - r.p) / 8) return Refuse(why, "do not parse");

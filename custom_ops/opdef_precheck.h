@@ -33,9 +33,12 @@ bool PatchNodes(const tensorflow::GraphDef& base, const std::vector<int32_t>& or
 // may begin with a records field (kPatchRecordsField, length-delimited): the
 // nodes a pass only re-typed or re-wired are sent as their edits, not as
 // NodeDefs.  Their order entries are -2 - (their index in `base`); the
-// records hold, in order, groups of (those indices, [(type attr name,
-// serialized AttrValue)]) and input edits (index in `base`, input position,
-// new input).  ParsePatch parses `data` into *patch with those nodes made
+// records (little-endian int32s; a string is its int32 length, then its
+// bytes) hold: the format (kPatchRecordsVersion); the distinct attr sets,
+// each [(type attr name, serialized AttrValue)]; the groups, as G member
+// counts, G set numbers, then every group's members (indices in `base`),
+// each member given its set's attrs; then E input edits, as E indices in
+// `base`, E input positions, and the E new inputs joined by '\x01'.  ParsePatch parses `data` into *patch with those nodes made
 // (a copy of the base node, the edits applied) and put in their output
 // places, so that *order (the order given, their entries now -1) and *patch
 // are a patch without records: what PatchNodes, OpdefPrecheckIndexed and the
@@ -43,7 +46,7 @@ bool PatchNodes(const tensorflow::GraphDef& base, const std::vector<int32_t>& or
 // record node (created, removed, or sent whole) is skipped.  False (message
 // in *why) when the bytes do not parse or do not fit `base`.
 constexpr uint32_t kPatchRecordsField = 2047;
-constexpr int32_t kPatchRecordsVersion = 1;
+constexpr int32_t kPatchRecordsVersion = 2;
 bool ParsePatch(const tensorflow::GraphDef& base, const int32_t* order, size_t n,
                 const char* data, size_t len, tensorflow::GraphDef* patch,
                 std::vector<int32_t>* order_out, std::string* why);

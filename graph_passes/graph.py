@@ -697,17 +697,19 @@ class Graph:
         self._edit_log.extend(names)
         self._full.update(names)
 
-    def note_retyped(self, names, items):
-        """Declare nodes ``names`` edited in place by setting each type attr
-        of ``items`` (``[(attr, serialized AttrValue)]``, the same for every
-        node) and nothing else: :meth:`touch`'s bookkeeping, and (issue 17)
-        the edit kept as a record, so that :meth:`serialize_patch` may send
-        these nodes as their edits (:attr:`patch_records`).  A node also
-        touched, or edited by another method, is sent whole."""
+    def note_retyped(self, groups):
+        """Declare nodes edited in place by setting type attrs and nothing
+        else: ``groups`` is ``[(names, items)]``, ``items`` a tuple of
+        ``(attr, serialized AttrValue)`` set on every node of ``names``.
+        :meth:`touch`'s bookkeeping, and (issue 17) the edits kept as
+        records, so that :meth:`serialize_patch` may send these nodes as
+        their edits (:attr:`patch_records`).  A node also touched, or edited
+        by another method, is sent whole."""
+        names = list(chain.from_iterable(map(itemgetter(0), groups)))
         self.modified.update(names)
         self._edit_log.extend(names)
         self._rec.update(names)
-        self._rec_attrs.append((names, items))
+        self._rec_attrs.extend(groups)
 
     def touch_all(self):
         """Declare that any node may have been edited in place (a pass that
@@ -1482,7 +1484,7 @@ class Graph:
     #: (the grappler bridge, when its library reads the records' format)
     patch_records = False
     #: the records' format (``kPatchRecordsVersion``) and field number (``kPatchRecordsField``)
-    RECORDS_VERSION = 1
+    RECORDS_VERSION = 2
     RECORDS_FIELD = 2047
 
     def _records(self, order, keys, nb):
@@ -1507,22 +1509,28 @@ class Graph:
         order[at[hit]] = -2 - base[hit]
         big = 2 ** 31 - 1  # (a name no longer in the graph: a rank the reader skips)
         pack = struct.pack
-        parts = [pack("<ii", self.RECORDS_VERSION, len(self._rec_attrs))]
-        for names, items in self._rec_attrs:
-            r = packed_ints(map(seq.get, names, repeat(big)), len(names), np.int32)
-            parts.append(pack("<i", len(names)))
-            parts.append(r.astype("<i4").tobytes())
+        groups = self._rec_attrs
+        # the distinct attr sets, then per group its count and set, then the members
+        sets = {}
+        # (C-level: each group's set numbered by the count of sets before it)
+        ids = list(map(sets.setdefault, map(itemgetter(1), groups), map(len, repeat(sets))))
+        parts = [pack("<ii", self.RECORDS_VERSION, len(sets))]
+        for items in sets:
             parts.append(pack("<i", len(items)))
             for a, v in items:
                 ab = a.encode()
                 parts.append(pack("<i", len(ab)) + ab + pack("<i", len(v)) + v)
+        counts = array("i", map(len, map(itemgetter(0), groups)))
+        members = chain.from_iterable(map(itemgetter(0), groups))
+        total = sum(counts)
+        parts += [pack("<i", len(groups)), counts.tobytes(), array("i", ids).tobytes(),
+                  packed_ints(map(seq.get, members, repeat(big)), total, np.int32).tobytes()]
         edits = self._rec_inputs
         k = len(edits)
         cons = packed_ints(map(seq.get, map(itemgetter(0), edits), repeat(big)), k, np.int32)
         idx = packed_ints(map(itemgetter(1), edits), k, np.int32)
         refs = "\x01".join(map(itemgetter(2), edits)).encode()
-        parts += [pack("<i", k), cons.astype("<i4").tobytes(), idx.astype("<i4").tobytes(),
-                  pack("<i", len(refs)), refs]
+        parts += [pack("<i", k), cons.tobytes(), idx.tobytes(), pack("<i", len(refs)), refs]
         body = b"".join(parts)
         return _varint((self.RECORDS_FIELD << 3) | 2) + _varint(len(body)) + body
 

@@ -121,7 +121,7 @@ def _half():
 def _retype(g, names):
     for n in names:
         g.nodes[n].attr["T"].type = tf.float16.as_datatype_enum
-    g.note_retyped(list(names), [("T", _half())])
+    g.note_retyped([(list(names), (("T", _half()),))])
 
 
 def _cast(name, src):

@@ -347,13 +347,11 @@ class PrecisionPass(Pass):
         if self._retyped:
             # (issue 17) the batches' nodes no step re-typed since (``_late``)
             # declared as re-typed by their records (Graph.note_retyped)
-            late, recorded = set(self._late), set()
-            for names, items in self._retyped:
-                names = [n for n in names if n not in late] if late else names
-                if names:
-                    graph.note_retyped(names, items)
-                    recorded.update(names)
-            touched = touched - recorded
+            late = set(self._late)
+            groups = self._retyped if not late else [
+                ([n for n in names if n not in late], items) for names, items in self._retyped]
+            graph.note_retyped(groups)
+            touched = touched.difference(*(names for names, _ in groups))
             self._retyped = []
         graph.touch(*touched)  # re-typed in place: the OpDef guard checks them
         return self._finish(shapes, before, changed)

@@ -765,7 +765,7 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops, cop
         if op not in follow:
             # (issue 17) each attr now holds exactly the path's last dtype
             # (registry.retype_all sets its type): the batch's patch record
-            pp._retyped.append((gnames, _type_attrs(infos[c].attrs, path[-1])))
+            pp._retyped.append((gnames, _type_attrs(tuple(infos[c].attrs), path[-1])))
         if GROUP_MEMOS:
             # (_refill_memos per batch: its nodes end with equal signatures)
             ins, outs = g.input_dtypes(gnodes[0]), g.output_dtypes(gnodes[0])
@@ -805,15 +805,12 @@ def _apply_bulk(pp, out, oid, idx, names, nodes, cid, infos, lsts, rec, ops, cop
     return changed
 
 
-@functools.lru_cache(maxsize=256)
-def _type_attr_bytes(dt: int) -> bytes:
-    return attr_value_pb2.AttrValue(type=dt).SerializeToString()
-
-
-def _type_attrs(attrs, dt):
-    """[(attr, the serialized AttrValue ``type: dt``)] of ``attrs``."""
-    v = _type_attr_bytes(dt)
-    return [(a, v) for a in attrs]
+@functools.lru_cache(maxsize=1024)
+def _type_attrs(attrs: tuple, dt: int) -> tuple:
+    """((attr, the serialized AttrValue ``type: dt``), ...) of ``attrs`` (one
+    tuple per (attrs, dt): the graph's records share it)."""
+    v = attr_value_pb2.AttrValue(type=dt).SerializeToString()
+    return tuple((a, v) for a in attrs)
 
 
 class _Entries:
