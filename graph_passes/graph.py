@@ -704,7 +704,9 @@ class Graph:
         :meth:`touch`'s bookkeeping, and (issue 17) the edits kept as
         records, so that :meth:`serialize_patch` may send these nodes as
         their edits (:attr:`patch_records`).  A node also touched, or edited
-        by another method, is sent whole."""
+        by another method, is sent whole.  Empty ``items``: nodes that count
+        as changed (the OpDef guard checks them) though they are as this
+        graph was built (edits made before the parse)."""
         names = list(chain.from_iterable(map(itemgetter(0), groups)))
         self.modified.update(names)
         self._edit_log.extend(names)

@@ -284,7 +284,10 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
             pre.shapes = None  # (its mirror and walks, for the passes' shape lookups: freed now)
             live = [n for n in pre.touched if n in graph.nodes]
             if live:
-                graph.touch(*live)
+                # (issue 17) as they are in the graph the passes began with (and the
+                # item now holds): changed for the OpDef guard, their bytes not sent
+                # again (records with no edit; a node a pass edited since goes whole)
+                graph.note_retyped([(live, ())])
         summarize(graph, report)
         c0 = cpu()
         dump = options.ge.get("enable_dump") or options.ge.get("enable_dump_debug")
