@@ -376,7 +376,12 @@ def _check_records(source, patch, graph):
     except ValueError as exc:
         got, same = str(exc), False
     if not same and len(CHECKED_RECORDS[1]) < 16:
-        CHECKED_RECORDS[1].append(graph.name if hasattr(graph, "name") else len(want))
+        ref = graph_pb2.GraphDef.FromString(want)
+        if isinstance(got, str):
+            CHECKED_RECORDS[1].append(got)
+        else:
+            diff = [(a.name, b.name) for a, b in zip(got.node, ref.node) if a != b]
+            CHECKED_RECORDS[1].append((len(got.node), len(ref.node), diff[:3]))
 
 
 def native_paint_entry():

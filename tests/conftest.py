@@ -96,6 +96,8 @@ def pytest_terminal_summary(terminalreporter):
     if pl is not None and pl.CHECKED_RECORDS[0]:
         terminalreporter.write_line(f"patches with records assembled and compared with the whole graph: "
                                     f"{pl.CHECKED_RECORDS[0]}; differing: {len(pl.CHECKED_RECORDS[1])}")
+        for d in pl.CHECKED_RECORDS[1][:5]:
+            terminalreporter.write_line(f"a patch with records differs from the whole graph: {d}")
 
 
 def pytest_sessionfinish(session, exitstatus):
