@@ -1459,13 +1459,14 @@ class Graph:
         every node (a node put in by hand): the caller maps names."""
         keys = list(nodes)
         n = len(keys)
-        order = self._base_ranks(keys, len(base))
+        got = self._base_ranks(keys, len(base), with_ranks=True)
+        order, ranks = got if got is not None else (None, None)
         if order is None:
             return None
         names = _EncodedNames(nodes)
         entry = self._node_bytes
         kget = keys.__getitem__
-        head = self._records(order, keys, len(base)) if self.patch_records else None
+        head = self._records(order, ranks, len(base)) if self.patch_records else None
         changed = [nodes[kget(k)] for k in np.flatnonzero(order == -1).tolist()]
         parts = self._joined_entries(changed, names) if self.joined_patch else None
         if parts is None:
@@ -1489,9 +1490,9 @@ class Graph:
     RECORDS_VERSION = 2
     RECORDS_FIELD = 2047
 
-    def _records(self, order, keys, nb):
+    def _records(self, order, ranks, nb):
         """The records field (bytes) of the record nodes, their entries of
-        ``order`` (:meth:`_base_ranks`' array of the nodes ``keys``, updated in place) set to
+        ``order`` (:meth:`_base_ranks`' array, updated in place; ``ranks``: every node's) set to
         -2 - (input index); None when there is none."""
         rec = self._rec
         if not rec:
@@ -1500,14 +1501,14 @@ class Graph:
         live = [n for n in (rec & self.modified) - self._full - self.created if n in nodes]
         if not live:
             return None
-        ranks = packed_ints(map(seq.__getitem__, live), len(live), np.int32)
-        if (ranks >= nb).any():  # (a rank past the input's: not an input node)
+        rec_ranks = packed_ints(map(seq.__getitem__, live), len(live), np.int32)
+        if (rec_ranks >= nb).any():  # (a rank past the input's: not an input node)
             return None
         mark = np.zeros(self._next_seq + 1, np.bool_)
-        mark[ranks] = True
+        mark[rec_ranks] = True
         at = np.flatnonzero(order == -1)
-        base = packed_ints(map(seq.__getitem__, map(keys.__getitem__, at.tolist())), len(at))
-        hit = mark[base] if len(at) else np.zeros(0, np.bool_)
+        base = ranks[at]
+        hit = mark[base]
         order[at[hit]] = -2 - base[hit]
         big = 2 ** 31 - 1  # (a name no longer in the graph: a rank the reader skips)
         pack = struct.pack
@@ -1577,11 +1578,13 @@ class Graph:
             at = joined.find(b"_class", ends[k])
         return [b"".join(parts)] if fixed else [joined]
 
-    def _base_ranks(self, keys, nb):
+    def _base_ranks(self, keys, nb, with_ranks=False):
         """Per name of ``keys`` (every node, in ``nodes`` order) its index in
         the input graph when no pass created or edited it, else -1 (int32
         numpy array), from ``_seq`` (see :meth:`_fast_patch`); None when
-        ``_seq`` does not name every node or no longer ranks by input index."""
+        ``_seq`` does not name every node or no longer ranks by input index.
+        ``with_ranks``: (that array, every node's rank)."""
+        want = with_ranks
         seq = self._seq
         n = len(keys)
         if not getattr(self, "_seq_is_base", False) or len(seq) != n:
@@ -1596,7 +1599,8 @@ class Graph:
         mark = np.zeros(self._next_seq + 1, np.bool_)
         if special:
             mark[packed_ints(map(seq.get, special, repeat(self._next_seq)), len(special))] = True
-        return np.where((ranks < nb) & ~mark[ranks], ranks, -1).astype(np.int32)
+        order = np.where((ranks < nb) & ~mark[ranks], ranks, -1).astype(np.int32)
+        return (order, ranks) if want else order
 
     #: (issue 17) who built this graph from a serialized one it still holds
     #: may set this to ``fn(names, base, counts, extra) -> bytes | None``: the
