@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
 
 import npu_amp_tf
-from graph_passes.graph import Graph
+from graph_passes.graph import Graph, _varint
 from npu_amp_tf import bridge, pipeline
 from test_precision_core import _build
 from test_speed_paths import optimize_rewritten, plugin_only_grappler
@@ -209,15 +209,6 @@ def test_records_that_do_not_fit_are_refused():
     short = _field(body[:-4]) + rest
     with pytest.raises(ValueError, match="records do not parse"):
         bridge.assemble_patch(data, patch._replace(payload=short))
-
-
-def _varint(n):
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _field(body):
