@@ -1099,10 +1099,12 @@ def _patch_fn():
 def patch_records_version() -> int:
     """The patch records' format the library reads (``NpuAmpPatchRecordsVersion``;
     ``graph_passes.graph.Graph.patch_records``), 0 when it reads none."""
-    try:
-        lib = library()
-    except Exception:  # noqa: BLE001 - no library: the patch is read by nobody here
-        return 0
+    lib = _lib  # (set inside a callback: library() would take _lock, which a caller may hold)
+    if lib is None:
+        try:
+            lib = library()
+        except Exception:  # noqa: BLE001 - no library: the patch is read by nobody here
+            return 0
     fn = getattr(lib, "NpuAmpPatchRecordsVersion", None)
     return int(fn()) if fn is not None else 0
 
