@@ -368,11 +368,14 @@ class Mirror {
   // the node `name` now has `op` and `inputs` (created, or edited in place);
   // every view is into a buffer of Keep()
   // (`link` false: the readers' entries are left to LinkLoaded, a fresh load's)
+  // (`id_out`: the node's id, when given)
   bool Upsert(string_view name, string_view op, const string_view* inputs, size_t n_inputs,
-              bool fresh, string_view def = string_view(), bool link = true) {
+              bool fresh, string_view def = string_view(), bool link = true,
+              int32_t* id_out = nullptr) {
     if (!Printable(op)) return false;
     const int32_t id = Intern(name, /*stable=*/true);
     if (id < 0) return false;
+    if (id_out != nullptr) *id_out = id;
     if (nodes_[id].alive) {
       if (fresh) return false;  // a name twice in the bytes
       Unlink(id);
@@ -575,12 +578,13 @@ bool LoadGraphDef(Mirror* m, const char* bytes, size_t len, bool fresh) {
   for (size_t i = 0; i < v.name.size(); ++i) {
     const string_view* ins = v.input.data() + v.in_start[i];
     const size_t n_ins = static_cast<size_t>(v.in_start[i + 1] - v.in_start[i]);
+    int32_t id = -1;
     if (!m->Upsert(v.name[i], v.op[i], ins, n_ins, fresh, fresh ? v.def[i] : string_view(),
-                   /*link=*/!fresh)) {
+                   /*link=*/!fresh, &id)) {
       m->base_ids.clear();
       return false;
     }
-    if (fresh) ids.push_back(m->Find(v.name[i]));
+    if (fresh) ids.push_back(id);
   }
   if (fresh) m->LinkLoaded(ids);
   if (first) m->base_ids = std::move(ids);
