@@ -1460,9 +1460,9 @@ class Graph:
         keys = list(nodes)
         n = len(keys)
         got = self._base_ranks(keys, len(base), with_ranks=True)
-        order, ranks = got if got is not None else (None, None)
-        if order is None:
+        if got is None:
             return None
+        order, ranks = got
         names = _EncodedNames(nodes)
         entry = self._node_bytes
         kget = keys.__getitem__
@@ -1584,7 +1584,6 @@ class Graph:
         numpy array), from ``_seq`` (see :meth:`_fast_patch`); None when
         ``_seq`` does not name every node or no longer ranks by input index.
         ``with_ranks``: (that array, every node's rank)."""
-        want = with_ranks
         seq = self._seq
         n = len(keys)
         if not getattr(self, "_seq_is_base", False) or len(seq) != n:
@@ -1600,7 +1599,7 @@ class Graph:
         if special:
             mark[packed_ints(map(seq.get, special, repeat(self._next_seq)), len(special))] = True
         order = np.where((ranks < nb) & ~mark[ranks], ranks, -1).astype(np.int32)
-        return (order, ranks) if want else order
+        return (order, ranks) if with_ranks else order
 
     #: (issue 17) who built this graph from a serialized one it still holds
     #: may set this to ``fn(names, base, counts, extra) -> bytes | None``: the

@@ -290,7 +290,7 @@ class PrecisionPass(Pass):
         self._cast_plan = None
         #: the nodes _adapt_casts and _convert_consts re-typed, in order
         self._late = []
-        # (issue 17) the native result's re-typings as (names, [(attr, AttrValue bytes)])
+        # (issue 17) the native result's re-typings as (names, ((attr, AttrValue bytes), ...))
         # per batch (precision/native.py _apply_bulk), declared to the graph as records
         self._retyped = []
         self.casts_inserted = 0
