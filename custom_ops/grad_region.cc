@@ -60,6 +60,7 @@
 #include <utility>
 #include <vector>
 
+#include "deferred_free.h"   // npu_amp_tf::DeferFree
 #include "graph_views.h"     // npu_amp_tf::ViewsOfBytes
 #include "name_table.h"      // npu_amp_tf::NameTable
 
@@ -2063,7 +2064,14 @@ class NormAnalyzer {
 
 NPU_AMP_GR_EXPORT void* NpuAmpGrMirrorNew() { return new Mirror(); }
 
-NPU_AMP_GR_EXPORT void NpuAmpGrMirrorFree(void* h) { delete static_cast<Mirror*>(h); }
+// (issue 17) destroyed on the helper thread (deferred_free.h): the caller
+// drops the handle, nothing reads the mirror again
+NPU_AMP_GR_EXPORT void NpuAmpGrMirrorFree(void* h) {
+  if (h == nullptr) return;
+  Mirror* m = static_cast<Mirror*>(h);
+  m->Join();  // (an async load reads the caller's bytes: done before this returns)
+  npu_amp_tf::DeferFree([m] { delete m; });
+}
 
 // Upsert every NodeDef of the serialized GraphDef `data` (fresh: a name may
 // not appear twice, nor name a node the mirror has).  0 ok, 1 refused (the
@@ -2483,7 +2491,10 @@ NPU_AMP_GR_EXPORT int NpuAmpGrSearch(void* h, const char* request, size_t len, D
 // The mirror must be synced, and loaded from the graph's own bytes.
 NPU_AMP_GR_EXPORT void* NpuAmpGrShapeMemoNew() { return new ShapeMemo(); }
 
-NPU_AMP_GR_EXPORT void NpuAmpGrShapeMemoFree(void* p) { delete static_cast<ShapeMemo*>(p); }
+NPU_AMP_GR_EXPORT void NpuAmpGrShapeMemoFree(void* p) {
+  if (p == nullptr) return;
+  npu_amp_tf::DeferFree([m = static_cast<ShapeMemo*>(p)] { delete m; });
+}
 
 NPU_AMP_GR_EXPORT int NpuAmpGrShape(void* h, void* memo, const char* ref, size_t len, int64_t* out,
                                     int cap) {

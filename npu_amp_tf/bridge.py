@@ -897,6 +897,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         if getattr(_tls, "active", False):
             return RC_NOT_NOW  # a pass itself ran a TF function: do not recurse
         _tls.active = True
+        if DEFER_FREES is not _defer_applied[0]:
+            _apply_defer_frees()
         # (issue 17) an item the layer-norm fusion before the parse may change
         # gets its index built after it (NpuAmpSinkUsePrefused starts it), not
         # now and not early on the next call: one of the item as it came
@@ -948,6 +950,52 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         _report_error(sink, exc)
         _redeliver(exc)
         return RC_ERROR
+
+
+#: (issue 17) the C++ side destroys what a callback leaves behind (the nodes
+#: the layer-norm fusion before the parse replaced, the patch parsed for the
+#: OpDef pre-check, the index, the gradient-region mirrors) on a helper
+#: thread (custom_ops/deferred_free.cc), not inside grappler's timer around
+#: the optimizer.  Wall time only: the same frees, on a second core.  False:
+#: every free inline (the reference; the same output)
+DEFER_FREES = True
+_defer_applied = [None]  # (the setting last given to the library)
+
+
+def _apply_defer_frees():
+    fn = getattr(_lib, "NpuAmpSetDeferFree", None)
+    if fn is not None:
+        fn(int(bool(DEFER_FREES)))
+    _defer_applied[0] = DEFER_FREES
+
+
+def _loaded_lib():
+    """The library: ``_lib`` inside a callback (library() would take
+    ``_lock``, which a caller may hold), else loaded; None without it."""
+    if _lib is not None:
+        return _lib
+    try:
+        return library()
+    except Exception:  # noqa: BLE001 - no library
+        return None
+
+
+def drain_deferred_frees():
+    """Wait until the frees the library deferred so far have run (tests)."""
+    fn = getattr(_loaded_lib(), "NpuAmpDrainDeferredFrees", None)
+    if fn is not None:
+        fn()
+
+
+def deferred_free_counts():
+    """(frees handed to the library's helper thread, frees it ran), or None
+    without the library or the call."""
+    fn = getattr(_loaded_lib(), "NpuAmpDeferredFreeCounts", None)
+    if fn is None:
+        return None
+    queued, ran = ctypes.c_uint64(), ctypes.c_uint64()
+    fn(ctypes.byref(queued), ctypes.byref(ran))
+    return queued.value, ran.value
 
 
 #: (issue 17r) the C++ side assembles a patch by moving the item's unchanged
