@@ -1280,22 +1280,32 @@ bool AssembleParsedPatch(const tensorflow::GraphDef& base, const std::vector<int
   // colocation with a node that is gone: the rule of Python's
   // graph_passes.graph._colocation_kept / _drop_colocation, on the copied
   // nodes (the patch's nodes come with it applied)
-  std::unordered_set<std::string_view> names;
-  names.reserve(static_cast<size_t>(out->node_size()) * 2);
-  for (const auto& node : out->node()) names.insert(node.name());
+  // (issue 17) the output's names in a NameTable (no allocation per name),
+  // made at the first colocation entry met; each node's attrs read through
+  // the const map (mutable_attr() marks the map dirty) until one must change
+  npu_amp_tf::NameTable names;
+  bool have_names = false;
   constexpr std::string_view kLoc = "loc:@";
-  auto dangling = [&names, kLoc](const std::string& v) {
-    return v.size() >= kLoc.size() && std::string_view(v).substr(0, kLoc.size()) == kLoc &&
-           names.count(std::string_view(v).substr(kLoc.size())) == 0;
+  auto dangling = [&names, &have_names, out, kLoc](const std::string& v) {
+    if (v.size() < kLoc.size() || std::string_view(v).substr(0, kLoc.size()) != kLoc) return false;
+    if (!have_names) {
+      names.Reserve(static_cast<size_t>(out->node_size()));
+      for (const auto& node : out->node()) names.Insert(node.name());
+      have_names = true;
+    }
+    return names.Find(std::string_view(v).substr(kLoc.size())) < 0;
   };
   // (every node: a node made from patch records is the base node's; the
   // payload's come with the rule applied, and it changes nothing twice)
   for (size_t k = 0; k < order.size(); ++k) {
+    const auto& read = out->node(static_cast<int>(k)).attr();
+    const auto found = read.find("_class");
+    if (found == read.end()) continue;
+    const auto& seen = found->second.list().s();
+    if (std::none_of(seen.begin(), seen.end(), dangling)) continue;
     auto* attrs = out->mutable_node(static_cast<int>(k))->mutable_attr();
     auto it = attrs->find("_class");
-    if (it == attrs->end()) continue;
     const auto& vals = it->second.list().s();
-    if (std::none_of(vals.begin(), vals.end(), dangling)) continue;
     std::vector<std::string> keep;
     for (const auto& v : vals) {
       if (!dangling(v)) keep.push_back(v);
