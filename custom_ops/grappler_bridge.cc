@@ -162,6 +162,11 @@ int64_t ThreadCpuNs() {
 using npu_amp_tf::GraphViews;
 using npu_amp_tf::ViewsOfBytes;
 
+// (issue 17) record nodes the pre-check took out of items, and those put
+// back (NpuAmpStealCounts; Sink::stolen)
+std::atomic<uint64_t> g_stolen{0};
+std::atomic<uint64_t> g_stolen_restored{0};
+
 struct Sink {
   std::string result;
   std::string error;
@@ -185,6 +190,23 @@ struct Sink {
   // holds them made (npu_amp_tf::ParsePatch)
   std::vector<int32_t> checked_full;
   bool has_checked = false;
+  // (issue 17, kFlagMoveItemNodes) the record nodes ParsePatch took out of
+  // the item (empty NodeDefs there) into `checked`: put back by
+  // RestoreStolen on every path but the assembly of `checked`, which moves
+  // them on into grappler's output (CommitStolen)
+  std::vector<npu_amp_tf::StolenNode> stolen;
+  tensorflow::GraphDef* stolen_from = nullptr;
+  void RestoreStolen() {
+    if (stolen_from == nullptr) return;
+    g_stolen_restored.fetch_add(stolen.size());
+    npu_amp_tf::RestoreStolen(stolen_from, &stolen);
+    stolen_from = nullptr;
+    has_checked = false;  // (its record nodes are the item's again)
+  }
+  void CommitStolen() {
+    stolen.clear();
+    stolen_from = nullptr;
+  }
   // (issue 17r) NpuAmpSinkFlags: kFlagMoveItemNodes, kFlagIndexFromBytes;
   // and the item's serialized bytes (valid while the callback runs)
   int flags = 0;
@@ -256,6 +278,7 @@ struct Sink {
   }
   ~Sink() {
     JoinIndex();
+    RestoreStolen();    // (before RestorePrefused: they are the fused graph's nodes)
     RestorePrefused();  // (a path that neither restored nor committed: the item as it came)
     // (issue 17) what the call leaves (the patch parsed for the pre-check,
     // the index, the bytes) destroyed on the helper thread: no reader is left
@@ -291,6 +314,10 @@ constexpr int kFlagPrecheckFromIndex = 8;  // the pre-check reads the item index
 // the next items' index may start on its helper thread as soon as their
 // bytes are written, before the callback, with these flags
 constexpr int kFlagEarlyIndex = 16;
+// (issue 17) set by Python (bridge.STEAL_RECORDS, with kFlagMoveItemNodes):
+// the pre-check's ParsePatch takes the record nodes out of the item instead
+// of copying them (Sink::stolen)
+constexpr int kFlagStealRecords = 32;
 // the flags the index's bytes and kept arrays are built with
 constexpr int kIndexFlags = kFlagIndexFromBytes | kFlagFastIndex | kFlagPrecheckFromIndex;
 // the flags of the last NpuAmpSinkFlags call (-1: none yet), and how many
@@ -1234,9 +1261,28 @@ bool AssembleParsedPatch(const tensorflow::GraphDef& base, const std::vector<int
                          tensorflow::GraphDef& patch, tensorflow::GraphDef* out,
                          std::string* error, tensorflow::GraphDef* movable = nullptr) {
   out->Clear();
-  out->mutable_node()->Reserve(static_cast<int>(order.size()));
   int next = 0;
   const int n_base = base.node_size();
+  {
+    // (issue 17) every refusal before any node moves: `patch` and `movable`
+    // stay whole (the bridge puts nodes taken out of the item back from `patch`)
+    int fresh = 0;
+    for (const int32_t k : order) {
+      if (k >= n_base) {
+        *error = "the patch names a node the graph does not have";
+        return false;
+      }
+      if (k < 0 && ++fresh > patch.node_size()) {
+        *error = "the patch holds fewer nodes than its order needs";
+        return false;
+      }
+    }
+    if (fresh != patch.node_size()) {
+      *error = "the patch holds more nodes than its order uses";
+      return false;
+    }
+  }
+  out->mutable_node()->Reserve(static_cast<int>(order.size()));
   if (movable != nullptr) {
     // (issue 17r) the base nodes are moved, not copied, only when the patch
     // fits: every index in range, none twice, as many new nodes as the
@@ -1354,6 +1400,14 @@ NPU_AMP_EXPORT int NpuAmpHasCallback() { return g_callback.load() != nullptr; }
 // ParsePatch): Python sends records only when it is the one it writes.
 NPU_AMP_EXPORT int NpuAmpPatchRecordsVersion() { return npu_amp_tf::kPatchRecordsVersion; }
 
+// (issue 17) How many record nodes the pre-check took out of items instead
+// of copying them (bridge.STEAL_RECORDS), and how many were put back (a
+// path that did not assemble that patch).  Tests.
+NPU_AMP_EXPORT void NpuAmpStealCounts(uint64_t* stolen, uint64_t* restored) {
+  *stolen = g_stolen.load();
+  *restored = g_stolen_restored.load();
+}
+
 NPU_AMP_EXPORT void NpuAmpWriteResult(void* sink, const char* data, size_t len) {
   auto* s = static_cast<Sink*>(sink);
   s->result.assign(data, len);
@@ -1422,6 +1476,7 @@ int ItemHasNode(void* sink, const char* what, Has has) {
   auto* s = static_cast<Sink*>(sink);
   if (s == nullptr || s->item == nullptr || what == nullptr) return -1;
   const std::string want(what);
+  s->RestoreStolen();
   for (const auto& node : s->item->graph.node()) {
     if (has(node, want)) return 1;
   }
@@ -1657,6 +1712,7 @@ NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t le
     return 1;
   }
   s->JoinIndex();
+  s->RestoreStolen();
   auto* graph = const_cast<tensorflow::GraphDef*>(&s->item->graph);
   const int n0 = graph->node_size();
   try {
@@ -1798,12 +1854,20 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
     int64_t t0 = ThreadCpuNs();
     ~Timer() { g_step_ns[kStepPrecheck].fetch_add(ThreadCpuNs() - t0); }
   } timer;
+  s->RestoreStolen();  // (a second pre-check: the item whole again first)
   s->has_checked = false;
   std::string why;
+  // (issue 17) the record nodes taken out of the item, not copied, when the
+  // assembly moves the item's nodes anyway (kFlagMoveItemNodes)
+  auto* steal = (s->flags & kFlagMoveItemNodes) && (s->flags & kFlagStealRecords)
+                    ? const_cast<tensorflow::GraphDef*>(&s->item->graph)
+                    : nullptr;
   if (!npu_amp_tf::ParsePatch(s->item->graph, order, n, data, len, &s->checked, &s->checked_full,
-                              &why)) {
+                              &why, steal, steal != nullptr ? &s->stolen : nullptr)) {
     return npu_amp_tf::kPrecheckUnable;
   }
+  if (!s->stolen.empty()) s->stolen_from = steal;
+  g_stolen.fetch_add(s->stolen.size());
   s->checked_order.assign(order, order + n);
   s->checked_bytes.assign(data, len);
   s->has_checked = true;
@@ -1960,6 +2024,7 @@ NPU_AMP_EXPORT int NpuAmpItemPaintStrings(void* sink, const char* names, size_t 
   if (s == nullptr || s->item == nullptr || n < 0 || (n > 0 && (base == nullptr || counts == nullptr))) {
     return 1;
   }
+  s->RestoreStolen();
   s->JoinIndex();
   if (s->views == nullptr) {  // (no index built this call: views of the parsed graph)
     auto held = std::make_shared<GraphViews>();
@@ -2155,21 +2220,25 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     g_step_ns[kStepCallback].store(t_callback - t_context);
 
     if (rc == 1 || rc == 3) {
+      sink.RestoreStolen();
       sink.RestorePrefused();
       if (rc == 1) Remember(fp_in);
       return errors::Aborted("NpuAmpOptimizer left graph '", item.id, "' unchanged");
     }
     if (rc != 0 || sink.has_error || !(sink.has_result || sink.has_patch)) {
+      sink.RestoreStolen();
       sink.RestorePrefused();
       return errors::Internal("NpuAmpOptimizer failed on graph '", item.id, "': ",
                               sink.has_error ? sink.error
                                              : std::string("the Python bridge returned no graph"));
     }
+    if (!sink.has_patch) sink.RestoreStolen();  // (the output comes from bytes)
     if (sink.has_patch) {
       std::string why;
       // (the patch the OpDef pre-check parsed, when it is the one written)
       const bool checked = sink.has_checked && sink.checked_order == sink.patch_order &&
                            sink.checked_bytes == sink.patch;
+      if (!checked) sink.RestoreStolen();  // (AssemblePatch reads the item whole)
       // (issue 17r) the item's nodes the patch keeps are moved into the
       // output, not copied, when Python asked for it (bridge.MOVE_ITEM_NODES):
       // grappler's MetaOptimizer::RunOptimizer hands us its own working
@@ -2182,10 +2251,12 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
                                           optimized_graph, &why, movable)
                     : AssemblePatch(item.graph, sink.patch_order, sink.patch, optimized_graph,
                                     &why))) {
+        sink.RestoreStolen();  // (a refusal comes before any node moved)
         sink.RestorePrefused();
         return errors::Internal("NpuAmpOptimizer: the Python bridge returned a patch that does "
                                 "not fit graph '", item.id, "': ", why);
       }
+      sink.CommitStolen();  // (moved on into the output with `checked`)
     } else if (!optimized_graph->ParseFromString(sink.result)) {
       sink.RestorePrefused();
       return errors::Internal("NpuAmpOptimizer: the Python bridge returned bytes that do not "

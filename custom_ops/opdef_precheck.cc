@@ -618,7 +618,8 @@ bool Refuse(std::string* why, const char* what) {
 // The records of `rec` applied (see ParsePatch): *patch holds the payload's
 // nodes; *order the entries given.
 bool ApplyRecords(const tensorflow::GraphDef& base, std::string_view rec,
-                  tensorflow::GraphDef* patch, std::vector<int32_t>* order, std::string* why) {
+                  tensorflow::GraphDef* patch, std::vector<int32_t>* order, std::string* why,
+                  tensorflow::GraphDef* steal, std::vector<StolenNode>* stolen) {
   const int nb = base.node_size();
   std::vector<int32_t> slot_of(static_cast<size_t>(nb), -1);
   for (size_t k = 0; k < order->size(); ++k) {
@@ -635,6 +636,17 @@ bool ApplyRecords(const tensorflow::GraphDef& base, std::string_view rec,
   auto* nodes = patch->mutable_node();
   const int n_payload = nodes->size();
   std::vector<std::unique_ptr<tensorflow::NodeDef>> owned(order->size());
+  // (steal) per output slot: its entry in *stolen, or -1
+  std::vector<int32_t> stolen_at(steal != nullptr ? order->size() : 0, -1);
+  // (declared after `owned`: runs first) a refusal puts every stolen node back
+  struct Undo {
+    tensorflow::GraphDef* steal;
+    std::vector<StolenNode>* stolen;
+    bool done = false;
+    ~Undo() {
+      if (!done && steal != nullptr) RestoreStolen(steal, stolen);
+    }
+  } undo{steal, stolen};
   {
     std::vector<tensorflow::NodeDef*> fresh(static_cast<size_t>(n_payload));
     if (n_payload) nodes->ExtractSubrange(0, n_payload, fresh.data());
@@ -648,7 +660,17 @@ bool ApplyRecords(const tensorflow::GraphDef& base, std::string_view rec,
         }
         owned[k].reset(fresh[next++]);
       } else if (v < -1) {
-        owned[k] = std::make_unique<tensorflow::NodeDef>(base.node(static_cast<int>(-2 - int64_t{v})));
+        const int b = static_cast<int>(-2 - int64_t{v});
+        if (steal != nullptr) {
+          owned[k] = std::make_unique<tensorflow::NodeDef>();
+          owned[k]->Swap(steal->mutable_node(b));
+          stolen_at[k] = static_cast<int32_t>(stolen->size());
+          stolen->emplace_back();
+          stolen->back().base_index = b;
+          stolen->back().node = owned[k].get();
+        } else {
+          owned[k] = std::make_unique<tensorflow::NodeDef>(base.node(b));
+        }
       }
     }
     if (next != n_payload) {
@@ -693,6 +715,14 @@ bool ApplyRecords(const tensorflow::GraphDef& base, std::string_view rec,
       if (b < 0) return Refuse(why, "name a node the graph does not have");
       if (b >= nb || slot_of[b] < 0) continue;  // (created, removed, or sent whole)
       auto* attr = owned[slot_of[b]]->mutable_attr();
+      if (steal != nullptr) {
+        auto& log = (*stolen)[stolen_at[slot_of[b]]].attrs;
+        for (const auto& [name, av] : set) {
+          auto it = attr->find(name);
+          log.emplace_back(name, it == attr->end() ? nullptr
+                                                   : std::make_unique<tensorflow::AttrValue>(it->second));
+        }
+      }
       for (const auto& [name, av] : set) (*attr)[name] = av;
     }
     r.p += 4 * static_cast<size_t>(m);
@@ -718,6 +748,7 @@ bool ApplyRecords(const tensorflow::GraphDef& base, std::string_view rec,
     if (b >= nb || slot_of[b] < 0) continue;
     tensorflow::NodeDef* node = owned[slot_of[b]].get();
     if (index < 0 || index >= node->input_size()) return Refuse(why, "name an input a node does not have");
+    if (steal != nullptr) (*stolen)[stolen_at[slot_of[b]]].inputs.emplace_back(index, node->input(index));
     node->set_input(index, std::string(ref));
   }
   if (edits > 0 ? from != refs.size() + 1 : !refs.empty()) return Refuse(why, "hold more inputs than edits");
@@ -727,14 +758,38 @@ bool ApplyRecords(const tensorflow::GraphDef& base, std::string_view rec,
     (*order)[k] = -1;
     nodes->AddAllocated(owned[k].release());
   }
+  undo.done = true;
   return true;
 }
 
 }  // namespace
 
+void RestoreStolen(tensorflow::GraphDef* base, std::vector<StolenNode>* stolen) {
+  for (auto it = stolen->rbegin(); it != stolen->rend(); ++it) {
+    tensorflow::NodeDef* node = it->node;
+    for (auto in = it->inputs.rbegin(); in != it->inputs.rend(); ++in) {
+      node->set_input(in->first, std::move(in->second));
+    }
+    auto* attr = node->mutable_attr();
+    for (auto a = it->attrs.rbegin(); a != it->attrs.rend(); ++a) {
+      if (a->second != nullptr) {
+        (*attr)[a->first] = std::move(*a->second);
+      } else {
+        attr->erase(a->first);
+      }
+    }
+    base->mutable_node(it->base_index)->Swap(node);
+  }
+  stolen->clear();
+}
+
 bool ParsePatch(const tensorflow::GraphDef& base, const int32_t* order, size_t n,
                 const char* data, size_t len, tensorflow::GraphDef* patch,
-                std::vector<int32_t>* order_out, std::string* why) {
+                std::vector<int32_t>* order_out, std::string* why, tensorflow::GraphDef* steal,
+                std::vector<StolenNode>* stolen) {
+  if (steal != nullptr && (steal != &base || stolen == nullptr || !stolen->empty())) {
+    steal = nullptr;  // (only the base itself, into an empty log)
+  }
   order_out->assign(order, order + n);
   const char* p = data;
   const char* end = data + len;
@@ -763,7 +818,7 @@ bool ParsePatch(const tensorflow::GraphDef& base, const int32_t* order, size_t n
     }
     return true;
   }
-  return ApplyRecords(base, rec, patch, order_out, why);
+  return ApplyRecords(base, rec, patch, order_out, why, steal, stolen);
 }
 
 }  // namespace npu_amp_tf

@@ -5,12 +5,14 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
 
 #include "name_table.h"  // npu_amp_tf::NameTable
+#include "tensorflow/core/framework/attr_value.pb.h"
 #include "tensorflow/core/framework/function.pb.h"
 #include "tensorflow/core/framework/graph.pb.h"
 #include "tensorflow/core/framework/node_def.pb.h"
@@ -47,9 +49,31 @@ bool PatchNodes(const tensorflow::GraphDef& base, const std::vector<int32_t>& or
 // in *why) when the bytes do not parse or do not fit `base`.
 constexpr uint32_t kPatchRecordsField = 2047;
 constexpr int32_t kPatchRecordsVersion = 2;
+// (issue 17) A record node taken out of the base (ParsePatch with `steal`):
+// its NodeDef's contents swapped out of base.node(base_index) into `node`
+// (owned by *patch once ParsePatch returns true), the edits' old values
+// logged in edit order, so that RestoreStolen puts the node back as it was.
+struct StolenNode {
+  int32_t base_index = -1;
+  tensorflow::NodeDef* node = nullptr;
+  // (an attr's old value; null: the attr was absent)
+  std::vector<std::pair<std::string, std::unique_ptr<tensorflow::AttrValue>>> attrs;
+  std::vector<std::pair<int, std::string>> inputs;  // (position, old input)
+};
+// `steal` (null, or &base made mutable: the bridge's item, whose nodes the
+// assembly moves anyway): the record nodes are swapped out of it instead of
+// copied (a NodeDef copy costs what its parse does), each logged in
+// *stolen; the base then holds empty NodeDefs at those places until
+// RestoreStolen, or until the patch's nodes are moved into the output.  On
+// false nothing stays stolen.
 bool ParsePatch(const tensorflow::GraphDef& base, const int32_t* order, size_t n,
                 const char* data, size_t len, tensorflow::GraphDef* patch,
-                std::vector<int32_t>* order_out, std::string* why);
+                std::vector<int32_t>* order_out, std::string* why,
+                tensorflow::GraphDef* steal = nullptr, std::vector<StolenNode>* stolen = nullptr);
+// The nodes of *stolen put back into *base with their edits undone, the
+// last stolen first; *stolen emptied.  The NodeDefs they were moved to must
+// still hold them (not moved on into an output).
+void RestoreStolen(tensorflow::GraphDef* base, std::vector<StolenNode>* stolen);
 
 // kPrecheckClean only when graph_passes.opdef_check.changed_problems(after,
 // changed, default_device) is empty for the graph of `nodes` (library:

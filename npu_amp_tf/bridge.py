@@ -175,6 +175,11 @@ def library():
             if hasattr(lib, "NpuAmpItemIndexStart"):  # (issue 17)
                 lib.NpuAmpItemIndexStart.argtypes = [ctypes.c_void_p]
                 lib.NpuAmpItemIndexStart.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpSetDeferFree"):  # (issue 17: DEFER_FREES)
+                lib.NpuAmpSetDeferFree.argtypes = [ctypes.c_int]
+                lib.NpuAmpSetDeferFree.restype = ctypes.c_int
+                lib.NpuAmpDrainDeferredFrees.argtypes = []
+                lib.NpuAmpDrainDeferredFrees.restype = None
             if hasattr(lib, "NpuAmpSinkUsePrefused"):  # (issue 17)
                 lib.NpuAmpSinkUsePrefused.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
                                                       ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -987,6 +992,17 @@ def drain_deferred_frees():
         fn()
 
 
+def steal_counts():
+    """(record nodes the OpDef pre-check took out of items, those put back)
+    (:data:`STEAL_RECORDS`), or None without the library or the call."""
+    fn = getattr(_loaded_lib(), "NpuAmpStealCounts", None)
+    if fn is None:
+        return None
+    stolen, restored = ctypes.c_uint64(), ctypes.c_uint64()
+    fn(ctypes.byref(stolen), ctypes.byref(restored))
+    return stolen.value, restored.value
+
+
 def deferred_free_counts():
     """(frees handed to the library's helper thread, frees it ran), or None
     without the library or the call."""
@@ -1004,6 +1020,14 @@ def deferred_free_counts():
 #: time on the Keras ResNet-50 training graph); False: copied (the reference;
 #: the same output bytes)
 MOVE_ITEM_NODES = True
+#: (issue 17, with MOVE_ITEM_NODES) the OpDef pre-check inside grappler takes
+#: the patch's record nodes (``Graph.patch_records``) out of the item and
+#: edits them there, instead of copying each from the item (a NodeDef copy
+#: costs what its parse does); every path that does not assemble that
+#: patch puts them back as they were (``Sink::RestoreStolen`` in
+#: custom_ops/grappler_bridge.cc).  False: copied (the reference; the same
+#: output)
+STEAL_RECORDS = True
 #: (issue 17r) the C++ index (:func:`item_index`, :func:`graph_index`) reads
 #: node names, ops and inputs from the serialized bytes in one sequential
 #: pass instead of from the parsed GraphDef's scattered strings; False: from
@@ -1046,10 +1070,12 @@ EARLY_INDEX = True
 def _sink_flags(early: bool = True) -> int:
     """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES /
     FAST_INDEX / PRECHECK_FROM_INDEX / EARLY_INDEX (with INDEX_IN_BACKGROUND;
-    ``early`` False: not for the next item either)."""
+    ``early`` False: not for the next item either) / STEAL_RECORDS (with
+    MOVE_ITEM_NODES)."""
     return ((1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
             | (4 if FAST_INDEX else 0) | (8 if PRECHECK_FROM_INDEX else 0)
-            | (16 if early and EARLY_INDEX and INDEX_IN_BACKGROUND else 0))
+            | (16 if early and EARLY_INDEX and INDEX_IN_BACKGROUND else 0)
+            | (32 if STEAL_RECORDS and MOVE_ITEM_NODES else 0))
 
 
 def _may_prefuse(graph_bytes: bytes) -> bool:

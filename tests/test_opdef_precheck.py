@@ -377,19 +377,26 @@ def _bad_rule_graph():
     return g.as_graph_def()
 
 
-@pytest.fixture
-def bad_rule():
+def register_bad_rule():
     """A user fusion rule whose Relu is valid alone but mistyped for its input
-    edge (float64 fed float32), plus a created node so the output is a patch."""
+    edge (float64 fed float32), plus a created node so the output is a patch;
+    returns the call that unregisters it."""
     def build(m, b):
         b.emit("Relu", m.anchor, [m["x"]], {"T": ("type", types_pb2.DT_DOUBLE)})
 
     fusion_core.register_fusion_rule("test_17m_bad", Pat("Relu", inputs=[Pat.any("x")]), build,
                                      graph_level=2)
+    return lambda: fusion_core.unregister_fusion_rule("test_17m_bad")
+
+
+@pytest.fixture
+def bad_rule():
+    """:func:`register_bad_rule` for the test."""
+    unregister = register_bad_rule()
     try:
         yield
     finally:
-        fusion_core.unregister_fusion_rule("test_17m_bad")
+        unregister()
 
 
 def _opdef_warnings(rep):
