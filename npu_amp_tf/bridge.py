@@ -992,26 +992,27 @@ def drain_deferred_frees():
         fn()
 
 
+def _count_pair(name: str):
+    """The two uint64 counts the library's ``name(a*, b*)`` writes, or None
+    without the library or the call."""
+    fn = getattr(_loaded_lib(), name, None)
+    if fn is None:
+        return None
+    a, b = ctypes.c_uint64(), ctypes.c_uint64()
+    fn(ctypes.byref(a), ctypes.byref(b))
+    return a.value, b.value
+
+
 def steal_counts():
     """(record nodes the OpDef pre-check took out of items, those put back)
     (:data:`STEAL_RECORDS`), or None without the library or the call."""
-    fn = getattr(_loaded_lib(), "NpuAmpStealCounts", None)
-    if fn is None:
-        return None
-    stolen, restored = ctypes.c_uint64(), ctypes.c_uint64()
-    fn(ctypes.byref(stolen), ctypes.byref(restored))
-    return stolen.value, restored.value
+    return _count_pair("NpuAmpStealCounts")
 
 
 def deferred_free_counts():
     """(frees handed to the library's helper thread, frees it ran), or None
     without the library or the call."""
-    fn = getattr(_loaded_lib(), "NpuAmpDeferredFreeCounts", None)
-    if fn is None:
-        return None
-    queued, ran = ctypes.c_uint64(), ctypes.c_uint64()
-    fn(ctypes.byref(queued), ctypes.byref(ran))
-    return queued.value, ran.value
+    return _count_pair("NpuAmpDeferredFreeCounts")
 
 
 #: (issue 17r) the C++ side assembles a patch by moving the item's unchanged
