@@ -86,10 +86,13 @@ void DeferFree(std::function<void()> free_fn) {
         }
       }
       if (q.started) {
-        q.jobs.push_back(std::move(free_fn));
-        ++q.queued;
-        q.wake.notify_one();
-        return;
+        try {
+          q.jobs.push_back(std::move(free_fn));  // (bad_alloc: `free_fn` untouched, run below)
+          ++q.queued;
+          q.wake.notify_one();
+          return;
+        } catch (...) {
+        }
       }
     }
   }

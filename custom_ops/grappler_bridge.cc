@@ -263,15 +263,26 @@ struct Sink {
   }
   void CommitPrefused() {
     if (prefused_graph == nullptr) return;
-    // (the replaced nodes, ~1,900 on BERT-12: freed on the helper thread)
-    std::vector<tensorflow::NodeDef*> gone;
-    for (size_t k = 0; k < prefused_orig.size(); ++k) {
-      if (!prefused_kept[k]) gone.push_back(prefused_orig[k]);
+    // (the replaced nodes, ~1,900 on BERT-12: freed on the helper thread;
+    // inline when that cannot be arranged, bad_alloc)
+    bool handed = false;
+    try {
+      std::vector<tensorflow::NodeDef*> gone;
+      for (size_t k = 0; k < prefused_orig.size(); ++k) {
+        if (!prefused_kept[k]) gone.push_back(prefused_orig[k]);
+      }
+      if (!gone.empty()) {
+        npu_amp_tf::DeferFree([gone = std::move(gone)] {
+          for (tensorflow::NodeDef* p : gone) delete p;
+        });
+      }
+      handed = true;
+    } catch (...) {
     }
-    if (!gone.empty()) {
-      npu_amp_tf::DeferFree([gone = std::move(gone)] {
-        for (tensorflow::NodeDef* p : gone) delete p;
-      });
+    if (!handed) {
+      for (size_t k = 0; k < prefused_orig.size(); ++k) {
+        if (!prefused_kept[k]) delete prefused_orig[k];
+      }
     }
     prefused_orig.clear();
     prefused_graph = nullptr;
@@ -288,18 +299,21 @@ struct Sink {
       npu_amp_tf::BaseIndex kept;
       std::shared_ptr<GraphViews> views, prefused_views;
     };
-    auto left = std::make_shared<Left>();
-    left->checked.Swap(&checked);
-    left->result.swap(result);
-    left->patch.swap(patch);
-    left->shapes.swap(shapes);
-    left->index.swap(index);
-    left->checked_bytes.swap(checked_bytes);
-    left->prefused_bytes.swap(prefused_bytes);
-    left->kept = std::move(kept);
-    left->views = std::move(views);
-    left->prefused_views = std::move(prefused_views);
-    npu_amp_tf::DeferFree([left = std::move(left)]() mutable { left.reset(); });
+    try {  // (bad_alloc: what was moved is freed here, the rest by the members' destructors)
+      auto left = std::make_shared<Left>();
+      left->checked.Swap(&checked);
+      left->result.swap(result);
+      left->patch.swap(patch);
+      left->shapes.swap(shapes);
+      left->index.swap(index);
+      left->checked_bytes.swap(checked_bytes);
+      left->prefused_bytes.swap(prefused_bytes);
+      left->kept = std::move(kept);
+      left->views = std::move(views);
+      left->prefused_views = std::move(prefused_views);
+      npu_amp_tf::DeferFree([left = std::move(left)]() mutable { left.reset(); });
+    } catch (...) {
+    }
   }
 };
 
