@@ -1590,6 +1590,7 @@ NPU_AMP_EXPORT int NpuAmpItemShapes(void* sink, const char** data, size_t* len) 
     return 1;
   }
   if (!s->has_shapes) {
+    s->RestoreStolen();  // (inference reads every node of the item)
     s->has_shapes = true;
     bool ok;
     if (s->prefused_graph != nullptr) {
@@ -1666,7 +1667,10 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
   *len = 0;
   if (s == nullptr || s->item == nullptr) return 1;
   s->JoinIndex();
-  if (s->index_rc < 0) s->index_rc = BuildItemIndex(s, s->flags);
+  if (s->index_rc < 0) {
+    s->RestoreStolen();  // (the index's classes read the item's nodes)
+    s->index_rc = BuildItemIndex(s, s->flags);
+  }
   if (s->index_rc != 0) return 1;
   *data = s->index.data();
   *len = s->index.size();
@@ -1679,6 +1683,7 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
 // or started already, or no thread to be had: NpuAmpItemIndex builds it).
 static int StartIndexThread(Sink* s, int flags) {
   if (s == nullptr || s->item == nullptr || s->index_rc >= 0 || s->index_thread.joinable()) return 1;
+  s->RestoreStolen();  // (the thread reads the item's nodes)
   s->index_flags = flags;
   try {
     s->index_thread = std::thread([s, flags] {

@@ -105,3 +105,28 @@ def test_a_patch_other_than_the_checked_one_puts_taken_nodes_back(k2, monkeypatc
     assert taken > 100 and back == taken, (taken, back)
     assert out == ref
     assert len(graph_pb2.GraphDef.FromString(out).node) == len(graph_pb2.GraphDef.FromString(ref).node)
+
+
+def test_an_item_reader_after_the_check_puts_taken_nodes_back(k2, monkeypatch):
+    """A C++ entry that reads the item (here ``item_has_op``) called after the
+    pre-check took the record nodes: it puts them back first and answers
+    from the whole item; the patch is then assembled again from the item."""
+    gd, fetches = _build("bert_like", k2)
+    mg, cfg = plugin_only_grappler(gd, fetches)
+    monkeypatch.setattr(bridge, "STEAL_RECORDS", False)
+    ref = optimize_rewritten(cfg, mg, b"steal-ref-2")[0]
+    monkeypatch.setattr(bridge, "STEAL_RECORDS", True)
+    real, seen = bridge.item_opdef_precheck, []
+
+    def then_read(sink, patch, device="CPU"):
+        answer = real(sink, patch, device)
+        seen.append(bridge.item_has_op(sink, "MatMul"))
+        return answer
+
+    monkeypatch.setattr(bridge, "item_opdef_precheck", then_read)
+    before = bridge.steal_counts()
+    out = optimize_rewritten(cfg, mg, b"steal-read")[0]
+    taken, back = _delta(before)
+    assert seen == [True]
+    assert taken > 100 and back == taken, (taken, back)
+    assert out == ref
