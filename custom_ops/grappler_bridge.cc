@@ -204,6 +204,12 @@ struct Sink {
     has_checked = false;  // (its record nodes are the item's again)
   }
   void CommitStolen() {
+    // (the undo logs, ~1.5k on BERT-12: freed on the helper thread)
+    try {
+      npu_amp_tf::DeferFree([logs = std::make_shared<std::vector<npu_amp_tf::StolenNode>>(
+                                 std::move(stolen))]() mutable { logs.reset(); });
+    } catch (...) {  // (bad_alloc: freed here)
+    }
     stolen.clear();
     stolen_from = nullptr;
   }
