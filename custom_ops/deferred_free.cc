@@ -73,7 +73,7 @@ void CloseAtExit() {
 
 void DeferFree(std::function<void()> free_fn) {
   Queue& q = Q();
-  {
+  try {
     std::lock_guard<std::mutex> lock(q.mu);
     if (q.on && !q.closed) {
       if (!q.started) {
@@ -86,15 +86,13 @@ void DeferFree(std::function<void()> free_fn) {
         }
       }
       if (q.started) {
-        try {
-          q.jobs.push_back(std::move(free_fn));  // (bad_alloc: `free_fn` untouched, run below)
-          ++q.queued;
-          q.wake.notify_one();
-          return;
-        } catch (...) {
-        }
+        q.jobs.push_back(std::move(free_fn));  // (bad_alloc: `free_fn` untouched, run below)
+        ++q.queued;
+        q.wake.notify_one();
+        return;
       }
     }
+  } catch (...) {  // (the lock or the queue failed: freed here)
   }
   free_fn();
 }

@@ -13,8 +13,10 @@ namespace npu_amp_tf {
 
 // Runs `free_fn` (a destruction, nothing else: it must read no state another
 // thread may change) on the helper thread, in call order; inline when
-// deferring is off (SetDeferFree), when the helper cannot start, or once the
-// process is exiting.
+// deferring is off (SetDeferFree), when the helper cannot start or the job
+// cannot be queued, or once the process is exiting.  Never throws (making
+// the std::function argument, at the caller, may: a job holding more than
+// two pointers).
 void DeferFree(std::function<void()> free_fn);
 
 // Turns deferring on / off (on by default); returns the previous setting.

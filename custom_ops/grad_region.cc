@@ -2070,11 +2070,7 @@ NPU_AMP_GR_EXPORT void NpuAmpGrMirrorFree(void* h) {
   if (h == nullptr) return;
   Mirror* m = static_cast<Mirror*>(h);
   m->Join();  // (an async load reads the caller's bytes: done before this returns)
-  try {
-    npu_amp_tf::DeferFree([m] { delete m; });
-  } catch (...) {  // (bad_alloc making the job: freed here)
-    delete m;
-  }
+  npu_amp_tf::DeferFree([m] { delete m; });
 }
 
 // Upsert every NodeDef of the serialized GraphDef `data` (fresh: a name may
@@ -2497,12 +2493,7 @@ NPU_AMP_GR_EXPORT void* NpuAmpGrShapeMemoNew() { return new ShapeMemo(); }
 
 NPU_AMP_GR_EXPORT void NpuAmpGrShapeMemoFree(void* p) {
   if (p == nullptr) return;
-  auto* m = static_cast<ShapeMemo*>(p);
-  try {
-    npu_amp_tf::DeferFree([m] { delete m; });
-  } catch (...) {  // (bad_alloc making the job: freed here)
-    delete m;
-  }
+  npu_amp_tf::DeferFree([m = static_cast<ShapeMemo*>(p)] { delete m; });
 }
 
 NPU_AMP_GR_EXPORT int NpuAmpGrShape(void* h, void* memo, const char* ref, size_t len, int64_t* out,

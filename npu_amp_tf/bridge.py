@@ -1071,12 +1071,12 @@ EARLY_INDEX = True
 def _sink_flags(early: bool = True) -> int:
     """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES /
     FAST_INDEX / PRECHECK_FROM_INDEX / EARLY_INDEX (with INDEX_IN_BACKGROUND;
-    ``early`` False: not for the next item either) / STEAL_RECORDS (with
-    MOVE_ITEM_NODES)."""
+    ``early`` False: not for the next item either) / STEAL_RECORDS (which
+    the library applies only with MOVE_ITEM_NODES)."""
     return ((1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
             | (4 if FAST_INDEX else 0) | (8 if PRECHECK_FROM_INDEX else 0)
             | (16 if early and EARLY_INDEX and INDEX_IN_BACKGROUND else 0)
-            | (32 if STEAL_RECORDS and MOVE_ITEM_NODES else 0))
+            | (32 if STEAL_RECORDS else 0))
 
 
 def _may_prefuse(graph_bytes: bytes) -> bool:
@@ -1174,13 +1174,7 @@ def _patch_fn():
 def patch_records_version() -> int:
     """The patch records' format the library reads (``NpuAmpPatchRecordsVersion``;
     ``graph_passes.graph.Graph.patch_records``), 0 when it reads none."""
-    lib = _lib  # (set inside a callback: library() would take _lock, which a caller may hold)
-    if lib is None:
-        try:
-            lib = library()
-        except Exception:  # noqa: BLE001 - no library: the patch is read by nobody here
-            return 0
-    fn = getattr(lib, "NpuAmpPatchRecordsVersion", None)
+    fn = getattr(_loaded_lib(), "NpuAmpPatchRecordsVersion", None)
     return int(fn()) if fn is not None else 0
 
 
