@@ -176,8 +176,27 @@ struct Sink {
   std::vector<int32_t> patch_order;
   std::string patch;
   bool has_patch = false;
-  // the item being optimized (valid while the callback runs) and its shapes
-  const tensorflow::grappler::GrapplerItem* item = nullptr;
+  // (issue 17) the item being optimized, valid while the callback runs.  It
+  // is read through WholeItem() / MutableWholeGraph(), which put back first
+  // any record node the pre-check took out of it (kFlagStealRecords), so no
+  // reader meets an emptied NodeDef; only the pre-check's own readers of
+  // `checked`, which know which nodes were taken, use GraphAsTaken().
+ private:
+  const tensorflow::grappler::GrapplerItem* item_ = nullptr;
+
+ public:
+  bool in_call() const { return item_ != nullptr; }
+  void set_item(const tensorflow::grappler::GrapplerItem* item) { item_ = item; }
+  const tensorflow::grappler::GrapplerItem& WholeItem() {
+    RestoreStolen();
+    return *item_;
+  }
+  tensorflow::GraphDef* MutableWholeGraph() {
+    RestoreStolen();
+    return const_cast<tensorflow::GraphDef*>(&item_->graph);
+  }
+  const tensorflow::GraphDef& GraphAsTaken() const { return item_->graph; }
+  // the item's shapes
   std::string shapes;
   bool has_shapes = false;
   std::string index;
@@ -1483,7 +1502,7 @@ NPU_AMP_EXPORT void NpuAmpEarlyIndexCounts(uint64_t* started, uint64_t* discarde
 NPU_AMP_EXPORT int NpuAmpItemFingerprint(void* sink, uint64_t* fp) {
   auto* s = static_cast<Sink*>(sink);
   *fp = 0;
-  if (s == nullptr || s->item == nullptr) return 1;
+  if (s == nullptr || !s->in_call()) return 1;
   *fp = s->fingerprint;
   return 0;
 }
@@ -1494,10 +1513,9 @@ namespace {
 template <typename Has>
 int ItemHasNode(void* sink, const char* what, Has has) {
   auto* s = static_cast<Sink*>(sink);
-  if (s == nullptr || s->item == nullptr || what == nullptr) return -1;
+  if (s == nullptr || !s->in_call() || what == nullptr) return -1;
   const std::string want(what);
-  s->RestoreStolen();
-  for (const auto& node : s->item->graph.node()) {
+  for (const auto& node : s->WholeItem().graph.node()) {
     if (has(node, want)) return 1;
   }
   return 0;
@@ -1589,14 +1607,14 @@ NPU_AMP_EXPORT int NpuAmpInFlight() { return g_in_flight.load(); }
 // stay valid until the callback returns.
 NPU_AMP_EXPORT int NpuAmpItemShapes(void* sink, const char** data, size_t* len) {
   auto* s = static_cast<Sink*>(sink);
-  if (s == nullptr || s->item == nullptr) {
+  if (s == nullptr || !s->in_call()) {
     static const char kMsg[] = "no grappler item: NpuAmpItemShapes called outside Optimize";
     *data = kMsg;
     *len = sizeof(kMsg) - 1;
     return 1;
   }
   if (!s->has_shapes) {
-    s->RestoreStolen();  // (inference reads every node of the item)
+    const tensorflow::grappler::GrapplerItem& whole = s->WholeItem();  // (inference reads every node)
     s->has_shapes = true;
     bool ok;
     if (s->prefused_graph != nullptr) {
@@ -1604,23 +1622,23 @@ NPU_AMP_EXPORT int NpuAmpItemShapes(void* sink, const char** data, size_t* len) 
       // (NpuAmpSinkUsePrefused): the passes' shape table is the input's, as
       // when the fusion pass makes the fusions (copied: inference is lazy and
       // costs more than the copy)
-      tensorflow::grappler::GrapplerItem original(*s->item);
+      tensorflow::grappler::GrapplerItem original(whole);
       auto* nodes = original.graph.mutable_node();
       nodes->Clear();
       nodes->Reserve(static_cast<int>(s->prefused_orig.size()));
       for (const tensorflow::NodeDef* p : s->prefused_orig) *nodes->Add() = *p;
       ok = InferShapesText(original, &s->shapes);
     } else {
-      ok = InferShapesText(*s->item, &s->shapes);
+      ok = InferShapesText(whole, &s->shapes);
     }
     if (!ok) {
       s->shapes = "grappler shape inference failed: " + s->shapes;
-      s->item = nullptr;  // remember the failure as the message
+      s->set_item(nullptr);  // remember the failure as the message
     }
   }
   *data = s->shapes.data();
   *len = s->shapes.size();
-  return s->item == nullptr ? 1 : 0;
+  return !s->in_call() ? 1 : 0;
 }
 
 // Shapes of a serialized GraphDef (offline use).  The bytes stay valid until
@@ -1648,7 +1666,8 @@ NPU_AMP_EXPORT int NpuAmpGraphShapes(const char* graph, size_t graph_len, const 
 // written): Python then builds the index itself.  The bytes stay valid until
 // the callback returns.
 // Builds the item's index into s->index (and s->kept, s->views): 0, or 1.
-static int BuildItemIndex(Sink* s, int flags) {
+// `graph`: the item's, whole (Sink::WholeItem, taken before a thread starts).
+static int BuildItemIndex(Sink* s, const tensorflow::GraphDef& graph, int flags) {
   const int64_t t0 = ThreadCpuNs();
   std::shared_ptr<GraphViews> held = std::move(s->prefused_views);
   s->prefused_views.reset();
@@ -1656,13 +1675,13 @@ static int BuildItemIndex(Sink* s, int flags) {
     held = std::make_shared<GraphViews>();
     if (!(flags & kFlagIndexFromBytes) || !ViewsOfBytes(s->graph_bytes, held.get())) {
       *held = GraphViews();
-      ViewsOfGraph(s->item->graph, held.get());
+      ViewsOfGraph(graph, held.get());
     }
   }
   GraphViews& views = *held;
-  const bool ok = GraphIndexText(s->item->graph, views, &s->index, (flags & kFlagFastIndex) != 0,
+  const bool ok = GraphIndexText(graph, views, &s->index, (flags & kFlagFastIndex) != 0,
                                  (flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr);
-  if (static_cast<int64_t>(views.name.size()) == s->item->graph.node_size()) s->views = std::move(held);
+  if (static_cast<int64_t>(views.name.size()) == graph.node_size()) s->views = std::move(held);
   g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
   return ok ? 0 : 1;
 }
@@ -1671,11 +1690,10 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
   auto* s = static_cast<Sink*>(sink);
   *data = nullptr;
   *len = 0;
-  if (s == nullptr || s->item == nullptr) return 1;
+  if (s == nullptr || !s->in_call()) return 1;
   s->JoinIndex();
   if (s->index_rc < 0) {
-    s->RestoreStolen();  // (the index's classes read the item's nodes)
-    s->index_rc = BuildItemIndex(s, s->flags);
+    s->index_rc = BuildItemIndex(s, s->WholeItem().graph, s->flags);  // (its classes read the nodes)
   }
   if (s->index_rc != 0) return 1;
   *data = s->index.data();
@@ -1688,14 +1706,14 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
 // bytes; NpuAmpItemIndex then waits for it.  0 started, 1 not (no item, built
 // or started already, or no thread to be had: NpuAmpItemIndex builds it).
 static int StartIndexThread(Sink* s, int flags) {
-  if (s == nullptr || s->item == nullptr || s->index_rc >= 0 || s->index_thread.joinable()) return 1;
-  s->RestoreStolen();  // (the thread reads the item's nodes)
+  if (s == nullptr || !s->in_call() || s->index_rc >= 0 || s->index_thread.joinable()) return 1;
+  const tensorflow::GraphDef* graph = &s->WholeItem().graph;  // (the thread reads its nodes)
   s->index_flags = flags;
   try {
-    s->index_thread = std::thread([s, flags] {
+    s->index_thread = std::thread([s, graph, flags] {
       int rc = 1;
       try {
-        rc = BuildItemIndex(s, flags);
+        rc = BuildItemIndex(s, *graph, flags);
       } catch (...) {  // (bad_alloc: NpuAmpItemIndex answers 1, Python indexes)
         rc = 1;
       }
@@ -1732,13 +1750,12 @@ static void RebaseViews(GraphViews* v, const char* from, const char* to) {
 NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t len, const int32_t* map,
                                          size_t n, int start_index) {
   auto* s = static_cast<Sink*>(sink);
-  if (s == nullptr || s->item == nullptr || s->prefused_graph != nullptr || data == nullptr ||
+  if (s == nullptr || !s->in_call() || s->prefused_graph != nullptr || data == nullptr ||
       (n && map == nullptr)) {
     return 1;
   }
   s->JoinIndex();
-  s->RestoreStolen();
-  auto* graph = const_cast<tensorflow::GraphDef*>(&s->item->graph);
+  tensorflow::GraphDef* graph = s->MutableWholeGraph();
   const int n0 = graph->node_size();
   try {
     // the node records of `data`, in order
@@ -1873,21 +1890,21 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
                                            const char* data, size_t len, const char* broken,
                                            size_t broken_len, const char* device) {
   auto* s = static_cast<Sink*>(sink);
-  if (s == nullptr || s->item == nullptr) return npu_amp_tf::kPrecheckUnable;
+  if (s == nullptr || !s->in_call()) return npu_amp_tf::kPrecheckUnable;
   s->JoinIndex();
   struct Timer {
     int64_t t0 = ThreadCpuNs();
     ~Timer() { g_step_ns[kStepPrecheck].fetch_add(ThreadCpuNs() - t0); }
   } timer;
-  s->RestoreStolen();  // (a second pre-check: the item whole again first)
+  const tensorflow::GraphDef& base = s->WholeItem().graph;  // (a second pre-check: whole again first)
   s->has_checked = false;
   std::string why;
   // (issue 17) the record nodes taken out of the item, not copied, when the
   // assembly moves the item's nodes anyway (kFlagMoveItemNodes)
   auto* steal = (s->flags & kFlagMoveItemNodes) && (s->flags & kFlagStealRecords)
-                    ? const_cast<tensorflow::GraphDef*>(&s->item->graph)
+                    ? s->MutableWholeGraph()
                     : nullptr;
-  if (!npu_amp_tf::ParsePatch(s->item->graph, order, n, data, len, &s->checked, &s->checked_full,
+  if (!npu_amp_tf::ParsePatch(base, order, n, data, len, &s->checked, &s->checked_full,
                               &why, steal, steal != nullptr ? &s->stolen : nullptr)) {
     return npu_amp_tf::kPrecheckUnable;
   }
@@ -1898,13 +1915,13 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
   s->has_checked = true;
   if ((s->flags & kFlagPrecheckFromIndex) && s->kept.valid) {
     // (issue 17u) the item index's names and consumers: the same answer
-    return npu_amp_tf::OpdefPrecheckIndexed(s->item->graph, s->kept, s->checked_full, s->checked,
+    return npu_amp_tf::OpdefPrecheckIndexed(s->GraphAsTaken(), s->kept, s->checked_full, s->checked,
                                             std::string_view(broken, broken_len),
                                             std::string_view(device ? device : "CPU"));
   }
   std::vector<const tensorflow::NodeDef*> nodes;
   std::vector<char> changed;
-  if (!npu_amp_tf::PatchNodes(s->item->graph, s->checked_full, s->checked, &nodes, &changed)) {
+  if (!npu_amp_tf::PatchNodes(s->GraphAsTaken(), s->checked_full, s->checked, &nodes, &changed)) {
     return npu_amp_tf::kPrecheckUnable;
   }
   return npu_amp_tf::OpdefPrecheck(nodes, changed, s->checked.library(),
@@ -2046,14 +2063,14 @@ NPU_AMP_EXPORT int NpuAmpItemPaintStrings(void* sink, const char* names, size_t 
   *data = nullptr;
   *len = 0;
   auto* s = static_cast<Sink*>(sink);
-  if (s == nullptr || s->item == nullptr || n < 0 || (n > 0 && (base == nullptr || counts == nullptr))) {
+  if (s == nullptr || !s->in_call() || n < 0 || (n > 0 && (base == nullptr || counts == nullptr))) {
     return 1;
   }
-  s->RestoreStolen();
+  const tensorflow::GraphDef& whole = s->WholeItem().graph;
   s->JoinIndex();
   if (s->views == nullptr) {  // (no index built this call: views of the parsed graph)
     auto held = std::make_shared<GraphViews>();
-    ViewsOfGraph(s->item->graph, held.get());
+    ViewsOfGraph(whole, held.get());
     s->views = std::move(held);
   }
   const GraphViews& views = *s->views;
@@ -2204,7 +2221,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
     const int64_t t_serialize = ThreadCpuNs();
     for (auto& t : g_step_ns) t.store(0);  // (before the index's thread adds to its step)
     Sink sink;  // (after graph_bytes: destroyed, and its thread joined, first)
-    sink.item = &item;
+    sink.set_item(&item);
     sink.graph_bytes = graph_bytes.view();
     // (issue 17, kFlagEarlyIndex) the index starts now, with the flags of the
     // previous callback, so that it overlaps the fingerprint below and the
@@ -2235,7 +2252,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
                       item.id.c_str());
     g_in_flight.fetch_sub(1);
     sink.JoinIndex();  // (a helper thread reads the item and graph_bytes)
-    sink.item = nullptr;
+    sink.set_item(nullptr);
     sink.graph_bytes = std::string_view();
     sink.kept = npu_amp_tf::BaseIndex();  // (its views are of graph_bytes)
     sink.views.reset();                     // (the same)
