@@ -74,6 +74,7 @@
 #include <mutex>
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -251,6 +252,41 @@ struct Sink {
   // caller joins as soon as the callback returns
   std::thread index_thread;
   int index_rc = -1;  // the index built: 0, or 1 (refused); -1 not built
+  // (issue 17, kFlagLateClasses) the thread hands the index over
+  // (PublishIndex: index, kept, views and index_rc written) before it
+  // computes the signature classes into `classes` (classes_rc 0; read after
+  // the join, NpuAmpItemClasses)
+  std::mutex index_mu;
+  std::condition_variable index_cv;
+  bool index_published = false;
+  std::vector<int32_t> classes;
+  int classes_rc = -1;
+  void PublishIndex(int rc) {
+    {
+      std::lock_guard<std::mutex> lk(index_mu);
+      index_rc = rc;
+      index_published = true;
+    }
+    index_cv.notify_all();
+  }
+  // NpuAmpItemIndex's wait: until the thread has handed the index over (or
+  // there is no thread)
+  void WaitIndex() {
+    if (!index_thread.joinable()) return;
+    std::unique_lock<std::mutex> lk(index_mu);
+    index_cv.wait(lk, [this] { return index_published; });
+  }
+  // the index, its classes and views forgotten (the thread joined first)
+  void ForgetIndex() {
+    JoinIndex();
+    index_rc = -1;
+    index.clear();
+    kept = npu_amp_tf::BaseIndex();
+    views.reset();
+    index_published = false;
+    classes.clear();
+    classes_rc = -1;
+  }
   // (issue 17, kFlagEarlyIndex) the index was started by Optimize before the
   // callback, with the flags Python set on the previous call (index_flags)
   bool early_index = false;
@@ -357,8 +393,17 @@ constexpr int kFlagEarlyIndex = 16;
 // the pre-check's ParsePatch takes the record nodes out of the item instead
 // of copying them (Sink::stolen)
 constexpr int kFlagStealRecords = 32;
+// (issue 17) set by Python (bridge.LATE_CLASSES): the index built on its
+// helper thread is handed over before its signature classes, which the
+// thread computes next, while Python adopts the index (NpuAmpItemClasses)
+constexpr int kFlagLateClasses = 64;
 // the flags the index's bytes and kept arrays are built with
-constexpr int kIndexFlags = kFlagIndexFromBytes | kFlagFastIndex | kFlagPrecheckFromIndex;
+constexpr int kIndexFlags =
+    kFlagIndexFromBytes | kFlagFastIndex | kFlagPrecheckFromIndex | kFlagLateClasses;
+// NpuAmpLateClassesCounts: indexes handed over before their classes, and
+// classes computed after the hand-over
+std::atomic<uint64_t> g_late_indexes{0};
+std::atomic<uint64_t> g_late_classes{0};
 // the flags of the last NpuAmpSinkFlags call (-1: none yet), and how many
 // early indexes were started and how many discarded (the callback's flags
 // differed, or no longer allowed it): NpuAmpEarlyIndexCounts
@@ -623,9 +668,15 @@ void ViewsOfGraph(const tensorflow::GraphDef& graph, GraphViews* v) {
 // `keep`: the names and the
 // edges grouped by consumed name kept for OpdefPrecheckIndexed (valid only
 // when this returns true).
+// `late` (issue 17, kFlagLateClasses): the signature classes left out (the
+// magic's "+l"), and what SignatureClasses needs for them moved into *late.
+struct LateClasses {
+  std::vector<int32_t> op_of_node;
+  std::vector<std::string_view> op_order;  // (views of the graph's bytes or strings)
+};
 bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
                     std::string* out, bool fast = false,
-                    npu_amp_tf::BaseIndex* keep = nullptr) {
+                    npu_amp_tf::BaseIndex* keep = nullptr, LateClasses* late = nullptr) {
   if (keep != nullptr) keep->valid = false;
   const int32_t n = graph.node_size();
   if (static_cast<int64_t>(views.name.size()) != n) return false;
@@ -778,7 +829,8 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
   std::vector<int32_t> members(n);
   for (int32_t i = 0; i < n; ++i) members[op_start[op_of_node[i]]++] = i;
 
-  const std::vector<int32_t> classes = SignatureClasses(graph, op_of_node, op_order, fast);
+  const std::vector<int32_t> classes =
+      late != nullptr ? std::vector<int32_t>() : SignatureClasses(graph, op_of_node, op_order, fast);
 
   // the distinct (reader, position) pairs and each edge's pair: a data input
   // (reader, k) is one edge; (reader, -1) is shared by its control inputs
@@ -809,7 +861,8 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
 
   out->clear();
   out->reserve(static_cast<size_t>(n) * 48 + ns * 48 + (4 * n + 2 * ne + ns) * 4 + 64);
-  out->append(shared ? "NPUIDX5+s\x02" : "NPUIDX4+s\x02");
+  out->append(shared ? "NPUIDX5+s" : "NPUIDX4+s");
+  out->append(late != nullptr ? "+l\x02" : "\x02");
   out->append(std::to_string(n));
   out->push_back('\x02');
   out->push_back(cycle ? '1' : '0');
@@ -839,7 +892,7 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
     AppendInt32s(positions, out);
   }
   AppendInt32s(order, out);
-  AppendInt32s(classes, out);
+  AppendInt32s(classes, out);  // (none with `late`)
   AppendInt32s(src_node, out);
   if (keep != nullptr) {
     if (fast) {
@@ -854,6 +907,10 @@ bool GraphIndexText(const tensorflow::GraphDef& graph, const GraphViews& views,
     keep->readers = std::move(readers);
     keep->positions = std::move(positions);
     keep->valid = true;
+  }
+  if (late != nullptr) {
+    late->op_of_node = std::move(op_of_node);
+    late->op_order = std::move(op_order);
   }
   return true;
 }
@@ -1478,11 +1535,7 @@ NPU_AMP_EXPORT void NpuAmpSinkFlags(void* sink, int flags) {
       (!(flags & kFlagEarlyIndex) || (s->index_flags & kIndexFlags) != (flags & kIndexFlags))) {
     // started before the callback with the previous call's flags, not these:
     // dropped, and built again as these flags say (the same bytes either way)
-    s->JoinIndex();
-    s->index_rc = -1;
-    s->index.clear();
-    s->kept = npu_amp_tf::BaseIndex();
-    s->views.reset();
+    s->ForgetIndex();
     s->early_index = false;
     g_early_discarded.fetch_add(1);
   }
@@ -1667,7 +1720,9 @@ NPU_AMP_EXPORT int NpuAmpGraphShapes(const char* graph, size_t graph_len, const 
 // the callback returns.
 // Builds the item's index into s->index (and s->kept, s->views): 0, or 1.
 // `graph`: the item's, whole (Sink::WholeItem, taken before a thread starts).
-static int BuildItemIndex(Sink* s, const tensorflow::GraphDef& graph, int flags) {
+// `late`: the classes left out (GraphIndexText's).
+static int BuildItemIndex(Sink* s, const tensorflow::GraphDef& graph, int flags,
+                          LateClasses* late = nullptr) {
   const int64_t t0 = ThreadCpuNs();
   std::shared_ptr<GraphViews> held = std::move(s->prefused_views);
   s->prefused_views.reset();
@@ -1680,7 +1735,7 @@ static int BuildItemIndex(Sink* s, const tensorflow::GraphDef& graph, int flags)
   }
   GraphViews& views = *held;
   const bool ok = GraphIndexText(graph, views, &s->index, (flags & kFlagFastIndex) != 0,
-                                 (flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr);
+                                 (flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr, late);
   if (static_cast<int64_t>(views.name.size()) == graph.node_size()) s->views = std::move(held);
   g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
   return ok ? 0 : 1;
@@ -1691,8 +1746,9 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
   *data = nullptr;
   *len = 0;
   if (s == nullptr || !s->in_call()) return 1;
-  s->JoinIndex();
+  s->WaitIndex();  // (handed over: the thread may still be computing the classes)
   if (s->index_rc < 0) {
+    s->JoinIndex();
     s->index_rc = BuildItemIndex(s, s->WholeItem().graph, s->flags);  // (its classes read the nodes)
   }
   if (s->index_rc != 0) return 1;
@@ -1710,14 +1766,28 @@ static int StartIndexThread(Sink* s, int flags) {
   const tensorflow::GraphDef* graph = &s->WholeItem().graph;  // (the thread reads its nodes)
   s->index_flags = flags;
   try {
+    s->index_published = false;
     s->index_thread = std::thread([s, graph, flags] {
       int rc = 1;
+      LateClasses late;
+      LateClasses* defer = (flags & kFlagLateClasses) ? &late : nullptr;
       try {
-        rc = BuildItemIndex(s, *graph, flags);
+        rc = BuildItemIndex(s, *graph, flags, defer);
       } catch (...) {  // (bad_alloc: NpuAmpItemIndex answers 1, Python indexes)
         rc = 1;
       }
-      s->index_rc = rc;  // (read after the join)
+      s->PublishIndex(rc);
+      if (rc != 0 || defer == nullptr) return;
+      g_late_indexes.fetch_add(1);
+      const int64_t t0 = ThreadCpuNs();
+      try {  // (the item's nodes are read: every entry that edits the item joins first)
+        s->classes = SignatureClasses(*graph, late.op_of_node, late.op_order, (flags & kFlagFastIndex) != 0);
+        s->classes_rc = 0;
+        g_late_classes.fetch_add(1);
+      } catch (...) {  // (bad_alloc: NpuAmpItemClasses answers 1, Python goes without)
+        s->classes_rc = 1;
+      }
+      g_step_ns[kStepIndex].fetch_add(ThreadCpuNs() - t0);
     });
   } catch (...) {  // std::system_error: no thread; built when asked
     return 1;
@@ -1809,15 +1879,35 @@ NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t le
   }
   s->graph_bytes = s->prefused_bytes;
   // the index, views and shapes of the item as it came are no longer its
-  s->index_rc = -1;
-  s->index.clear();
-  s->kept = npu_amp_tf::BaseIndex();
-  s->views.reset();
+  s->ForgetIndex();
   s->has_shapes = false;
   s->shapes.clear();
   // (bridge.INDEX_IN_BACKGROUND, as the callback's entry would have; else built when asked)
   if (start_index) StartIndexThread(s, s->flags);
   return 0;
+}
+
+// (issue 17, kFlagLateClasses) The signature classes of the index handed
+// over without them (its magic's "+l"), in its node order, once the helper
+// thread has computed them: 0 with *data / *n (valid until the callback
+// returns), 1 none (no such index, or the thread could not).
+NPU_AMP_EXPORT int NpuAmpItemClasses(void* sink, const int32_t** data, size_t* n) {
+  auto* s = static_cast<Sink*>(sink);
+  *data = nullptr;
+  *n = 0;
+  if (s == nullptr || !s->in_call()) return 1;
+  s->JoinIndex();
+  if (s->classes_rc != 0) return 1;
+  *data = s->classes.data();
+  *n = s->classes.size();
+  return 0;
+}
+
+// NpuAmpItemClasses' counts: indexes handed over before their classes, and
+// classes computed after (for tests).
+NPU_AMP_EXPORT void NpuAmpLateClassesCounts(uint64_t* indexes, uint64_t* classes) {
+  *indexes = g_late_indexes.load();
+  *classes = g_late_classes.load();
 }
 
 NPU_AMP_EXPORT int NpuAmpItemIndexStart(void* sink) {

@@ -192,7 +192,10 @@ class Graph:
         """``index``: the indexes of ``graph_def`` precomputed in C++ (the
         format of ``GraphIndexText`` in custom_ops/grappler_bridge.cc; bytes,
         or a callable returning them or None); used when it describes this
-        graph, else (and by default) they are built here."""
+        graph, else (and by default) they are built here.  Bytes handed over
+        before their signature classes (the magic's "+l") come as a pair
+        (bytes, a callable returning the classes, array('i'), or None), read
+        the first time :meth:`signature_classes` is asked."""
         if graph_def is None:
             graph_def = graph_pb2.GraphDef()
         elif isinstance(graph_def, (bytes, bytearray)):
@@ -209,7 +212,12 @@ class Graph:
         self.version = 0
         if callable(index):
             index = index()
+        late = None
+        if isinstance(index, tuple):
+            index, late = index
         self._classes = None  # (names, int32 signature classes) from the C++ index
+        #: (issue 17) (names, callable) for classes still to be read (an index whose magic ends in "+l")
+        self._classes_late = None
         # (issue 17q) the Kahn sort's input kept as integer arrays between
         # sorts: node ids are ``_seq``'s ranks (``_id_name``: id -> name,
         # None once removed); see :meth:`_kahn_arrays`
@@ -222,7 +230,7 @@ class Graph:
         #: (issue 17) (the names' order, the node ids in that order) of the last
         #: native sort (:meth:`topo_ranks`), or None
         self._topo_ids = None
-        adopted = index is not None and self._adopt_index(graph_def, index)
+        adopted = index is not None and self._adopt_index(graph_def, index, late)
         #: True when the indexes came from ``index`` (C++), not from reindex()
         self.prebuilt_index = adopted
         if not adopted:
@@ -273,17 +281,22 @@ class Graph:
     numpy_adopt = True
 
     # ------------------------------------------------------------ indexes
-    def _adopt_index(self, graph_def, blob) -> bool:
+    def _adopt_index(self, graph_def, blob, late=None) -> bool:
         """Take the names, op-type, consumers indexes and the topological
         order from ``blob`` (see ``index`` in :meth:`__init__`): what
         :meth:`reindex` and :meth:`_compute_topo_order` would build, without
         their per-edge Python work.  False (nothing set) when ``blob`` does not
-        describe ``graph_def``."""
+        describe ``graph_def``.  ``late``: the callable giving the classes of
+        an index handed over without them (see :meth:`__init__`)."""
         try:
             head, names_b, ops_b, srcs_b, binary = _split_bytes(bytes(blob), b"\x03", 4)
             fields = head.split(b"\x02")
             # (issue 17m: NPUIDX5 shares the consumers' (reader, position) tuples)
             magic, count, cycle, nsrc, *ntab = fields
+            # (issue 17: "+l", the signature classes left out, read later through `late`)
+            no_classes = magic.endswith(b"+l")
+            if no_classes:
+                magic = magic[:-2]
             # (issue 17: "+s", the consumed names' node indexes after the classes)
             has_src = magic.endswith(b"+s")
             if has_src:
@@ -294,7 +307,7 @@ class Graph:
             if (magic not in (b"NPUIDX3", b"NPUIDX4", b"NPUIDX5") or n != len(gnodes)
                     or (t is None) != (magic != b"NPUIDX5") or (ntab and t is None)):
                 return False
-            ncls = n if magic != b"NPUIDX3" else 0  # (issue 17f: signature classes)
+            ncls = n if magic != b"NPUIDX3" and not no_classes else 0  # (issue 17f: signature classes)
             names = names_b.decode("ascii").split("\x01") if n else []
             nodes = dict(zip(names, gnodes))
             if len(names) != n or len(nodes) != n:
@@ -366,6 +379,7 @@ class Graph:
         self._topo_cache = (order, bool(n) and self._has_cycle)
         self._topo_ids = (order, a32[at_o:at_o + n]) if self.numpy_adopt else None
         self._classes = (names, ints[at_o + n:at_o + n + ncls]) if ncls else None
+        self._classes_late = (names, late) if no_classes and n and callable(late) else None
         # (issue 17q) the edge arrays, for the first sort after edits
         self._id_name = list(names)
         self._id_dead = bytearray(n)
@@ -388,6 +402,12 @@ class Graph:
         OpDef guard needs: ``Pass.tracks_edits``); None without a C++ index
         or after :meth:`touch_all`.  A fresh dict: the caller may drop
         entries (nodes it edits itself)."""
+        if self._classes_late is not None:  # (issue 17: handed over after the index)
+            names, fetch = self._classes_late
+            self._classes_late = None
+            got = fetch()
+            if got is not None and len(got) == len(names):
+                self._classes = (names, got)
         cl = self._classes
         if cl is None or self._all_modified:
             return None

@@ -175,6 +175,10 @@ def library():
             if hasattr(lib, "NpuAmpItemIndexStart"):  # (issue 17)
                 lib.NpuAmpItemIndexStart.argtypes = [ctypes.c_void_p]
                 lib.NpuAmpItemIndexStart.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpItemClasses"):  # (issue 17: LATE_CLASSES)
+                lib.NpuAmpItemClasses.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)),
+                                                  ctypes.POINTER(ctypes.c_size_t)]
+                lib.NpuAmpItemClasses.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpSetDeferFree"):  # (issue 17: DEFER_FREES)
                 lib.NpuAmpSetDeferFree.argtypes = [ctypes.c_int]
                 lib.NpuAmpSetDeferFree.restype = ctypes.c_int
@@ -404,11 +408,46 @@ def _index_call(fn, *args):
 def item_index(sink):
     """The indexes of the graph grappler is optimizing now (names, op types,
     consumers, topological order), computed by the C++ side from the item it
-    holds; None when the library cannot (Python then builds them)."""
+    holds; None when the library cannot (Python then builds them).  An index
+    handed over before its signature classes (:data:`LATE_CLASSES`) has a
+    magic ending in "+l": :func:`item_classes` gives them."""
     fn = getattr(_lib, "NpuAmpItemIndex", None) if _lib is not None else None
     if fn is None or sink is None:
         return None
     return _index_call(fn, sink)
+
+
+def item_classes(sink):
+    """(issue 17, :data:`LATE_CLASSES`) The signature classes of the item's
+    index handed over without them (array('i'), in its node order), once the
+    C++ helper thread has computed them (this waits for it); None when there
+    are none (no such index, outside the callback, or the thread could not)."""
+    fn = getattr(_lib, "NpuAmpItemClasses", None) if _lib is not None else None
+    if fn is None or sink is None:
+        return None
+    data, n = ctypes.POINTER(ctypes.c_int32)(), ctypes.c_size_t()
+    if fn(sink, ctypes.byref(data), ctypes.byref(n)) != 0:
+        return None
+    out = array.array("i")
+    if n.value:
+        out.frombytes(ctypes.string_at(data, 4 * n.value))
+    return out
+
+
+def _index_and_classes(live):
+    """The grappler callback's ``Graph(index=...)``: :func:`item_index` of
+    ``live[0]`` (the sink while the callback runs, else None), paired with
+    the reader of its classes when it was handed over without them."""
+    blob = item_index(live[0])
+    if blob is None or b"+l\x02" not in blob[:24]:
+        return blob
+    return blob, lambda: item_classes(live[0])
+
+
+def late_classes_counts():
+    """(item indexes handed over before their classes, classes computed
+    after) (:data:`LATE_CLASSES`), or None without the library or the call."""
+    return _count_pair("NpuAmpLateClassesCounts")
 
 
 def serialize_graph(data: bytes, fast: bool = True):
@@ -925,7 +964,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
                                _split(devices), (item_id or b"").decode("utf-8", "replace"),
-                               shapes=shapes, index=lambda: item_index(live[0]),
+                               shapes=shapes,
+                               index=lambda: _index_and_classes(live),
                                patch=_patch_fn() is not None,
                                opdef_precheck=lambda p, dev: item_opdef_precheck(live[0], p, dev),
                                digest=digest,
@@ -1066,17 +1106,26 @@ INDEX_IN_BACKGROUND = True
 #: ~1-2.7 ms on the Keras ResNet-50 training graph).  False: started by the
 #: callback (the reference; the same index bytes and output)
 EARLY_INDEX = True
+#: (issue 17, with INDEX_IN_BACKGROUND) the helper thread hands the index over
+#: before its signature classes (``kFlagLateClasses``: the index's magic ends
+#: in "+l") and computes them next, while Python adopts the index and runs
+#: the passes before the precision pass, which reads them
+#: (:func:`item_classes`, through ``Graph.signature_classes``).  Wall time
+#: only: the index's wait shrinks by the classes' share.  False: the classes
+#: inside the index (the reference; the same classes and output)
+LATE_CLASSES = True
 
 
 def _sink_flags(early: bool = True) -> int:
     """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES /
     FAST_INDEX / PRECHECK_FROM_INDEX / EARLY_INDEX (with INDEX_IN_BACKGROUND;
     ``early`` False: not for the next item either) / STEAL_RECORDS (which
-    the library applies only with MOVE_ITEM_NODES)."""
+    the library applies only with MOVE_ITEM_NODES) / LATE_CLASSES (with
+    INDEX_IN_BACKGROUND)."""
     return ((1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
             | (4 if FAST_INDEX else 0) | (8 if PRECHECK_FROM_INDEX else 0)
             | (16 if early and EARLY_INDEX and INDEX_IN_BACKGROUND else 0)
-            | (32 if STEAL_RECORDS else 0))
+            | (32 if STEAL_RECORDS else 0) | (64 if LATE_CLASSES and INDEX_IN_BACKGROUND else 0))
 
 
 def _may_prefuse(graph_bytes: bytes) -> bool:
