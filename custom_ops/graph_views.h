@@ -100,6 +100,44 @@ inline bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
   return true;
 }
 
+// Only the node names of the GraphDef serialized in `bytes` (ViewsOfBytes'
+// rules), appended to *names: one sequential read of the bytes, where the
+// parsed NodeDefs' name strings lie scattered on the heap.  False as
+// ViewsOfBytes.
+inline bool NamesOfBytes(std::string_view bytes, std::vector<std::string_view>* names) {
+  const char* p = bytes.data();
+  const char* end = p + bytes.size();
+  while (p < end) {
+    uint64_t tag, len;
+    if (!ReadVarint(p, end, &tag)) return false;
+    if (tag != ((1 << 3) | 2)) {
+      if ((tag >> 3) == 1 || !SkipField(p, end, tag & 7)) return false;
+      continue;
+    }
+    if (!ReadVarint(p, end, &len) || len > static_cast<uint64_t>(end - p)) return false;
+    const char* q = p;
+    const char* node_end = p + len;
+    p = node_end;
+    std::string_view name;
+    while (q < node_end) {
+      uint64_t ntag, slen;
+      if (!ReadVarint(q, node_end, &ntag)) return false;
+      if ((ntag >> 3) == 1) {
+        if ((ntag & 7) != 2) return false;
+        if (!ReadVarint(q, node_end, &slen) || slen > static_cast<uint64_t>(node_end - q)) {
+          return false;
+        }
+        name = std::string_view(q, slen);
+        q += slen;
+      } else if (!SkipField(q, node_end, ntag & 7)) {
+        return false;
+      }
+    }
+    names->push_back(name);
+  }
+  return true;
+}
+
 }  // namespace npu_amp_tf
 
 #endif  // NPU_AMP_TF_GRAPH_VIEWS_H_

@@ -289,6 +289,41 @@ def test_item_restored_when_python_leaves_the_graph(monkeypatch):
         tf.graph_util.import_graph_def(out, name="")
 
 
+def test_a_map_naming_other_nodes_is_refused(monkeypatch):
+    """The fused graph's map names, for two kept nodes, each other's place in
+    the item: ``NpuAmpSinkUsePrefused`` compares every kept node's name with
+    the item's (read from the item's bytes) and refuses; the item stays as it
+    came, Python parses its own bytes, and the output is the one without the
+    run before the parse (the fusion pass's rule fuses the norms)."""
+    import array
+
+    g, fetches = _bert_graph()
+    mg = _metagraph(g, fetches)
+    answers = []
+    real = bridge.item_use_prefused
+
+    def swapped(sink, pre):
+        index = array.array("i", pre.index)
+        kept = [i for i, k in enumerate(index) if k >= 0]
+        a, b = kept[3], kept[-3]
+        index[a], index[b] = index[b], index[a]
+        pre.index = index
+        answers.append(real(sink, pre))
+        return answers[-1]
+
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(prefuse, "PREFUSE", on)
+        monkeypatch.setattr(bridge, "item_use_prefused", swapped if on else real)
+        bridge.clear_reports()
+        outs[on] = tf_optimizer.OptimizeGraph(_config(), mg, graph_id=b"prefuse_swapped")
+        assert bridge.last_reports()[-1]["status"] == "rewritten"
+    assert answers == [False]
+    assert outs[True].SerializeToString(deterministic=True) == outs[False].SerializeToString(deterministic=True)
+    # (the fusion pass's own layer-norm rule then fused the norms, as without the run)
+    assert sum(n.op == "LayerNormGrad" for n in outs[True].node) == 5
+
+
 def test_bad_requests_never_crash():
     """Malformed requests and bytes get an answer (could not run, bad
     arguments), never a crash."""
