@@ -50,12 +50,12 @@ inline bool SkipField(const char*& p, const char* end, uint64_t wt) {
   }
 }
 
-// The views of the GraphDef serialized in `bytes` (GraphDef.node = 1;
-// NodeDef.name = 1, op = 2, input = 3; every other field skipped), with the
-// parser's rules: a singular field given twice keeps the last, repeated
-// inputs append.  False when the bytes are not a plain wire-format GraphDef
-// (the caller then reads the parsed graph).
-inline bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
+// Calls node(begin, end) with the bytes of each NodeDef of the GraphDef
+// serialized in `bytes` (GraphDef.node = 1), in order; every other field
+// skipped.  False when the bytes are not a plain wire-format GraphDef, or when
+// node() returns false.
+template <typename F>
+inline bool ForEachNodeOfBytes(std::string_view bytes, F&& node) {
   const char* p = bytes.data();
   const char* end = p + bytes.size();
   while (p < end) {
@@ -67,37 +67,57 @@ inline bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
     }
     if (!ReadVarint(p, end, &len) || len > static_cast<uint64_t>(end - p)) return false;
     const char* q = p;
-    const char* node_end = p + len;
-    p = node_end;
-    std::string_view name, op;
-    while (q < node_end) {
-      uint64_t ntag, slen;
-      if (!ReadVarint(q, node_end, &ntag)) return false;
-      const uint64_t field = ntag >> 3;
-      if (field >= 1 && field <= 3) {
-        if ((ntag & 7) != 2) return false;
-        if (!ReadVarint(q, node_end, &slen) || slen > static_cast<uint64_t>(node_end - q)) {
-          return false;
-        }
-        const std::string_view str(q, slen);
-        q += slen;
-        if (field == 1) {
-          name = str;
-        } else if (field == 2) {
-          op = str;
-        } else {
-          v->input.push_back(str);
-        }
-      } else if (!SkipField(q, node_end, ntag & 7)) {
-        return false;
-      }
-    }
-    v->name.push_back(name);
-    v->op.push_back(op);
-    if (v->want_defs) v->def.emplace_back(node_end - len, len);
-    v->in_start.push_back(static_cast<int64_t>(v->input.size()));
+    p += len;
+    if (!node(q, p)) return false;
   }
   return true;
+}
+
+// Calls str(field, value) for each field numbered 1..`last` of the message in
+// [q, end) (each must be length-delimited: a string), in order; the other
+// fields skipped.  False on bad wire format.
+template <typename F>
+inline bool StringFields(const char* q, const char* end, uint64_t last, F&& str) {
+  while (q < end) {
+    uint64_t tag, len;
+    if (!ReadVarint(q, end, &tag)) return false;
+    const uint64_t field = tag >> 3;
+    if (field >= 1 && field <= last) {
+      if ((tag & 7) != 2) return false;
+      if (!ReadVarint(q, end, &len) || len > static_cast<uint64_t>(end - q)) return false;
+      str(field, std::string_view(q, len));
+      q += len;
+    } else if (!SkipField(q, end, tag & 7)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The views of the GraphDef serialized in `bytes` (GraphDef.node = 1;
+// NodeDef.name = 1, op = 2, input = 3; every other field skipped), with the
+// parser's rules: a singular field given twice keeps the last, repeated
+// inputs append.  False when the bytes are not a plain wire-format GraphDef
+// (the caller then reads the parsed graph).
+inline bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
+  return ForEachNodeOfBytes(bytes, [v](const char* q, const char* node_end) {
+    std::string_view name, op;
+    const bool ok = StringFields(q, node_end, 3, [&](uint64_t field, std::string_view str) {
+      if (field == 1) {
+        name = str;
+      } else if (field == 2) {
+        op = str;
+      } else {
+        v->input.push_back(str);
+      }
+    });
+    if (!ok) return false;
+    v->name.push_back(name);
+    v->op.push_back(op);
+    if (v->want_defs) v->def.emplace_back(q, static_cast<size_t>(node_end - q));
+    v->in_start.push_back(static_cast<int64_t>(v->input.size()));
+    return true;
+  });
 }
 
 // Only the node names of the GraphDef serialized in `bytes` (ViewsOfBytes'
@@ -105,37 +125,12 @@ inline bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
 // parsed NodeDefs' name strings lie scattered on the heap.  False as
 // ViewsOfBytes.
 inline bool NamesOfBytes(std::string_view bytes, std::vector<std::string_view>* names) {
-  const char* p = bytes.data();
-  const char* end = p + bytes.size();
-  while (p < end) {
-    uint64_t tag, len;
-    if (!ReadVarint(p, end, &tag)) return false;
-    if (tag != ((1 << 3) | 2)) {
-      if ((tag >> 3) == 1 || !SkipField(p, end, tag & 7)) return false;
-      continue;
-    }
-    if (!ReadVarint(p, end, &len) || len > static_cast<uint64_t>(end - p)) return false;
-    const char* q = p;
-    const char* node_end = p + len;
-    p = node_end;
+  return ForEachNodeOfBytes(bytes, [names](const char* q, const char* node_end) {
     std::string_view name;
-    while (q < node_end) {
-      uint64_t ntag, slen;
-      if (!ReadVarint(q, node_end, &ntag)) return false;
-      if ((ntag >> 3) == 1) {
-        if ((ntag & 7) != 2) return false;
-        if (!ReadVarint(q, node_end, &slen) || slen > static_cast<uint64_t>(node_end - q)) {
-          return false;
-        }
-        name = std::string_view(q, slen);
-        q += slen;
-      } else if (!SkipField(q, node_end, ntag & 7)) {
-        return false;
-      }
-    }
+    if (!StringFields(q, node_end, 1, [&](uint64_t, std::string_view str) { name = str; })) return false;
     names->push_back(name);
-  }
-  return true;
+    return true;
+  });
 }
 
 }  // namespace npu_amp_tf
