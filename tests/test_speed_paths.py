@@ -630,8 +630,8 @@ def test_bridge_hands_over_cpp_indexes_and_serializes_the_same_graph(monkeypatch
         kw["index"] = blob
         return real_handle(*args, **kw)
 
-    def adopt(self, gd, blob):
-        ok = real_adopt(self, gd, blob)
+    def adopt(self, gd, blob, late=None):
+        ok = real_adopt(self, gd, blob, late)
         adopted.append(ok)
         return ok
 
