@@ -1747,8 +1747,7 @@ NPU_AMP_EXPORT int NpuAmpItemIndex(void* sink, const char** data, size_t* len) {
   *len = 0;
   if (s == nullptr || !s->in_call()) return 1;
   s->WaitIndex();  // (handed over: the thread may still be computing the classes)
-  if (s->index_rc < 0) {
-    s->JoinIndex();
+  if (s->index_rc < 0) {  // (no thread ran: built here)
     s->index_rc = BuildItemIndex(s, s->WholeItem().graph, s->flags);  // (its classes read the nodes)
   }
   if (s->index_rc != 0) return 1;

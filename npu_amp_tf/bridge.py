@@ -437,11 +437,10 @@ def item_classes(sink):
 def _index_and_classes(live):
     """The grappler callback's ``Graph(index=...)``: :func:`item_index` of
     ``live[0]`` (the sink while the callback runs, else None), paired with
-    the reader of its classes when it was handed over without them."""
+    the reader of its classes (``Graph`` reads them only for an index handed
+    over without them), or None."""
     blob = item_index(live[0])
-    if blob is None or b"+l\x02" not in blob[:24]:
-        return blob
-    return blob, lambda: item_classes(live[0])
+    return None if blob is None else (blob, lambda: item_classes(live[0]))
 
 
 def late_classes_counts():
