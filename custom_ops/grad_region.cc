@@ -520,9 +520,6 @@ class Mirror {
   // the mirror is its until Join(); every entry but New joins first
   std::thread loader;
   int load_rc = 0;  // the helper's LoadGraphDef: 0 ok, 1 refused (read after the join)
-  // (issue 17, NpuAmpGrMirrorLoadEarly) the helper reads the mirror's own
-  // copy of the bytes, not the caller's: a free need not wait for it
-  bool loads_own_copy = false;
   void Join() {
     if (loader.joinable()) loader.join();
   }
@@ -571,11 +568,10 @@ class Mirror {
 // ---------------------------------------------------------------- loading
 // Every NodeDef of a serialized GraphDef (name, op, inputs: ViewsOfBytes,
 // the bridge's reader) upserted; the mirror keeps a copy the views point into.
-// `kept`: bytes the mirror keeps (Mirror::Keep).
-bool LoadKept(Mirror* m, string_view kept, bool fresh) {
+bool LoadGraphDef(Mirror* m, const char* bytes, size_t len, bool fresh) {
   npu_amp_tf::GraphViews v;
   v.want_defs = fresh;
-  if (!npu_amp_tf::ViewsOfBytes(kept, &v)) return false;
+  if (!npu_amp_tf::ViewsOfBytes(m->Keep(bytes, len), &v)) return false;
   const bool first = fresh && m->size() == 0;
   // (a fresh load links the readers after every node is in: each list grown once)
   std::vector<int32_t> ids;
@@ -594,10 +590,6 @@ bool LoadKept(Mirror* m, string_view kept, bool fresh) {
   if (fresh) m->LinkLoaded(ids);
   if (first) m->base_ids = std::move(ids);
   return true;
-}
-
-bool LoadGraphDef(Mirror* m, const char* bytes, size_t len, bool fresh) {
-  return LoadKept(m, m->Keep(bytes, len), fresh);
 }
 
 // LoadGraphDef, the mirror's tables reserved first for a fresh load.
@@ -2077,8 +2069,8 @@ NPU_AMP_GR_EXPORT void* NpuAmpGrMirrorNew() { return new Mirror(); }
 NPU_AMP_GR_EXPORT void NpuAmpGrMirrorFree(void* h) {
   if (h == nullptr) return;
   Mirror* m = static_cast<Mirror*>(h);
-  if (!m->loads_own_copy) m->Join();  // (an async load reads the caller's bytes: done before this returns)
-  npu_amp_tf::DeferFree([m] { delete m; });  // (~Mirror joins a load of its own copy)
+  m->Join();  // (an async load reads the caller's bytes: done before this returns)
+  npu_amp_tf::DeferFree([m] { delete m; });
 }
 
 // Upsert every NodeDef of the serialized GraphDef `data` (fresh: a name may
@@ -2127,36 +2119,6 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoadAsync(void* h, const char* data, size_t 
       m->load_rc = rc;  // (read after the join)
     });
   } catch (...) {  // (std::system_error: no thread)
-    return 1;
-  }
-  return 0;
-}
-
-// (issue 17) NpuAmpGrMirrorLoadAsync of a copy of `data` the mirror makes
-// first, on the caller's thread (the grappler bridge starts it before the
-// Python callback, on the item's bytes, which are freed when the callback
-// returns; the mirror may live on in Python): the caller's bytes are not
-// read after this returns, and NpuAmpGrMirrorFree does not wait for the
-// load.  0 started, 1 not (no thread: the mirror is empty, drop it).
-NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoadEarly(void* h, const char* data, size_t len) {
-  auto* m = static_cast<Mirror*>(h);
-  if (m == nullptr || (len && data == nullptr) || m->size() != 0) return 1;
-  m->Join();
-  try {
-    const string_view kept = m->Keep(data, len);
-    m->loads_own_copy = true;
-    m->loader = std::thread([m, kept] {
-      int rc = 1;
-      try {
-        m->Reserve(kept.size() / 128);  // (LoadBytes' reserve for a fresh load)
-        rc = LoadKept(m, kept, true) ? 0 : 1;
-      } catch (...) {  // (bad_alloc: the mirror is refused, Python searches)
-        rc = 1;
-      }
-      m->load_rc = rc;  // (read after the join)
-    });
-  } catch (...) {  // (bad_alloc, std::system_error: no thread)
-    m->loads_own_copy = false;
     return 1;
   }
   return 0;

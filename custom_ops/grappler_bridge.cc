@@ -122,12 +122,6 @@
 #define NPU_AMP_EXPORT extern "C" __attribute__((visibility("default")))
 
 extern "C" {
-// (grad_region.cc, the same library) the gradient-region mirror the
-// layer-norm fusion before the parse runs on: the early mirror (kFlagEarlyMirror)
-void* NpuAmpGrMirrorNew();
-void NpuAmpGrMirrorFree(void* h);
-int NpuAmpGrMirrorLoadEarly(void* h, const char* data, size_t len);
-int NpuAmpGrNormCandidates(const char* graph, size_t len);
 typedef int (*NpuAmpCallbackFn)(void* sink, const char* graph, size_t graph_len,
                                 const char* config, size_t config_len,
                                 const char* fetch, const char* preserve,
@@ -173,10 +167,6 @@ using npu_amp_tf::ViewsOfBytes;
 // back (NpuAmpStealCounts; Sink::stolen)
 std::atomic<uint64_t> g_stolen{0};
 std::atomic<uint64_t> g_stolen_restored{0};
-
-// (issue 17, kFlagEarlyMirror) early mirrors started, and those no callback took
-std::atomic<uint64_t> g_early_mirror_started{0};
-std::atomic<uint64_t> g_early_mirror_dropped{0};
 
 struct Sink {
   std::string result;
@@ -358,21 +348,7 @@ struct Sink {
     prefused_orig.clear();
     prefused_graph = nullptr;
   }
-  // (issue 17, kFlagEarlyMirror) the layer-norm rule's candidates in the
-  // item's bytes as Optimize found them before the callback (-1: not
-  // looked for; else NpuAmpGrNormCandidates' answer), and the mirror it
-  // then began loading on a helper thread (NpuAmpGrMirrorLoadEarly: of its
-  // own copy of the bytes) until the callback takes it (NpuAmpSinkEarlyMirror)
-  int candidates = -1;
-  void* early_mirror = nullptr;
-  void DropEarlyMirror() {
-    if (early_mirror == nullptr) return;
-    NpuAmpGrMirrorFree(early_mirror);  // (deferred; its load reads only its own copy)
-    early_mirror = nullptr;
-    g_early_mirror_dropped.fetch_add(1);
-  }
   ~Sink() {
-    DropEarlyMirror();
     JoinIndex();
     RestoreStolen();    // (before RestorePrefused: they are the fused graph's nodes)
     RestorePrefused();  // (a path that neither restored nor committed: the item as it came)
@@ -421,11 +397,6 @@ constexpr int kFlagStealRecords = 32;
 // helper thread is handed over before its signature classes, which the
 // thread computes next, while Python adopts the index (NpuAmpItemClasses)
 constexpr int kFlagLateClasses = 64;
-// (issue 17) set by Python (bridge.EARLY_MIRROR, with the layer-norm fusion
-// before the parse on): the next items' bytes are searched for the rule's
-// candidates before the callback, and where there are some, the mirror the
-// rule runs on begins loading on a helper thread (Sink::early_mirror)
-constexpr int kFlagEarlyMirror = 128;
 // the flags the index's bytes and kept arrays are built with
 constexpr int kIndexFlags =
     kFlagIndexFromBytes | kFlagFastIndex | kFlagPrecheckFromIndex | kFlagLateClasses;
@@ -1570,28 +1541,6 @@ NPU_AMP_EXPORT void NpuAmpSinkFlags(void* sink, int flags) {
   }
 }
 
-// (issue 17, kFlagEarlyMirror) The mirror Optimize began loading before the
-// callback, handed over (the caller frees it: NpuAmpGrMirrorFree; its load
-// is waited for with NpuAmpGrMirrorWait), or null; *candidates: the
-// layer-norm rule's candidates Optimize found in the item's bytes (1 some,
-// 0 none, -1 not looked for or unreadable).
-NPU_AMP_EXPORT void* NpuAmpSinkEarlyMirror(void* sink, int* candidates) {
-  auto* s = static_cast<Sink*>(sink);
-  *candidates = -1;
-  if (s == nullptr || !s->in_call()) return nullptr;
-  *candidates = s->candidates;
-  void* m = s->early_mirror;
-  s->early_mirror = nullptr;
-  return m;
-}
-
-// (issue 17) How many early mirrors Optimize started, and how many no
-// callback took (for tests).
-NPU_AMP_EXPORT void NpuAmpEarlyMirrorCounts(uint64_t* started, uint64_t* dropped) {
-  *started = g_early_mirror_started.load();
-  *dropped = g_early_mirror_dropped.load();
-}
-
 // (issue 17) How many item indexes Optimize started before the callback, and
 // how many of them the callback's flags discarded (for tests).
 NPU_AMP_EXPORT void NpuAmpEarlyIndexCounts(uint64_t* started, uint64_t* discarded) {
@@ -2385,21 +2334,6 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
         g_early_started.fetch_add(1);
       }
     }
-    // (issue 17, kFlagEarlyMirror) likewise the layer-norm rule's mirror,
-    // loaded during the fingerprint and the callback's entry (the callback
-    // would look for the candidates itself: the answer is handed over)
-    if (early >= 0 && (early & kFlagEarlyMirror)) {
-      sink.candidates = NpuAmpGrNormCandidates(graph_bytes.data(), graph_bytes.size());
-      if (sink.candidates == 1) {
-        void* m = NpuAmpGrMirrorNew();
-        if (NpuAmpGrMirrorLoadEarly(m, graph_bytes.data(), graph_bytes.size()) == 0) {
-          sink.early_mirror = m;
-          g_early_mirror_started.fetch_add(1);
-        } else {
-          NpuAmpGrMirrorFree(m);
-        }
-      }
-    }
     const uint64_t fp_in = Fingerprint(graph_bytes.view(), context);
     if (Seen(fp_in)) {
       g_skip_seen.fetch_add(1);
@@ -2416,7 +2350,6 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
                       config_bytes_.size(), fetch.c_str(), preserve.c_str(), devices.c_str(),
                       item.id.c_str());
     g_in_flight.fetch_sub(1);
-    sink.DropEarlyMirror();  // (one the callback did not take)
     sink.JoinIndex();  // (a helper thread reads the item and graph_bytes)
     sink.set_item(nullptr);
     sink.graph_bytes = std::string_view();

@@ -45,7 +45,6 @@ import os
 import re
 import threading
 import time
-import weakref
 
 log = logging.getLogger("npu_amp_tf")
 
@@ -180,9 +179,6 @@ def library():
                 lib.NpuAmpItemClasses.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)),
                                                   ctypes.POINTER(ctypes.c_size_t)]
                 lib.NpuAmpItemClasses.restype = ctypes.c_int
-            if hasattr(lib, "NpuAmpSinkEarlyMirror"):  # (issue 17: EARLY_MIRROR)
-                lib.NpuAmpSinkEarlyMirror.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-                lib.NpuAmpSinkEarlyMirror.restype = ctypes.c_void_p
             if hasattr(lib, "NpuAmpSetDeferFree"):  # (issue 17: DEFER_FREES)
                 lib.NpuAmpSetDeferFree.argtypes = [ctypes.c_int]
                 lib.NpuAmpSetDeferFree.restype = ctypes.c_int
@@ -447,62 +443,6 @@ def _index_and_classes(live):
     return None if blob is None else (blob, lambda: item_classes(live[0]))
 
 
-class EarlyMirror:
-    """(issue 17, :data:`EARLY_MIRROR`) The gradient-region mirror the C++
-    side began loading from the item's bytes before the callback
-    (``NpuAmpSinkEarlyMirror``; its load reads its own copy of them), for
-    the layer-norm fusion before the parse
-    (:func:`graph_passes.fusion.prefuse.run`), which :meth:`take` s it; one
-    nobody took is freed by :meth:`drop` (the callback's end) or with this
-    object.  ``candidates``: whether the C++ side found the rule's
-    candidates in the bytes (True / False), None when it did not look."""
-
-    def __init__(self, h, candidates):
-        self._h = [h or None]
-        self.candidates = None if candidates < 0 else bool(candidates)
-        weakref.finalize(self, _free_mirror, self._h)
-
-    def take(self):
-        """The mirror's handle, the caller's from now (it waits for the load
-        with ``GradRegionLib.wait`` and frees it), or None."""
-        h, self._h[0] = self._h[0], None
-        return h
-
-    def drop(self):
-        """Free the mirror unless it was taken."""
-        if self._h[0]:
-            EARLY_MIRRORS_DROPPED[0] += 1
-        _free_mirror(self._h)
-
-
-#: early mirrors a callback took from the C++ side and dropped untaken by the run (tests)
-EARLY_MIRRORS_DROPPED = [0]
-
-
-def _free_mirror(holder):
-    h, holder[0] = holder[0], None
-    lib = _lib
-    if lib is not None and h:
-        lib.NpuAmpGrMirrorFree(ctypes.c_void_p(h))
-
-
-def item_early_mirror(sink) -> EarlyMirror | None:
-    """:class:`EarlyMirror` of the callback's item (``NpuAmpSinkEarlyMirror``),
-    or None without the call or outside the callback."""
-    fn = getattr(_lib, "NpuAmpSinkEarlyMirror", None) if _lib is not None else None
-    if fn is None or sink is None:
-        return None
-    cands = ctypes.c_int(-1)
-    h = fn(sink, ctypes.byref(cands))
-    return EarlyMirror(h, cands.value)
-
-
-def early_mirror_counts():
-    """(early mirrors the C++ side started, those no callback took)
-    (:data:`EARLY_MIRROR`), or None without the library or the call."""
-    return _count_pair("NpuAmpEarlyMirrorCounts")
-
-
 def late_classes_counts():
     """(item indexes handed over before their classes, classes computed
     after) (:data:`LATE_CLASSES`), or None without the library or the call."""
@@ -667,7 +607,7 @@ class GradRegionLib:
         rc = self._lib.NpuAmpGrNormCandidates(graph, len(graph))
         return None if rc < 0 else rc == 1
 
-    def fuse_norms(self, graph: bytes, ops: bytes, request: bytes, memo=None, mirror=None, loaded=False):
+    def fuse_norms(self, graph: bytes, ops: bytes, request: bytes, memo=None, mirror=None):
         """``NpuAmpGrFuseNorms`` on a mirror loaded fresh from ``graph`` with
         the op sets ``ops``: (rc, text, the graph's bytes after the fusions,
         array('i') of each output node's index in ``graph`` or -1), rc 0 ran,
@@ -676,9 +616,7 @@ class GradRegionLib:
         (:meth:`shape_memo`, the caller's: its answers outlive the call);
         None: one made and freed here.  ``mirror``: an empty mirror
         (:meth:`new`, the caller's, who frees it: after the call it holds the
-        fused graph); None: one made and freed here.  ``loaded``: ``mirror``
-        is already loading ``graph`` (``NpuAmpGrMirrorLoadEarly``): its load
-        is waited for instead of made."""
+        fused graph); None: one made and freed here."""
         if not self.can_fuse_norms:
             return None
         lib = self._lib
@@ -689,11 +627,8 @@ class GradRegionLib:
         if own:
             memo = lib.NpuAmpGrShapeMemoNew() if self.can_shape else None
         try:
-            loaded = bool(loaded and mirror)
-            if loaded and lib.NpuAmpGrMirrorWait(h) != 0:
-                return None
             if not memo or lib.NpuAmpGrMirrorOps(h, ops, len(ops)) != 0 or \
-                    (not loaded and lib.NpuAmpGrMirrorLoad(h, graph, len(graph), 1) != 0):
+                    lib.NpuAmpGrMirrorLoad(h, graph, len(graph), 1) != 0:
                 return None
             text, tlen = ctypes.c_void_p(), ctypes.c_size_t()
             out, olen = ctypes.c_void_p(), ctypes.c_size_t()
@@ -1012,12 +947,9 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         # now and not early on the next call: one of the item as it came
         # would be thrown away
         graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
-        # (issue 17, EARLY_MIRROR) the layer-norm rule's mirror, loading since
-        # before the callback, and its candidates as the C++ side found them
-        early = item_early_mirror(sink)
-        later = _may_prefuse(graph_bytes, None if early is None else early.candidates)
+        later = _may_prefuse(graph_bytes)
         if hasattr(_lib, "NpuAmpSinkFlags"):
-            _lib.NpuAmpSinkFlags(sink, _sink_flags(early=not later, mirror=_prefuse_on()))
+            _lib.NpuAmpSinkFlags(sink, _sink_flags(early=not later))
         if INDEX_IN_BACKGROUND and not later and hasattr(_lib, "NpuAmpItemIndexStart"):
             _lib.NpuAmpItemIndexStart(sink)  # (0 started; else built when asked)
         shapes = item_shape_source(sink)
@@ -1040,12 +972,9 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                has_op=lambda op: item_has_op(live[0], op),
                                prefuse=lambda pre: item_use_prefused(live[0], pre),
                                has_attr=lambda a: item_has_attr(live[0], a),
-                               has_device=lambda: item_has_device(live[0]),
-                               mirror=early if later else None)
+                               has_device=lambda: item_has_device(live[0]))
         finally:
             live[0] = None
-            if early is not None:
-                early.drop()  # (unless the run took it)
             shapes.expire()
             _tls.active = False
         if code == RC_OK:
@@ -1074,18 +1003,7 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
 #: the optimizer.  Wall time only: the same frees, on a second core.  False:
 #: every free inline (the reference; the same output)
 DEFER_FREES = True
-_defer_applied = [None]
-
-#: (issue 17) the C++ side looks for the layer-norm rule's candidates in an
-#: item's bytes as soon as it has written them, before the callback, and
-#: where there are some it begins loading the rule's gradient-region mirror
-#: on a helper thread (``Sink::early_mirror``, :class:`EarlyMirror`), while
-#: it fingerprints the bytes and the callback starts; the run before the
-#: parse (:func:`graph_passes.fusion.prefuse.run`) takes it instead of
-#: loading one.  Set for the items after a callback with that run on.
-#: Wall time only: the same load, on a second core.  False: loaded by the
-#: run (the reference; the same output)
-EARLY_MIRROR = True  # (the setting last given to the library)
+_defer_applied = [None]  # (the setting last given to the library)
 
 
 def _apply_defer_frees():
@@ -1197,39 +1115,27 @@ EARLY_INDEX = True
 LATE_CLASSES = True
 
 
-def _sink_flags(early: bool = True, mirror: bool = False) -> int:
+def _sink_flags(early: bool = True) -> int:
     """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES /
     FAST_INDEX / PRECHECK_FROM_INDEX / EARLY_INDEX (with INDEX_IN_BACKGROUND;
     ``early`` False: not for the next item either) / STEAL_RECORDS (which
     the library applies only with MOVE_ITEM_NODES) / LATE_CLASSES (with
-    INDEX_IN_BACKGROUND) / EARLY_MIRROR (``mirror``: the layer-norm fusion
-    before the parse is on, :func:`_prefuse_on`)."""
+    INDEX_IN_BACKGROUND)."""
     return ((1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
             | (4 if FAST_INDEX else 0) | (8 if PRECHECK_FROM_INDEX else 0)
             | (16 if early and EARLY_INDEX and INDEX_IN_BACKGROUND else 0)
-            | (32 if STEAL_RECORDS else 0) | (64 if LATE_CLASSES and INDEX_IN_BACKGROUND else 0)
-            | (128 if mirror and EARLY_MIRROR else 0))
+            | (32 if STEAL_RECORDS else 0) | (64 if LATE_CLASSES and INDEX_IN_BACKGROUND else 0))
 
 
-def _prefuse_on() -> bool:
-    """Whether the layer-norm fusion before the parse runs in callbacks
-    (``graph_passes.fusion.prefuse.PREFUSE``, :data:`USE_PREFUSED`, the
-    C++ library's rule)."""
+def _may_prefuse(graph_bytes: bytes) -> bool:
+    """Whether the layer-norm fusion before the parse may change this item
+    (``graph_passes.fusion.prefuse``: on, put into the item, and a candidate
+    in the bytes)."""
     from graph_passes.fusion import grad_region as gr
     from graph_passes.fusion import prefuse
 
     lib = gr.native
-    return bool(prefuse.PREFUSE and USE_PREFUSED and lib is not None and getattr(lib, "can_fuse_norms", False))
-
-
-def _may_prefuse(graph_bytes: bytes, candidates: bool | None = None) -> bool:
-    """Whether the layer-norm fusion before the parse may change this item
-    (``graph_passes.fusion.prefuse``: on, put into the item, and a candidate
-    in the bytes).  ``candidates``: whether the C++ side already found one
-    in these bytes (:class:`EarlyMirror`), None: looked for here."""
-    from graph_passes.fusion import prefuse
-
-    return _prefuse_on() and prefuse.has_candidates(graph_bytes, known=candidates)
+    return bool(prefuse.PREFUSE and USE_PREFUSED and lib is not None and prefuse.has_candidates(graph_bytes))
 
 
 def early_index_counts():
@@ -1419,7 +1325,7 @@ def parse_options(config_bytes: bytes):
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
            item_id: str = "graph", shapes=None, index=None, patch: bool = False,
            opdef_precheck="auto", digest=None, base_inputs=None, has_op=None, has_attr=None,
-           has_device=None, prefuse=None, mirror=None):
+           has_device=None, prefuse=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
@@ -1443,9 +1349,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     same for node attrs (the callback's :func:`item_has_attr`), handed to the
     pipeline as ``Graph.source_has_attr``; ``has_device``: ``has_device() ->
     bool | None``, whether a node of it has a device string (the callback's
-    :func:`item_has_device`), handed on as ``Graph.source_has_device``.
-    ``mirror``: an :class:`EarlyMirror` of ``graph_bytes`` for the run
-    before the parse, or None."""
+    :func:`item_has_device`), handed on as ``Graph.source_has_device``."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -1518,7 +1422,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
             graph_bytes if own else gd, options, fetches=fetches, preserve=preserve, devices=devices,
             graph_name=item_id, shapes=shapes, index=index, patch=patch,
             opdef_precheck=opdef_precheck, base_inputs=base_inputs, source_has_attr=has_attr,
-            source_has_device=has_device, prefuse=prefuse, mirror=mirror)
+            source_has_device=has_device, prefuse=prefuse)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)

@@ -112,8 +112,7 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
                         devices=(), include_functions: bool = True, graph_name: str | None = None,
                         shapes=None, index="auto", patch: bool = False, opdef_precheck="auto",
-                        base_inputs=None, source_has_attr=None, source_has_device=None, prefuse=None,
-                        mirror=None):
+                        base_inputs=None, source_has_attr=None, source_has_device=None, prefuse=None):
     """:func:`optimize`, with the rewritten graph as its deterministic
     serialization (what the grappler bridge hands back), written straight
     from the indexed graph (``Graph.serialize``) instead of through a copied
@@ -147,14 +146,12 @@ def optimize_serialized(graph_def, options: Options | None = None, fetches=(), p
     run made in C++ on the bytes when it can be
     (:mod:`graph_passes.fusion.prefuse`); False, never; a callable
     ``prefuse(pre) -> bool``, asked whether to use a run's result (the
-    grappler bridge applies it to the item it holds first).  ``mirror``
-    (issue 17): the bridge's :class:`npu_amp_tf.bridge.EarlyMirror` of
-    ``graph_def``'s bytes, which that run takes instead of loading one; None."""
+    grappler bridge applies it to the item it holds first)."""
     return _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                      shapes, index, serialized="patch" if patch else True,
                      opdef_precheck=opdef_precheck, base_inputs=base_inputs,
                      source_has_attr=source_has_attr, source_has_device=source_has_device,
-                     prefuse=prefuse, mirror=mirror)
+                     prefuse=prefuse)
 
 
 def _optimize(*args, **kwargs):
@@ -194,7 +191,7 @@ PROMOTE_SURVIVORS = True
 
 def _optimize_run(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                   shapes, index, serialized, opdef_precheck=None, base_inputs=None,
-                  source_has_attr=None, source_has_device=None, prefuse=None, mirror=None):
+                  source_has_attr=None, source_has_device=None, prefuse=None):
     options = options if options is not None else Options.from_kwargs()
     data = None
     own = False  # (issue 17r) graph_def is this run's own parse: rewritten in place
@@ -231,8 +228,7 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         raw = data
         if raw is None and _prefuse.refusal(ctx, names) is None and _prefuse.may_have_norms(graph_def):
             raw = graph_def.SerializeToString()  # (a GraphDef given: its bytes, for the C++ run)
-        # (the bridge's early mirror is of the bytes given: of `data`)
-        pre = _prefuse.run(raw, ctx, names, mirror=mirror if raw is data else None) if raw is not None else None
+        pre = _prefuse.run(raw, ctx, names) if raw is not None else None
         if pre is not None and callable(prefuse) and not prefuse(pre):
             pre = None
         if pre is not None and data is None:

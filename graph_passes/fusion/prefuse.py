@@ -117,11 +117,6 @@ class Prefused:
 #: FP32 copies' sizes, otherwise walked again in Python); False: the
 #: reference, Python walks them
 SHAPES_AFTER = True
-#: (issue 17) the run takes the grappler bridge's early mirror when it is
-#: given one (``bridge.EARLY_MIRROR``); False: it loads its own (the
-#: reference; the same output).  EARLY_MIRRORS: how many runs took one (tests)
-EARLY_MIRROR = True
-EARLY_MIRRORS = [0]
 #: (CHECK_NATIVE) the walked shapes asked and compared with Python's walk
 CHECKED_SHAPES = [0]
 #: (CHECK_NATIVE) the runs that reached their last anchor, after which the
@@ -133,9 +128,8 @@ class WalkedShapes:
     """The run's mirror (the fused graph) and its shape walks' memo, kept
     for the walks the passes after it make (freed with this object)."""
 
-    def __init__(self, lib, h=None):
-        """``h``: a mirror of the caller's, this object's from now (else a new one)."""
-        self.lib, self.memo, self.h = lib, lib.shape_memo(), h or lib.new()
+    def __init__(self, lib):
+        self.lib, self.memo, self.h = lib, lib.shape_memo(), lib.new()
         self.buf = lib.shape_buffer()
         weakref.finalize(self, _free_walked, lib, self.memo, self.h)
 
@@ -276,31 +270,26 @@ def may_have_norms(graph_def) -> bool:
 _CANDIDATES = [None, None]
 
 
-def has_candidates(data: bytes, known: bool | None = None) -> bool:
+def has_candidates(data: bytes) -> bool:
     """Whether the rule could find a candidate in the serialized graph
     ``data`` (an Rsqrt / Sqrt a Mul / RealDiv reads; C++, one read of the
     nodes' names, ops and inputs, no mirror built).  (Not ``bytes.find``
     first: Python's search for a short pattern reads a graph without it at
     ~2.5 instructions a byte, 20 M on Keras ResNet50's 4 MB, ten times the
-    C++ read.)  ``known``: the answer the same C++ read gave on these bytes
-    before (the grappler bridge's, ``bridge.EarlyMirror.candidates``), or None."""
+    C++ read.)"""
     from . import grad_region as gr
 
     if _CANDIDATES[0] is data:
         return _CANDIDATES[1]
     lib = gr.native
-    found = (lib is not None and getattr(lib, "can_fuse_norms", False)
-             and (known if known is not None else lib.norm_candidates(data) is True))
+    found = lib is not None and getattr(lib, "can_fuse_norms", False) and lib.norm_candidates(data) is True
     _CANDIDATES[0], _CANDIDATES[1] = data, found
     return found
 
 
-def run(data: bytes, ctx, pass_names, mirror=None) -> Prefused | None:
+def run(data: bytes, ctx, pass_names) -> Prefused | None:
     """The C++ run over ``data`` (a serialized GraphDef), or None: it cannot
-    run here (:func:`refusal`), or fused nothing.  ``mirror``: the grappler
-    bridge's :class:`npu_amp_tf.bridge.EarlyMirror` of ``data`` (a mirror
-    loading them since before the callback), taken when the run begins;
-    None: one is loaded here."""
+    run here (:func:`refusal`), or fused nothing."""
     from . import grad_region as gr
 
     found = has_candidates(data)
@@ -312,16 +301,9 @@ def run(data: bytes, ctx, pass_names, mirror=None) -> Prefused | None:
     if req is None:
         return None
     lib = gr.native
-    h = mirror.take() if mirror is not None and EARLY_MIRROR and getattr(lib, "can_load_async", False) else None
-    walked = WalkedShapes(lib, h) if SHAPES_AFTER and getattr(lib, "can_shape", False) else None
-    try:
-        res = lib.fuse_norms(data, gr._op_sets(), req, walked.memo if walked is not None else None,  # noqa: SLF001
-                             walked.h if walked is not None else h, loaded=h is not None)
-    finally:
-        if h and walked is None:
-            lib.free(h)
-    if h:
-        EARLY_MIRRORS[0] += 1
+    walked = WalkedShapes(lib) if SHAPES_AFTER and getattr(lib, "can_shape", False) else None
+    res = lib.fuse_norms(data, gr._op_sets(), req, walked.memo if walked is not None else None,  # noqa: SLF001
+                         walked.h if walked is not None else None)
     if res is None:
         _left("the mirror refused the graph")
         return None
