@@ -1676,6 +1676,36 @@ class Graph:
         return (len(seq) == self._next_seq == len(self.nodes)
                 and list(seq) == list(self.nodes))
 
+    #: (issue 17) :meth:`order_positions` and :meth:`ids_of` answer from the
+    #: node ids the graph already holds (the native sort's order, ids that
+    #: are positions) instead of looking each name up; False: looked up
+    #: (the reference; the same arrays)
+    ids_without_lookups = True
+
+    def order_positions(self, order):
+        """(issue 17) The index in ``list(self.nodes)`` of each name of
+        ``order``, a topological order equal to the one cached (a copy
+        :meth:`topo_order` gave), as an int32 array: the ids the native sort
+        ordered, which are positions when :meth:`_dense_ranks`; None when
+        that does not hold (the caller looks the names up)."""
+        cached, ids = self._topo_cache, self._topo_ids
+        if (not self.ids_without_lookups or cached is None or ids is None or ids[0] is not cached[0]
+                or len(ids[1]) != len(order) or len(order) != len(self.nodes) or cached[0] != order
+                or not self._dense_ranks()):
+            return None
+        return np.asarray(ids[1], np.int32)
+
+    def ids_of(self, names) -> np.ndarray:
+        """(issue 17) The node ids (``_seq``) of the names in the list
+        ``names``, an int64 array: 0, 1, ... without a name looked up when
+        they are the graph's nodes in its order and ids are positions
+        (:meth:`_dense_ranks`); else each looked up (KeyError for a name not
+        in the graph)."""
+        n = len(names)
+        if self.ids_without_lookups and n == len(self.nodes) and self._dense_ranks() and list(self.nodes) == names:
+            return np.arange(n, dtype=np.int64)
+        return packed_ints(map(self._seq.__getitem__, names), n)
+
     def positions(self) -> dict:
         """name -> index in ``list(self.nodes)``: a fresh dict, the caller's
         to keep (a copy of ``_seq`` when :meth:`_dense_ranks`: C-level, ~15×

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import functools
 from array import array
-from itertools import chain, compress, repeat
+from itertools import compress, repeat
 from operator import attrgetter, contains, getitem, is_
 
 import numpy as np
@@ -234,7 +234,12 @@ def paint(pp, order, fn):
             flags[i] |= F_PROT | (0 if op in stateful else F_PROT_PAINT)
     ints = array("i", (VERSION, n, kcount, low))
     ints.append(n)
-    oid = _i32(map(idx.__getitem__, order), len(order))
+    at = g.order_positions(order)  # (issue 17: the sort's ids; else each name looked up)
+    if at is not None:
+        oid = array("i")
+        oid.frombytes(at.tobytes())
+    else:
+        oid = _i32(map(idx.__getitem__, order), len(order))
     ints.extend(oid)
     for sec in (cid, flags, rec):
         ints.append(len(sec))
@@ -991,9 +996,8 @@ def delay_plan(pp):
     by_id = g.kahn_positions()
     if by_id is None:
         return None
-    seq = g._seq  # noqa: SLF001 - the ids the sort numbers nodes by
     try:
-        ids = packed_ints(map(seq.__getitem__, chain(names, new_names)), len(g.nodes))
+        ids = g.ids_of(names + new_names)  # (the ids the sort numbers nodes by)
     except KeyError:
         return None
     pos = by_id[ids]
