@@ -237,8 +237,11 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
         if not anchors:
             return out
         if len(anchors) > 1:
-            pos = graph.topo_positions()
-            anchors.sort(key=pos.__getitem__)
+            by_topo = getattr(graph, "sort_by_topo", None)
+            if by_topo is not None:
+                by_topo(anchors)
+            else:
+                anchors.sort(key=graph.topo_positions().__getitem__)
     else:
         anchors = order if order is not None else graph.topo_order()
     nodes = graph.nodes

@@ -1,10 +1,12 @@
-"""Issue 17: ``Graph.order_positions`` and ``Graph.ids_of`` (``Graph.ids_without_lookups``).
+"""Issue 17: ``Graph.order_positions``, ``Graph.ids_of`` and ``Graph.sort_by_topo``
+(``Graph.ids_without_lookups``).
 
 The precision pass's painting numbers the nodes of the topological order by their position in
 the graph, and its delayed-casts plan numbers the painted nodes and the new casts by their node
 ids; both looked every name up in a dict (~7.5k lookups each on BERT-12).  The graph already
 holds those numbers: the native sort's order is a list of node ids, and while no node was
-removed the ids are the positions.  Checked on real graphs (Keras ResNet50, the BERT-base-like
+removed the ids are the positions.  The fusion pass sorted its few anchors by a dict of every
+node's topological position; the sort's ranks per node id give the same order.  Checked on real graphs (Keras ResNet50, the BERT-base-like
 training graph of ``benchmarks/precision.py``) against the lookups, derived here from
 ``list(g.nodes)`` and ``_seq``; the fallbacks (a node removed, an order not the cached one);
 and through grappler, the same output and report with the lookups and without."""
@@ -96,3 +98,37 @@ def test_the_same_output_with_the_lookups_and_without(k2, name, monkeypatch):
     assert calls and not any(calls)
     assert fast == ref
     assert _strip_times(fast_rep) == _strip_times(ref_rep)
+
+
+@pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])
+def test_sort_by_topo_is_the_positions_sort(k2, name, monkeypatch):
+    """``Graph.sort_by_topo`` (the fusion pass's anchors, sorted from the native sort's ranks)
+    orders any subset of nodes as a sort by ``topo_positions`` does; the same after an edit
+    (the cache rebuilt) and with the lookups (the reference)."""
+    import random
+
+    gd, _ = _graph_def(name, k2)
+    g = _indexed(gd)
+    names = list(g.nodes)
+    rng = random.Random(17)
+    subsets = [rng.sample(names, k) for k in (2, 3, 50, 500)]
+    got = []
+    for sub in subsets:
+        mine = list(sub)
+        g.sort_by_topo(mine)
+        got.append(mine)
+    assert len(g._topo_cache) < 3  # noqa: SLF001 - no dict of every node's position was built
+    pos = {n: i for i, n in enumerate(g.topo_order())}
+    for sub, mine in zip(subsets, got):
+        assert mine == sorted(sub, key=pos.__getitem__)
+    # after an edit, and with the lookups
+    g.add_node(node_def_pb2.NodeDef(name="extra/Identity", op="Identity", input=[names[0]]))
+    for lookups in (False, True):
+        monkeypatch.setattr(Graph, "ids_without_lookups", not lookups)
+        sub = subsets[2] + ["extra/Identity"]
+        mine = list(sub)
+        g.sort_by_topo(mine)
+        pos = {n: i for i, n in enumerate(g.topo_order())}
+        assert mine == sorted(sub, key=pos.__getitem__)
+    with pytest.raises(KeyError):
+        g.sort_by_topo([names[0], "no/such/node"])
