@@ -929,18 +929,14 @@ class Graph:
         if cached is None:
             self.topo_order()
             cached = self._topo_cache
-        ranks = None
-        if self.ids_without_lookups and len(cached) < 3:  # (no dict of positions built yet)
-            ranks = self.topo_ranks(cached[0])
-        if ranks is None:
-            names.sort(key=self.topo_positions().__getitem__)
-            return
-        seq = self._seq
-        at = ranks[packed_ints(map(seq.__getitem__, names), len(names))].tolist()
-        if min(at, default=0) < 0:  # (an id the order does not hold: the positions say)
-            names.sort(key=self.topo_positions().__getitem__)
-            return
-        names[:] = [n for _, n in sorted(zip(at, names))]
+        # (no dict of positions built yet: the sort's ranks of these names alone)
+        ranks = self.topo_ranks(cached[0]) if self.ids_without_lookups and len(cached) < 3 else None
+        if ranks is not None:
+            at = ranks[packed_ints(map(self._seq.__getitem__, names), len(names))].tolist()
+            if min(at, default=0) >= 0:  # (else an id the order does not hold: the positions say)
+                names[:] = [n for _, n in sorted(zip(at, names))]
+                return
+        names.sort(key=self.topo_positions().__getitem__)
 
     def topo_ranks(self, order):
         """(issue 17) Per node id (``_seq``) its index in the cached

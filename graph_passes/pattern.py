@@ -237,11 +237,7 @@ def find_matches(graph: Graph, pat: Pat, protected=frozenset(), order=None,
         if not anchors:
             return out
         if len(anchors) > 1:
-            by_topo = getattr(graph, "sort_by_topo", None)
-            if by_topo is not None:
-                by_topo(anchors)
-            else:
-                anchors.sort(key=graph.topo_positions().__getitem__)
+            graph.sort_by_topo(anchors)
     else:
         anchors = order if order is not None else graph.topo_order()
     nodes = graph.nodes
