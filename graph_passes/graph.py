@@ -32,7 +32,7 @@ import struct
 from array import array
 from bisect import bisect_right
 from collections import defaultdict, deque
-from itertools import accumulate, chain, filterfalse, repeat
+from itertools import accumulate, chain, compress, filterfalse, repeat
 from operator import is_not, itemgetter, methodcaller
 from typing import NamedTuple
 
@@ -412,13 +412,14 @@ class Graph:
         if cl is None or self._all_modified:
             return None
         names, classes = cl
-        out = dict(zip(names, classes))
+        pairs = zip(names, classes)
+        if -1 in classes:  # (the nodes without a class left out: C-level, in order)
+            pairs = compress(pairs, map((-1).__lt__, classes))  # (v >= 0)
+        out = dict(pairs)
         for name in self.created:
             out.pop(name, None)
         for name in self.modified:
             out.pop(name, None)
-        if -1 in classes:
-            out = {k: v for k, v in out.items() if v >= 0}
         return out
 
     def reindex(self):

@@ -485,8 +485,32 @@ def has_kernel(op_type: str, device_type: str = "CPU", type_attrs: dict | None =
     allowed by the op's OpDef as well (TF registers kernels for some dtypes
     their OpDef refuses, e.g. ``_FusedConv2D`` bfloat16 on CPU).  Labelled
     kernels and the known-broken registrations in :data:`BROKEN_KERNELS` are
-    ignored."""
+    ignored.  (issue 17) The answers are kept as long as :func:`_kernels`'
+    cache, whose entries they are read from (a new ``_KERNELS`` table empties
+    them); :data:`HAS_KERNEL_MEMO` False: every question answered again."""
     type_attrs = type_attrs or {}
+    if HAS_KERNEL_MEMO:
+        if _HAS_KERNEL_OF[0] is not _KERNELS:
+            _HAS_KERNEL.clear()
+            _HAS_KERNEL_OF[0] = _KERNELS
+        key = (op_type, device_type, tuple(type_attrs.items()))
+        got = _HAS_KERNEL.get(key)
+        if got is not None:
+            return got
+        got = _HAS_KERNEL[key] = _has_kernel(op_type, device_type, type_attrs)
+        return got
+    return _has_kernel(op_type, device_type, type_attrs)
+
+
+#: (issue 17) :func:`has_kernel` keeps its answers beside :func:`_kernels`'
+#: cache (the precision pass asks the same few dozen questions of every
+#: graph); False: asked again each time (the reference; the same answers)
+HAS_KERNEL_MEMO = True
+_HAS_KERNEL: dict = {}  # (op, device type, type attrs in order) -> has_kernel's answer
+_HAS_KERNEL_OF = [None]  # the _KERNELS table the answers were read from
+
+
+def _has_kernel(op_type: str, device_type: str, type_attrs: dict) -> bool:
     for dt in type_attrs.values():
         if (op_type, device_type, dt) in BROKEN_KERNELS:
             return False
@@ -542,14 +566,15 @@ def retype_all(nodes, op: str, attrs, dt: int):
         for node in nodes:
             retype(node, attrs, dt)
         return
+    if len(attrs) == 1:  # (the usual case: one type attr, "T")
+        a, = attrs
+        for node in nodes:
+            node.attr[a].type = dt  # (a message map's item: made when absent)
+        return
     for node in nodes:
         amap = node.attr
         for a in attrs:
-            av = amap.get(a)
-            if av is None:
-                amap[a].type = dt
-            else:
-                av.type = dt
+            amap[a].type = dt
 
 
 def kernel_devices(op_type: str) -> set[str]:

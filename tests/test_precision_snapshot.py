@@ -58,14 +58,18 @@ def test_retype_sets_a_present_and_an_absent_attr():
 
 @pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])
 @pytest.mark.parametrize("mode", ["allow_mix_precision", "allow_mix_precision_bf16"])
-def test_unedited_nodes_come_from_the_source_bytes(k2, monkeypatch, name, mode):
+@pytest.mark.parametrize("pristine", [True, False])
+def test_unedited_nodes_come_from_the_source_bytes(k2, monkeypatch, name, mode, pristine):
     """As in the pipeline: the graph built from bytes (``source_bytes``), the
     fusion pass first (it edits and creates nodes), then the precision pass.
-    The snapshot keeps only indexes for the nodes the fusion pass left alone,
-    and is still exactly the graph the precision pass received."""
+    The snapshot keeps only indexes for the nodes the fusion pass left alone
+    (``pristine``, ``_Snapshot.pristine_from_source``: it records nothing for
+    them and copies only the others), and is still exactly the graph the
+    precision pass received."""
     from graph_passes.fusion.fusion_pass import FusionPass
     from tensorflow.core.framework import graph_pb2
 
+    monkeypatch.setattr(amp._Snapshot, "pristine_from_source", pristine)
     gd, fetches = _graph(name, k2)
     data = gd.SerializeToString()
     parsed = graph_pb2.GraphDef()
@@ -82,7 +86,11 @@ def test_unedited_nodes_come_from_the_source_bytes(k2, monkeypatch, name, mode):
     pp = amp.PrecisionPass()
     pp.run(graph, ctx)
     saved = pp._before._saved
-    lazy = [n for n, v in saved.items() if type(v) is int]
+    if pristine:  # (nothing recorded for the source's nodes: they are the rest)
+        assert not any(type(v) is int for v in saved.values())
+        lazy = [n for n in order if n not in pp._before._dirty]
+    else:
+        lazy = [n for n, v in saved.items() if type(v) is int]
     copied = [n for n, v in saved.items() if type(v) is not int]
     assert len(lazy) > 100, "few nodes were left as indexes into the source"
     assert all(n not in graph.created for n in lazy)
@@ -95,7 +103,8 @@ def test_unedited_nodes_come_from_the_source_bytes(k2, monkeypatch, name, mode):
         assert copied
 
 
-def test_a_node_edited_by_hand_without_touch_would_show(monkeypatch):
+@pytest.mark.parametrize("pristine", [True, False])
+def test_a_node_edited_by_hand_without_touch_would_show(monkeypatch, pristine):
     """Planted: a node edited in place without ``touch`` (a pass breaking
     the rule ``serialize_patch`` relies on too) makes the snapshot differ
     from the graph the pass received; the check above sees such a fault."""
@@ -109,6 +118,7 @@ def test_a_node_edited_by_hand_without_touch_would_show(monkeypatch):
     parsed.ParseFromString(data)
     graph = Graph(parsed, index=bridge.graph_index(parsed, data), copy=False)
     graph.source_bytes = data
+    monkeypatch.setattr(amp._Snapshot, "pristine_from_source", pristine)
     victim = next(n for n in graph.nodes.values() if n.op == "MatMul")
     victim.attr["_planted"].b = True  # (no touch: the graph does not know)
     want = _nodes_bytes(graph.nodes.values())
@@ -116,14 +126,19 @@ def test_a_node_edited_by_hand_without_touch_would_show(monkeypatch):
     ctx.native_paint = pipeline.native_paint_entry()
     pp = amp.PrecisionPass()
     pp.run(graph, ctx)
-    assert type(pp._before._saved.get(victim.name)) is int
+    if pristine:  # (taken from the source when the figures are read)
+        assert victim.name not in pp._before._saved and victim.name not in pp._before._dirty
+    else:
+        assert type(pp._before._saved.get(victim.name)) is int
     assert _nodes_bytes(pp._before.graph_def().node) != want
 
 
 @pytest.mark.parametrize("op", ["Mul", "_FusedConv2D"])
-def test_retype_all_equals_retype_per_node(op):
+@pytest.mark.parametrize("attrs", [("T", "U"), ("T",), ("U",)])
+def test_retype_all_equals_retype_per_node(op, attrs):
     """The per-class batch sets what ``retype`` sets node by node, tied
-    list attrs (``_FusedConv2D``'s TArgs) included."""
+    list attrs (``_FusedConv2D``'s TArgs) included; one attr (the batch's
+    own loop) or two, present (T) or absent (U)."""
     def make(k):
         n = node_def_pb2.NodeDef(name=f"n{k}", op=op)
         n.attr["T"].type = registry.DT_FLOAT
@@ -134,8 +149,8 @@ def test_retype_all_equals_retype_per_node(op):
     one, many = [make(k) for k in range(3)], [make(k) for k in range(3)]
     for dt in (registry.DT_HALF, registry.DT_FLOAT):
         for n in one:
-            registry.retype(n, ("T", "U"), dt)
-        registry.retype_all(many, op, ("T", "U"), dt)
+            registry.retype(n, attrs, dt)
+        registry.retype_all(many, op, attrs, dt)
         assert [n.SerializeToString(deterministic=True) for n in one] == \
             [n.SerializeToString(deterministic=True) for n in many]
 

@@ -1741,12 +1741,20 @@ class _Snapshot:
     #: False: copy every saved node (the reference; the same snapshot,
     #: tests/test_precision_snapshot.py)
     from_source = True
+    #: (issue 17) with :attr:`from_source`, a node the graph's source holds
+    #: and no pass had created or edited when this one began is taken from
+    #: the source when the figures are read, whatever this pass did to it
+    #: since: :meth:`save_all` visits only the other nodes (on BERT-12 none
+    #: of the ~7.7k it is given).  False: each saved node's source index
+    #: recorded as it is saved (the reference; the same snapshot)
+    pristine_from_source = True
 
     def __init__(self, graph, order, copy_on_write=False):
         from tensorflow.core.framework import graph_pb2
 
         self._gd = graph_pb2.GraphDef()
         self._source = None
+        self._dirty = self._base = None  # (pristine_from_source: the nodes not the source's)
         if copy_on_write:
             self._graph, self._names, self._saved = graph, list(graph.nodes), {}
             src = graph.source_bytes
@@ -1754,6 +1762,11 @@ class _Snapshot:
             if (self.from_source and isinstance(src, (bytes, bytearray)) and base is not None
                     and graph._seq_is_base and not graph.duplicates and not graph._all_modified):
                 self._source = (src, len(base))
+                if self.pristine_from_source:
+                    # the nodes no pass created or edited before this one
+                    # are their source's: saving them records nothing
+                    self._dirty = graph.modified | graph.created
+                    self._base = base
         else:
             self._graph = self._names = self._saved = None
             self._gd.node.extend(graph.nodes.values())
@@ -1774,6 +1787,15 @@ class _Snapshot:
         saved = self._saved
         if saved is None:
             return
+        if self._dirty is not None:
+            # (pristine_from_source) only the nodes edited or created before
+            # this pass are copied; the others are the source's
+            dirty = self._dirty
+            if not dirty:
+                return
+            names = list(filter(dirty.__contains__, names))
+            if not names:
+                return
         g = self._graph
         # (the source's node count while it can answer for unedited nodes, else -1)
         limit = (self._source[1] if self._source is not None and g._seq_is_base and not g._all_modified
@@ -1797,6 +1819,12 @@ class _Snapshot:
             self._full = True
             if self._names is not None:
                 nodes, saved = self._graph.nodes, self._saved
+                if self._dirty is not None:
+                    # (pristine_from_source) every node not in _dirty: its
+                    # index in the source, as save_all would have recorded it
+                    dirty = self._dirty
+                    saved.update((n, k) for k, n in enumerate(self._base)
+                                 if n not in saved and n not in dirty)
                 if self._source is not None and any(type(v) is int for v in saved.values()):
                     from tensorflow.core.framework import graph_pb2
 
@@ -1811,6 +1839,7 @@ class _Snapshot:
                             saved[n] = snodes[v]
                 self._gd.node.extend([saved[n] if n in saved else nodes[n] for n in self._names])
                 self._graph = self._names = self._saved = self._source = None
+                self._dirty = self._base = None
             self._gd.library.CopyFrom(self._library)
             self._gd.versions.CopyFrom(self._versions)
         return self._gd
