@@ -1583,6 +1583,31 @@ NPU_AMP_EXPORT int NpuAmpItemHasOp(void* sink, const char* op) {
   });
 }
 
+// (issue 17) Whether the item's serialized bytes (Sink::graph_bytes: the
+// bridge's deterministic writing of the item, or the bytes of the layer-norm
+// fusions before the parse) may hold a NodeDef attr named `name`: 0 no, 1
+// maybe, -1 outside the callback or without the bytes.  A map entry writes
+// its key first, as its field 1 ("\x0a", the key's length, the key), so an
+// attr `name` is there only where that run of bytes is; the run may also be
+// inside a string value, hence "maybe".  One Boyer-Moore-Horspool search of
+// the bytes: on BERT-12 (1.1 MB) ~0.1 ms, against ~1 ms for the attr map
+// lookups of NpuAmpItemHasAttr over every NodeDef.
+NPU_AMP_EXPORT int NpuAmpItemMayHaveAttr(void* sink, const char* name) {
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || !s->in_call() || name == nullptr || s->graph_bytes.empty()) return -1;
+  const size_t len = std::strlen(name);
+  if (len == 0 || len >= 128) return 1;  // (a length of two varint bytes: not searched)
+  std::string needle;
+  needle.reserve(len + 2);
+  needle.push_back('\x0a');
+  needle.push_back(static_cast<char>(len));
+  needle.append(name, len);
+  const std::string_view bytes = s->graph_bytes;
+  const auto it = std::search(bytes.begin(), bytes.end(),
+                              std::boyer_moore_horspool_searcher(needle.begin(), needle.end()));
+  return it != bytes.end() ? 1 : 0;
+}
+
 // A node carrying the attr `name` in the item (ItemHasNode's answers).  The
 // precision pass asks it for the user's _keep_dtype marks before reading
 // every node's attr map.
