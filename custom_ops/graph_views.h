@@ -5,6 +5,7 @@
 #ifndef NPU_AMP_TF_GRAPH_VIEWS_H_
 #define NPU_AMP_TF_GRAPH_VIEWS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <string_view>
 #include <vector>
@@ -19,6 +20,19 @@ struct GraphViews {
   // walk reads their attrs
   bool want_defs = false;
   std::vector<std::string_view> def;
+  // (issue 17, set `want_attrs` first; ViewsOfBytes only) whether a node has
+  // a device string (NodeDef.device = 4), and the distinct names beginning
+  // with '_' of the nodes' attrs (NodeDef.attr = 5, each entry's key: the
+  // user's _keep_dtype marks, _class, ...), kept while there are at most
+  // kMaxPrivateAttrs of them.  `device_known` / `attrs_known`: they were
+  // read (false: not asked, or read from a parsed GraphDef; the names also
+  // when there were more than that)
+  bool want_attrs = false;
+  bool device_known = false;
+  bool attrs_known = false;
+  bool any_device = false;
+  std::vector<std::string_view> private_attrs;
+  static constexpr size_t kMaxPrivateAttrs = 32;
 };
 
 // Protobuf wire format: a varint at *p (< end); false on a bad one.
@@ -99,16 +113,53 @@ inline bool StringFields(const char* q, const char* end, uint64_t last, F&& str)
 // parser's rules: a singular field given twice keeps the last, repeated
 // inputs append.  False when the bytes are not a plain wire-format GraphDef
 // (the caller then reads the parsed graph).
+// The key of the map entry serialized in [q, end) (its field 1; the last
+// one when given twice, as the parser keeps it; empty when none); false on
+// bad wire format.
+inline bool MapEntryKey(const char* q, const char* end, std::string_view* key) {
+  *key = std::string_view();
+  while (q < end) {
+    uint64_t tag, len;
+    if (!ReadVarint(q, end, &tag)) return false;
+    if (tag == ((1 << 3) | 2)) {
+      if (!ReadVarint(q, end, &len) || len > static_cast<uint64_t>(end - q)) return false;
+      *key = std::string_view(q, len);
+      q += len;
+    } else if (!SkipField(q, end, tag & 7)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 inline bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
-  return ForEachNodeOfBytes(bytes, [v](const char* q, const char* node_end) {
+  bool attrs_ok = v->want_attrs;
+  const bool ok_all = ForEachNodeOfBytes(bytes, [v, &attrs_ok](const char* q, const char* node_end) {
     std::string_view name, op;
-    const bool ok = StringFields(q, node_end, 3, [&](uint64_t field, std::string_view str) {
+    // (want_attrs) fields 4 and 5 read too; fields 1-3 as StringFields reads them
+    const bool ok = StringFields(q, node_end, v->want_attrs ? 5 : 3, [&](uint64_t field, std::string_view str) {
       if (field == 1) {
         name = str;
       } else if (field == 2) {
         op = str;
-      } else {
+      } else if (field == 3) {
         v->input.push_back(str);
+      } else if (field == 4) {
+        v->any_device = v->any_device || !str.empty();
+      } else if (attrs_ok) {
+        std::string_view key;
+        if (!MapEntryKey(str.data(), str.data() + str.size(), &key)) {
+          attrs_ok = false;  // (the parser refuses it too; the reference answers)
+        } else if (!key.empty() && key[0] == '_') {
+          auto& seen = v->private_attrs;
+          if (std::find(seen.begin(), seen.end(), key) == seen.end()) {
+            if (seen.size() >= GraphViews::kMaxPrivateAttrs) {
+              attrs_ok = false;
+            } else {
+              seen.push_back(key);
+            }
+          }
+        }
       }
     });
     if (!ok) return false;
@@ -118,6 +169,9 @@ inline bool ViewsOfBytes(std::string_view bytes, GraphViews* v) {
     v->in_start.push_back(static_cast<int64_t>(v->input.size()));
     return true;
   });
+  v->device_known = ok_all && v->want_attrs;
+  v->attrs_known = ok_all && attrs_ok;
+  return ok_all;
 }
 
 // Only the node names of the GraphDef serialized in `bytes` (ViewsOfBytes'

@@ -1583,29 +1583,27 @@ NPU_AMP_EXPORT int NpuAmpItemHasOp(void* sink, const char* op) {
   });
 }
 
-// (issue 17) Whether the item's serialized bytes (Sink::graph_bytes: the
-// bridge's deterministic writing of the item, or the bytes of the layer-norm
-// fusions before the parse) may hold a NodeDef attr named `name`: 0 no, 1
-// maybe, -1 outside the callback or without the bytes.  A map entry writes
-// its key first, as its field 1 ("\x0a", the key's length, the key), so an
-// attr `name` is there only where that run of bytes is; the run may also be
-// inside a string value, hence "maybe".  One Boyer-Moore-Horspool search of
-// the bytes: on BERT-12 (1.1 MB) ~0.1 ms, against ~1 ms for the attr map
-// lookups of NpuAmpItemHasAttr over every NodeDef.
-NPU_AMP_EXPORT int NpuAmpItemMayHaveAttr(void* sink, const char* name) {
+// (issue 17) The item's attr and device questions answered from the views
+// its index read (GraphViews::want_attrs: one read of its bytes, on the
+// index's thread): `what` an attr name beginning with '_' (does a node carry
+// it?), or "" (does a node have a device string?).  1 yes, 0 no, -1 not
+// known so (outside the callback, no index built from the bytes, another
+// attr name, or more '_' names than the views keep): ItemHasNode's walk over
+// the NodeDefs answers then.  On BERT-12 that walk takes ~1 ms for an attr
+// (a cold attr map per node), ~0.15 ms for the device.
+NPU_AMP_EXPORT int NpuAmpItemAttrByIndex(void* sink, const char* what) {
   auto* s = static_cast<Sink*>(sink);
-  if (s == nullptr || !s->in_call() || name == nullptr || s->graph_bytes.empty()) return -1;
-  const size_t len = std::strlen(name);
-  if (len == 0 || len >= 128) return 1;  // (a length of two varint bytes: not searched)
-  std::string needle;
-  needle.reserve(len + 2);
-  needle.push_back('\x0a');
-  needle.push_back(static_cast<char>(len));
-  needle.append(name, len);
-  const std::string_view bytes = s->graph_bytes;
-  const auto it = std::search(bytes.begin(), bytes.end(),
-                              std::boyer_moore_horspool_searcher(needle.begin(), needle.end()));
-  return it != bytes.end() ? 1 : 0;
+  if (s == nullptr || !s->in_call() || what == nullptr) return -1;
+  if (what[0] != '\0' && what[0] != '_') return -1;
+  s->WaitIndex();  // (the views are handed over with the index)
+  const GraphViews* v = s->views.get();
+  if (v == nullptr || static_cast<int64_t>(v->name.size()) != s->WholeItem().graph.node_size()) {
+    return -1;
+  }
+  if (what[0] == '\0') return v->device_known ? (v->any_device ? 1 : 0) : -1;
+  if (!v->attrs_known) return -1;
+  const std::string_view want(what);
+  return std::find(v->private_attrs.begin(), v->private_attrs.end(), want) != v->private_attrs.end() ? 1 : 0;
 }
 
 // A node carrying the attr `name` in the item (ItemHasNode's answers).  The
@@ -1753,6 +1751,7 @@ static int BuildItemIndex(Sink* s, const tensorflow::GraphDef& graph, int flags,
   s->prefused_views.reset();
   if (held == nullptr || !(flags & kFlagIndexFromBytes)) {
     held = std::make_shared<GraphViews>();
+    held->want_attrs = true;  // (the item's attr and device questions: NpuAmpItemAttrByIndex)
     if (!(flags & kFlagIndexFromBytes) || !ViewsOfBytes(s->graph_bytes, held.get())) {
       *held = GraphViews();
       ViewsOfGraph(graph, held.get());
@@ -1834,7 +1833,7 @@ static int StartIndexThread(Sink* s, int flags) {
 // 0 done, 1 refused (nothing changed: Python parses the item's own bytes).
 // `v`'s views of the bytes at `from` made views of the same bytes copied to `to`
 static void RebaseViews(GraphViews* v, const char* from, const char* to) {
-  for (auto* sec : {&v->name, &v->op, &v->input, &v->def}) {
+  for (auto* sec : {&v->name, &v->op, &v->input, &v->def, &v->private_attrs}) {
     for (std::string_view& x : *sec) {
       if (x.data() != nullptr) x = std::string_view(to + (x.data() - from), x.size());
     }
@@ -1873,6 +1872,7 @@ NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t le
     std::vector<std::unique_ptr<tensorflow::NodeDef>> fresh(n);
     auto held = std::make_shared<GraphViews>();
     GraphViews& views = *held;
+    views.want_attrs = true;  // (the item's attr and device questions: NpuAmpItemAttrByIndex)
     if (!ViewsOfBytes(std::string_view(data, len), &views) || views.name.size() != n) return 1;
     // each node kept checked against the item's node it names: by the names
     // in the item's bytes (one sequential read), else by the NodeDefs' own

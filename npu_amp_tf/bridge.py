@@ -168,7 +168,7 @@ def library():
             if hasattr(lib, "NpuAmpItemFingerprint"):  # (issue 17u)
                 lib.NpuAmpItemFingerprint.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
                 lib.NpuAmpItemFingerprint.restype = ctypes.c_int
-            for fn in ("NpuAmpItemHasOp", "NpuAmpItemHasAttr", "NpuAmpItemMayHaveAttr"):  # (issue 17)
+            for fn in ("NpuAmpItemHasOp", "NpuAmpItemHasAttr", "NpuAmpItemAttrByIndex"):  # (issue 17)
                 if hasattr(lib, fn):
                     getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_char_p]
                     getattr(lib, fn).restype = ctypes.c_int
@@ -972,7 +972,7 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                has_op=lambda op: item_has_op(live[0], op),
                                prefuse=lambda pre: item_use_prefused(live[0], pre),
                                has_attr=lambda a: item_has_attr(live[0], a),
-                               has_device=_asked_once(lambda: item_has_device(live[0])))
+                               has_device=lambda: item_has_device(live[0]))
         finally:
             live[0] = None
             shapes.expire()
@@ -1203,47 +1203,33 @@ def item_has_op(sink, op: str):
 def item_has_attr(sink, name: str):
     """Whether a node of the item grappler is optimizing now carries the
     attr ``name`` (``NpuAmpItemHasAttr``): True / False, or None without the
-    library function or outside the callback.  (issue 17) False at once when
-    the item's bytes nowhere hold the attr's map key
-    (``NpuAmpItemMayHaveAttr``, :data:`ATTR_BY_BYTES`)."""
-    if ATTR_BY_BYTES and _item_has("NpuAmpItemMayHaveAttr", sink, name) is False:
-        return False
+    library function or outside the callback.  (issue 17) A name beginning
+    with '_' is answered from the item index's read of the bytes when it has
+    one (``NpuAmpItemAttrByIndex``, :data:`ATTRS_BY_INDEX`)."""
+    if ATTRS_BY_INDEX:
+        got = _item_has("NpuAmpItemAttrByIndex", sink, name)
+        if got is not None:
+            return got
     return _item_has("NpuAmpItemHasAttr", sink, name)
 
 
-#: (issue 17) :func:`item_has_attr` searches the item's bytes for the attr's
-#: map key before walking every NodeDef's attr map, and answers no when they
-#: lack it; False: the walk alone (the reference; the same answers)
-ATTR_BY_BYTES = True
+#: (issue 17) :func:`item_has_attr` and :func:`item_has_device` answered from
+#: what the item's index read of its bytes on its own thread (the distinct
+#: '_' attr names, whether a node has a device) instead of walking every
+#: NodeDef; False: the walks (the reference; the same answers)
+ATTRS_BY_INDEX = True
 
 
 def item_has_device(sink):
     """Whether a node of the item grappler is optimizing now has a device
     string (``NpuAmpItemHasDevice``): True / False, or None without the
-    library function or outside the callback."""
+    library function or outside the callback.  (issue 17) Answered from the
+    item index's read of the bytes when it has one (:data:`ATTRS_BY_INDEX`)."""
+    if ATTRS_BY_INDEX:
+        got = _item_has("NpuAmpItemAttrByIndex", sink, "")
+        if got is not None:
+            return got
     return _item_has("NpuAmpItemHasDevice", sink)
-
-
-#: (issue 17) the callback asks the item whether a node has a device once
-#: (the fusion and precision passes ask it three times; each is a walk over
-#: the item's NodeDefs); False: each question walks them (the reference)
-DEVICE_ASKED_ONCE = True
-
-
-def _asked_once(fn):
-    """``fn`` (no arguments) whose first answer other than None is kept
-    for the later calls (:data:`DEVICE_ASKED_ONCE`; the item does not change
-    while the passes run)."""
-    got = []
-
-    def ask():
-        if got:
-            return got[0]
-        ans = fn()
-        if ans is not None and DEVICE_ASKED_ONCE:
-            got.append(ans)
-        return ans
-    return ask
 
 
 def _patch_fn():

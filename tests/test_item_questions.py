@@ -1,26 +1,30 @@
-"""Issue 17: the grappler callback's questions about the item, answered with
-less walking over its NodeDefs.
+"""Issue 17: the grappler callback's questions about the item answered from
+the read of its bytes that its index makes anyway (``bridge.ATTRS_BY_INDEX``,
+``NpuAmpItemAttrByIndex``; custom_ops/graph_views.h ``want_attrs``).
 
-* ``bridge.ATTR_BY_BYTES``: whether a node carries the user's ``_keep_dtype``
-  mark was one attr-map lookup per NodeDef (~1 ms on BERT-12).  The item's
-  bytes are searched first for the attr's map key (``NpuAmpItemMayHaveAttr``:
-  a map entry writes ``"\\x0a", len, key`` first); where they lack it the
-  answer is no, else the walk answers.
-* ``bridge.DEVICE_ASKED_ONCE``: whether a node has a device string was walked
-  for three times per graph; it is asked once per callback.
+Whether a node carries the user's ``_keep_dtype`` mark was one attr-map
+lookup per NodeDef (~1 ms on BERT-12: a cold map per node), and whether a
+node has a device string a walk over every NodeDef, asked three times per
+graph.  The index's thread reads each NodeDef's bytes already; it now also
+keeps the distinct attr names beginning with '_' and whether a device string
+is there.
 
 Checked through grappler on the BERT-base-like and Keras ResNet50 training
-graphs: plain, with a node marked ``_keep_dtype`` (the walk says yes and the
-node keeps FP32 in the output), and with a node *named* ``_keep_dtype`` (the
-bytes hold the run, the walk says no): the same answers, output and report
-with the shortcuts and without."""
+graphs (the BERT one with its layer norms fused before the parse, whose
+bytes the index then reads): plain; with a node marked ``_keep_dtype`` (yes,
+and the node keeps FP32 in the output); with a node *named* ``_keep_dtype``
+(no such attr); with a device string; and with more distinct '_' attr names
+than the index keeps (it does not answer; the walk does).  The answers are
+the walks' (the reference), and the output and report are the same."""
 import pytest
-from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework import graph_pb2, types_pb2
 
 from npu_amp_tf import bridge
 from real_models import bert_training_graph
 from test_precision_fast import _strip_times
 from test_speed_paths import _keras_resnet_training_graph, optimize_rewritten, plugin_only_grappler
+
+ANSWERED = "NpuAmpItemAttrByIndex"
 
 
 def _graph_def(name, k2, variant):
@@ -31,18 +35,25 @@ def _graph_def(name, k2, variant):
         gd = _keras_resnet_training_graph(k2)
     marked = None
     fetches = ["loss", "train"]
+    matrix = next(n for n in gd.node if n.op in ("MatMul", "BatchMatMulV2", "Conv2D"))
     if variant == "marked":  # the user's mark on the first matrix op
-        node = next(n for n in gd.node if n.op in ("MatMul", "BatchMatMulV2", "Conv2D"))
-        node.attr["_keep_dtype"].b = True
-        marked = node.name
-    elif variant == "named":  # the key's run of bytes in a node's name (fetched), no such attr
+        matrix.attr["_keep_dtype"].b = True
+        marked = matrix.name
+    elif variant == "named":  # the key's bytes in a node's name (fetched), no such attr
         node = gd.node.add(name="_keep_dtype", op="Identity", input=["loss"])
         node.attr["T"].type = types_pb2.DT_FLOAT
         fetches.append(node.name)
+    elif variant == "device":
+        matrix.device = "/device:CPU:0"
+    elif variant == "many":  # more distinct '_' attr names than the index keeps, and the mark
+        for k in range(40):
+            matrix.attr[f"_user_note_{k}"].b = True
+        matrix.attr["_keep_dtype"].b = True
+        marked = matrix.name
     return gd, fetches, marked
 
 
-def _run(monkeypatch, gd, fetches, gid):
+def _run(gd, fetches, gid):
     asked = []
     real = bridge._item_has
 
@@ -62,71 +73,46 @@ def _run(monkeypatch, gd, fetches, gid):
 
 
 @pytest.mark.parametrize("name", ["bert_like", "keras_resnet50_training"])
-@pytest.mark.parametrize("variant", ["plain", "marked", "named"])
-def test_the_same_answers_and_output_by_the_bytes_and_by_the_walk(k2, monkeypatch, name, variant):
+@pytest.mark.parametrize("variant", ["plain", "marked", "named", "device", "many"])
+def test_the_index_answers_as_the_walks_do(k2, monkeypatch, name, variant):
     bridge.register()
     gd, fetches, marked = _graph_def(name, k2, variant)
     res = {}
-    for by_bytes in (True, False):
-        monkeypatch.setattr(bridge, "ATTR_BY_BYTES", by_bytes)
-        out, rep, asked = _run(monkeypatch, gd, fetches, f"test_item_questions_{name}_{variant}".encode())
-        res[by_bytes] = (out, _strip_times(rep), asked)
+    for by_index in (True, False):
+        monkeypatch.setattr(bridge, "ATTRS_BY_INDEX", by_index)
+        out, rep, asked = _run(gd, fetches, f"test_item_questions_{name}_{variant}".encode())
+        res[by_index] = (out, _strip_times(rep), asked)
     out, rep, asked = res[True]
     ref_out, ref_rep, ref_asked = res[False]
     assert out == ref_out
     assert rep == ref_rep
-    # the final answer of each attr question: the walk's (the reference)
-    walk = [a for a in ref_asked if a[0] == "NpuAmpItemHasAttr"]
-    assert walk and all(a[1] == ("_keep_dtype",) for a in walk)
-    want = variant == "marked"
-    assert [a[2] for a in walk] == [want] * len(walk)
-    may = [a for a in asked if a[0] == "NpuAmpItemMayHaveAttr"]
-    walked = [a for a in asked if a[0] == "NpuAmpItemHasAttr"]
-    assert len(may) == len(walk)
-    if variant == "plain":  # the bytes lack the key: no walk
-        assert [a[2] for a in may] == [False] * len(may) and not walked
-    else:  # the bytes hold the run (a mark, or a name): the walk answers
-        assert [a[2] for a in may] == [True] * len(may)
-        assert [a[2] for a in walked] == [want] * len(walk)
+    # the reference: the walks' answers
+    attr_walk = [a[2] for a in ref_asked if a[0] == "NpuAmpItemHasAttr"]
+    dev_walk = [a[2] for a in ref_asked if a[0] == "NpuAmpItemHasDevice"]
+    assert attr_walk and dev_walk and not any(a[0] == ANSWERED for a in ref_asked)
+    assert attr_walk == [variant in ("marked", "many")] * len(attr_walk)
+    assert dev_walk == [variant == "device"] * len(dev_walk)
+    # by the index: the same answers, and no walk where it knows
+    attr_idx = [a[2] for a in asked if a[0] == ANSWERED and a[1] == ("_keep_dtype",)]
+    dev_idx = [a[2] for a in asked if a[0] == ANSWERED and a[1] == ("",)]
+    walked = [a for a in asked if a[0] in ("NpuAmpItemHasAttr", "NpuAmpItemHasDevice")]
+    assert dev_idx == dev_walk
+    if variant == "many":  # (it does not know: the walk answers)
+        assert attr_idx == [None] * len(attr_walk)
+        assert [a[2] for a in walked if a[0] == "NpuAmpItemHasAttr"] == attr_walk
+    else:
+        assert attr_idx == attr_walk and not walked
     if marked is not None:  # the mark was read: the node keeps its float32
-        from tensorflow.core.framework import graph_pb2
-
         g = graph_pb2.GraphDef.FromString(out)
         node = next(n for n in g.node if n.name == marked)
         assert node.attr["T"].type == types_pb2.DT_FLOAT
         assert rep["decisions"][marked]["list"] == "keep_dtype"
+    else:
+        assert "keep_dtype" not in {d.get("list") for d in rep["decisions"].values()}
 
 
-@pytest.mark.parametrize("name", ["bert_like", "keras_resnet50_training"])
-def test_the_device_question_is_asked_once(k2, monkeypatch, name):
+def test_outside_a_callback_nothing_is_answered():
     bridge.register()
-    gd, fetches, _ = _graph_def(name, k2, "plain")
-    res = {}
-    for once in (True, False):
-        monkeypatch.setattr(bridge, "DEVICE_ASKED_ONCE", once)
-        out, rep, asked = _run(monkeypatch, gd, fetches, f"test_item_questions_dev_{name}".encode())
-        res[once] = (out, _strip_times(rep), [a for a in asked if a[0] == "NpuAmpItemHasDevice"])
-    assert res[True][0] == res[False][0]
-    assert res[True][1] == res[False][1]
-    assert len(res[True][2]) == 1  # (asked once per callback)
-    assert len(res[False][2]) > 1  # (the passes ask it more than once)
-    assert {a[2] for a in res[True][2] + res[False][2]} == {False}  # (no device before placement)
-
-
-def test_a_device_string_is_seen(k2, monkeypatch):
-    """A node with a device string: the one answer is yes, and the output
-    equals the per-question walk's."""
-    bridge.register()
-    gd, fetches, _ = _graph_def("bert_like", k2, "plain")
-    for n in gd.node:
-        if n.op == "MatMul":
-            n.device = "/device:CPU:0"
-            break
-    res = {}
-    for once in (True, False):
-        monkeypatch.setattr(bridge, "DEVICE_ASKED_ONCE", once)
-        out, rep, asked = _run(monkeypatch, gd, fetches, b"test_item_questions_device")
-        res[once] = (out, _strip_times(rep), [a[2] for a in asked if a[0] == "NpuAmpItemHasDevice"])
-    assert res[True][2] == [True]
-    assert set(res[False][2]) == {True}
-    assert res[True][:2] == res[False][:2]
+    assert bridge._item_has(ANSWERED, None, "_keep_dtype") is None
+    assert bridge.item_has_attr(None, "_keep_dtype") is None
+    assert bridge.item_has_device(None) is None
