@@ -161,6 +161,7 @@ int64_t ThreadCpuNs() {
 }
 
 using npu_amp_tf::GraphViews;
+using npu_amp_tf::AttrsOfBytes;
 using npu_amp_tf::ViewsOfBytes;
 
 // (issue 17) record nodes the pre-check took out of items, and those put
@@ -1758,6 +1759,11 @@ static int BuildItemIndex(Sink* s, const tensorflow::GraphDef& graph, int flags,
     }
   }
   GraphViews& views = *held;
+  if (!views.device_known && (flags & kFlagIndexFromBytes) && !s->graph_bytes.empty()) {
+    // (the views of the layer-norm fusions' bytes, read on the callback's
+    // thread without them: the attrs and devices read here, on the index's)
+    AttrsOfBytes(s->graph_bytes, &views);
+  }
   const bool ok = GraphIndexText(graph, views, &s->index, (flags & kFlagFastIndex) != 0,
                                  (flags & kFlagPrecheckFromIndex) ? &s->kept : nullptr, late);
   if (static_cast<int64_t>(views.name.size()) == graph.node_size()) s->views = std::move(held);
@@ -1872,7 +1878,6 @@ NPU_AMP_EXPORT int NpuAmpSinkUsePrefused(void* sink, const char* data, size_t le
     std::vector<std::unique_ptr<tensorflow::NodeDef>> fresh(n);
     auto held = std::make_shared<GraphViews>();
     GraphViews& views = *held;
-    views.want_attrs = true;  // (the item's attr and device questions: NpuAmpItemAttrByIndex)
     if (!ViewsOfBytes(std::string_view(data, len), &views) || views.name.size() != n) return 1;
     // each node kept checked against the item's node it names: by the names
     // in the item's bytes (one sequential read), else by the NodeDefs' own
