@@ -124,7 +124,21 @@ string Canon(string_view name, int64_t port, bool ctrl) {
 }
 
 bool Printable(string_view s) {
-  for (unsigned char c : s) {
+  // (issue 17) eight bytes at a time: a byte below 0x20 or above 0x7e sets
+  // its high bit in `bad` (the "has a byte less / more than n" word tests,
+  // exact for n <= 0x80 / 0x7f); node names are ~100 bytes on BERT-12
+  constexpr uint64_t kOnes = 0x0101010101010101ULL, kHighs = 0x8080808080808080ULL;
+  const char* p = s.data();
+  size_t n = s.size();
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    const uint64_t below = (w - kOnes * 0x20) & ~w & kHighs;
+    const uint64_t above = ((w + kOnes * (0x7f - 0x7e)) | w) & kHighs;
+    if (below | above) return false;
+  }
+  for (; n > 0; --n, ++p) {
+    const unsigned char c = static_cast<unsigned char>(*p);
     if (c < 0x20 || c > 0x7e) return false;
   }
   return true;
@@ -322,7 +336,9 @@ class Mirror {
 
   // `stable`: `name` views the mirror's own buffers (else a new name is copied)
   int32_t Intern(string_view name, bool stable = false) {
-    const int32_t found = ids_.Find(name);
+    size_t at;
+    uint32_t tag;
+    const int32_t found = ids_.FindSlot(name, &at, &tag);  // (one hash: FindSlot, then InsertAt)
     if (found >= 0) return found;
     if (!Printable(name)) return -1;
     const int32_t id = static_cast<int32_t>(names_.size());
@@ -331,7 +347,7 @@ class Mirror {
       name = buffers_.back();
     }
     names_.push_back(name);
-    ids_.Insert(name);  // (the table's ids are its insertion order: id)
+    ids_.InsertAt(at, tag, name);  // (the table's ids are its insertion order: id)
     nodes_.emplace_back(&pool_);
     consumers_.emplace_back(&pool_);
     return id;

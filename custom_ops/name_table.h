@@ -45,6 +45,27 @@ class NameTable {
       if (s.tag == tag && keys_[s.id] == name) return false;
     }
   }
+  // (issue 17) The id of `name`; or -1, and *at / *tag where InsertAt puts
+  // it: one hash for a name looked up and then added (valid until the next
+  // insert; the table has grown first if that insert needs it).
+  int32_t FindSlot(std::string_view name, size_t* at, uint32_t* tag) {
+    if ((keys_.size() + 1) * 2 > slots_.size()) Grow();
+    const uint64_t h = Hash(name);
+    *tag = static_cast<uint32_t>(h >> 32);
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.id < 0) {
+        *at = i;
+        return -1;
+      }
+      if (s.tag == *tag && keys_[s.id] == name) return s.id;
+    }
+  }
+  // Adds `name` (equal to the name FindSlot was given) with the id size().
+  void InsertAt(size_t at, uint32_t tag, std::string_view name) {
+    slots_[at] = Slot{tag, static_cast<int32_t>(keys_.size())};
+    keys_.push_back(name);
+  }
   // The id of `name`, or -1.
   int32_t Find(std::string_view name) const {
     if (slots_.empty()) return -1;

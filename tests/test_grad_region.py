@@ -573,3 +573,38 @@ def test_native_mirror_follows_edits_and_refuses_non_ascii_names(monkeypatch):
     r3 = find_grad_region(graph2, fwd2, ["ln/y"], inputs2)
     assert counts == [None] and getattr(graph2, gr._MIRROR_ATTR) is False
     assert r3.nodes == r1.nodes
+
+
+def test_the_mirror_takes_printable_ascii_names_only_at_every_position():
+    """(issue 17) ``Printable`` reads names eight bytes at a time: a byte
+    below 0x20 or above 0x7e anywhere in a name of any length (across the
+    word boundaries and in the tail) refuses it, and 0x20 / 0x7e do not; the
+    expectation is the byte rule itself, applied here byte by byte."""
+    from graph_passes.fusion import grad_region
+    from npu_amp_tf import bridge
+
+    bridge.register()
+    lib = grad_region.native
+    assert lib is not None and lib.can_upsert_text
+    bad_bytes = [0x00, 0x03, 0x1F, 0x7F, 0x80, 0xA0, 0xC3, 0xFF]
+    edge_ok = [0x20, 0x21, 0x7D, 0x7E]
+    cases = []
+    for n in (1, 7, 8, 9, 15, 16, 17, 24, 31, 40, 100):
+        base = bytearray((b"abcdefghijklmnopqrstuvwxyz/_0123456789" * 3)[:n])
+        cases.append(bytes(base))
+        for at in sorted({0, n // 2, n - 1, min(7, n - 1), min(8, n - 1)}):
+            for b in bad_bytes + edge_ok:
+                name = bytearray(base)
+                name[at] = b
+                cases.append(bytes(name))
+    seen = 0
+    for name in cases:
+        want = all(0x20 <= b <= 0x7E for b in name)
+        h = lib.new()
+        try:
+            got = lib.upsert_text(h, name + b"\x01NoOp") == 0
+        finally:
+            lib.free(h)
+        assert got == want, (name, want)
+        seen += not want
+    assert seen > 300  # (the refusals were tried)
