@@ -1749,15 +1749,24 @@ class Graph:
     #: bookkeeping in its own loop; False: calls them per step (the
     #: reference; the same graph, indexes, logs and version)
     inline_rewire = True
+    #: (issue 17) :meth:`add_and_rewire` takes a new node's one input from
+    #: the caller (``only_inputs``) instead of reading it back from the
+    #: NodeDef; False: read back (the reference; the same indexes)
+    known_inputs = True
 
-    def add_and_rewire(self, steps):
+    def add_and_rewire(self, steps, only_inputs=None):
         """Apply ``steps`` in order, each ``(node, consumer, index, ref)``:
         ``add_node(node)`` when ``node`` is not None, then
         ``set_input(consumer, index, ref)``: the same nodes, indexes, edit
         log and ``version`` as those calls one by one (they are what runs,
         so the graph's bookkeeping stays this class's).  The precision pass
-        inserts its casts through it in one batch (``PrecisionPass.bulk_casts``)."""
+        inserts its casts through it in one batch (``PrecisionPass.bulk_casts``).
+        ``only_inputs`` (issue 17): per step, the one input of its new node
+        (a data input; the caller made the node so), which is then not read
+        back from the NodeDef (:attr:`known_inputs`)."""
         add, rewire = self.add_node, self.set_input
+        if not self.known_inputs:
+            only_inputs = None
         if not self.inline_rewire:
             for node, consumer, index, ref in steps:
                 if node is not None:
@@ -1772,8 +1781,10 @@ class Graph:
         state = None
         bumps = 0  # (version bumps not written yet: written once, at the end or before a method runs)
         k = self._next_seq
+        ins = iter(only_inputs) if only_inputs is not None else None
         try:
             for node, consumer, index, ref in steps:
+                only = next(ins) if ins is not None else None
                 if state is None:  # (again after a repair: reindex() makes new indexes)
                     state = (self._consumers, self._kdnames, self._by_op, self._seq, self._kdirty,
                              self._id_name, self._id_dead)
@@ -1785,10 +1796,15 @@ class Graph:
                     nodes[name] = node
                     created.add(name)
                     elog.append(name)
-                    for i, inp in enumerate(node.input[:]):
-                        src, _, ctrl = parse_tensor(inp)
-                        cons[src].append((name, -1 if ctrl else i))
+                    if only is not None:  # (its one data input, as the caller made it)
+                        src = parse_tensor(only)[0]
+                        cons[src].append((name, 0))
                         marked.add(src)
+                    else:
+                        for i, inp in enumerate(node.input[:]):
+                            src, _, ctrl = parse_tensor(inp)
+                            cons[src].append((name, -1 if ctrl else i))
+                            marked.add(src)
                     ops = by_op.get(node.op)
                     if ops is None:
                         ops = by_op[node.op] = {}

@@ -31,24 +31,31 @@ def _state(g):
 def test_the_precision_pass_batches(k2, monkeypatch, name, mode):
     bridge.register()
     gd, fetches = _graph(name, k2)
-    calls, states = [], []
+    calls, states, given = [], [], []
     orig = Graph.add_and_rewire
 
-    def counting(self, steps):
+    def counting(self, steps, only_inputs=None):
         calls.append(len(steps))
-        return orig(self, steps)
+        if only_inputs is not None:  # (the new casts' roots, from the C++ plan)
+            given.append(sum(i is not None for i in only_inputs))
+        return orig(self, steps, only_inputs=only_inputs)
 
     monkeypatch.setattr(Graph, "add_and_rewire", counting)
-    for on in (True, False):
+    # (issue 17) the casts' inputs given (known_inputs) or read back; the
+    # reference: the two methods per step
+    for on, known in ((True, True), (True, False), (False, True)):
         monkeypatch.setattr(Graph, "inline_rewire", on)
+        monkeypatch.setattr(Graph, "known_inputs", known)
         g = Graph(gd)
         ctx = PassContext(Options.from_kwargs(precision_mode=mode), fetches, ())
         ctx.native_paint = pipeline.native_paint_entry()
         amp.PrecisionPass().run(g, ctx)
         states.append(_state(g))
     assert calls and max(calls) > 20, calls
-    for key in states[0]:
-        assert states[0][key] == states[1][key], key
+    assert given and max(given) > 10, given
+    for st in states[:2]:
+        for key in st:
+            assert st[key] == states[2][key], key
 
 
 def _small():

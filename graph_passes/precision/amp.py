@@ -589,10 +589,7 @@ class PrecisionPass(Pass):
                     return ok
             entry = self._other_types.get((node.op, info.attrs))
             if entry is None:
-                names = tuple(sorted(a.name for a in registry.op_def(node.op).attr
-                                     if a.type == "type" and a.name not in info.attrs))
-                sig = {n for n, _ in registry._signature_attrs(node.op) or ()}
-                entry = self._other_types[(node.op, info.attrs)] = (names, set(names) <= sig)
+                entry = self._other_types[(node.op, info.attrs)] = _other_type_attrs(node.op, info.attrs)
             names, covered = entry
             if not covered:
                 ckey = None
@@ -1907,6 +1904,18 @@ def _usable_classes(graph):
             for name in graph.nodes_of_type(op):
                 cls.pop(name, None)
     return cls
+
+
+@functools.lru_cache(maxsize=None)
+def _other_type_attrs(op, attrs):
+    """(the type attrs of ``op``'s OpDef other than ``attrs``, sorted; whether
+    a signature class fixes all of them) for :meth:`PrecisionPass.kernel_ok`:
+    the OpDef's, the same for every graph (issue 17: asked once per process,
+    not once per op and graph)."""
+    names = tuple(sorted(a.name for a in registry.op_def(op).attr
+                         if a.type == "type" and a.name not in attrs))
+    sig = {n for n, _ in registry._signature_attrs(op) or ()}
+    return names, set(names) <= sig
 
 
 @functools.lru_cache(maxsize=None)

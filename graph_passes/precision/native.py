@@ -973,8 +973,11 @@ def fix_edges(pp, shapes) -> bool:
     if n_steps:
         st = head[a:b].reshape(-1, 3)
         made.append(None)  # (index -1: no new node)
-        g.add_and_rewire(list(zip(map(made.__getitem__, st[:, 0].tolist()), map(nget, st[:, 1].tolist()),
-                                  st[:, 2].tolist(), refs)))
+        new_roots.append(None)
+        at = st[:, 0].tolist()
+        g.add_and_rewire(list(zip(map(made.__getitem__, at), map(nget, st[:, 1].tolist()),
+                                  st[:, 2].tolist(), refs)),
+                         only_inputs=list(map(new_roots.__getitem__, at)))  # (a cast reads its root)
     return True
 
 
