@@ -1598,7 +1598,8 @@ NPU_AMP_EXPORT int NpuAmpItemAttrByIndex(void* sink, const char* what) {
   if (what[0] != '\0' && what[0] != '_') return -1;
   s->WaitIndex();  // (the views are handed over with the index)
   const GraphViews* v = s->views.get();
-  if (v == nullptr || static_cast<int64_t>(v->name.size()) != s->WholeItem().graph.node_size()) {
+  // (the count only: GraphAsTaken, which puts back no node the pre-check took out)
+  if (v == nullptr || static_cast<int64_t>(v->name.size()) != s->GraphAsTaken().node_size()) {
     return -1;
   }
   if (what[0] == '\0') return v->device_known ? (v->any_device ? 1 : 0) : -1;
