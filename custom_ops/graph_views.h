@@ -134,8 +134,7 @@ inline bool MapEntryKey(const char* q, const char* end, std::string_view* key) {
 
 // (want_attrs) NodeDef field 4 (device) or 5 (an attr map entry) `str` noted
 // in *v; `attrs_ok` false from the first entry that cannot be read, or past
-// kMaxPrivateAttrs names.  An entry written as the deterministic writer does
-// (key, then value, nothing else) is read without a loop.
+// kMaxPrivateAttrs names.
 inline void NoteDeviceOrAttr(uint64_t field, std::string_view str, GraphViews* v, bool* attrs_ok) {
   if (field == 4) {
     v->any_device = v->any_device || !str.empty();
@@ -143,18 +142,7 @@ inline void NoteDeviceOrAttr(uint64_t field, std::string_view str, GraphViews* v
   }
   if (!*attrs_ok) return;
   std::string_view key;
-  const size_t n = str.size();
-  const size_t klen = n >= 2 ? static_cast<uint8_t>(str[1]) : 0;
-  bool plain = n >= 2 && str[0] == '\x0a' && klen < 0x80 && 2 + klen <= n;
-  if (plain && 2 + klen < n) {  // (then the value, field 2, to the end)
-    const char* p = str.data() + 2 + klen;
-    const char* end = str.data() + n;
-    uint64_t vlen;
-    plain = *p++ == '\x12' && ReadVarint(p, end, &vlen) && vlen == static_cast<uint64_t>(end - p);
-  }
-  if (plain) {
-    key = str.substr(2, klen);
-  } else if (!MapEntryKey(str.data(), str.data() + n, &key)) {
+  if (!MapEntryKey(str.data(), str.data() + str.size(), &key)) {
     *attrs_ok = false;  // (the parser refuses it too; the reference answers)
     return;
   }
@@ -170,25 +158,13 @@ inline void NoteDeviceOrAttr(uint64_t field, std::string_view str, GraphViews* v
 
 // (issue 17) Only the device strings and attrs of the GraphDef serialized in
 // `bytes` noted in *v (NoteDeviceOrAttr), for views read without them; false
-// as ViewsOfBytes.
+// as ViewsOfBytes (the same field rules: StringFields over fields 1-5).
 inline bool AttrsOfBytes(std::string_view bytes, GraphViews* v) {
   bool attrs_ok = true;
   const bool ok_all = ForEachNodeOfBytes(bytes, [v, &attrs_ok](const char* q, const char* node_end) {
-    while (q < node_end) {
-      uint64_t tag, len;
-      if (!ReadVarint(q, node_end, &tag)) return false;
-      const uint64_t field = tag >> 3;
-      if ((field == 4 || field == 5) && (tag & 7) == 2) {
-        if (!ReadVarint(q, node_end, &len) || len > static_cast<uint64_t>(node_end - q)) return false;
-        NoteDeviceOrAttr(field, std::string_view(q, len), v, &attrs_ok);
-        q += len;
-      } else if (field >= 1 && field <= 5 && (tag & 7) != 2) {
-        return false;  // (as ViewsOfBytes' StringFields)
-      } else if (!SkipField(q, node_end, tag & 7)) {
-        return false;
-      }
-    }
-    return true;
+    return StringFields(q, node_end, 5, [&](uint64_t field, std::string_view str) {
+      if (field >= 4) NoteDeviceOrAttr(field, str, v, &attrs_ok);
+    });
   });
   v->device_known = ok_all;
   v->attrs_known = ok_all && attrs_ok;

@@ -1206,11 +1206,7 @@ def item_has_attr(sink, name: str):
     library function or outside the callback.  (issue 17) A name beginning
     with '_' is answered from the item index's read of the bytes when it has
     one (``NpuAmpItemAttrByIndex``, :data:`ATTRS_BY_INDEX`)."""
-    if ATTRS_BY_INDEX:
-        got = _item_has("NpuAmpItemAttrByIndex", sink, name)
-        if got is not None:
-            return got
-    return _item_has("NpuAmpItemHasAttr", sink, name)
+    return _by_index_or_walk(sink, name, "NpuAmpItemHasAttr", name)
 
 
 #: (issue 17) :func:`item_has_attr` and :func:`item_has_device` answered from
@@ -1225,11 +1221,18 @@ def item_has_device(sink):
     string (``NpuAmpItemHasDevice``): True / False, or None without the
     library function or outside the callback.  (issue 17) Answered from the
     item index's read of the bytes when it has one (:data:`ATTRS_BY_INDEX`)."""
+    return _by_index_or_walk(sink, "", "NpuAmpItemHasDevice")
+
+
+def _by_index_or_walk(sink, what, walk, *args):
+    """``NpuAmpItemAttrByIndex``'s answer to ``what`` (an attr name, or ""
+    for the device question) when it has one and :data:`ATTRS_BY_INDEX`,
+    else the library walk ``walk`` over the item's NodeDefs."""
     if ATTRS_BY_INDEX:
-        got = _item_has("NpuAmpItemAttrByIndex", sink, "")
+        got = _item_has("NpuAmpItemAttrByIndex", sink, what)
         if got is not None:
             return got
-    return _item_has("NpuAmpItemHasDevice", sink)
+    return _item_has(walk, sink, *args)
 
 
 def _patch_fn():
