@@ -122,6 +122,12 @@
 #define NPU_AMP_EXPORT extern "C" __attribute__((visibility("default")))
 
 extern "C" {
+// (grad_region.cc, the same library) the gradient-region mirror's handle
+// calls: Optimize starts a mirror's load before the callback (kFlagEarlyMirror)
+void* NpuAmpGrMirrorNew();
+void NpuAmpGrMirrorFree(void* h);
+int NpuAmpGrMirrorLoadAsync(void* h, const char* data, size_t len);
+int NpuAmpGrMirrorWait(void* h);
 typedef int (*NpuAmpCallbackFn)(void* sink, const char* graph, size_t graph_len,
                                 const char* config, size_t config_len,
                                 const char* fetch, const char* preserve,
@@ -349,7 +355,17 @@ struct Sink {
     prefused_orig.clear();
     prefused_graph = nullptr;
   }
+  // (issue 17, kFlagEarlyMirror) the gradient-region mirror Optimize began
+  // loading from graph_bytes before the callback (NpuAmpGrMirrorLoadAsync),
+  // until the callback takes it (NpuAmpSinkTakeMirror); one left untaken is
+  // freed, its load joined, before graph_bytes is
+  void* early_mirror = nullptr;
+  void DropEarlyMirror() {
+    if (early_mirror != nullptr) NpuAmpGrMirrorFree(early_mirror);  // (joins its load first)
+    early_mirror = nullptr;
+  }
   ~Sink() {
+    DropEarlyMirror();
     JoinIndex();
     RestoreStolen();    // (before RestorePrefused: they are the fused graph's nodes)
     RestorePrefused();  // (a path that neither restored nor committed: the item as it came)
@@ -398,6 +414,11 @@ constexpr int kFlagStealRecords = 32;
 // helper thread is handed over before its signature classes, which the
 // thread computes next, while Python adopts the index (NpuAmpItemClasses)
 constexpr int kFlagLateClasses = 64;
+// (issue 17) set by Python (bridge.EARLY_MIRROR) when the callback ran the
+// layer-norm fusion before the parse: the next items' gradient-region mirror
+// starts loading from their bytes on a helper thread before the callback
+// (Sink::early_mirror), where the early index would start otherwise
+constexpr int kFlagEarlyMirror = 128;
 // the flags the index's bytes and kept arrays are built with
 constexpr int kIndexFlags =
     kFlagIndexFromBytes | kFlagFastIndex | kFlagPrecheckFromIndex | kFlagLateClasses;
@@ -411,6 +432,10 @@ std::atomic<uint64_t> g_late_classes{0};
 std::atomic<int> g_early_flags{-1};
 std::atomic<uint64_t> g_early_started{0};
 std::atomic<uint64_t> g_early_discarded{0};
+// mirrors Optimize started loading before the callback, and those the
+// callback took (NpuAmpEarlyMirrorCounts)
+std::atomic<uint64_t> g_early_mirrors{0};
+std::atomic<uint64_t> g_early_mirrors_taken{0};
 
 // ---- shapes -----------------------------------------------------------------
 // Runs grappler's static shape inference on `item` and writes the line format
@@ -1542,6 +1567,35 @@ NPU_AMP_EXPORT void NpuAmpSinkFlags(void* sink, int flags) {
   }
 }
 
+// (issue 17, kFlagEarlyMirror) The gradient-region mirror Optimize began
+// loading from the item's bytes before the callback, its load done: the
+// handle, which the caller owns from here (NpuAmpGrMirrorFree), or null
+// (none was started, it was taken already, or its load refused: freed here).
+NPU_AMP_EXPORT void* NpuAmpSinkTakeMirror(void* sink) {
+  auto* s = static_cast<Sink*>(sink);
+  if (s == nullptr || !s->in_call() || s->early_mirror == nullptr) return nullptr;
+  void* h = s->early_mirror;
+  s->early_mirror = nullptr;
+  if (NpuAmpGrMirrorWait(h) != 0) {
+    NpuAmpGrMirrorFree(h);
+    return nullptr;
+  }
+  g_early_mirrors_taken.fetch_add(1);
+  return h;
+}
+
+// (issue 17) The flags the next items' early work starts with
+// (kFlagEarlyIndex, kFlagEarlyMirror), set again by a callback at its end,
+// once it knows whether it used what NpuAmpSinkFlags asked for at its entry.
+NPU_AMP_EXPORT void NpuAmpNextFlags(int flags) { g_early_flags.store(flags); }
+
+// How many mirrors Optimize started loading before the callback, and how
+// many the callbacks took (for tests).
+NPU_AMP_EXPORT void NpuAmpEarlyMirrorCounts(uint64_t* started, uint64_t* taken) {
+  *started = g_early_mirrors.load();
+  *taken = g_early_mirrors_taken.load();
+}
+
 // (issue 17) How many item indexes Optimize started before the callback, and
 // how many of them the callback's flags discarded (for tests).
 NPU_AMP_EXPORT void NpuAmpEarlyIndexCounts(uint64_t* started, uint64_t* discarded) {
@@ -2365,6 +2419,18 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
         g_early_started.fetch_add(1);
       }
     }
+    // (issue 17, kFlagEarlyMirror) the mirror of the layer-norm fusion before
+    // the parse loads now, overlapping the fingerprint and the callback's
+    // entry; the callback takes it (NpuAmpSinkTakeMirror) or it is dropped
+    if (early >= 0 && (early & kFlagEarlyMirror) && !graph_bytes.view().empty()) {
+      void* h = NpuAmpGrMirrorNew();
+      if (h != nullptr && NpuAmpGrMirrorLoadAsync(h, graph_bytes.data(), graph_bytes.size()) == 0) {
+        sink.early_mirror = h;
+        g_early_mirrors.fetch_add(1);
+      } else {
+        NpuAmpGrMirrorFree(h);
+      }
+    }
     const uint64_t fp_in = Fingerprint(graph_bytes.view(), context);
     if (Seen(fp_in)) {
       g_skip_seen.fetch_add(1);
@@ -2382,6 +2448,7 @@ class NpuAmpOptimizer : public CustomGraphOptimizer {
                       item.id.c_str());
     g_in_flight.fetch_sub(1);
     sink.JoinIndex();  // (a helper thread reads the item and graph_bytes)
+    sink.DropEarlyMirror();  // (the same: an untaken mirror's load)
     sink.set_item(nullptr);
     sink.graph_bytes = std::string_view();
     sink.kept = npu_amp_tf::BaseIndex();  // (its views are of graph_bytes)

@@ -188,6 +188,14 @@ def library():
                 lib.NpuAmpSinkUsePrefused.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
                                                       ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                 lib.NpuAmpSinkUsePrefused.restype = ctypes.c_int
+            if hasattr(lib, "NpuAmpSinkTakeMirror"):  # (issue 17: EARLY_MIRROR)
+                lib.NpuAmpSinkTakeMirror.argtypes = [ctypes.c_void_p]
+                lib.NpuAmpSinkTakeMirror.restype = ctypes.c_void_p
+                lib.NpuAmpEarlyMirrorCounts.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                        ctypes.POINTER(ctypes.c_uint64)]
+                lib.NpuAmpEarlyMirrorCounts.restype = None
+                lib.NpuAmpNextFlags.argtypes = [ctypes.c_int]
+                lib.NpuAmpNextFlags.restype = None
             if hasattr(lib, "NpuAmpItemHasDevice"):  # (issue 17)
                 lib.NpuAmpItemHasDevice.argtypes = [ctypes.c_void_p]
                 lib.NpuAmpItemHasDevice.restype = ctypes.c_int
@@ -607,12 +615,13 @@ class GradRegionLib:
         rc = self._lib.NpuAmpGrNormCandidates(graph, len(graph))
         return None if rc < 0 else rc == 1
 
-    def fuse_norms(self, graph: bytes, ops: bytes, request: bytes, memo=None, mirror=None):
+    def fuse_norms(self, graph: bytes, ops: bytes, request: bytes, memo=None, mirror=None, loaded=False):
         """``NpuAmpGrFuseNorms`` on a mirror loaded fresh from ``graph`` with
         the op sets ``ops``: (rc, text, the graph's bytes after the fusions,
         array('i') of each output node's index in ``graph`` or -1), rc 0 ran,
         1 could not run (why in the text); or None (no such call, or the
-        mirror refused the graph).  ``memo``: the shape walks' memo
+        mirror refused the graph).  ``loaded``: ``mirror`` holds ``graph``
+        loaded fresh already (:func:`item_take_mirror`).  ``memo``: the shape walks' memo
         (:meth:`shape_memo`, the caller's: its answers outlive the call);
         None: one made and freed here.  ``mirror``: an empty mirror
         (:meth:`new`, the caller's, who frees it: after the call it holds the
@@ -628,7 +637,7 @@ class GradRegionLib:
             memo = lib.NpuAmpGrShapeMemoNew() if self.can_shape else None
         try:
             if not memo or lib.NpuAmpGrMirrorOps(h, ops, len(ops)) != 0 or \
-                    lib.NpuAmpGrMirrorLoad(h, graph, len(graph), 1) != 0:
+                    (not (loaded and mirror) and lib.NpuAmpGrMirrorLoad(h, graph, len(graph), 1) != 0):
                 return None
             text, tlen = ctypes.c_void_p(), ctypes.c_size_t()
             out, olen = ctypes.c_void_p(), ctypes.c_size_t()
@@ -949,7 +958,7 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         graph_bytes = ctypes.string_at(gptr, glen) if glen else b""
         later = _may_prefuse(graph_bytes)
         if hasattr(_lib, "NpuAmpSinkFlags"):
-            _lib.NpuAmpSinkFlags(sink, _sink_flags(early=not later))
+            _lib.NpuAmpSinkFlags(sink, _sink_flags(early=not later, mirror=later))
         if INDEX_IN_BACKGROUND and not later and hasattr(_lib, "NpuAmpItemIndexStart"):
             _lib.NpuAmpItemIndexStart(sink)  # (0 started; else built when asked)
         shapes = item_shape_source(sink)
@@ -959,6 +968,7 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         # past it then answers None, as outside a callback, and never reads
         # freed memory)
         live = [sink]
+        took = []  # (the fusion's run asked for the mirror: it went ahead)
         try:
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
@@ -971,12 +981,17 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                base_inputs=lambda *a: item_paint_strings(live[0], *a),
                                has_op=lambda op: item_has_op(live[0], op),
                                prefuse=lambda pre: item_use_prefused(live[0], pre),
+                               prefuse_mirror=lambda: took.append(True) or (
+                                   item_take_mirror(live[0]) if EARLY_MIRROR else None),
                                has_attr=lambda a: item_has_attr(live[0], a),
                                has_device=lambda: item_has_device(live[0]))
         finally:
             live[0] = None
             shapes.expire()
             _tls.active = False
+            if later and not took and hasattr(_lib, "NpuAmpNextFlags"):
+                # (the fusion before the parse did not run: no early mirror for the next items)
+                _lib.NpuAmpNextFlags(_sink_flags(early=False))
         if code == RC_OK:
             if isinstance(out, bytes):
                 _lib.NpuAmpWriteResult(sink, out, len(out))
@@ -1115,16 +1130,52 @@ EARLY_INDEX = True
 LATE_CLASSES = True
 
 
-def _sink_flags(early: bool = True) -> int:
+#: (issue 17) after a callback that may run the layer-norm fusion before
+#: the parse, the C++ side starts loading the next items' gradient-region
+#: mirror from their bytes on a helper thread as soon as it has written them
+#: (``kFlagEarlyMirror``), where it would start their early index otherwise;
+#: the fusion's run takes it (:func:`item_take_mirror`) instead of loading
+#: one itself.  Wall time only (the load, ~2.3 ms on BERT-12, overlaps the
+#: fingerprint and the callback's entry).  False: the run loads its own (the
+#: reference; the same mirror, output and report)
+EARLY_MIRROR = True
+
+
+def _sink_flags(early: bool = True, mirror: bool = False) -> int:
     """NpuAmpSinkFlags's flags from MOVE_ITEM_NODES / INDEX_FROM_BYTES /
     FAST_INDEX / PRECHECK_FROM_INDEX / EARLY_INDEX (with INDEX_IN_BACKGROUND;
     ``early`` False: not for the next item either) / STEAL_RECORDS (which
     the library applies only with MOVE_ITEM_NODES) / LATE_CLASSES (with
-    INDEX_IN_BACKGROUND)."""
+    INDEX_IN_BACKGROUND) / EARLY_MIRROR (``mirror``: this item may run the
+    layer-norm fusion before the parse, so the next one likely does too)."""
     return ((1 if MOVE_ITEM_NODES else 0) | (2 if INDEX_FROM_BYTES else 0)
             | (4 if FAST_INDEX else 0) | (8 if PRECHECK_FROM_INDEX else 0)
             | (16 if early and EARLY_INDEX and INDEX_IN_BACKGROUND else 0)
-            | (32 if STEAL_RECORDS else 0) | (64 if LATE_CLASSES and INDEX_IN_BACKGROUND else 0))
+            | (32 if STEAL_RECORDS else 0) | (64 if LATE_CLASSES and INDEX_IN_BACKGROUND else 0)
+            | (128 if mirror and EARLY_MIRROR else 0))
+
+
+def item_take_mirror(sink):
+    """(issue 17, :data:`EARLY_MIRROR`) The gradient-region mirror the C++
+    side loaded from the item's bytes before the callback, its load done: a
+    handle the caller owns from here (the grad_region library's ``free``),
+    or None (none was started, it was taken already, its load refused, or
+    outside the callback)."""
+    fn = getattr(_lib, "NpuAmpSinkTakeMirror", None) if _lib is not None else None
+    if fn is None or sink is None:
+        return None
+    return fn(sink) or None
+
+
+def early_mirror_counts():
+    """(mirrors the C++ side started loading before the callback, those the
+    callbacks took), or None without the library call."""
+    fn = getattr(_lib, "NpuAmpEarlyMirrorCounts", None) if _lib is not None else None
+    if fn is None:
+        return None
+    started, taken = ctypes.c_uint64(), ctypes.c_uint64()
+    fn(ctypes.byref(started), ctypes.byref(taken))
+    return started.value, taken.value
 
 
 def _may_prefuse(graph_bytes: bytes) -> bool:
@@ -1346,7 +1397,7 @@ def parse_options(config_bytes: bytes):
 def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), devices=(),
            item_id: str = "graph", shapes=None, index=None, patch: bool = False,
            opdef_precheck="auto", digest=None, base_inputs=None, has_op=None, has_attr=None,
-           has_device=None, prefuse=None):
+           has_device=None, prefuse=None, prefuse_mirror=None):
     """Everything the C++ optimizer asks for, in pure Python (also used by the
     benchmark and the tests): returns ``(code, result_bytes)``.  ``shapes``:
     a lazy shape source for the graph (:func:`item_shape_source`); by default
@@ -1370,7 +1421,9 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
     same for node attrs (the callback's :func:`item_has_attr`), handed to the
     pipeline as ``Graph.source_has_attr``; ``has_device``: ``has_device() ->
     bool | None``, whether a node of it has a device string (the callback's
-    :func:`item_has_device`), handed on as ``Graph.source_has_device``."""
+    :func:`item_has_device`), handed on as ``Graph.source_has_device``.
+    ``prefuse``, ``prefuse_mirror``: see :func:`pipeline.optimize_serialized`
+    (the callback's :func:`item_use_prefused` and :func:`item_take_mirror`)."""
     from tensorflow.core.framework import graph_pb2
 
     from .errors import NpuAmpError, PassError
@@ -1443,7 +1496,8 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
             graph_bytes if own else gd, options, fetches=fetches, preserve=preserve, devices=devices,
             graph_name=item_id, shapes=shapes, index=index, patch=patch,
             opdef_precheck=opdef_precheck, base_inputs=base_inputs, source_has_attr=has_attr,
-            source_has_device=has_device, prefuse=prefuse)
+            source_has_device=has_device, prefuse=prefuse,
+            prefuse_mirror=prefuse_mirror if own else None)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)

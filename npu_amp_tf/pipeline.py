@@ -112,7 +112,8 @@ def optimize(graph_def, options: Options | None = None, fetches=(), preserve=(),
 def optimize_serialized(graph_def, options: Options | None = None, fetches=(), preserve=(),
                         devices=(), include_functions: bool = True, graph_name: str | None = None,
                         shapes=None, index="auto", patch: bool = False, opdef_precheck="auto",
-                        base_inputs=None, source_has_attr=None, source_has_device=None, prefuse=None):
+                        base_inputs=None, source_has_attr=None, source_has_device=None, prefuse=None,
+                        prefuse_mirror=None):
     """:func:`optimize`, with the rewritten graph as its deterministic
     serialization (what the grappler bridge hands back), written straight
     from the indexed graph (``Graph.serialize``) instead of through a copied
@@ -146,12 +147,16 @@ def optimize_serialized(graph_def, options: Options | None = None, fetches=(), p
     run made in C++ on the bytes when it can be
     (:mod:`graph_passes.fusion.prefuse`); False, never; a callable
     ``prefuse(pre) -> bool``, asked whether to use a run's result (the
-    grappler bridge applies it to the item it holds first)."""
+    grappler bridge applies it to the item it holds first).  ``prefuse_mirror``
+    (issue 17): None, or a callable giving the gradient-region mirror already
+    loaded from ``graph_def``'s bytes (a handle the run then owns) or None:
+    the C++ run takes it instead of loading its own (the grappler bridge's
+    :func:`npu_amp_tf.bridge.item_take_mirror`)."""
     return _optimize(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                      shapes, index, serialized="patch" if patch else True,
                      opdef_precheck=opdef_precheck, base_inputs=base_inputs,
                      source_has_attr=source_has_attr, source_has_device=source_has_device,
-                     prefuse=prefuse)
+                     prefuse=prefuse, prefuse_mirror=prefuse_mirror)
 
 
 def _optimize(*args, **kwargs):
@@ -191,7 +196,7 @@ PROMOTE_SURVIVORS = True
 
 def _optimize_run(graph_def, options, fetches, preserve, devices, include_functions, graph_name,
                   shapes, index, serialized, opdef_precheck=None, base_inputs=None,
-                  source_has_attr=None, source_has_device=None, prefuse=None):
+                  source_has_attr=None, source_has_device=None, prefuse=None, prefuse_mirror=None):
     options = options if options is not None else Options.from_kwargs()
     data = None
     own = False  # (issue 17r) graph_def is this run's own parse: rewritten in place
@@ -228,7 +233,9 @@ def _optimize_run(graph_def, options, fetches, preserve, devices, include_functi
         raw = data
         if raw is None and _prefuse.refusal(ctx, names) is None and _prefuse.may_have_norms(graph_def):
             raw = graph_def.SerializeToString()  # (a GraphDef given: its bytes, for the C++ run)
-        pre = _prefuse.run(raw, ctx, names) if raw is not None else None
+        # (a mirror loaded already is of the caller's bytes: used only for them)
+        pre = (_prefuse.run(raw, ctx, names, mirror=prefuse_mirror if raw is data else None)
+               if raw is not None else None)
         if pre is not None and callable(prefuse) and not prefuse(pre):
             pre = None
         if pre is not None and data is None:

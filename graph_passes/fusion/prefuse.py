@@ -128,8 +128,9 @@ class WalkedShapes:
     """The run's mirror (the fused graph) and its shape walks' memo, kept
     for the walks the passes after it make (freed with this object)."""
 
-    def __init__(self, lib):
-        self.lib, self.memo, self.h = lib, lib.shape_memo(), lib.new()
+    def __init__(self, lib, h=None):
+        """``h``: a mirror loaded already, which this object then owns; None: a new one."""
+        self.lib, self.memo, self.h = lib, lib.shape_memo(), h or lib.new()
         self.buf = lib.shape_buffer()
         weakref.finalize(self, _free_walked, lib, self.memo, self.h)
 
@@ -287,9 +288,11 @@ def has_candidates(data: bytes) -> bool:
     return found
 
 
-def run(data: bytes, ctx, pass_names) -> Prefused | None:
+def run(data: bytes, ctx, pass_names, mirror=None) -> Prefused | None:
     """The C++ run over ``data`` (a serialized GraphDef), or None: it cannot
-    run here (:func:`refusal`), or fused nothing."""
+    run here (:func:`refusal`), or fused nothing.  ``mirror``: None, or a
+    callable giving a mirror loaded from ``data`` already (a handle this run
+    then owns and frees) or None; asked only when the run goes ahead."""
     from . import grad_region as gr
 
     found = has_candidates(data)
@@ -301,9 +304,14 @@ def run(data: bytes, ctx, pass_names) -> Prefused | None:
     if req is None:
         return None
     lib = gr.native
-    walked = WalkedShapes(lib) if SHAPES_AFTER and getattr(lib, "can_shape", False) else None
-    res = lib.fuse_norms(data, gr._op_sets(), req, walked.memo if walked is not None else None,  # noqa: SLF001
-                         walked.h if walked is not None else None)
+    loaded = mirror() if mirror is not None else None
+    walked = WalkedShapes(lib, loaded) if SHAPES_AFTER and getattr(lib, "can_shape", False) else None
+    try:
+        res = lib.fuse_norms(data, gr._op_sets(), req, walked.memo if walked is not None else None,  # noqa: SLF001
+                             walked.h if walked is not None else loaded, loaded=bool(loaded))
+    finally:
+        if loaded and walked is None:  # (else the walks' object owns it)
+            lib.free(loaded)
     if res is None:
         _left("the mirror refused the graph")
         return None
