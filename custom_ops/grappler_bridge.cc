@@ -1171,29 +1171,23 @@ bool GeneratedSerialization(const tensorflow::GraphDef& graph, ItemBytes* out) {
   return true;
 }
 
-// `Out`: std::string (offline) or ItemBytes (the callback's item bytes).
-template <typename Out>
-bool SerializeGraph(const tensorflow::GraphDef& graph, Out* out, bool fast) {
-  if (!fast || !KnownSchema() || !NoUnknown(graph)) {
-    return GeneratedSerialization(graph, out);
-  }
-  const int n = graph.node_size();
-  // per node: its body's bytes, whether the generated code writes it whole
-  // (fields beyond 1-5 or unknown fields), its attrs' range in `entries`.
-  // Kept between calls (capacity only): allocated and freed per call
-  // (~1 MB on ResNet-50), the callback that follows read +7 ms on TF 2.21.0
-  // (min of 15; on identical bytes), +3 ms with them kept (within noise).
-  thread_local std::vector<size_t> body;
-  thread_local std::vector<uint8_t> whole;
-  thread_local std::vector<uint32_t> first;
-  thread_local std::vector<AttrEntry> entries;
-  body.assign(n, 0);
-  whole.assign(n, 0);
-  first.assign(n + 1, 0);
-  entries.clear();
-  entries.reserve(static_cast<size_t>(n) * 4);
+// (issue 17) SerializeGraph's two passes over a graph of at least
+// kSplitNodes nodes run in two halves, the second half's on a helper thread
+// (the same bytes: each half is written at its own offset).  Wall time only.
+// g_serialize_split = false: one thread (the reference; tests compare both).
+constexpr int kSplitNodes = 1024;
+bool g_serialize_split = true;
+
+// The per-node plan of the nodes [lo, hi) (SerializeGraph's first pass):
+// body[i] its body's bytes, whole[i] whether the generated code writes it
+// whole (fields beyond 1-5 or unknown fields), its attrs sorted by key at
+// entries[first[i], first[i] + nattr[i]).  Returns the bytes of their
+// records (tag, length and body).
+size_t PlanNodes(const tensorflow::GraphDef& graph, int lo, int hi, std::vector<size_t>& body,
+                 std::vector<uint8_t>& whole, std::vector<uint32_t>& first,
+                 std::vector<uint32_t>& nattr, std::vector<AttrEntry>& entries) {
   size_t total = 0;
-  for (int i = 0; i < n; ++i) {
+  for (int i = lo; i < hi; ++i) {
     const tensorflow::NodeDef& node = graph.node(i);
     first[i] = static_cast<uint32_t>(entries.size());
     if (node.has_experimental_debug_info() || node.has_experimental_type() || !NoUnknown(node)) {
@@ -1217,9 +1211,115 @@ bool SerializeGraph(const tensorflow::GraphDef& graph, Out* out, bool fast) {
       }
       body[i] = b;
     }
+    nattr[i] = static_cast<uint32_t>(entries.size() - first[i]);
     total += wire::LenSize(body[i]);
   }
-  first[n] = static_cast<uint32_t>(entries.size());
+  return total;
+}
+
+// The records of the nodes [lo, hi) as PlanNodes planned them, from `p`:
+// the end, or nullptr when the generated code fails.
+char* WriteNodes(const tensorflow::GraphDef& graph, int lo, int hi, const std::vector<size_t>& body,
+                 const std::vector<uint8_t>& whole, const std::vector<uint32_t>& first,
+                 const std::vector<uint32_t>& nattr, const std::vector<AttrEntry>& entries, char* p) {
+  for (int i = lo; i < hi; ++i) {
+    const tensorflow::NodeDef& node = graph.node(i);
+    p = wire::PutTagLen(p, 1, body[i]);
+    if (whole[i]) {
+      if (!tensorflow::SerializeToBufferDeterministic(node, p, body[i])) return nullptr;
+      p += body[i];
+      continue;
+    }
+    if (!node.name().empty()) p = wire::PutBytes(p, 1, node.name());
+    if (!node.op().empty()) p = wire::PutBytes(p, 2, node.op());
+    for (const auto& in : node.input()) p = wire::PutBytes(p, 3, in);
+    if (!node.device().empty()) p = wire::PutBytes(p, 4, node.device());
+    for (uint32_t k = first[i]; k < first[i] + nattr[i]; ++k) {
+      const AttrEntry& e = entries[k];
+      p = wire::PutTagLen(p, 5, wire::LenSize(e.key->size()) + wire::LenSize(e.size));
+      p = wire::PutBytes(p, 1, *e.key);
+      p = wire::PutTagLen(p, 2, e.size);
+      if (e.kind != kAttrGenerated) {
+        p = PutAttr(p, *e.value, e.kind);
+      } else {
+        if (!tensorflow::SerializeToBufferDeterministic(*e.value, p, e.size)) return nullptr;
+        p += e.size;
+      }
+    }
+  }
+  return p;
+}
+
+// `main()` on this thread and `side()` on a helper thread (inline after
+// `main()` when no thread can be had), both done on return; false when
+// `side()` threw (bad_alloc): its work is then not done.
+template <typename Main, typename Side>
+bool BothHalves(Main main, Side side) {
+  bool side_ok = true;
+  auto guarded = [&side, &side_ok] {
+    try {
+      side();
+    } catch (...) {
+      side_ok = false;
+    }
+  };
+  std::thread helper;
+  try {
+    helper = std::thread(guarded);
+  } catch (...) {  // (std::system_error: no thread)
+  }
+  main();  // (may throw bad_alloc: the helper is joined first)
+  if (helper.joinable()) {
+    helper.join();
+  } else {
+    guarded();
+  }
+  return side_ok;
+}
+
+// `Out`: std::string (offline) or ItemBytes (the callback's item bytes).
+// `split`: the two halves of a large graph on two threads (g_serialize_split).
+template <typename Out>
+bool SerializeGraph(const tensorflow::GraphDef& graph, Out* out, bool fast, bool split = true) {
+  if (!fast || !KnownSchema() || !NoUnknown(graph)) {
+    return GeneratedSerialization(graph, out);
+  }
+  const int n = graph.node_size();
+  // Kept between calls (capacity only): allocated and freed per call
+  // (~1 MB on ResNet-50), the callback that follows read +7 ms on TF 2.21.0
+  // (min of 15; on identical bytes), +3 ms with them kept (within noise).
+  // The second half's attrs are the calling thread's too (`entries2`).  The
+  // helper thread reaches them through these references (a thread_local
+  // named in a lambda is the running thread's own, not captured).
+  thread_local std::vector<size_t> body_tl;
+  thread_local std::vector<uint8_t> whole_tl;
+  thread_local std::vector<uint32_t> first_tl, nattr_tl;
+  thread_local std::vector<AttrEntry> entries_tl, entries2_tl;
+  std::vector<size_t>& body = body_tl;
+  std::vector<uint8_t>& whole = whole_tl;
+  std::vector<uint32_t>& first = first_tl;
+  std::vector<uint32_t>& nattr = nattr_tl;
+  std::vector<AttrEntry>& entries = entries_tl;
+  std::vector<AttrEntry>& entries2 = entries2_tl;
+  body.assign(n, 0);
+  whole.assign(n, 0);
+  first.assign(n, 0);
+  nattr.assign(n, 0);
+  entries.clear();
+  entries2.clear();
+  const int h = split && g_serialize_split && n >= kSplitNodes ? n / 2 : n;
+  entries.reserve(static_cast<size_t>(h) * 4);
+  entries2.reserve(static_cast<size_t>(n - h) * 4);
+  size_t first_half = 0, second_half = 0;
+  if (h < n) {
+    if (!BothHalves([&] { first_half = PlanNodes(graph, 0, h, body, whole, first, nattr, entries); },
+                    [&] { second_half = PlanNodes(graph, h, n, body, whole, first, nattr, entries2); })) {
+      return GeneratedSerialization(graph, out);
+    }
+  } else {
+    first_half = PlanNodes(graph, 0, n, body, whole, first, nattr, entries);
+  }
+  size_t total = first_half + second_half;
   // the fields after `node`, each written as its own field by the generated code
   const bool has_lib = graph.has_library(), has_ver = graph.has_versions(),
              has_dbg = graph.has_debug_info();
@@ -1232,32 +1332,23 @@ bool SerializeGraph(const tensorflow::GraphDef& graph, Out* out, bool fast) {
   if (has_ver) total += wire::LenSize(ver);
   if (has_dbg) total += wire::LenSize(dbg);
   ResizeForOverwrite(out, total);
-  char* p = out->data();
-  char* const end = p + total;
-  for (int i = 0; i < n; ++i) {
-    const tensorflow::NodeDef& node = graph.node(i);
-    p = wire::PutTagLen(p, 1, body[i]);
-    if (whole[i]) {
-      if (!tensorflow::SerializeToBufferDeterministic(node, p, body[i])) return false;
-      p += body[i];
-      continue;
+  char* const data = out->data();
+  char* const end = data + total;
+  char* p = nullptr;
+  if (h < n) {
+    char* q = nullptr;
+    if (!BothHalves([&] { p = WriteNodes(graph, 0, h, body, whole, first, nattr, entries, data); },
+                    [&] {
+                      q = WriteNodes(graph, h, n, body, whole, first, nattr, entries2,
+                                     data + first_half);
+                    }) ||
+        p != data + first_half || q != data + first_half + second_half) {
+      return false;
     }
-    if (!node.name().empty()) p = wire::PutBytes(p, 1, node.name());
-    if (!node.op().empty()) p = wire::PutBytes(p, 2, node.op());
-    for (const auto& in : node.input()) p = wire::PutBytes(p, 3, in);
-    if (!node.device().empty()) p = wire::PutBytes(p, 4, node.device());
-    for (uint32_t k = first[i]; k < first[i + 1]; ++k) {
-      const AttrEntry& e = entries[k];
-      p = wire::PutTagLen(p, 5, wire::LenSize(e.key->size()) + wire::LenSize(e.size));
-      p = wire::PutBytes(p, 1, *e.key);
-      p = wire::PutTagLen(p, 2, e.size);
-      if (e.kind != kAttrGenerated) {
-        p = PutAttr(p, *e.value, e.kind);
-      } else {
-        if (!tensorflow::SerializeToBufferDeterministic(*e.value, p, e.size)) return false;
-        p += e.size;
-      }
-    }
+    p = q;
+  } else {
+    p = WriteNodes(graph, 0, n, body, whole, first, nattr, entries, data);
+    if (p == nullptr) return false;
   }
   if (has_lib) {
     p = wire::PutTagLen(p, 2, lib);
@@ -2033,9 +2124,11 @@ NPU_AMP_EXPORT int NpuAmpGraphIndexFlags(const char* graph, size_t graph_len, in
 }
 
 // (issue 17, for tests) The item's bytes as the bridge writes them, of a
-// serialized GraphDef: `fast` 1 the hand-written writer, 0 the generated
-// code (deterministic).  The bytes stay valid until the next call on the
-// same thread.  1 when the bytes do not parse or a writer fails.
+// serialized GraphDef: `fast` 1 the hand-written writer (a large graph's
+// halves on two threads, as g_serialize_split says), 2 the same on one
+// thread, 0 the generated code (deterministic).  The bytes stay valid until
+// the next call on the same thread.  1 when the bytes do not parse or a
+// writer fails.
 NPU_AMP_EXPORT int NpuAmpSerializeGraph(const char* graph, size_t graph_len, int fast, const char** data,
                                         size_t* len) {
   thread_local std::string buf;
@@ -2043,7 +2136,7 @@ NPU_AMP_EXPORT int NpuAmpSerializeGraph(const char* graph, size_t graph_len, int
   *len = 0;
   tensorflow::GraphDef gd;
   if (!gd.ParseFromArray(graph, static_cast<int>(graph_len))) return 1;
-  if (!SerializeGraph(gd, &buf, fast != 0)) return 1;
+  if (!SerializeGraph(gd, &buf, fast != 0, /*split=*/fast != 2)) return 1;
   *data = buf.data();
   *len = buf.size();
   return 0;
@@ -2051,6 +2144,14 @@ NPU_AMP_EXPORT int NpuAmpSerializeGraph(const char* graph, size_t graph_len, int
 
 // Whether SerializeGraph's own writer applies to this TF's messages (KnownSchema).
 NPU_AMP_EXPORT int NpuAmpSerializeKnownSchema() { return KnownSchema() ? 1 : 0; }
+
+// (issue 17) Whether SerializeGraph writes a large graph's halves on two
+// threads (g_serialize_split); returns the previous setting.
+NPU_AMP_EXPORT int NpuAmpSetSerializeSplit(int split) {
+  const bool was = g_serialize_split;
+  g_serialize_split = split != 0;
+  return was ? 1 : 0;
+}
 
 // Whether the bridge writes the item's bytes by hand (SerializeGraph); returns the previous setting.
 NPU_AMP_EXPORT int NpuAmpSetSerializeFast(int fast) {

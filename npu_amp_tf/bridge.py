@@ -154,6 +154,9 @@ def library():
                 lib.NpuAmpSetSerializeFast.argtypes = [ctypes.c_int]
                 lib.NpuAmpSetSerializeFast.restype = ctypes.c_int
                 lib.NpuAmpSerializeKnownSchema.restype = ctypes.c_int
+                if hasattr(lib, "NpuAmpSetSerializeSplit"):  # (issue 17: two threads)
+                    lib.NpuAmpSetSerializeSplit.argtypes = [ctypes.c_int]
+                    lib.NpuAmpSetSerializeSplit.restype = ctypes.c_int
             if hasattr(lib, "NpuAmpKahnOrder"):  # (issue 17f; an older library: Python sorts)
                 lib.NpuAmpKahnOrder.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -457,15 +460,25 @@ def late_classes_counts():
     return _count_pair("NpuAmpLateClassesCounts")
 
 
-def serialize_graph(data: bytes, fast: bool = True):
+def serialize_graph(data: bytes, fast: bool = True, split: bool = True):
     """The bytes the bridge hands the callback for the GraphDef serialized in
     ``data`` (issue 17): ``fast`` the C++ bridge's own writer, else the
     generated code's deterministic serialization, which it must equal byte
-    for byte; None when the library is not loaded or cannot."""
+    for byte; None when the library is not loaded or cannot.  ``split``
+    False: the writer's passes on one thread even for a large graph (see
+    :func:`set_serialize_split`)."""
     fn = getattr(_lib, "NpuAmpSerializeGraph", None) if _lib is not None else None
     if fn is None:
         return None
-    return _index_call(fn, data, len(data), int(bool(fast)))
+    return _index_call(fn, data, len(data), (1 if split else 2) if fast else 0)
+
+
+def set_serialize_split(split: bool) -> bool:
+    """Whether the bridge's writer of the item's bytes plans and writes the
+    two halves of a graph of 1,024 nodes or more on two threads (True, the
+    default: wall time only, the same bytes) or on one (False, the
+    reference); returns the previous setting."""
+    return bool(_lib.NpuAmpSetSerializeSplit(int(bool(split))))
 
 
 def set_serialize_fast(fast: bool) -> bool:

@@ -4,7 +4,10 @@ byte for byte: on real training graphs, on a graph with a function library,
 debug info and the deprecated version field, and on nodes carrying every
 kind of attr value, an experimental type, debug info, unknown fields and
 empty names; and a graph rewritten through grappler is the same whichever
-writer the bridge uses."""
+writer the bridge uses.  A graph of 1,024 nodes or more is planned and
+written in two halves on two threads (``g_serialize_split``): the same
+bytes as on one thread, also with every odd kind of node on both sides of
+the split."""
 from __future__ import annotations
 
 import os
@@ -39,6 +42,8 @@ def _both(gd: graph_pb2.GraphDef):
     data = gd.SerializeToString()
     fast, ref = bridge.serialize_graph(data, True), bridge.serialize_graph(data, False)
     assert ref is not None and fast is not None
+    one = bridge.serialize_graph(data, True, split=False)  # (the writer on one thread)
+    assert one == fast
     return fast, ref
 
 
@@ -131,6 +136,47 @@ def test_every_kind_of_node_and_attr():
     assert b"\xf8\x01\x07" in fast  # the unknown field kept
 
 
+def test_every_kind_of_node_on_both_sides_of_the_split():
+    """Above the split's threshold, the odd nodes (written whole by the
+    generated code, unknown fields, no fields, many attrs) on both halves
+    and at the boundary: the same bytes split, on one thread, and generated."""
+    rng = np.random.default_rng(1)
+    gd = graph_pb2.GraphDef()
+    gd.versions.producer = 99
+    n_nodes = 2049  # (halves of 1,024 and 1,025)
+    for i in range(n_nodes):
+        kind = i % 7 if i not in (1023, 1024, 1025) else 3
+        if kind == 0:
+            gd.node.add()  # no field at all
+            continue
+        n = gd.node.add(name=f"n{i}", op="Foo", input=[f"n{j}" for j in range(max(0, i - 3), i)])
+        if kind == 1:
+            n.experimental_debug_info.original_node_names.append(f"o{i}")
+        elif kind == 2:
+            n.MergeFromString(b"\xf8\x01\x07")  # an unknown field
+        elif kind == 3:
+            for k in rng.permutation(12):
+                n.attr[f"k{k:02d}"].CopyFrom(_attr(i=int(k) - 6))
+        elif kind == 4:
+            n.attr["value"].CopyFrom(_attr(tensor=tf.make_tensor_proto(np.arange(3, dtype=np.float32))))
+            n.device = "/device:CPU:0"
+        elif kind == 5:
+            n.experimental_type.type_id = full_type_pb2.TFT_PRODUCT
+        else:
+            n.attr["T"].CopyFrom(_attr(type=1))
+    gd.library.function.add().signature.name = "fn"
+    _same(gd)
+
+
+def test_the_bridge_splits_by_its_switch():
+    was = bridge.set_serialize_split(False)
+    try:
+        assert bridge.set_serialize_split(True) is False
+        assert bridge.set_serialize_split(was) is True
+    finally:
+        bridge.set_serialize_split(was)
+
+
 def test_many_attrs_in_random_insertion_order():
     rng = np.random.default_rng(0)
     gd = graph_pb2.GraphDef()
@@ -149,11 +195,13 @@ def test_grappler_output_is_the_same_with_either_writer():
 
     graph, fetches = bench.bert_training_graph(layers=1)
     mg = bench.metagraph(graph, fetches)
+    assert len(mg.graph_def.node) > 1024  # (split in two halves by the fast writer)
     outs = []
-    was = bridge.set_serialize_fast(True)
+    was, was_split = bridge.set_serialize_fast(True), bridge.set_serialize_split(True)
     try:
-        for fast in (True, False, True):
+        for fast, split in ((True, True), (False, True), (True, False), (True, True)):
             bridge.set_serialize_fast(fast)
+            bridge.set_serialize_split(split)
             bridge.clear_reports()  # (no memo: every run rewrites)
             out = tf_optimizer.OptimizeGraph(bench.grappler_config("ours"), mg, graph_id=b"serialize_test")
             recs = bridge.last_reports()
@@ -161,5 +209,6 @@ def test_grappler_output_is_the_same_with_either_writer():
             outs.append(out.SerializeToString(deterministic=True))
     finally:
         bridge.set_serialize_fast(was)
-    assert outs[0] == outs[1] == outs[2]
+        bridge.set_serialize_split(was_split)
+    assert outs[0] == outs[1] == outs[2] == outs[3]
     assert sum(n.op == "Cast" for n in graph_pb2.GraphDef.FromString(outs[0]).node) > 10  # (it did rewrite)
