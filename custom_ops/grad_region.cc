@@ -63,6 +63,7 @@
 #include "deferred_free.h"   // npu_amp_tf::DeferFree
 #include "graph_views.h"     // npu_amp_tf::ViewsOfBytes
 #include "name_table.h"      // npu_amp_tf::NameTable
+#include "worker.h"          // npu_amp_tf::Job
 
 namespace {
 
@@ -534,7 +535,7 @@ class Mirror {
 
   // (issue 17) the first load on a helper thread (NpuAmpGrMirrorLoadAsync):
   // the mirror is its until Join(); every entry but New joins first
-  std::thread loader;
+  npu_amp_tf::Job loader;  // (on a kept helper thread, worker.h)
   int load_rc = 0;  // the helper's LoadGraphDef: 0 ok, 1 refused (read after the join)
   void Join() {
     if (loader.joinable()) loader.join();
@@ -2125,7 +2126,7 @@ NPU_AMP_GR_EXPORT int NpuAmpGrMirrorLoadAsync(void* h, const char* data, size_t 
   if (m == nullptr || (len && data == nullptr)) return 1;
   m->Join();
   try {
-    m->loader = std::thread([m, data, len] {
+    m->loader = npu_amp_tf::Job([m, data, len] {
       int rc = 1;
       try {
         rc = LoadBytes(m, data, len, true) ? 0 : 1;

@@ -106,6 +106,7 @@
 #include "deferred_free.h"
 #include "graph_views.h"
 #include "opdef_precheck.h"
+#include "worker.h"
 
 // farmhash, as TensorFlow builds and exports it (util::Fingerprint64, what
 // tsl::Fingerprint64 calls; TF's pip headers carry it under external/, off
@@ -256,8 +257,9 @@ struct Sink {
   // (issue 17) the index built on a helper thread (NpuAmpItemIndexStart)
   // while Python parses the bytes: index, kept, views and index_rc are its
   // until JoinIndex; every reader of them joins first, and the callback's
-  // caller joins as soon as the callback returns
-  std::thread index_thread;
+  // caller joins as soon as the callback returns (a job on a kept helper
+  // thread, worker.h)
+  npu_amp_tf::Job index_thread;
   int index_rc = -1;  // the index built: 0, or 1 (refused); -1 not built
   // (issue 17, kFlagLateClasses) the thread hands the index over
   // (PublishIndex: index, kept, views and index_rc written) before it
@@ -1263,9 +1265,9 @@ bool BothHalves(Main main, Side side) {
       side_ok = false;
     }
   };
-  std::thread helper;
+  npu_amp_tf::Job helper;  // (a kept helper thread, worker.h)
   try {
-    helper = std::thread(guarded);
+    helper = npu_amp_tf::Job(guarded);
   } catch (...) {  // (std::system_error: no thread)
   }
   main();  // (may throw bad_alloc: the helper is joined first)
@@ -1942,7 +1944,7 @@ static int StartIndexThread(Sink* s, int flags) {
   s->index_flags = flags;
   try {
     s->index_published = false;
-    s->index_thread = std::thread([s, graph, flags] {
+    s->index_thread = npu_amp_tf::Job([s, graph, flags] {
       int rc = 1;
       LateClasses late;
       LateClasses* defer = (flags & kFlagLateClasses) ? &late : nullptr;

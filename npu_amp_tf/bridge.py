@@ -194,9 +194,6 @@ def library():
             if hasattr(lib, "NpuAmpSinkTakeMirror"):  # (issue 17: EARLY_MIRROR)
                 lib.NpuAmpSinkTakeMirror.argtypes = [ctypes.c_void_p]
                 lib.NpuAmpSinkTakeMirror.restype = ctypes.c_void_p
-                lib.NpuAmpEarlyMirrorCounts.argtypes = [ctypes.POINTER(ctypes.c_uint64),
-                                                        ctypes.POINTER(ctypes.c_uint64)]
-                lib.NpuAmpEarlyMirrorCounts.restype = None
                 lib.NpuAmpNextFlags.argtypes = [ctypes.c_int]
                 lib.NpuAmpNextFlags.restype = None
             if hasattr(lib, "NpuAmpItemHasDevice"):  # (issue 17)
@@ -962,7 +959,7 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         if getattr(_tls, "active", False):
             return RC_NOT_NOW  # a pass itself ran a TF function: do not recurse
         _tls.active = True
-        if DEFER_FREES is not _defer_applied[0]:
+        if _defer_applied[0] != (DEFER_FREES, KEPT_WORKERS):
             _apply_defer_frees()
         # (issue 17) an item the layer-norm fusion before the parse may change
         # gets its index built after it (NpuAmpSinkUsePrefused starts it), not
@@ -1031,14 +1028,31 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
 #: the optimizer.  Wall time only: the same frees, on a second core.  False:
 #: every free inline (the reference; the same output)
 DEFER_FREES = True
-_defer_applied = [None]  # (the setting last given to the library)
+#: (issue 17) the C++ side's work beside the callback's thread (the item's
+#: index, the early mirror's load, the second half of the item's bytes, a
+#: mirror's load the fusion pass starts) runs as jobs on two helper threads
+#: it keeps (custom_ops/worker.h), not on a thread made per call: a fresh
+#: thread's allocations page-fault again (the mirror's load of BERT-12's
+#: bytes: ~4.3 ms on a new thread, ~2 ms on a kept one).  Wall time only.
+#: False: a thread per job (the reference; the same output)
+KEPT_WORKERS = True
+_defer_applied = [None]  # (the settings last given to the library)
 
 
 def _apply_defer_frees():
     fn = getattr(_lib, "NpuAmpSetDeferFree", None)
     if fn is not None:
         fn(int(bool(DEFER_FREES)))
-    _defer_applied[0] = DEFER_FREES
+    fn = getattr(_lib, "NpuAmpSetKeptWorkers", None)
+    if fn is not None:
+        fn(int(bool(KEPT_WORKERS)))
+    _defer_applied[0] = (DEFER_FREES, KEPT_WORKERS)
+
+
+def worker_counts():
+    """(jobs the library queued on its kept helper threads, jobs it ran on a
+    thread of their own) (:data:`KEPT_WORKERS`), or None without the call."""
+    return _count_pair("NpuAmpWorkerCounts")
 
 
 def _loaded_lib():
@@ -1183,12 +1197,7 @@ def item_take_mirror(sink):
 def early_mirror_counts():
     """(mirrors the C++ side started loading before the callback, those the
     callbacks took), or None without the library call."""
-    fn = getattr(_lib, "NpuAmpEarlyMirrorCounts", None) if _lib is not None else None
-    if fn is None:
-        return None
-    started, taken = ctypes.c_uint64(), ctypes.c_uint64()
-    fn(ctypes.byref(started), ctypes.byref(taken))
-    return started.value, taken.value
+    return _count_pair("NpuAmpEarlyMirrorCounts")
 
 
 def _may_prefuse(graph_bytes: bytes) -> bool:
