@@ -14,8 +14,7 @@ import pytest
 
 from npu_amp_tf import bridge
 from test_precision_core import _build
-from test_precision_fast import _strip_times
-from test_speed_paths import optimize_rewritten, plugin_only_grappler
+from test_speed_paths import plugin_only_grappler, rewritten_counting
 
 pytestmark = pytest.mark.skipif(
     not hasattr(bridge.library(), "NpuAmpEarlyIndexCounts"), reason="library without the early index")
@@ -33,11 +32,8 @@ def _no_prefuse(monkeypatch):
 
 def _run(cfg, mg, monkeypatch, **switches):
     for name, value in switches.items():
-        monkeypatch.setattr(bridge, name, value)
-    before = bridge.early_index_counts()
-    out, rep = optimize_rewritten(cfg, mg, b"test_early_index")
-    after = bridge.early_index_counts()
-    return out, _strip_times(rep), (after[0] - before[0], after[1] - before[1])
+        monkeypatch.setattr(bridge, name, value)  # (undone after the test)
+    return rewritten_counting(cfg, mg, b"test_early_index", bridge.early_index_counts)
 
 
 @pytest.mark.parametrize("name", ["keras_resnet50_training", "bert_like"])

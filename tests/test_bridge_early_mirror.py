@@ -17,8 +17,7 @@ from graph_passes.fusion import prefuse
 from npu_amp_tf import bridge
 from real_models import bert_training_graph
 from test_precision_core import _build
-from test_precision_fast import _strip_times
-from test_speed_paths import optimize_rewritten, plugin_only_grappler
+from test_speed_paths import plugin_only_grappler, rewritten_counting
 
 pytestmark = pytest.mark.skipif(
     not hasattr(bridge.library(), "NpuAmpEarlyMirrorCounts"), reason="library without the early mirror")
@@ -33,12 +32,11 @@ def _bert():
 
 def _run(cfg, mg, monkeypatch, **switches):
     for name, value in switches.items():
-        monkeypatch.setattr(bridge, name, value)
-    before, fused = bridge.early_mirror_counts(), prefuse.CHECKED[1]
-    out, rep = optimize_rewritten(cfg, mg, b"test_early_mirror")
-    after = bridge.early_mirror_counts()
+        monkeypatch.setattr(bridge, name, value)  # (undone after the test)
+    fused = prefuse.CHECKED[1]
+    got = rewritten_counting(cfg, mg, b"test_early_mirror", bridge.early_mirror_counts)
     _run.fused = prefuse.CHECKED[1] - fused  # (fusions made before the parse)
-    return out, _strip_times(rep), (after[0] - before[0], after[1] - before[1])
+    return got
 
 
 def test_the_same_output_with_the_early_mirror_and_without(k2, monkeypatch):

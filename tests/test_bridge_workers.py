@@ -18,8 +18,7 @@ import pytest
 from npu_amp_tf import bridge
 from real_models import bert_training_graph
 from test_precision_core import _build
-from test_precision_fast import _strip_times
-from test_speed_paths import optimize_rewritten, plugin_only_grappler
+from test_speed_paths import optimize_rewritten, plugin_only_grappler, rewritten_counting
 
 pytestmark = pytest.mark.skipif(
     not hasattr(bridge.library(), "NpuAmpWorkerCounts"), reason="library without kept workers")
@@ -33,12 +32,9 @@ def _graph(name, k2):
 
 
 def _run(cfg, mg, monkeypatch, kept):
-    monkeypatch.setattr(bridge, "KEPT_WORKERS", kept)
+    monkeypatch.setattr(bridge, "KEPT_WORKERS", kept)  # (undone after the test)
     optimize_rewritten(cfg, mg, b"test_workers")  # (applies the switch; the next call starts its jobs with it)
-    before = bridge.worker_counts()
-    out, rep = optimize_rewritten(cfg, mg, b"test_workers")
-    after = bridge.worker_counts()
-    return out, _strip_times(rep), (after[0] - before[0], after[1] - before[1])
+    return rewritten_counting(cfg, mg, b"test_workers", bridge.worker_counts)
 
 
 @pytest.mark.parametrize("name", ["bert_base_like", "keras_resnet50_training"])

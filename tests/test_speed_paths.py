@@ -262,6 +262,21 @@ def optimize_rewritten(cfg, mg, graph_id):
     return out.SerializeToString(deterministic=True), recs[-1]["report"]
 
 
+def rewritten_counting(cfg, mg, graph_id, counts, **switches):
+    """:func:`optimize_rewritten` with the ``bridge`` switches ``switches``
+    set (and left set), and how a counter pair of the library moved over the
+    call: ``(bytes, report without its times, (d0, d1))``; ``counts`` is a
+    ``bridge`` function giving the pair (``early_index_counts``, ...)."""
+    from test_precision_fast import _strip_times
+
+    for name, value in switches.items():
+        setattr(bridge, name, value)
+    before = counts()
+    out, rep = optimize_rewritten(cfg, mg, graph_id)
+    after = counts()
+    return out, _strip_times(rep), (after[0] - before[0], after[1] - before[1])
+
+
 def _keras_resnet_training_graph(k, batch=2, size=32):
     g = tf.Graph()
     with g.as_default():
