@@ -277,8 +277,12 @@ def _child(args):
     # (--toggle-collect follows the thread inside Optimize): the C++ index,
     # built on a helper thread in production (bridge.INDEX_IN_BACKGROUND: a
     # wall-time overlap, the same work), is built on the callback's thread
-    # here, unless --ab flips that switch itself
+    # here, unless --ab flips that switch itself; so are the early mirror of
+    # the layer-norm run before the parse (bridge.EARLY_MIRROR: loaded by that
+    # run) and the second half of the item's bytes (written with the first)
     bridge.INDEX_IN_BACKGROUND = False
+    bridge.EARLY_MIRROR = False
+    bridge.set_serialize_split(False)
     switches = [fpb._resolve(p) for p in args.ab.split("+")] if args.ab else []  # noqa: SLF001
     arms = [(True, "on"), (False, "off")] if switches else [(None, "")]
 
