@@ -86,7 +86,6 @@
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -1252,11 +1251,11 @@ char* WriteNodes(const tensorflow::GraphDef& graph, int lo, int hi, const std::v
   return p;
 }
 
-// `main()` on this thread and `side()` on a helper thread (inline after
-// `main()` when no thread can be had), both done on return; false when
-// `side()` threw (bad_alloc): its work is then not done.
+// `main()` on this thread and `side()` on a helper thread (`split`; inline
+// after `main()` when not, or when no thread can be had), both done on
+// return; false when `side()` threw (bad_alloc): its work is then not done.
 template <typename Main, typename Side>
-bool BothHalves(Main main, Side side) {
+bool BothHalves(bool split, Main main, Side side) {
   bool side_ok = true;
   auto guarded = [&side, &side_ok] {
     try {
@@ -1267,7 +1266,7 @@ bool BothHalves(Main main, Side side) {
   };
   npu_amp_tf::Job helper;  // (a kept helper thread, worker.h)
   try {
-    helper = npu_amp_tf::Job(guarded);
+    if (split) helper = npu_amp_tf::Job(guarded);
   } catch (...) {  // (std::system_error: no thread)
   }
   main();  // (may throw bad_alloc: the helper is joined first)
@@ -1312,14 +1311,11 @@ bool SerializeGraph(const tensorflow::GraphDef& graph, Out* out, bool fast, bool
   const int h = split && g_serialize_split && n >= kSplitNodes ? n / 2 : n;
   entries.reserve(static_cast<size_t>(h) * 4);
   entries2.reserve(static_cast<size_t>(n - h) * 4);
+  // (h == n: one thread, the second half empty)
   size_t first_half = 0, second_half = 0;
-  if (h < n) {
-    if (!BothHalves([&] { first_half = PlanNodes(graph, 0, h, body, whole, first, nattr, entries); },
-                    [&] { second_half = PlanNodes(graph, h, n, body, whole, first, nattr, entries2); })) {
-      return GeneratedSerialization(graph, out);
-    }
-  } else {
-    first_half = PlanNodes(graph, 0, n, body, whole, first, nattr, entries);
+  if (!BothHalves(h < n, [&] { first_half = PlanNodes(graph, 0, h, body, whole, first, nattr, entries); },
+                  [&] { second_half = PlanNodes(graph, h, n, body, whole, first, nattr, entries2); })) {
+    return GeneratedSerialization(graph, out);
   }
   size_t total = first_half + second_half;
   // the fields after `node`, each written as its own field by the generated code
@@ -1336,22 +1332,13 @@ bool SerializeGraph(const tensorflow::GraphDef& graph, Out* out, bool fast, bool
   ResizeForOverwrite(out, total);
   char* const data = out->data();
   char* const end = data + total;
-  char* p = nullptr;
-  if (h < n) {
-    char* q = nullptr;
-    if (!BothHalves([&] { p = WriteNodes(graph, 0, h, body, whole, first, nattr, entries, data); },
-                    [&] {
-                      q = WriteNodes(graph, h, n, body, whole, first, nattr, entries2,
-                                     data + first_half);
-                    }) ||
-        p != data + first_half || q != data + first_half + second_half) {
-      return false;
-    }
-    p = q;
-  } else {
-    p = WriteNodes(graph, 0, n, body, whole, first, nattr, entries, data);
-    if (p == nullptr) return false;
+  char *p = nullptr, *q = nullptr;
+  if (!BothHalves(h < n, [&] { p = WriteNodes(graph, 0, h, body, whole, first, nattr, entries, data); },
+                  [&] { q = WriteNodes(graph, h, n, body, whole, first, nattr, entries2, data + first_half); }) ||
+      p != data + first_half || q != data + first_half + second_half) {
+    return false;
   }
+  p = q;
   if (has_lib) {
     p = wire::PutTagLen(p, 2, lib);
     if (!tensorflow::SerializeToBufferDeterministic(graph.library(), p, lib)) return false;

@@ -959,8 +959,8 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         if getattr(_tls, "active", False):
             return RC_NOT_NOW  # a pass itself ran a TF function: do not recurse
         _tls.active = True
-        if _defer_applied[0] != (DEFER_FREES, KEPT_WORKERS):
-            _apply_defer_frees()
+        if _helpers_applied[0] != (DEFER_FREES, KEPT_WORKERS):
+            _apply_helper_settings()
         # (issue 17) an item the layer-norm fusion before the parse may change
         # gets its index built after it (NpuAmpSinkUsePrefused starts it), not
         # now and not early on the next call: one of the item as it came
@@ -979,6 +979,11 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
         # freed memory)
         live = [sink]
         took = []  # (the fusion's run asked for the mirror: it went ahead)
+
+        def take_mirror():
+            took.append(True)
+            return item_take_mirror(live[0]) if EARLY_MIRROR else None
+
         try:
             config_bytes = ctypes.string_at(cptr, clen) if clen else b""
             code, out = handle(graph_bytes, config_bytes, _split(fetch), _split(preserve),
@@ -991,8 +996,7 @@ def _on_optimize(sink, gptr, glen, cptr, clen, fetch, preserve, devices, item_id
                                base_inputs=lambda *a: item_paint_strings(live[0], *a),
                                has_op=lambda op: item_has_op(live[0], op),
                                prefuse=lambda pre: item_use_prefused(live[0], pre),
-                               prefuse_mirror=lambda: took.append(True) or (
-                                   item_take_mirror(live[0]) if EARLY_MIRROR else None),
+                               prefuse_mirror=take_mirror,
                                has_attr=lambda a: item_has_attr(live[0], a),
                                has_device=lambda: item_has_device(live[0]))
         finally:
@@ -1036,17 +1040,17 @@ DEFER_FREES = True
 #: bytes: ~4.3 ms on a new thread, ~2 ms on a kept one).  Wall time only.
 #: False: a thread per job (the reference; the same output)
 KEPT_WORKERS = True
-_defer_applied = [None]  # (the settings last given to the library)
+_helpers_applied = [None]  # (the settings last given to the library)
 
 
-def _apply_defer_frees():
+def _apply_helper_settings():
     fn = getattr(_lib, "NpuAmpSetDeferFree", None)
     if fn is not None:
         fn(int(bool(DEFER_FREES)))
     fn = getattr(_lib, "NpuAmpSetKeptWorkers", None)
     if fn is not None:
         fn(int(bool(KEPT_WORKERS)))
-    _defer_applied[0] = (DEFER_FREES, KEPT_WORKERS)
+    _helpers_applied[0] = (DEFER_FREES, KEPT_WORKERS)
 
 
 def worker_counts():
@@ -1519,7 +1523,7 @@ def handle(graph_bytes: bytes, config_bytes: bytes, fetches=(), preserve=(), dev
             graph_name=item_id, shapes=shapes, index=index, patch=patch,
             opdef_precheck=opdef_precheck, base_inputs=base_inputs, source_has_attr=has_attr,
             source_has_device=has_device, prefuse=prefuse,
-            prefuse_mirror=prefuse_mirror if own else None)
+            prefuse_mirror=prefuse_mirror)
     except PassError as exc:
         msg = f"npu_amp_tf: {exc} (fail_on_error=True)"
         log.error("%s", msg)
