@@ -1299,7 +1299,8 @@ class PrecisionPass(Pass):
                                     j += 1
                                 cname = f"{base}_{j}"
                             taken.add(cname)
-                            new = _native.cast_node(templates, base_dtype(rdt), w, nodes[src].device, cname, root)
+                            new = _native.cast_node(templates, base_dtype(rdt), w, nodes[src].device, cname, root,
+                                                    g.blank_node)
                             self.casts_inserted += 1
                             self.new_casts.append(cname)
                             if shapes is not None:

@@ -57,8 +57,9 @@ from itertools import compress, repeat
 from operator import attrgetter, contains, getitem, is_
 
 import numpy as np
-from tensorflow.core.framework import attr_value_pb2, node_def_pb2
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
 
+from .. import graph as graph_mod
 from .. import registry
 from ..graph import packed_ints
 from . import lists as _lists
@@ -172,6 +173,7 @@ def paint(pp, order, fn):
     fidx, dts = [None] * kcount, [[None] * kcount for _ in range(6)]
     infos, lsts = [None] * kcount, [None] * kcount
     paintable = bytearray(kcount)
+    scratch = None
     for c in range(kcount):
         i = first[c]
         node = nodes[i]
@@ -199,11 +201,13 @@ def paint(pp, order, fn):
                 # (the dtypes follow from the op and attrs alone, see
                 # registry._flat_dtypes: the name, inputs and device stay behind
                 # with SCRATCH_ATTRS_ONLY; a Keras ShapeN has 108 inputs)
+                if scratch is None:  # (the copies share one arena: see Graph.blank_node)
+                    scratch = graph_pb2.GraphDef().node if graph_mod.SHARED_ARENA else None
+                copy = scratch.add() if scratch is not None else node_def_pb2.NodeDef()
                 if SCRATCH_ATTRS_ONLY:
-                    copy = node_def_pb2.NodeDef(op=node.op)
+                    copy.op = node.op
                     copy.attr.MergeFrom(node.attr)
                 else:
-                    copy = node_def_pb2.NodeDef()
                     copy.CopyFrom(node)
                 registry.retype(copy, info.attrs, dt)
                 ci, co = g.input_dtypes(copy), g.output_dtypes(copy)
@@ -884,7 +888,7 @@ def _refill_memos(pp, paths, names, nodes, cid, infos):
         info_memo[name] = (node.op, infos[c])
 
 
-def cast_node(templates, src_t, dst_t, device, name, root):
+def cast_node(templates, src_t, dst_t, device, name, root, blank=node_def_pb2.NodeDef):
     """A new ``Cast`` NodeDef ``name`` reading ``root``: a copy of the
     template for (``src_t``, ``dst_t``, ``device``) in ``templates`` (made
     once), then its name and input: a third of the instructions of a new
@@ -896,7 +900,7 @@ def cast_node(templates, src_t, dst_t, device, name, root):
         tmpl.attr["SrcT"].type = src_t
         tmpl.attr["DstT"].type = dst_t
         tmpl.attr["Truncate"].b = False
-    new = node_def_pb2.NodeDef()
+    new = blank()
     new.CopyFrom(tmpl)
     new.name = name
     new.input.append(root)
@@ -960,7 +964,7 @@ def fix_edges(pp, shapes) -> bool:
     new_roots = new_roots.split("\x01") if n_new else []
     refs = refs.split("\x01") if n_steps else []
     templates = {}
-    made = [cast_node(templates, src_t, dst_t, nodes[si].device, cname, root)
+    made = [cast_node(templates, src_t, dst_t, nodes[si].device, cname, root, g.blank_node)
             for (si, src_t, dst_t), cname, root in zip(head[3:a].reshape(-1, 3).tolist(), new_names, new_roots)]
     pp.casts_inserted += len(made)
     pp.new_casts.extend(new_names)
