@@ -156,6 +156,7 @@ enum Step {
   kStepAssemble,     // the patch (or bytes) -> optimized_graph
   kStepMark,         // the done mark / fingerprint of the output
   kStepTotal,        // the whole Optimize()
+  kStepPrecheckParse,  // (part of kStepPrecheck) the patch parsed, its records applied
   kStepCount
 };
 std::atomic<int64_t> g_step_ns[kStepCount];
@@ -2142,6 +2143,12 @@ NPU_AMP_EXPORT int NpuAmpSetSerializeSplit(int split) {
   return was ? 1 : 0;
 }
 
+// (issue 17) The node count from which the OpDef pre-check runs its checks in
+// two halves on two threads (0: never, the reference); returns the previous one.
+NPU_AMP_EXPORT int64_t NpuAmpSetPrecheckSplit(int64_t min_nodes) {
+  return npu_amp_tf::g_precheck_split_min.exchange(min_nodes < 0 ? 0 : min_nodes);
+}
+
 // Whether the bridge writes the item's bytes by hand (SerializeGraph); returns the previous setting.
 NPU_AMP_EXPORT int NpuAmpSetSerializeFast(int fast) {
   const bool was = g_serialize_fast;
@@ -2178,10 +2185,12 @@ NPU_AMP_EXPORT int NpuAmpItemOpdefPrecheck(void* sink, const int32_t* order, siz
   auto* steal = (s->flags & kFlagMoveItemNodes) && (s->flags & kFlagStealRecords)
                     ? s->MutableWholeGraph()
                     : nullptr;
-  if (!npu_amp_tf::ParsePatch(base, order, n, data, len, &s->checked, &s->checked_full,
-                              &why, steal, steal != nullptr ? &s->stolen : nullptr)) {
-    return npu_amp_tf::kPrecheckUnable;
-  }
+  const int64_t t_parse = ThreadCpuNs();
+  const bool parsed = npu_amp_tf::ParsePatch(base, order, n, data, len, &s->checked,
+                                             &s->checked_full, &why, steal,
+                                             steal != nullptr ? &s->stolen : nullptr);
+  g_step_ns[kStepPrecheckParse].fetch_add(ThreadCpuNs() - t_parse);
+  if (!parsed) return npu_amp_tf::kPrecheckUnable;
   if (!s->stolen.empty()) s->stolen_from = steal;
   g_stolen.fetch_add(s->stolen.size());
   s->checked_order.assign(order, order + n);

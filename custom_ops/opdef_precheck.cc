@@ -55,6 +55,7 @@
 #include <utility>
 
 #include "graph_views.h"  // ReadVarint
+#include "worker.h"       // Job
 #include "tensorflow/core/framework/attr_value.pb.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_def.pb.h"
@@ -187,6 +188,16 @@ class Checker {
   }
 
   int Run() {
+    const int rc = Prepare();
+    return rc != kPrecheckClean ? rc : RunRange(0, nodes_.size());
+  }
+
+  size_t size() const { return nodes_.size(); }
+
+  // The names' index (every node's, or from the base index) and the
+  // outputs' memo sized: what RunRange reads.  A copy of a prepared Checker
+  // runs another range with memos of its own (RunSplit).
+  int Prepare() {
     const size_t n = nodes_.size();
     if (changed_.size() != n) return kPrecheckUnable;
     if (base_ != nullptr) {
@@ -201,9 +212,15 @@ class Checker {
     }
     out_state_.assign(n, 0);
     out_dts_.resize(n);
+    return kPrecheckClean;
+  }
+
+  // The nodes lo..hi-1 checked (Prepare first): the first problem's answer
+  // in node order, else kPrecheckClean.
+  int RunRange(size_t lo, size_t hi) {
     std::vector<int> want;
     std::vector<std::pair<int, const std::string*>> from_changed;
-    for (size_t k = 0; k < n; ++k) {
+    for (size_t k = lo; k < hi; ++k) {
       const NodeDef& node = *nodes_[k];
       if (changed_[k]) {
         const OpInfo& info = Info(node.op());
@@ -559,11 +576,53 @@ bool PatchNodes(const tensorflow::GraphDef& base, const std::vector<int32_t>& or
   return next == patch.node_size();
 }
 
+namespace {
+
+// (issue 17) The nodes of a prepared checker in two halves on two threads
+// when there are g_precheck_split_min or more (0: never): the first half's
+// answer when it is not clean, else the second's, which is the answer of
+// one pass in node order.  The second half runs on a copy (memos of its
+// own: a producer's outputs may be worked out on both sides); when no
+// helper thread can be had, or the job fails, this thread runs it.
+int RunSplit(Checker& checker) {
+  int rc = checker.Prepare();
+  if (rc != kPrecheckClean) return rc;
+  const size_t n = checker.size();
+  const int64_t min = g_precheck_split_min.load();
+  if (min <= 0 || n < static_cast<size_t>(min)) return checker.RunRange(0, n);
+  const size_t mid = n / 2;
+  int rc2 = kPrecheckClean;
+  bool ran = false;
+  {
+    std::unique_ptr<Checker> other;
+    Job job;
+    try {
+      other = std::make_unique<Checker>(checker);
+      Checker* o = other.get();
+      job = Job([o, mid, n, &rc2, &ran] {
+        try {
+          rc2 = o->RunRange(mid, n);
+          ran = true;
+        } catch (...) {  // (this thread runs the half again)
+        }
+      });
+    } catch (...) {  // (no helper thread, no memory: this thread runs it)
+    }
+    rc = checker.RunRange(0, mid);
+  }  // (the job joined before `other` goes)
+  if (rc != kPrecheckClean) return rc;
+  return ran ? rc2 : checker.RunRange(mid, n);
+}
+
+}  // namespace
+
+std::atomic<int64_t> g_precheck_split_min{kPrecheckSplitNodes};
+
 int OpdefPrecheck(const std::vector<const NodeDef*>& nodes, const std::vector<char>& changed,
                   const tensorflow::FunctionDefLibrary& library, std::string_view broken,
                   std::string_view default_device) {
   Checker checker(nodes, changed, library, broken, default_device);
-  return checker.Run();
+  return RunSplit(checker);
 }
 
 int OpdefPrecheckIndexed(const tensorflow::GraphDef& base, const BaseIndex& index,
@@ -578,7 +637,7 @@ int OpdefPrecheckIndexed(const tensorflow::GraphDef& base, const BaseIndex& inde
   if (!PatchNodes(base, order, patch, &nodes, &changed)) return kPrecheckUnable;
   Checker checker(nodes, changed, patch.library(), broken, default_device);
   checker.UseBase(&index, &order);
-  return checker.Run();
+  return RunSplit(checker);
 }
 
 namespace {

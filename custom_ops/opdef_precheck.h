@@ -3,6 +3,7 @@
 #ifndef NPU_AMP_TF_OPDEF_PRECHECK_H_
 #define NPU_AMP_TF_OPDEF_PRECHECK_H_
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -74,6 +75,13 @@ bool ParsePatch(const tensorflow::GraphDef& base, const int32_t* order, size_t n
 // last stolen first; *stolen emptied.  The NodeDefs they were moved to must
 // still hold them (not moved on into an output).
 void RestoreStolen(tensorflow::GraphDef* base, std::vector<StolenNode>* stolen);
+
+// (issue 17) The checks of a graph of kPrecheckSplitNodes nodes or more run
+// in two halves on two threads (the library's kept helper threads, worker.h):
+// the same answer.  g_precheck_split_min: the node count from which they are
+// split (0: never, the reference; NpuAmpSetPrecheckSplit).
+constexpr int64_t kPrecheckSplitNodes = 2048;
+extern std::atomic<int64_t> g_precheck_split_min;
 
 // kPrecheckClean only when graph_passes.opdef_check.changed_problems(after,
 // changed, default_device) is empty for the graph of `nodes` (library:

@@ -325,7 +325,7 @@ def stats() -> dict:
 
 #: the C++ optimizer's steps, in NpuAmpStepTimes's order (grappler_bridge.cc, Step)
 STEPS = ("no_float", "serialize", "context", "callback", "index", "precheck", "assemble", "mark",
-         "total")
+         "total", "precheck_parse")
 
 
 def step_times() -> dict:
@@ -335,7 +335,8 @@ def step_times() -> dict:
     preserve / devices, the done mark, the fingerprint), ``callback`` (the
     whole Python callback: ctypes, GIL, :func:`handle`, writing the result),
     ``index`` and ``precheck`` (the C++ index and OpDef pre-check, called
-    inside the callback), ``assemble`` (the patch or bytes into grappler's
+    inside the callback; ``precheck_parse``, part of ``precheck``: the patch
+    parsed and its records applied), ``assemble`` (the patch or bytes into grappler's
     output GraphDef), ``mark`` (marking the output), ``total`` (the whole
     ``Optimize``: grappler's own timer minus what happens before and after);
     {} without the library or the function."""
@@ -476,6 +477,15 @@ def set_serialize_split(split: bool) -> bool:
     default: wall time only, the same bytes) or on one (False, the
     reference); returns the previous setting."""
     return bool(_lib.NpuAmpSetSerializeSplit(int(bool(split))))
+
+
+def set_precheck_split(min_nodes: int) -> int:
+    """The node count from which the OpDef pre-check runs its checks in two
+    halves on two threads (2048 by default: wall time only, the same
+    answer; 0: never, the reference); returns the previous setting."""
+    fn = _lib.NpuAmpSetPrecheckSplit
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    return int(fn(int(min_nodes)))
 
 
 def set_serialize_fast(fast: bool) -> bool:
