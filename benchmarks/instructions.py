@@ -279,10 +279,12 @@ def _child(args):
     # wall-time overlap, the same work), is built on the callback's thread
     # here, unless --ab flips that switch itself; so are the early mirror of
     # the layer-norm run before the parse (bridge.EARLY_MIRROR: loaded by that
-    # run) and the second half of the item's bytes (written with the first)
+    # run), the second half of the item's bytes (written with the first) and
+    # the second half of the OpDef pre-check's checks (checked with the first)
     bridge.INDEX_IN_BACKGROUND = False
     bridge.EARLY_MIRROR = False
     bridge.set_serialize_split(False)
+    bridge.set_precheck_split(0)
     switches = [fpb._resolve(p) for p in args.ab.split("+")] if args.ab else []  # noqa: SLF001
     arms = [(True, "on"), (False, "off")] if switches else [(None, "")]
 
