@@ -38,6 +38,19 @@ requires_keras2 = pytest.mark.skipif(
     keras2() is None, reason=f"Keras 2 (tf_keras) is not installed for TensorFlow {tf.__version__}")
 
 
+@pytest.fixture(scope="module")
+def real_graphs():
+    """[(label, GraphDef, fetches)] of the real training graphs the reference
+    switches are compared on (test_graph_fast_paths._real_graphs: the BERT-like
+    builder, Keras ResNet-50, a Keras transformer block, TF-Slim ResNet-v1-50)."""
+    from test_graph_fast_paths import _real_graphs
+
+    k = keras2()
+    if k is None:
+        pytest.skip("Keras 2 (tf_keras) not installed")
+    return list(_real_graphs(k))
+
+
 @pytest.fixture
 def k2():
     k = keras2()

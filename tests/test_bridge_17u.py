@@ -37,11 +37,11 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2, types_pb2
 from tensorflow.python.grappler import tf_optimizer
 
 import npu_amp_tf
-from graph_passes import manager, opdef_check, registry
+from graph_passes import manager, opdef_check
 from graph_passes.graph import Graph, GraphPatch, _EncodedNames
 from npu_amp_tf import bridge, pipeline
 from test_bridge_17r import _both_indexes
-from test_opdef_precheck import CASES, _add, _gd, _list_min_op, _node, _ph, _touch, plant_fp32_feed, rewritten
+from test_opdef_precheck import CASES, _add, _gd, _node, _ph, _touch, plant_fp32_feed, planted, rewritten
 from test_precision_core import GRAPHS, _build
 from test_precision_fast import _strip_times
 from test_speed_paths import optimize_rewritten, plugin_only_grappler
@@ -138,13 +138,8 @@ def _prechecks(before, edit, device="CPU"):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_indexed_precheck_answers_as_the_reference_for_every_problem_class(case, monkeypatch):
-    name, build, edit, phrase = case
-    if edit == "list_min":
-        op, attr = _list_min_op()
-        edit = _add(_node(op, "lst", [], **{attr: ("types", [])}))
-    if name == "broken_fused_op":
-        monkeypatch.setitem(registry.BROKEN_FUSED_OPS, ("_FusedMatMul", "CPU", F32, "Relu"),
-                            ((2, 0), "planted for the test"))
+    name = case[0]
+    build, edit, phrase = planted(case, monkeypatch)
     for fast_names in (False, True):
         monkeypatch.setattr(bridge, "FAST_INDEX", fast_names)
         ref, indexed, problems = _prechecks(build(), edit)

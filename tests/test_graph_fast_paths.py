@@ -51,16 +51,6 @@ def _real_graphs(k2):
     yield "slim_resnet_v1_50", gd, fetches
 
 
-@pytest.fixture(scope="module")
-def real_graphs():
-    from conftest import keras2
-
-    k = keras2()
-    if k is None:
-        pytest.skip("Keras 2 (tf_keras) not installed")
-    return list(_real_graphs(k))
-
-
 def _state(g):
     """Everything remove_node / remove_nodes may touch, comparable with ==
     (dict orders included: the consumers index's and the nodes')."""

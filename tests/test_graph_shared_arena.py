@@ -28,19 +28,8 @@ from graph_passes.precision import native
 from npu_amp_tf import bridge, pipeline
 from real_models import bert_training_graph
 from test_fusion_skip import MODES
-from test_graph_fast_paths import _real_graphs
 from test_precision_fast import _strip_times
 from test_speed_paths import optimize_rewritten, plugin_only_grappler
-
-
-@pytest.fixture(scope="module")
-def real_graphs():
-    from conftest import keras2
-
-    k = keras2()
-    if k is None:
-        pytest.skip("Keras 2 (tf_keras) not installed")
-    return list(_real_graphs(k))
 
 
 def _rewrite_keeping_graph(monkeypatch, gd, fetches, shared, kw):

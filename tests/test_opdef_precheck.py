@@ -235,19 +235,29 @@ CASES = [
 ]
 
 
+def planted(case, monkeypatch):
+    """``(build, edit, phrase)`` of a CASES entry, with what it needs set up:
+    the list-minimum op found in this TF's registry, a broken fused
+    activation planted in ``registry.BROKEN_FUSED_OPS`` (the real ones need
+    TF >= 2.16)."""
+    name, build, edit, phrase = case
+    if edit == "list_min":
+        op, attr = _list_min_op()
+        edit = _add(_node(op, "lst", [], **{attr: ("types", [])}))
+    if name == "broken_fused_op":
+        monkeypatch.setitem(registry.BROKEN_FUSED_OPS, ("_FusedMatMul", "CPU", F32, "Relu"),
+                            ((2, 0), "planted for the test"))
+    return build, edit, phrase
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_cpp_check_flags_exactly_what_the_python_guard_finds(case, monkeypatch):
     """Each class of problem in a changed node (or at an edge from one): the
     C++ answer is "clean" exactly when the Python check finds nothing, and
     the Python check finds the problem planted (the phrase, derived from the
     graph's construction)."""
-    name, build, edit, phrase = case
-    if edit == "list_min":
-        op, attr = _list_min_op()
-        edit = _add(_node(op, "lst", [], **{attr: ("types", [])}))
-    if name == "broken_fused_op":  # a planted broken fused activation (the real ones need TF >= 2.16)
-        monkeypatch.setitem(registry.BROKEN_FUSED_OPS, ("_FusedMatMul", "CPU", F32, "Relu"),
-                            ((2, 0), "planted for the test"))
+    name = case[0]
+    build, edit, phrase = planted(case, monkeypatch)
     if name.startswith(("broken_kernel", "not_broken")):
         assert ("_FusedConv2D", "CPU", F16) in registry.BROKEN_KERNELS
         assert registry.opdef_allows("_FusedConv2D", {"T": F16})

@@ -23,10 +23,9 @@ from tensorflow.core.framework import types_pb2
 from graph_passes.graph import Graph
 from npu_amp_tf import bridge
 from real_models import bert_training_graph
-from test_opdef_precheck import CASES, _gd, _list_min_op, _node, _ph, plant_fp32_feed, rewritten
+from test_opdef_precheck import CASES, _gd, _node, _ph, plant_fp32_feed, planted, rewritten
 from test_precision_fast import _strip_times
 from test_speed_paths import optimize_rewritten, plugin_only_grappler
-from graph_passes import registry
 
 F32, F16 = types_pb2.DT_FLOAT, types_pb2.DT_HALF
 
@@ -64,15 +63,7 @@ def _patch(before, edit):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_planted_problems_give_the_same_answer_split(case, split_at, monkeypatch):
-    name, build, edit, phrase = case
-    if edit == "list_min":
-        from test_opdef_precheck import _add
-
-        op, attr = _list_min_op()
-        edit = _add(_node(op, "lst", [], **{attr: ("types", [])}))
-    if name == "broken_fused_op":
-        monkeypatch.setitem(registry.BROKEN_FUSED_OPS, ("_FusedMatMul", "CPU", F32, "Relu"),
-                            ((2, 0), "planted for the test"))
+    build, edit, phrase = planted(case, monkeypatch)
     before = build()
     ans = _answers(split_at, before.SerializeToString(), _patch(before, edit), 2)
     want = True if phrase is None else False
