@@ -187,11 +187,6 @@ class Checker {
     order_ = order;
   }
 
-  int Run() {
-    const int rc = Prepare();
-    return rc != kPrecheckClean ? rc : RunRange(0, nodes_.size());
-  }
-
   size_t size() const { return nodes_.size(); }
 
   // The names' index (every node's, or from the base index) and the
