@@ -596,9 +596,10 @@ class Graph:
         self.version += 1
         return node
 
-    def blank_node(self) -> node_def_pb2.NodeDef:
-        """(issue 17) An empty NodeDef for a node the graph is about to hold
-        (:meth:`add_node` it): one protobuf arena per graph holds them all
+    def blank_node(self, op: str = "", name: str = "", device: str = "") -> node_def_pb2.NodeDef:
+        """(issue 17) A NodeDef holding only ``op``, ``name`` and ``device``,
+        for a node the graph is about to hold (:meth:`add_node` it): one
+        protobuf arena per graph holds them all
         (``_scratch``'s), where a NodeDef made on its own has an arena of its
         own, ~3 allocations for a Cast.  Python's protobuf (upb) calls
         ``malloc_trim(0)`` after every 10,000 arena blocks the process frees,
@@ -606,11 +607,11 @@ class Graph:
         fault them in again (~12k faults, ~3-4 ms on BERT-12); a graph's own
         arenas were ~1,450 of the ~2,000 blocks a BERT-12 callback freed."""
         if not SHARED_ARENA:
-            return node_def_pb2.NodeDef()
+            return node_def_pb2.NodeDef(op=op, name=name, device=device)
         scratch = self._scratch
         if scratch is None:
             scratch = self._scratch = graph_pb2.GraphDef()
-        return scratch.node.add()
+        return scratch.node.add(op=op, name=name, device=device)
 
     def new_node(self, op: str, name: str, inputs=(), attrs: dict | None = None,
                  device: str = "") -> node_def_pb2.NodeDef:
@@ -619,10 +620,7 @@ class Graph:
         helpers), or python scalars."""
         from tensorflow.core.framework import attr_value_pb2
 
-        node = self.blank_node()
-        node.op, node.name = op, name
-        if device:
-            node.device = device
+        node = self.blank_node(op, name, device)
         node.input.extend(inputs)
         for k, v in (attrs or {}).items():
             if isinstance(v, attr_value_pb2.AttrValue):

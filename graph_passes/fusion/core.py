@@ -465,10 +465,7 @@ class Builder:
         """Declare a replacement node; returns its name.  ``attrs`` values may be
         AttrValue protos, bool/int/float/str, lists of str/int/float, or
         ``("type", DataType)`` / ``("tensor", ndarray)`` pairs."""
-        node = self.graph.blank_node()  # (the graph's arena: Graph.blank_node)
-        node.op, node.name = op, name
-        if self.device:
-            node.device = self.device
+        node = self.graph.blank_node(op, name, self.device)  # (the graph's arena)
         node.input.extend(inputs)
         for k, v in (attrs or {}).items():
             av = node.attr[k]
